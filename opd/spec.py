@@ -1,0 +1,640 @@
+"""Experiment specs: one validated pydantic tree for everything a run needs.
+
+A bad spec must fail in `opd validate` (or the first second of `opd train`), never hours into a cluster job,
+so every field is typed and bounded, unknown keys are rejected, and the cross-field rules that would otherwise
+surface late (layer ids beyond the target, roles that can never be scheduled, batches that do not divide) are
+checked up front. Defaults are the Draft-OPD paper's settings (../shared/REFERENCE.md).
+
+Loading (`load_spec`):
+- YAML in; a file may name `base: other.yaml` (relative to that file). Mappings deep-merge, the child wins,
+  lists and scalars are replaced; chains are allowed and cycles are reported.
+- `--set a.b=c` overrides are applied after inheritance; the value is parsed as YAML, so `optim.lr=1e-4`,
+  `loss.rejected_decay=false` and `resources.rollout.replicas=2` arrive typed.
+- Relative model and data paths are kept as written and resolved against the current working directory when
+  used; the shipped configs use paths relative to the repository root, so run `opd` from there.
+- Every problem becomes one line `field.path: what is wrong (what is expected)` inside a `SpecError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from opd.errors import OpdError
+
+
+class SpecError(OpdError):
+    """A spec that cannot be used; carries one line per problem so the CLI can print them all at once."""
+
+    def __init__(self, messages: Sequence[str]):
+        self.messages = list(messages)
+        super().__init__("\n".join(self.messages))
+
+
+def _issues(issues: list[str]) -> None:
+    """Raise all cross-field problems of one model together, so a user fixes them in one pass."""
+    if issues:
+        raise PydanticCustomError("spec_issues", "{summary}", {"summary": "; ".join(issues), "issues": issues})
+
+
+def _num(x: float) -> str:
+    """Format a resource amount without a spurious `.0`."""
+    return f"{x:g}"
+
+
+class _Section(BaseModel):
+    """Base of every spec model: unknown keys are errors, because a typo must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default feature layers: spread from layer 1 to L-3 (n = 1: the middle), as public drafters use."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class DrafterSpec(_Section):
+    """Architecture of the DFlash drafter; must match a warm drafter checkpoint when one is given."""
+
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(16, ge=2)  # K tokens per block, anchor included; K-1 are drafted
+    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # None = the DFlash default for the target
+    mask_token_id: int | None = Field(None, ge=0)  # None = the tokenizer's mask token
+
+    def resolved_layer_ids(self, target_num_layers: int | None) -> list[int] | None:
+        """The target layers whose hidden states feed the drafter; None while the target depth is unknown."""
+        if self.target_layer_ids is not None:
+            return list(self.target_layer_ids)
+        if target_num_layers is None:
+            return None
+        return default_target_layer_ids(target_num_layers, self.num_layers)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's config.json, or None when absent or unreadable (check_paths reports missing dirs)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class ModelsSpec(_Section):
+    """Where the target, tokenizer and warm drafter live, and how to load them."""
+
+    target_path: str
+    drafter_path: str | None = None  # warm drafter in DFlash format; None = random init
+    tokenizer_path: str | None = None  # None = target_path
+    target_num_layers: int | None = Field(None, ge=1)  # read from target_path/config.json when it exists
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer directory actually used."""
+        return self.tokenizer_path or self.target_path
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """Resolved `drafter.target_layer_ids`."""
+        return self.drafter.resolved_layer_ids(self.target_num_layers)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelsSpec:
+        issues = self._take_target_depth()
+        issues += self._check_layer_ids()
+        issues += self._check_warm_drafter()
+        _issues(issues)
+        return self
+
+    def _take_target_depth(self) -> list[str]:
+        """Fill or cross-check the target depth from the checkpoint, so layer ids are checked against the truth."""
+        config = _read_json(Path(self.target_path) / "config.json")
+        depth = (config or {}).get("num_hidden_layers")
+        if not isinstance(depth, int):
+            return []
+        if self.target_num_layers is None:
+            self.target_num_layers = depth
+        elif self.target_num_layers != depth:
+            return [f"target_num_layers: {self.target_num_layers} disagrees with num_hidden_layers {depth} in "
+                    f"{self.target_path}/config.json (expected {depth} or unset)"]
+        return []
+
+    def _check_layer_ids(self) -> list[str]:
+        ids, depth = self.layer_ids, self.target_num_layers
+        path = "drafter.target_layer_ids"
+        if ids is None:
+            return []
+        if not ids:
+            return [f"{path}: empty (expected at least one target layer id)"]
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            origin = "" if self.drafter.target_layer_ids else f" (the default for a {depth}-layer target)"
+            return [f"{path}: {ids}{origin} is not strictly increasing (expected distinct ids in ascending order)"]
+        if depth is not None and ids[-1] >= depth:
+            return [f"{path}: layer {ids[-1]} is outside the target (expected ids in [0, {depth}), "
+                    f"target_num_layers = {depth})"]
+        return []
+
+    def _check_warm_drafter(self) -> list[str]:
+        """A warm drafter's checkpoint fixes its architecture; the spec must describe the same drafter."""
+        if self.drafter_path is None:
+            return []
+        config = _read_json(Path(self.drafter_path) / "config.json")
+        if config is None:
+            return []
+        dflash = config.get("dflash_config") or {}
+        found = {"block_size": config.get("block_size"), "num_layers": config.get("num_hidden_layers"),
+                 "target_layer_ids": dflash.get("target_layer_ids"), "mask_token_id": dflash.get("mask_token_id")}
+        ours = {"block_size": self.drafter.block_size, "num_layers": self.drafter.num_layers,
+                "target_layer_ids": self.layer_ids, "mask_token_id": self.drafter.mask_token_id}
+        return [f"drafter.{key}: {ours[key]} disagrees with the warm drafter's {found[key]} in "
+                f"{self.drafter_path}/config.json (expected {found[key]})"
+                for key in found if found[key] is not None and ours[key] is not None and found[key] != ours[key]]
+
+
+# ------------------------------------------------------------------------------------------ data and decoding
+
+
+class DataSpec(_Section):
+    """Prompt pools (jsonl, one prompt per line)."""
+
+    train_prompts: str
+    eval_prompts: str
+    max_prompt_tokens: int = Field(1024, ge=1)
+    skip_bad_lines: bool = False  # True = count and skip malformed jsonl lines instead of failing
+
+
+# Target sampling; the same rule applies in rollout and evaluation so τ means the same thing in both.
+Temperature = Annotated[float, Field(ge=0)]  # 0 = greedy
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=0)]  # 0 = off
+
+
+class RolloutSpec(_Section):
+    """Target-assisted speculative decoding that produces the training data."""
+
+    mode: Literal["draft_opd", "naive"] = "draft_opd"  # naive = train on committed tokens only (ablation)
+    batch_size: int = Field(8, ge=1)  # prompts per rollout batch
+    max_new_tokens: int = Field(2048, ge=1)
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+
+
+class ReplaySpec(_Section):
+    """Which blocks are replayed and how the teacher is scored."""
+
+    anchors: Literal["error", "random"] = "error"
+    random_anchors_per_seq: int | None = Field(None, ge=1)  # None = as many as the rollout's error anchors
+    teacher_temperature: float = Field(1.0, gt=0)
+    teacher_topk: int | None = Field(None, gt=0)  # None = full vocabulary; k = top-k log-probs + tail bucket
+
+
+class LossSpec(_Section):
+    """The acceptance-aware loss (eq. 10-13) and its ablation switches."""
+
+    kl_mode: Literal["mixed", "all_forward", "all_reverse"] = "mixed"
+    gamma: float = Field(0.8, gt=0, le=1)  # rejected weight gamma^(k-1)
+    lambda_acc: float = Field(1.0, ge=0)
+    lambda_rej: float = Field(1.0, ge=0)
+    rejected_decay: bool = True
+    first_rejected_only: bool = False
+    accepted_decay: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> LossSpec:
+        if self.lambda_acc + self.lambda_rej <= 0:
+            _issues(["lambda_rej: lambda_acc + lambda_rej is 0 (expected a positive sum; the loss divides by it)"])
+        return self
+
+
+class SftSpec(_Section):
+    """DFlash-style SFT: the warm start and the matched-compute baseline."""
+
+    gamma: float = Field(7.0, gt=0)  # position weight exp(-(k-1)/gamma)
+    anchors_per_seq: int = Field(512, ge=1)
+    max_length: int = Field(3072, ge=2)
+    lr: float = Field(6e-4, gt=0)
+    epochs: int = Field(6, ge=1)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    batch_size: int = Field(16, ge=1)
+    response_max_new_tokens: int = Field(2048, ge=1)
+    max_flops: float | None = Field(None, gt=0)  # matched-compute continued-SFT budget
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+class OptimSpec(_Section):
+    """AdamW for the drafter (plain torch, or DeepSpeed ZeRO)."""
+
+    backend: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: int = Field(0, ge=0, le=3)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 = off
+    batch_size: int = Field(24, ge=1)  # global batch: sequences per optimizer step
+    micro_batch_size: int = Field(1, ge=1)
+    max_nonfinite_steps: int = Field(10, ge=0)  # abort after this many skipped non-finite steps
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimSpec:
+        if self.zero_stage > 0 and self.backend != "deepspeed":
+            _issues([f"zero_stage: {self.zero_stage} needs backend deepspeed (expected 0 with backend torch)"])
+        return self
+
+
+# ------------------------------------------------------------------------------------------------- resources
+
+
+class ClusterSpec(_Section):
+    """What the declared cluster offers; roles are checked against it so none waits forever for placement."""
+
+    num_gpus: int = Field(0, ge=0)
+    num_cpus: int | None = Field(None, ge=1)  # None = do not check CPUs
+
+
+class RoleSpec(_Section):
+    """Replicas of one actor role and the Ray resources each replica requests."""
+
+    replicas: int = Field(1, ge=1)
+    num_gpus: float = Field(0, ge=0)
+    num_cpus: float = Field(1, ge=0)
+
+
+_ROLES = ("rollout", "scorer", "learner")
+
+
+class ResourcesSpec(_Section):
+    """Actor placement and the asynchronous pipeline's bounds."""
+
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    rollout: RoleSpec = Field(default_factory=RoleSpec)
+    scorer: RoleSpec = Field(default_factory=RoleSpec)
+    learner: RoleSpec = Field(default_factory=RoleSpec)
+    queue_size: int = Field(4, ge=1)  # bounded queues: producers block, nothing is dropped
+    max_policy_lag: int = Field(1, ge=0)  # older batches are counted and discarded
+    broadcast_every: int = Field(1, ge=1)  # learner steps between weight publications
+
+    @model_validator(mode="after")
+    def _check(self) -> ResourcesSpec:
+        roles = {name: getattr(self, name) for name in _ROLES}
+        issues = [f"{name}.num_gpus: {_num(role.num_gpus)} (expected at most 1 or a whole number; Ray cannot "
+                  "place a fraction above 1)"
+                  for name, role in roles.items() if role.num_gpus > 1 and role.num_gpus % 1]
+        issues += _fit(roles, "num_gpus", self.cluster.num_gpus)
+        if self.cluster.num_cpus is not None:
+            issues += _fit(roles, "num_cpus", self.cluster.num_cpus)
+        _issues(issues)
+        return self
+
+
+def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
+    """Each role alone, then all roles together, must fit the cluster, or the run would hang unplaced."""
+    unit = {"num_gpus": "GPUs", "num_cpus": "CPUs"}[attr]
+    each = {name: getattr(role, attr) for name, role in roles.items()}
+    need = {name: role.replicas * each[name] for name, role in roles.items()}
+    issues = [f"{name}: {role.replicas} replicas x {_num(each[name])} {unit} = {_num(need[name])} {unit}, "
+              f"but the cluster declares {_num(available)} (a role that can never be placed)"
+              for name, role in roles.items() if need[name] > available]
+    if not issues and sum(need.values()) > available:
+        parts = " + ".join(f"{name} {_num(n)}" for name, n in need.items())
+        issues.append(f"cluster.{attr}: the roles need {parts} = {_num(sum(need.values()))} {unit}, but the cluster "
+                      f"declares {_num(available)} (expected the sum to fit; all roles run at once)")
+    return issues
+
+
+# ------------------------------------------------------------------------------------------ tracking and eval
+
+
+class TrackingSpec(_Section):
+    """MLflow run and run-directory layout."""
+
+    uri: str | None = None  # None = sqlite:///<run_dir>/mlflow.db
+    experiment: str = "draft-opd"
+    run_dir: str = "runs/{name}"  # {name} = the spec's name
+    checkpoint_every: int = Field(100, ge=1)
+    log_every: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrackingSpec:
+        try:
+            self.run_dir.format(name="x")
+        except (KeyError, IndexError, ValueError):
+            _issues([f"run_dir: {self.run_dir!r} has a bad placeholder (expected only {{name}})"])
+        return self
+
+
+class SamplingSpec(_Section):
+    """One named evaluation setting."""
+
+    name: str
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+
+
+class EvalSpec(_Section):
+    """Periodic held-out τ measurement (speculative decoding against the target)."""
+
+    every: int = Field(100, ge=0)  # optimizer steps between evals; 0 = only before and after training
+    num_prompts: int = Field(32, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(8, ge=1)
+    sampling: list[SamplingSpec] = Field(
+        default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
+                                 SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],
+        min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalSpec:
+        names = [s.name for s in self.sampling]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            _issues([f"sampling: name {dupes[0]!r} is used twice (expected unique names; they key the metrics)"])
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- the whole spec
+
+
+class ExperimentSpec(_Section):
+    """Everything one Draft-OPD experiment needs; the single source of truth passed to every actor."""
+
+    name: str = "experiment"
+    seed: int = 0
+    engine: Literal["local", "ray"] = "ray"
+    steps: int = Field(gt=0)  # optimizer-step budget
+    models: ModelsSpec
+    data: DataSpec
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    replay: ReplaySpec = Field(default_factory=ReplaySpec)
+    loss: LossSpec = Field(default_factory=LossSpec)
+    sft: SftSpec = Field(default_factory=SftSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentSpec:
+        per_step = self.optim.micro_batch_size * self.resources.learner.replicas
+        if self.optim.batch_size % per_step:
+            _issues([f"optim.batch_size: {self.optim.batch_size} is not divisible by optim.micro_batch_size "
+                     f"{self.optim.micro_batch_size} x resources.learner.replicas {self.resources.learner.replicas}"
+                     f" = {per_step} (expected a multiple of {per_step})"])
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's directory (checkpoints, MLflow store, resolved spec)."""
+        return Path(self.tracking.run_dir.format(name=self.name))
+
+    @property
+    def tracking_uri(self) -> str:
+        """MLflow tracking URI: the spec's, else a sqlite store inside the run directory."""
+        return self.tracking.uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+
+    def to_yaml(self) -> str:
+        """The fully resolved spec as YAML; loading it back gives an equal spec."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def check_paths(spec: ExperimentSpec) -> list[str]:
+    """One message per required path that is missing or of the wrong kind; empty when all are usable."""
+    m, d = spec.models, spec.data
+    wanted = [("models.target_path", m.target_path, "model"),
+              ("models.tokenizer_path", m.tokenizer_path if m.tokenizer_path != m.target_path else None, "dir"),
+              ("models.drafter_path", m.drafter_path, "model"),
+              ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file")]
+    return [msg for field, path, kind in wanted
+            if path is not None and (msg := _path_problem(field, Path(path), kind))]
+
+
+_path_problems = check_paths  # load_spec's keyword `check_paths` shadows the function inside it
+
+
+def _path_problem(field: str, path: Path, kind: str) -> str | None:
+    expected = {"model": "a model directory with config.json", "dir": "a directory", "file": "a jsonl file"}[kind]
+    if not path.exists():
+        problem = "does not exist"
+    elif kind == "file" and not path.is_file():
+        problem = "is not a file"
+    elif kind != "file" and not path.is_dir():
+        problem = "is not a directory"
+    elif kind == "model" and not (path / "config.json").is_file():
+        problem = "has no config.json"
+    else:
+        return None
+    where = "" if path.is_absolute() else f", relative to {os.getcwd()}"
+    return f"{field}: {path} {problem} (expected {expected}{where})"
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise resolve silently (last one wins)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error, with its 1-based line and column when PyYAML knows them."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    return f"invalid YAML{where}: {problem}"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """One config file as a mapping, or a SpecError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([f"{path}: file not found (expected a YAML spec)"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{path}: is a directory (expected a YAML spec file)"]) from None
+    except UnicodeDecodeError:
+        raise SpecError([f"{path}: not UTF-8 text (expected a YAML spec file)"]) from None
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read ({exc.strerror})"]) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise SpecError([f"{path}: {_yaml_problem(exc)}"]) from None
+    if data is None:
+        raise SpecError([f"{path}: file is empty (expected a YAML mapping of spec sections)"])
+    if not isinstance(data, dict):
+        raise SpecError([f"{path}: top level is a {type(data).__name__} (expected a mapping of spec sections)"])
+    return data
+
+
+def _deep_merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """Child wins; mappings merge recursively so a child states only its difference."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _resolve_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config with its `base:` chain merged in; `chain` holds the files above it, to detect cycles."""
+    real = path.resolve()
+    if real in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, real))
+        raise SpecError([f"{path}: base cycle {cycle} (expected a chain that ends)"])
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise SpecError([f"{path}: base: got {base!r} (expected the path of another YAML spec)"])
+    base_path = Path(os.path.normpath(path.parent / base))
+    if not base_path.exists():
+        raise SpecError([f"{path}: base: {base_path} not found (expected a YAML spec, relative to this file)"])
+    return _deep_merge(_resolve_file(base_path, (*chain, real)), data)
+
+
+def _apply_override(data: dict[str, Any], item: str) -> str | None:
+    """Apply one `a.b=c` in place; return a problem line instead when it is malformed."""
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        return f"--set {item!r}: malformed (expected KEY=VALUE with a dotted key, e.g. optim.lr=1e-4)"
+    try:
+        value = yaml.load(raw, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        return f"--set {item!r}: {_yaml_problem(exc)}"
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            return f"--set {item!r}: {where} is a {type(child).__name__}, not a section (expected a mapping)"
+        node = child
+    node[parts[-1]] = value
+    return None
+
+
+def _error_path(loc: tuple[int | str, ...]) -> str:
+    """Pydantic location as `eval.sampling[1].top_p`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the spec model at `loc`, to suggest the intended key for an unknown one."""
+    model: type[BaseModel] = ExperimentSpec
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        nested = [t for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                  if isinstance(t, type) and issubclass(t, BaseModel)] if field else []
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _format_error(err: dict[str, Any]) -> list[str]:
+    """Pydantic error -> `field.path: what is wrong (what is expected)` lines."""
+    loc, kind = tuple(err["loc"]), err["type"]
+    path = _error_path(loc)
+    if kind == "spec_issues":
+        prefix = f"{path}." if path else ""
+        return [prefix + issue for issue in err["ctx"]["issues"]]
+    if kind == "extra_forbidden":
+        fields = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(fields)}"
+        return [f"{path}: unknown key ({hint})"]
+    if kind == "missing":
+        return [f"{path}: missing (a value is required)"]
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return [f"{path or 'spec'}: got a {type(err['input']).__name__} (expected a mapping of fields)"]
+    msg = err["msg"].removeprefix("Input ")
+    return [f"{path}: got {_short(err['input'])} ({msg[0].lower() + msg[1:]})"]
+
+
+def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> ExperimentSpec:
+    """A raw mapping as an ExperimentSpec, or a SpecError listing every problem."""
+    try:
+        spec = ExperimentSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError([line for err in exc.errors() for line in _format_error(err)]) from None
+    problems = _path_problems(spec) if check_paths else []
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> ExperimentSpec:
+    """Load a YAML spec with its `base:` chain and `--set` overrides, validated; raises SpecError."""
+    data = _resolve_file(Path(path))
+    problems = [p for item in overrides if (p := _apply_override(data, item))]
+    if problems:
+        raise SpecError(problems)
+    return validate_spec(data, check_paths=check_paths)
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def flatten(spec: ExperimentSpec) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params (`optim.lr` -> "0.0003"; lists of sections by index)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, sub)
+        elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            for i, sub in enumerate(value):
+                walk(f"{prefix}.{i}", sub)
+        else:
+            out[prefix] = value if isinstance(value, str) else json.dumps(value)
+
+    walk("", spec.model_dump(mode="json"))
+    return out

@@ -1,0 +1,164 @@
+"""The experiment spec: defaults, shipped configs, inheritance, overrides, checks against files, export."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opd.spec import (ExperimentSpec, SpecError, check_paths, default_target_layer_ids, flatten, load_spec,
+                      validate_spec)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+TINY = ROOT / "configs" / "tiny.yaml"
+MINIMAL = {"steps": 10, "models": {"target_path": "t"}, "data": {"train_prompts": "a", "eval_prompts": "b"}}
+
+
+def write(path: Path, data: dict | str) -> Path:
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_are_the_papers() -> None:
+    spec = ExperimentSpec.model_validate(MINIMAL)
+    assert (spec.models.drafter.block_size, spec.models.drafter.num_layers) == (16, 5)
+    assert (spec.loss.kl_mode, spec.loss.gamma, spec.loss.lambda_acc, spec.loss.lambda_rej) == ("mixed", 0.8, 1, 1)
+    assert spec.loss.rejected_decay and not spec.loss.first_rejected_only and not spec.loss.accepted_decay
+    assert (spec.optim.lr, spec.optim.schedule, spec.optim.warmup_ratio, spec.optim.batch_size) == (
+        3e-4, "cosine", 0.05, 24)
+    assert (spec.replay.anchors, spec.replay.teacher_temperature, spec.rollout.mode) == ("error", 1.0, "draft_opd")
+    assert (spec.sft.lr, spec.sft.epochs, spec.sft.gamma, spec.sft.anchors_per_seq, spec.sft.max_length) == (
+        6e-4, 6, 7.0, 512, 3072)
+    assert [s.model_dump() for s in spec.eval.sampling] == [
+        {"name": "greedy", "temperature": 0.0, "top_p": 1.0, "top_k": 0},
+        {"name": "sampled", "temperature": 0.6, "top_p": 0.95, "top_k": 20}]
+    assert spec.engine == "ray" and spec.models.tokenizer == "t"
+
+
+def test_default_layer_ids_match_public_drafters() -> None:
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B DFlash
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(6, 2) == [1, 3]
+    assert default_target_layer_ids(48, 8) == [1, 7, 14, 20, 26, 32, 39, 45]  # rounds, never truncates
+    spec = load_spec(ROOT / "configs" / "qwen3-8b.yaml", check_paths=False)
+    assert spec.models.layer_ids == [1, 9, 17, 25, 33]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_config_validates_and_round_trips(path: Path) -> None:
+    spec = load_spec(path, check_paths=False)
+    assert ExperimentSpec.model_validate(yaml.safe_load(spec.to_yaml())) == spec
+    assert all(0 <= i < spec.models.target_num_layers for i in spec.models.layer_ids)
+
+
+def test_config_set_is_complete() -> None:
+    names = {str(p.relative_to(ROOT / "configs")) for p in CONFIGS}
+    ablations = {"no_decay", "all_forward", "all_reverse", "random_anchors", "naive_rollout",
+                 "first_rejected_only", "accepted_decay"}
+    assert {"tiny.yaml", "qwen3-4b.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"} <= names
+    assert {f"ablations/{a}.yaml" for a in ablations} <= names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "ablations").glob("*.yaml")), ids=lambda p: p.stem)
+def test_ablation_differs_from_base_in_one_field(path: Path) -> None:
+    base, ablation = flatten(load_spec(TINY, check_paths=False)), flatten(load_spec(path, check_paths=False))
+    changed = {key for key in base if base[key] != ablation[key]}
+    assert base.keys() == ablation.keys()
+    assert len(changed - {"name"}) == 1 and "name" in changed
+
+
+def test_base_chain_merges_deeply_and_child_wins(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", {**MINIMAL, "optim": {"lr": 1e-3, "batch_size": 4}, "models": {
+        "target_path": "t", "drafter_path": "d", "drafter": {"block_size": 8, "num_layers": 2}}})
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "b.yaml", {"base": "../a.yaml", "optim": {"lr": 2e-3}, "models": {"drafter_path": None}})
+    write(tmp_path / "c.yaml", {"base": "sub/b.yaml", "models": {"drafter": {"block_size": 4}}})
+    spec = load_spec(tmp_path / "c.yaml", check_paths=False)
+    assert (spec.optim.lr, spec.optim.batch_size) == (2e-3, 4)
+    assert spec.models.drafter_path is None and spec.models.target_path == "t"
+    assert (spec.models.drafter.block_size, spec.models.drafter.num_layers) == (4, 2)
+
+
+def test_overrides_are_typed(tmp_path: Path) -> None:
+    spec = load_spec(TINY, ["optim.lr=1e-4", "loss.rejected_decay=false", "resources.rollout.replicas=2",
+                            "optim.betas=[0.8, 0.99]", "name=x", "models.drafter_path="], check_paths=False)
+    assert spec.optim.lr == 1e-4 and spec.loss.rejected_decay is False
+    assert spec.resources.rollout.replicas == 2 and spec.optim.betas == (0.8, 0.99)
+    assert spec.name == "x" and spec.models.drafter_path is None
+
+
+def test_errors_collect_every_problem_one_line_each() -> None:
+    bad = {**MINIMAL, "steps": 0, "optim": {"lr": -1, "lrr": 1}, "loss": {"gamma": 2}}
+    with pytest.raises(SpecError) as info:
+        validate_spec(bad, check_paths=False)
+    assert sorted(m.split(":")[0] for m in info.value.messages) == ["loss.gamma", "optim.lr", "optim.lrr", "steps"]
+    assert "did you mean 'lr'?" in str(info.value)
+
+
+def test_duplicate_yaml_key_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path / "dup.yaml", "steps: 1\noptim:\n  lr: 0.1\noptim:\n  lr: 0.2\n")
+    with pytest.raises(SpecError, match=r"dup.yaml: invalid YAML at line 4.*duplicate key 'optim'"):
+        load_spec(path, check_paths=False)
+
+
+def make_model_dir(path: Path, config: dict) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_target_depth_is_read_from_checkpoint(tmp_path: Path) -> None:
+    target = make_model_dir(tmp_path / "target", {"num_hidden_layers": 8})
+    spec = validate_spec({**MINIMAL, "models": {"target_path": target, "drafter": {"num_layers": 2}}},
+                         check_paths=False)
+    assert spec.models.target_num_layers == 8 and spec.models.layer_ids == [1, 5]
+    with pytest.raises(SpecError, match=r"^models.target_num_layers: 6 disagrees with num_hidden_layers 8"):
+        validate_spec({**MINIMAL, "models": {"target_path": target, "target_num_layers": 6}}, check_paths=False)
+    with pytest.raises(SpecError, match=r"^models.drafter.target_layer_ids: layer 8 is outside the target"):
+        validate_spec({**MINIMAL, "models": {"target_path": target, "drafter": {"target_layer_ids": [1, 8]}}},
+                      check_paths=False)
+
+
+def test_warm_drafter_must_match_spec(tmp_path: Path) -> None:
+    drafter = make_model_dir(tmp_path / "drafter", {"block_size": 8, "num_hidden_layers": 2,
+                                                    "dflash_config": {"target_layer_ids": [1, 3]}})
+    models = {"target_path": "t", "target_num_layers": 6, "drafter_path": drafter,
+              "drafter": {"block_size": 8, "num_layers": 2}}
+    validate_spec({**MINIMAL, "models": models}, check_paths=False)
+    models["drafter"] = {"block_size": 16, "num_layers": 2}
+    with pytest.raises(SpecError, match=r"^models.drafter.block_size: 16 disagrees with the warm drafter's 8"):
+        validate_spec({**MINIMAL, "models": models}, check_paths=False)
+
+
+def test_check_paths_lists_every_missing_path(tmp_path: Path) -> None:
+    spec = validate_spec({**MINIMAL, "models": {"target_path": str(tmp_path / "nope"), "drafter_path": "d"}},
+                         check_paths=False)
+    fields = [m.split(":")[0] for m in check_paths(spec)]
+    assert fields == ["models.target_path", "models.drafter_path", "data.train_prompts", "data.eval_prompts"]
+    make_model_dir(tmp_path / "nope", {})
+    (tmp_path / "a").write_text("{}\n")
+    (tmp_path / "b").mkdir()
+    spec = validate_spec({**MINIMAL, "models": {"target_path": str(tmp_path / "nope")},
+                          "data": {"train_prompts": str(tmp_path / "a"), "eval_prompts": str(tmp_path / "b")}},
+                         check_paths=False)
+    assert [m.split(":")[0] for m in check_paths(spec)] == ["data.eval_prompts"]
+
+
+def test_run_dir_and_default_tracking_uri() -> None:
+    spec = load_spec(TINY, ["tracking.run_dir=out/{name}-a"], check_paths=False)
+    assert spec.run_dir == Path("out/tiny-a")
+    assert spec.tracking_uri == f"sqlite:///{Path('out/tiny-a/mlflow.db').resolve()}"
+    assert load_spec(TINY, ["tracking.uri=http://mlflow:5000"], check_paths=False).tracking_uri == "http://mlflow:5000"
+
+
+def test_flatten_gives_mlflow_params() -> None:
+    params = flatten(load_spec(TINY, check_paths=False))
+    assert params["optim.lr"] == "0.0003" and params["loss.rejected_decay"] == "true"
+    assert params["replay.teacher_topk"] == "null" and params["models.target_path"] == "opd/assets/tiny/target"
+    assert params["eval.sampling.1.top_k"] == "20" and params["optim.betas"] == "[0.9, 0.95]"
+    assert all(isinstance(v, str) for v in params.values())
+    assert all(re.fullmatch(r"[\w.\- /]+", key) for key in params)  # MLflow's allowed key characters
