@@ -60,7 +60,10 @@ class _Section(BaseModel):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default feature layers: spread from layer 1 to L-3 (n = 1: the middle), as public drafters use."""
+    """DFlash's default feature layers: spread from layer 1 to L-3 (n = 1: the middle), as public drafters use.
+
+    Python's round (half to even) on purpose: the public code does the same, so ids match bit for bit.
+    """
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4

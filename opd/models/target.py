@@ -1,0 +1,177 @@
+"""The frozen target model: any Hugging Face causal LM, plus the hidden-state features a DFlash drafter reads.
+
+A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
+those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
+layer's states alive at once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from opd.errors import OpdError
+
+
+@dataclass
+class TargetOutput:
+    """One target forward: logits [B,T,V], concatenated features [B,T,n*H] and the (updated) KV cache."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    past_key_values: Any = None
+
+
+class Target(nn.Module):
+    """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
+
+    The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
+    layer HF reports the output *after* the final norm, so that id is captured from the final norm to stay
+    identical to what the public DFlash code feeds its drafters.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        super().__init__()
+        self.model = model
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.model.eval()
+        self.model.requires_grad_(False)
+        config = model.config
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self._check_layer_ids()
+        self._cache_arg = _cache_argument_name(model)
+        self._captured: dict[int, torch.Tensor] | None = None
+        self._register_feature_hooks()
+
+    # -- what the drafter shares -------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> Any:
+        """The HF config of the wrapped model."""
+        return self.model.config
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+    ) -> TargetOutput:
+        """Run the target; `attention_mask` is a 2-D padding mask or a 4-D custom mask [B,1,T,S].
+
+        A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
+        (sdpa) or as an additive mask (eager), which is what packed replay relies on.
+        """
+        mask = self._prepare_mask(attention_mask)
+        self._captured = {}
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                **{self._cache_arg: past_key_values},
+            )
+            features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._captured = None
+        return TargetOutput(logits=out.logits, features=features, past_key_values=getattr(out, self._cache_arg))
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _check_layer_ids(self) -> None:
+        if not self.layer_ids:
+            raise OpdError("target layer_ids: at least one layer id is needed")
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise OpdError(f"target layer_ids {bad} out of range: the target has {self.num_layers} layers")
+
+    def _register_feature_hooks(self) -> None:
+        """Hook each needed module once; hooks only record while `forward` runs, so plain model calls are free."""
+        decoder = self.model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if layers is None:
+            raise OpdError(f"target {type(self.model).__name__}: no decoder `layers` list to read features from")
+        for layer_id in sorted(set(self.layer_ids)):
+            module = layers[layer_id]
+            if layer_id == self.num_layers - 1:
+                module = getattr(decoder, "norm", None)
+                if module is None:
+                    raise OpdError("target layer_ids: the last layer needs a final `norm` module on the decoder")
+            module.register_forward_hook(self._make_hook(layer_id))
+
+    def _make_hook(self, layer_id: int):
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if self._captured is not None:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _prepare_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        if mask is None or mask.dim() != 4:
+            return mask
+        implementation = self.model.config._attn_implementation
+        if implementation == "flash_attention_2":
+            raise OpdError("a 4-D attention mask is not supported with attn_implementation 'flash_attention_2'")
+        if implementation == "eager" and mask.dtype == torch.bool:
+            additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+            return additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
+        return mask
+
+
+def _cache_argument_name(model: nn.Module) -> str:
+    """transformers 5 renamed `past_key_values` to `cache`; use whichever this version's forward takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def load_target(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str = "sdpa",
+    layer_ids: list[int],
+) -> Target:
+    """Load a local HF causal LM directory as a frozen `Target` (no hub access)."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")
+    if not (Path(path) / "config.json").is_file():
+        raise OpdError(f"target model: {path}/config.json not found (expected a local HF model directory)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OpdError(f"target model {path}: {first_line}") from exc
+    return Target(model, layer_ids)

@@ -1,0 +1,163 @@
+"""Target wrapper: layer-id rule, hooked features vs HF hidden states, custom masks, loading and freezing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from opd.errors import OpdError
+from opd.models.target import Target, load_target
+from opd.spec import default_target_layer_ids
+from opd.tiny.micro import micro_target
+
+TOL = 1e-6  # HF Qwen3 computes RMSNorm and RoPE in float32 even for float64 models.
+
+
+@pytest.mark.parametrize(
+    ("num_target_layers", "num_draft_layers", "expected"),
+    [
+        (36, 5, [1, 9, 17, 25, 33]),  # Qwen3-4B/8B DFlash (REFERENCE.md)
+        (36, 1, [18]),
+        (64, 5, [1, 16, 31, 46, 61]),  # a public 64-layer-target DFlash config
+        (52, 5, [1, 13, 25, 37, 49]),  # z-lab/dflash tests/fixtures/dflash2-config.json
+        (48, 8, [1, 7, 14, 20, 26, 32, 39, 45]),  # a public 48-layer-target DFlash config
+        (4, 1, [2]),
+    ],
+)
+def test_default_layer_ids_match_public_rule(num_target_layers, num_draft_layers, expected):
+    assert default_target_layer_ids(num_target_layers, num_draft_layers) == expected
+
+
+def test_features_equal_hf_hidden_states_at_chosen_layers():
+    target = micro_target(layer_ids=[0, 2, 3])  # 3 = last layer: HF reports it after the final norm
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = target(ids)
+    reference = target.model(ids, output_hidden_states=True)
+    expected = torch.cat([reference.hidden_states[i + 1] for i in target.layer_ids], dim=-1)
+    assert out.features.shape == (2, 9, 3 * target.hidden_size)
+    assert torch.equal(out.features, expected)
+    assert torch.equal(out.logits, reference.logits)
+
+
+def test_features_are_only_recorded_inside_forward():
+    target = micro_target()
+    target.model(torch.zeros(1, 3, dtype=torch.long))
+    assert target._captured is None
+
+
+def _replay_inputs(prefix: torch.Tensor, block: torch.Tensor, anchor: int):
+    """Packed-replay layout: the prefix, then a block continuing after prefix[anchor].
+
+    The block sits at positions anchor+1.. and sees prefix[:anchor+1] and itself causally; a bool mask
+    [1,1,T,T] says so. Returns ids, mask, positions and the equivalent plain sequence.
+    """
+    n_prefix, n_block = len(prefix), len(block)
+    total = n_prefix + n_block
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    mask[:n_prefix, :n_prefix] = torch.ones(n_prefix, n_prefix).tril().bool()
+    mask[n_prefix:, : anchor + 1] = True
+    mask[n_prefix:, n_prefix:] = torch.ones(n_block, n_block).tril().bool()
+    positions = torch.cat([torch.arange(n_prefix), anchor + 1 + torch.arange(n_block)])
+    plain = torch.cat([prefix[: anchor + 1], block])
+    return torch.cat([prefix, block])[None], mask[None, None], positions[None], plain[None]
+
+
+def _replay_case():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randint(0, 64, (7,), generator=gen), torch.randint(0, 64, (3,), generator=gen), 3
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_4d_custom_mask_equals_separate_forwards(attn_implementation, mask_kind):
+    target = micro_target(layer_ids=[1, 3])
+    target.model.set_attn_implementation(attn_implementation)
+    prefix, block, anchor = _replay_case()
+    ids, mask, positions, plain = _replay_inputs(prefix, block, anchor)
+    if mask_kind == "additive":
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    packed = target(ids, attention_mask=mask, position_ids=positions)
+    separate_prefix, separate_block = target(prefix[None]), target(plain)
+    n_prefix, n_block = len(prefix), len(block)
+    for name in ("logits", "features"):
+        got = getattr(packed, name)[0]
+        assert (got[:n_prefix] - getattr(separate_prefix, name)[0]).abs().max() < TOL, name
+        assert (got[n_prefix:] - getattr(separate_block, name)[0, -n_block:]).abs().max() < TOL, name
+
+
+def test_4d_mask_is_not_ignored():
+    """Guard for the test above: without the mask the block would see the whole prefix."""
+    target = micro_target()
+    prefix, block, anchor = _replay_case()
+    ids, _, positions, plain = _replay_inputs(prefix, block, anchor)
+    unmasked = target(ids, position_ids=positions)
+    assert (unmasked.logits[0, len(prefix) :] - target(plain).logits[0, -len(block) :]).abs().max() > 1e-3
+
+
+def test_2d_padding_mask_equals_separate_forward():
+    target = micro_target(layer_ids=[1, 2])
+    gen = torch.Generator().manual_seed(3)
+    long_seq, short_seq = torch.randint(0, 64, (7,), generator=gen), torch.randint(0, 64, (4,), generator=gen)
+    pad = 7 - 4
+    ids = torch.stack([long_seq, torch.cat([torch.zeros(pad, dtype=torch.long), short_seq])])
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :pad] = 0
+    positions = torch.stack([torch.arange(7), (torch.arange(7) - pad).clamp(min=0)])
+    out = target(ids, attention_mask=mask, position_ids=positions)
+    assert (out.logits[1, pad:] - target(short_seq[None]).logits[0]).abs().max() < TOL
+    assert (out.features[1, pad:] - target(short_seq[None]).features[0]).abs().max() < TOL
+    assert (out.logits[0] - target(long_seq[None]).logits[0]).abs().max() < TOL
+
+
+def test_incremental_forward_with_cache_matches_full_forward():
+    target = micro_target(layer_ids=[0, 3])
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(4))
+    full = target(ids)
+    first = target(ids[:, :6], use_cache=True)
+    second = target(ids[:, 6:], past_key_values=first.past_key_values, use_cache=True)
+    assert first.past_key_values is not None
+    assert (second.features - full.features[:, 6:]).abs().max() < TOL
+    assert (second.logits - full.logits[:, 6:]).abs().max() < TOL
+
+
+def test_target_is_frozen_and_exposes_shared_modules():
+    target = micro_target()
+    assert all(not p.requires_grad for p in target.parameters())
+    assert not target.model.training
+    assert target.embed_tokens is target.model.model.embed_tokens
+    assert target.lm_head is target.model.lm_head
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 32, 64)
+    out = target(torch.zeros(1, 3, dtype=torch.long))
+    assert not out.features.requires_grad and not out.logits.requires_grad
+
+
+def test_layer_ids_out_of_range_raise():
+    with pytest.raises(OpdError, match="out of range"):
+        micro_target(layer_ids=[1, 4])
+
+
+def test_load_target_from_local_dir(tmp_path):
+    reference = micro_target(seed=5)
+    reference.model.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path), dtype=torch.float64, layer_ids=[0, 2])
+    assert isinstance(loaded, Target) and loaded.dtype == torch.float64
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(loaded(ids).logits, reference(ids).logits)
+    assert all(not p.requires_grad for p in loaded.parameters())
+
+
+def test_load_target_missing_dir_raises(tmp_path):
+    with pytest.raises(OpdError, match="config.json not found"):
+        load_target(str(tmp_path / "nope"), dtype=torch.float32, layer_ids=[0])
+
+
+def test_flash_attention_without_flash_attn_raises(tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a)
+    )
+    micro_target().model.save_pretrained(tmp_path)
+    with pytest.raises(OpdError, match=r"pip install -e \.\[gpu\]"):
+        load_target(str(tmp_path), dtype=torch.bfloat16, attn_implementation="flash_attention_2", layer_ids=[1])
