@@ -342,6 +342,13 @@ class DrafterCache:
         self.positions = self.positions[:, :length]
         self.valid = self.valid[:, :length]
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished sequences leave the batch)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.positions = self.positions[rows]
+        self.valid = self.valid[rows]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # The drafter

@@ -1,0 +1,69 @@
+"""Sampling shared by speculative and autoregressive decoding: logit processing and keyed random numbers.
+
+Random numbers are *keyed* by (seed, sequence key, response position, stream) instead of drawn from a global
+generator. A sequence's output then depends only on its own key — not on which other sequences share its batch,
+how many draft steps its neighbours needed, or which GPU it ran on — so batched, ragged and distributed decoding
+are reproducible and can be compared with per-sequence decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the *target* distribution is shaped; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Softmax of temperature-scaled logits with top-k and top-p applied (float32, renormalised)."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors; only the low 32 bits are kept, so int64 wrap-around is harmless."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform [0, 1) numbers, one per (key, position), identical whatever batch they are computed in."""
+    x = _hash32(torch.full_like(positions, seed) * 0x9E3779B1 + stream)
+    x = _hash32(x ^ _hash32(keys.to(positions.dtype).expand_as(positions) + 0x632BE5AB))
+    x = _hash32(x ^ (positions * 0x85EBCA77))
+    return (x >> 8).float() / float(1 << 24)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling; `right=True` means a zero-probability token is never chosen."""
+    cdf = probs.cumsum(-1)
+    u = u.unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf.contiguous(), u.contiguous(), right=True).squeeze(-1)
+    return idx.clamp_max(probs.shape[-1] - 1)

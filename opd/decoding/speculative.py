@@ -1,0 +1,150 @@
+"""Batched, lossless speculative decoding with a DFlash drafter, recording what Draft-OPD trains on.
+
+One step per batch: the drafter drafts K−1 tokens after each row's anchor from its cached target context, the
+target verifies the K-token block [anchor, drafts] in one forward, `verify` decides how many drafts each row
+keeps, and both caches advance. Rows accept different amounts, so neither cache is cropped per row: the K new
+slots of a row are kept and the rejected ones become masked *holes* (the target gets a 2-D attention mask with
+zeros there and explicit position ids; the drafter cache has a `valid` flag). A row's output therefore depends
+only on its own tokens and its own keyed random numbers, never on its neighbours' acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from opd.decoding.batch import left_pad
+from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling
+from opd.decoding.verify import next_token, verify
+from opd.models.drafter import DFlashDrafter
+from opd.models.target import Target
+
+
+class SpeculativeDecoder:
+    """Owns a target and a drafter; the drafter's weights can be swapped between calls (`load_drafter`)."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter, *, eos_id: int, draft_version: int = 0) -> None:
+        self.target, self.drafter, self.eos_id = target, drafter, eos_id
+        self.draft_version = draft_version
+        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls
+
+    def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Adopt new draft weights in place (all tensors are copied before the version changes)."""
+        self.drafter.load_state_dict(state_dict)
+        self.draft_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling, *, max_new_tokens: int, seed: int = 0,
+                 keys: list[int] | None = None) -> list[SequenceRecord]:
+        """Decode every prompt to eos or `max_new_tokens`; one record per prompt, in order."""
+        keys = list(keys) if keys is not None else list(range(len(prompts)))
+        records = [SequenceRecord(key=k, prompt_ids=list(p), draft_version=self.draft_version)
+                   for k, p in zip(keys, prompts)]
+        state = self._prefill(prompts, keys, sampling, seed)
+        for rec, token in zip(records, state.anchor.tolist()):
+            rec.response_ids.append(token)
+        self._drop_finished(state, records, max_new_tokens)
+        while state.rows.numel():
+            self._step(state, records, sampling, seed, max_new_tokens)
+        for rec in records:
+            _finish(rec, self.eos_id, max_new_tokens)
+        return records
+
+    # -- phases ------------------------------------------------------------------------------------------------
+
+    def _prefill(self, prompts: list[list[int]], keys: list[int], sampling: Sampling, seed: int) -> _State:
+        t0 = time.perf_counter()
+        device = self.target.device
+        ids, mask = left_pad(prompts, pad_id=self.eos_id, device=device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = self.target(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        keys_t = torch.tensor(keys, device=device)
+        first = next_token(out.logits[:, -1], sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
+        draft_cache = self.drafter.new_cache(len(prompts))
+        self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool())
+        self.timings["verify"] += time.perf_counter() - t0
+        return _State(rows=torch.arange(len(prompts), device=device), keys=keys_t,
+                      target_cache=out.past_key_values, target_mask=mask, draft_cache=draft_cache,
+                      anchor=first, anchor_pos=positions[:, -1] + 1,
+                      response_len=torch.ones(len(prompts), dtype=torch.long, device=device))
+
+    def _step(self, s: _State, records: list[SequenceRecord], sampling: Sampling, seed: int,
+              max_new_tokens: int) -> None:
+        t0 = time.perf_counter()
+        drafts, _ = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
+        t1 = time.perf_counter()
+        k = drafts.shape[1] + 1
+        block = torch.cat([s.anchor[:, None], drafts], 1)
+        block_pos = s.anchor_pos[:, None] + torch.arange(k, device=block.device)
+        mask = torch.cat([s.target_mask, torch.ones_like(block)], 1)
+        out = self.target(block, attention_mask=mask, position_ids=block_pos, past_key_values=s.target_cache,
+                          use_cache=True)
+        # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
+        verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
+        t2 = time.perf_counter()
+        kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
+        self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept)
+        t3 = time.perf_counter()
+        s.target_cache, s.target_mask = out.past_key_values, torch.cat([s.target_mask, kept.long()], 1)
+        self._record(s, records, drafts, verdict.accepted, verdict.bonus)
+        s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
+        s.response_len = s.response_len + verdict.accepted + 1
+        self._drop_finished(s, records, max_new_tokens)
+        t4 = time.perf_counter()
+        self.timings["draft"] += (t1 - t0) + (t3 - t2)
+        self.timings["verify"] += t2 - t1
+        self.timings["bookkeeping"] += t4 - t3
+        self.timings["steps"] += 1
+
+    def _record(self, s: _State, records: list[SequenceRecord], drafts: torch.Tensor, accepted: torch.Tensor,
+                bonus: torch.Tensor) -> None:
+        """Append this step's facts; the committed tokens are the accepted drafts followed by the bonus."""
+        for row, anchor_idx, block, r, b in zip(s.rows.tolist(), (s.response_len - 1).tolist(), drafts.tolist(),
+                                                 accepted.tolist(), bonus.tolist()):
+            rec = records[row]
+            rec.anchors.append(anchor_idx)
+            rec.drafts.append(block)
+            rec.accepted.append(r)
+            rec.response_ids.extend(block[:r] + [b])
+
+    def _drop_finished(self, s: _State, records: list[SequenceRecord], max_new_tokens: int) -> None:
+        """Rows that emitted eos or hit the length limit leave the batch, so they cost no more compute."""
+        done = [i for i, row in enumerate(s.rows.tolist())
+                if self.eos_id in records[row].response_ids or len(records[row].response_ids) >= max_new_tokens]
+        if not done:
+            return
+        keep = torch.tensor(sorted(set(range(len(s.rows))) - set(done)), dtype=torch.long, device=s.rows.device)
+        s.select(keep)
+
+
+def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
+    """Cut a response at the length limit and after its first eos, and say why it stopped.
+
+    The last block may have committed past either point; its record keeps what verification decided.
+    """
+    rec.response_ids = rec.response_ids[:max_new_tokens]
+    if eos_id in rec.response_ids:
+        rec.response_ids = rec.response_ids[: rec.response_ids.index(eos_id) + 1]
+        rec.finish_reason = "eos"
+    else:
+        rec.finish_reason = "length"
+
+
+class _State:
+    """Per-batch tensors of the rows still decoding; `rows` maps them back to the caller's prompt order."""
+
+    def __init__(self, *, rows, keys, target_cache, target_mask, draft_cache, anchor, anchor_pos,
+                 response_len) -> None:
+        self.rows, self.keys = rows, keys
+        self.target_cache, self.target_mask, self.draft_cache = target_cache, target_mask, draft_cache
+        self.anchor, self.anchor_pos, self.response_len = anchor, anchor_pos, response_len
+
+    def select(self, keep: torch.Tensor) -> None:
+        for name in ("rows", "keys", "target_mask", "anchor", "anchor_pos", "response_len"):
+            setattr(self, name, getattr(self, name)[keep])
+        if len(keep):
+            self.target_cache.batch_select_indices(keep)
+            self.draft_cache.select(keep)
