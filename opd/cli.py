@@ -38,10 +38,46 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    _spec_arguments(parser)
+    parser.add_argument("--draft", metavar="PATH", help="drafter dir in DFlash format, or 'random' "
+                        "(default: models.drafter_path)")
+    parser.add_argument("--prompts", metavar="FILE", help="jsonl prompts (default: data.eval_prompts)")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from opd.eval import run_eval
+
+    return run_eval(_load(args), args.draft, args.prompts, args.json)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from opd.train.local import run_train
+
+    return run_train(_load(args))
+
+
+def _build_tiny_arguments(parser: argparse.ArgumentParser) -> None:
+    """The builder parses its own options (--steps, --out-dir, ...): they are forwarded untouched."""
+    parser.set_defaults(forwards_options=True)
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from opd.tiny.build import main as build_tiny
+
+    return build_tiny(args.forwarded)
+
+
 # name -> (one-line help, argument setup, handler). Later commands (train, eval, sft, build-tiny, run,
 # reproduce) add one row here and one handler that imports its module inside the function.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check a spec and print it fully resolved as YAML", _spec_arguments, _validate),
+    "eval": ("measure τ, acceptance and speedup of a drafter on held-out prompts", _eval_arguments, _eval),
+    "train": ("train a drafter with Draft-OPD (engine local or ray); resumes from the last checkpoint",
+              _spec_arguments, _train),
+    "build-tiny": ("rebuild the shipped tiny target (tokenizer, prompts, weights, card); resumable",
+                   _build_tiny_arguments, _build_tiny),
 }
 
 
@@ -51,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="opd", description="Draft-OPD: on-policy distillation of DFlash speculative-decoding drafters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, handler) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        forwards = add_arguments is _build_tiny_arguments
+        command = sub.add_parser(name, help=help_text, description=help_text, add_help=not forwards)
         add_arguments(command)
         command.set_defaults(handler=handler)
     return parser
@@ -59,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `opd` command; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, forwarded = parser.parse_known_args(argv)
+    if forwarded and not getattr(args, "forwards_options", False):
+        parser.error(f"unrecognized arguments: {' '.join(forwarded)}")
+    args.forwarded = forwarded
     try:
         return args.handler(args)
     except OpdError as exc:

@@ -399,11 +399,16 @@ class ExperimentSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
+        issues = []
         per_step = self.optim.micro_batch_size * self.resources.learner.replicas
         if self.optim.batch_size % per_step:
-            _issues([f"optim.batch_size: {self.optim.batch_size} is not divisible by optim.micro_batch_size "
-                     f"{self.optim.micro_batch_size} x resources.learner.replicas {self.resources.learner.replicas}"
-                     f" = {per_step} (expected a multiple of {per_step})"])
+            issues.append(f"optim.batch_size: {self.optim.batch_size} is not divisible by optim.micro_batch_size "
+                          f"{self.optim.micro_batch_size} x resources.learner.replicas "
+                          f"{self.resources.learner.replicas} = {per_step} (expected a multiple of {per_step})")
+        if self.optim.batch_size % self.rollout.batch_size:
+            issues.append(f"optim.batch_size: {self.optim.batch_size} is not a multiple of rollout.batch_size "
+                          f"{self.rollout.batch_size} (a step trains on whole rollout batches)")
+        _issues(issues)
         return self
 
     @property

@@ -63,6 +63,8 @@ MALFORMED = [
     ("base not a path", "base: [a, b]\n", [], {}, "spec.yaml: base: got ['a', 'b']"),
     ("batch not divisible", on_tiny("optim: {batch_size: 8, micro_batch_size: 3}"), [], {},
      "optim.batch_size: 8 is not divisible by optim.micro_batch_size 3"),
+    ("batch not whole rollout batches", on_tiny("optim: {batch_size: 12}"), [], {},
+     "optim.batch_size: 12 is not a multiple of rollout.batch_size 8"),
     ("lambdas both zero", on_tiny("loss: {lambda_acc: 0, lambda_rej: 0}"), [], {}, "loss.lambda_rej: lambda_acc + "),
     ("negative temperature", on_tiny("rollout: {temperature: -0.5}"), [], {}, "rollout.temperature: got -0.5"),
     ("eval top_p 0", on_tiny("eval: {sampling: [{name: g, top_p: 0}]}"), [], {}, "eval.sampling[0].top_p: got 0"),

@@ -72,13 +72,13 @@ def test_ablation_differs_from_base_in_one_field(path: Path) -> None:
 
 
 def test_base_chain_merges_deeply_and_child_wins(tmp_path: Path) -> None:
-    write(tmp_path / "a.yaml", {**MINIMAL, "optim": {"lr": 1e-3, "batch_size": 4}, "models": {
+    write(tmp_path / "a.yaml", {**MINIMAL, "optim": {"lr": 1e-3, "batch_size": 16}, "models": {
         "target_path": "t", "drafter_path": "d", "drafter": {"block_size": 8, "num_layers": 2}}})
     (tmp_path / "sub").mkdir()
     write(tmp_path / "sub" / "b.yaml", {"base": "../a.yaml", "optim": {"lr": 2e-3}, "models": {"drafter_path": None}})
     write(tmp_path / "c.yaml", {"base": "sub/b.yaml", "models": {"drafter": {"block_size": 4}}})
     spec = load_spec(tmp_path / "c.yaml", check_paths=False)
-    assert (spec.optim.lr, spec.optim.batch_size) == (2e-3, 4)
+    assert (spec.optim.lr, spec.optim.batch_size) == (2e-3, 16)
     assert spec.models.drafter_path is None and spec.models.target_path == "t"
     assert (spec.models.drafter.block_size, spec.models.drafter.num_layers) == (4, 2)
 

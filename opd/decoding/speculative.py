@@ -73,30 +73,32 @@ class SpeculativeDecoder:
 
     def _step(self, s: _State, records: list[SequenceRecord], sampling: Sampling, seed: int,
               max_new_tokens: int) -> None:
-        t0 = time.perf_counter()
+        clock = [time.perf_counter()]
         drafts, _ = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
-        t1 = time.perf_counter()
+        clock.append(time.perf_counter())
         k = drafts.shape[1] + 1
         block = torch.cat([s.anchor[:, None], drafts], 1)
         block_pos = s.anchor_pos[:, None] + torch.arange(k, device=block.device)
         mask = torch.cat([s.target_mask, torch.ones_like(block)], 1)
         out = self.target(block, attention_mask=mask, position_ids=block_pos, past_key_values=s.target_cache,
                           use_cache=True)
+        clock.append(time.perf_counter())
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
         verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
-        t2 = time.perf_counter()
         kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
+        clock.append(time.perf_counter())
         self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept)
-        t3 = time.perf_counter()
+        clock.append(time.perf_counter())
         s.target_cache, s.target_mask = out.past_key_values, torch.cat([s.target_mask, kept.long()], 1)
         self._record(s, records, drafts, verdict.accepted, verdict.bonus)
         s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
         s.response_len = s.response_len + verdict.accepted + 1
         self._drop_finished(s, records, max_new_tokens)
-        t4 = time.perf_counter()
-        self.timings["draft"] += (t1 - t0) + (t3 - t2)
-        self.timings["verify"] += t2 - t1
-        self.timings["bookkeeping"] += t4 - t3
+        clock.append(time.perf_counter())
+        # "draft" and "verify" are the two models' forwards; everything else is bookkeeping.
+        self.timings["draft"] += (clock[1] - clock[0]) + (clock[4] - clock[3])
+        self.timings["verify"] += clock[2] - clock[1]
+        self.timings["bookkeeping"] += (clock[3] - clock[2]) + (clock[5] - clock[4])
         self.timings["steps"] += 1
 
     def _record(self, s: _State, records: list[SequenceRecord], drafts: torch.Tensor, accepted: torch.Tensor,

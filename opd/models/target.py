@@ -162,6 +162,9 @@ def load_target(
 ) -> Target:
     """Load a local HF causal LM directory as a frozen `Target` (no hub access)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-tensor loading bar is noise next to our own progress bars
 
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")

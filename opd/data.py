@@ -1,0 +1,101 @@
+"""Prompt files and the tokenizer: checked up front, so bad input fails before any compute, naming the line.
+
+A prompt file is jsonl, one object per line with a unique `id` and a non-empty `prompt` string (other fields,
+such as a reference answer, are kept but unused). With `skip_bad_lines` a few bad lines are skipped and counted
+instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opd.errors import OpdError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    ids: list[int]
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt]
+    skipped: list[str] = field(default_factory=list)  # one "file:line: why" per skipped line
+
+
+def load_tokenizer(path: str):
+    """A local HF tokenizer that has the eos and mask tokens a DFlash drafter needs."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise OpdError(f"tokenizer: {path} is not a directory (expected a local HF tokenizer)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise OpdError(f"tokenizer {path}: {str(exc).strip().splitlines()[0]}") from exc
+    if tokenizer.eos_token_id is None:
+        raise OpdError(f"tokenizer {path}: no eos token (set eos_token in tokenizer_config.json)")
+    return tokenizer
+
+
+def mask_token_id(tokenizer, override: int | None) -> int:
+    """The drafter's mask token: the spec's `models.drafter.mask_token_id`, else the tokenizer's mask token."""
+    if override is not None:
+        return override
+    if tokenizer.mask_token_id is None:
+        raise OpdError("tokenizer has no mask token: add one or set models.drafter.mask_token_id")
+    return tokenizer.mask_token_id
+
+
+def load_prompts(path: str, tokenizer, *, max_prompt_tokens: int, skip_bad_lines: bool = False,
+                 limit: int | None = None) -> PromptSet:
+    """Parse, validate and tokenize a prompt file; raises OpdError on the first bad line unless skipping."""
+    file = Path(path)
+    if not file.is_file():
+        raise OpdError(f"prompts: {path} not found (expected a jsonl file with id and prompt fields)")
+    result, seen = PromptSet([]), set()
+    for number, raw in enumerate(file.read_bytes().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            prompt = _parse_line(raw, tokenizer, max_prompt_tokens, seen)
+        except ValueError as exc:
+            where = f"{path}:{number}: {exc}"
+            if not skip_bad_lines:
+                raise OpdError(where + " (set data.skip_bad_lines: true to skip such lines)") from None
+            result.skipped.append(where)
+            continue
+        seen.add(prompt.id)
+        result.prompts.append(prompt)
+        if limit is not None and len(result.prompts) == limit:
+            break
+    if not result.prompts:
+        raise OpdError(f"prompts: {path} has no usable prompt ({len(result.skipped)} lines skipped)")
+    return result
+
+
+def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str]) -> Prompt:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError("expected a JSON object with id and prompt")
+    for name in ("id", "prompt"):
+        if name not in record:
+            raise ValueError(f"missing field '{name}'")
+    if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+        raise ValueError("empty prompt (expected a non-empty string)")
+    prompt_id = str(record["id"])
+    if prompt_id in seen:
+        raise ValueError(f"duplicate id '{prompt_id}'")
+    ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+    if len(ids) > max_prompt_tokens:
+        raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
+    return Prompt(prompt_id, record["prompt"], ids)

@@ -1,0 +1,65 @@
+"""Shared fixtures: micro models written to disk as real HF/DFlash directories, so the loaders, the CLI and the
+trainers run their real code paths in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+torch.set_num_threads(1)  # tests are tiny; fewer threads means less contention on 2-core CI machines
+
+
+def _write_prompts(path: Path, problems) -> None:
+    path.write_text("".join(json.dumps({"id": p.id, "prompt": p.prompt}) + "\n" for p in problems))
+
+
+@pytest.fixture(scope="session")
+def micro_assets(tmp_path_factory) -> dict[str, str]:
+    """A 96-token BPE tokenizer, a float32 micro Qwen3 target, a random drafter and prompt files."""
+    from opd.models.drafter import DFlashConfig, DFlashDrafter
+    from opd.tiny.build import build_tokenizer
+    from opd.tiny.math_corpus import generate
+    from opd.tiny.micro import micro_target
+
+    root = tmp_path_factory.mktemp("micro")
+    problems = generate(7, 400)
+    tokenizer = build_tokenizer([p.prompt + p.response for p in problems], vocab_size=96)
+    target = micro_target(seed=0, vocab_size=len(tokenizer), num_layers=4, dtype=torch.float32, layer_ids=[1, 2])
+    target.model.config.eos_token_id = tokenizer.eos_token_id
+    target.model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    config = DFlashConfig.for_target(target.config, num_layers=1, block_size=4,
+                                     mask_token_id=tokenizer.mask_token_id, target_layer_ids=[1, 2])
+    torch.manual_seed(0)
+    DFlashDrafter(config, target.embed_tokens, target.lm_head).save_pretrained(root / "drafter")
+    short = [p for p in generate(8, 200) if len(tokenizer(p.prompt)["input_ids"]) < 120]
+    _write_prompts(root / "train.jsonl", short[:40])
+    _write_prompts(root / "heldout.jsonl", short[40:48])
+    return {"root": str(root), "target": str(root / "target"), "drafter": str(root / "drafter"),
+            "train": str(root / "train.jsonl"), "heldout": str(root / "heldout.jsonl")}
+
+
+@pytest.fixture
+def micro_spec_file(micro_assets, tmp_path) -> Path:
+    """A complete spec for the micro assets (engine local, a few steps), written as YAML in tmp_path."""
+    spec = {
+        "name": "micro", "seed": 0, "engine": "local", "steps": 4,
+        "models": {"target_path": micro_assets["target"], "drafter_path": micro_assets["drafter"],
+                   "dtype": "float32", "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 2]}},
+        "data": {"train_prompts": micro_assets["train"], "eval_prompts": micro_assets["heldout"],
+                 "max_prompt_tokens": 200},
+        "rollout": {"batch_size": 2, "max_new_tokens": 12, "temperature": 1.0},
+        "optim": {"lr": 1e-3, "batch_size": 4, "micro_batch_size": 2, "warmup_ratio": 0.0},
+        "resources": {"cluster": {"num_cpus": 2}, "rollout": {"num_cpus": 0.5}, "scorer": {"num_cpus": 0.5},
+                      "learner": {"num_cpus": 0.5}},
+        "tracking": {"run_dir": str(tmp_path / "runs" / "{name}"), "checkpoint_every": 2},
+        "eval": {"every": 2, "num_prompts": 4, "max_new_tokens": 8, "batch_size": 4,
+                 "sampling": [{"name": "greedy", "temperature": 0.0}]},
+    }
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
