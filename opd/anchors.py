@@ -1,0 +1,47 @@
+"""The random-anchor ablation: blocks drafted at random response positions instead of at verification anchors.
+
+It keeps the `SequenceRecord` format, so scorer and learner never know which mode produced a batch. The blocks
+are drafted by the current drafter on the target's features of the committed sequence, and their acceptance is
+what verification would have given: the length of the prefix that matches the committed continuation (the
+committed text is a target sample, so "sample the target and accept while equal" is the acceptance rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from opd.decoding.record import SequenceRecord
+from opd.models.drafter import DFlashDrafter
+from opd.models.target import Target
+
+
+@torch.no_grad()
+def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: SequenceRecord, num_anchors: int,
+                              generator: torch.Generator) -> SequenceRecord:
+    """A copy of `record` whose blocks start at random valid anchors (a and a+1 both response tokens)."""
+    response, k1 = record.response_ids, drafter.block_size - 1
+    candidates = len(response) - 1
+    if candidates < 1:
+        return replace(record, anchors=[], drafts=[], accepted=[])
+    pick = torch.randperm(candidates, generator=generator)[: min(num_anchors, candidates)].sort().values.tolist()
+    committed = torch.tensor([record.prompt_ids + response], device=target.device)
+    features = target(committed).features
+    prompt_len = len(record.prompt_ids)
+    block_ids = torch.full((1, len(pick), k1 + 1), drafter.mask_token_id, dtype=torch.long, device=target.device)
+    block_ids[0, :, 0] = torch.tensor([response[a] for a in pick])
+    anchor_positions = torch.tensor([[prompt_len + a for a in pick]], device=target.device)
+    context = drafter.project_context(features.to(drafter.fc.weight.dtype))
+    valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
+    hidden = drafter.forward_blocks(context, valid, block_ids, anchor_positions)
+    drafts = drafter.logits(hidden[0, :, 1:]).argmax(-1).tolist()
+    accepted = [_matching_prefix(d, response[a + 1 : a + 1 + k1]) for a, d in zip(pick, drafts)]
+    return replace(record, anchors=pick, drafts=drafts, accepted=accepted)
+
+
+def _matching_prefix(draft: list[int], committed: list[int]) -> int:
+    n = 0
+    while n < len(committed) and draft[n] == committed[n]:
+        n += 1
+    return n
