@@ -1,0 +1,1 @@
+"""Training: the learner, the rollout worker, checkpoints, the local loop and the SFT stage."""

@@ -1,0 +1,96 @@
+"""The rollout worker: target-assisted speculative decoding over the prompt pool, emitting `AnchorBatch`es.
+
+The data cursor is just the rollout batch index: batch i always holds the same prompts (epochs are reshuffled
+with a seeded permutation), so a resumed run or a restarted actor re-produces exactly what it would have.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from opd.anchors import redraft_at_random_anchors
+from opd.data import Prompt
+from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.models.drafter import DFlashDrafter
+from opd.models.target import Target
+from opd.spec import ExperimentSpec
+from opd.train.flops import FlopCounter, drafter_matmul_params, target_matmul_params
+
+
+@dataclass
+class AnchorBatch:
+    """Rollout output: token ids and small integers only, cheap to move between nodes."""
+
+    index: int  # rollout batch number (the data cursor)
+    draft_version: int
+    records: list[SequenceRecord]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.response_ids) for r in self.records)
+
+
+def prompt_key(prompt_id: str, epoch: int = 0) -> int:
+    """A stable integer per (prompt, epoch): its keyed random numbers are the same in every run and actor."""
+    return zlib.crc32(f"{prompt_id}#{epoch}".encode())
+
+
+class RolloutWorker:
+    def __init__(self, spec: ExperimentSpec, target: Target, drafter: DFlashDrafter, eos_id: int,
+                 prompts: list[Prompt], draft_version: int = 0) -> None:
+        self.spec, self.prompts = spec, prompts
+        self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version)
+        self.flops = FlopCounter()
+        self._target_params, self._drafter_params = target_matmul_params(target.model), drafter_matmul_params(drafter)
+        self._perms: dict[int, list[int]] = {}
+
+    @property
+    def draft_version(self) -> int:
+        return self.decoder.draft_version
+
+    def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.decoder.load_drafter(state_dict, version)
+
+    def prompts_for(self, index: int) -> list[tuple[Prompt, int]]:
+        """The (prompt, epoch) pairs of rollout batch `index`."""
+        size, n = self.spec.rollout.batch_size, len(self.prompts)
+        out = []
+        for g in range(index * size, (index + 1) * size):
+            epoch = g // n
+            if epoch not in self._perms:
+                gen = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + epoch)
+                self._perms[epoch] = torch.randperm(n, generator=gen).tolist()
+            out.append((self.prompts[self._perms[epoch][g % n]], epoch))
+        return out
+
+    def run(self, index: int) -> AnchorBatch:
+        r = self.spec.rollout
+        chosen = self.prompts_for(index)
+        records = self.decoder.generate(
+            [p.ids for p, _ in chosen], Sampling(r.temperature, r.top_k, r.top_p), max_new_tokens=r.max_new_tokens,
+            seed=self.spec.seed * 7919 + index, keys=[prompt_key(p.id, e) for p, e in chosen])
+        self._count_flops(records)
+        if self.spec.replay.anchors == "random":
+            records = self._redraft(records, index)
+        return AnchorBatch(index, self.draft_version, records)
+
+    def _redraft(self, records: list[SequenceRecord], index: int) -> list[SequenceRecord]:
+        gen = torch.Generator().manual_seed(self.spec.seed * 104_729 + index)
+        per_seq = self.spec.replay.random_anchors_per_seq
+        target, drafter = self.decoder.target, self.decoder.drafter
+        out = [redraft_at_random_anchors(target, drafter, rec, per_seq or len(rec.anchors), gen) for rec in records]
+        for rec in out:
+            self.flops.add_target(self._target_params, len(rec.prompt_ids) + len(rec.response_ids))
+            self.flops.add_drafter(self._drafter_params, len(rec.anchors) * drafter.block_size, train=False)
+        return out
+
+    def _count_flops(self, records: list[SequenceRecord]) -> None:
+        k = self.decoder.drafter.block_size
+        for rec in records:
+            self.flops.add_target(self._target_params, len(rec.prompt_ids) + k * rec.num_steps)
+            self.flops.add_drafter(self._drafter_params, k * rec.num_steps, train=False)
