@@ -58,6 +58,17 @@ def _train(args: argparse.Namespace) -> int:
     return run_train(_load(args))
 
 
+def _sft_arguments(parser: argparse.ArgumentParser) -> None:
+    _spec_arguments(parser)
+    parser.add_argument("--out", metavar="DIR", help="where to save the drafter (default: RUN_DIR/drafter)")
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from opd.train.sft import run_sft
+
+    return run_sft(_load(args), args.out)
+
+
 def _build_tiny_arguments(parser: argparse.ArgumentParser) -> None:
     """The builder parses its own options (--steps, --out-dir, ...): they are forwarded untouched."""
     parser.set_defaults(forwards_options=True)
@@ -76,6 +87,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "eval": ("measure τ, acceptance and speedup of a drafter on held-out prompts", _eval_arguments, _eval),
     "train": ("train a drafter with Draft-OPD (engine local or ray); resumes from the last checkpoint",
               _spec_arguments, _train),
+    "sft": ("SFT a drafter on target responses (the warm start, or continued SFT with sft.max_flops)",
+            _sft_arguments, _sft),
     "build-tiny": ("rebuild the shipped tiny target (tokenizer, prompts, weights, card); resumable",
                    _build_tiny_arguments, _build_tiny),
 }
