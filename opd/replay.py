@@ -164,3 +164,12 @@ def student_logits(drafter: DFlashDrafter, batch: ScoredBatch) -> torch.Tensor:
     context = drafter.project_context(batch.features.to(drafter.fc.weight.dtype))
     hidden = drafter.forward_blocks(context, batch.context_valid, block_ids, batch.anchor_positions)
     return drafter.logits(hidden[batch.block_valid][:, 1:])
+
+
+def score_micro_batches(target: Target, batch, spec) -> list[ScoredBatch]:
+    """An AnchorBatch scored in chunks of `optim.micro_batch_size` records, as the learner consumes them."""
+    micro, r = spec.optim.micro_batch_size, spec.replay
+    records = batch.records
+    return [score(target, records[i : i + micro], block_size=spec.models.drafter.block_size, mode=spec.rollout.mode,
+                  teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk)
+            for i in range(0, len(records), micro)]

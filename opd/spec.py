@@ -304,6 +304,9 @@ class ResourcesSpec(_Section):
                   "place a fraction above 1)"
                   for name, role in roles.items() if role.num_gpus > 1 and role.num_gpus % 1]
         issues += _fit(roles, "num_gpus", self.cluster.num_gpus)
+        if self.max_policy_lag < self.broadcast_every - 1:
+            issues.append(f"max_policy_lag: {self.max_policy_lag} with broadcast_every {self.broadcast_every} would "
+                          f"discard every batch between broadcasts (expected at least {self.broadcast_every - 1})")
         if self.cluster.num_cpus is not None:
             issues += _fit(roles, "num_cpus", self.cluster.num_cpus)
         _issues(issues)

@@ -63,6 +63,8 @@ MALFORMED = [
     ("base not a path", "base: [a, b]\n", [], {}, "spec.yaml: base: got ['a', 'b']"),
     ("batch not divisible", on_tiny("optim: {batch_size: 8, micro_batch_size: 3}"), [], {},
      "optim.batch_size: 8 is not divisible by optim.micro_batch_size 3"),
+    ("lag below broadcast period", on_tiny("resources: {broadcast_every: 3, max_policy_lag: 1}"), [], {},
+     "resources.max_policy_lag: 1 with broadcast_every 3"),
     ("batch not whole rollout batches", on_tiny("optim: {batch_size: 12}"), [], {},
      "optim.batch_size: 12 is not a multiple of rollout.batch_size 8"),
     ("lambdas both zero", on_tiny("loss: {lambda_acc: 0, lambda_rej: 0}"), [], {}, "loss.lambda_rej: lambda_acc + "),

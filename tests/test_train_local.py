@@ -10,8 +10,7 @@ from opd.train.local import LocalTrainer
 
 def test_learner_lowers_the_loss_on_a_fixed_batch(micro_spec_file):
     trainer = LocalTrainer(load_spec(micro_spec_file))
-    batches = [trainer.rollout.run(i) for i in range(2)]
-    scored = [trainer.score([r for b in batches for r in b.records])]
+    scored = trainer.score_batch(trainer.rollout.run(0)) + trainer.score_batch(trainer.rollout.run(1))
     losses = [trainer.learner.train_step(scored).loss for _ in range(12)]
     assert losses[-1] < 0.7 * losses[0], losses
 

@@ -17,7 +17,7 @@ from opd.eval import EvalRow, evaluate
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
 from opd.progress import progress_bar
-from opd.replay import score
+from opd.replay import ScoredBatch, score_micro_batches
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
 from opd.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
@@ -78,20 +78,18 @@ class LocalTrainer:
     def train_step(self) -> tuple[StepMetrics, list[AnchorBatch]]:
         step = self.learner.step
         batches = [self.rollout.run(step * self.per_step + j) for j in range(self.per_step)]
-        records = [r for b in batches for r in b.records]
-        micro = self.spec.optim.micro_batch_size
-        scored = [self.score(records[i : i + micro]) for i in range(0, len(records), micro)]
+        scored = [s for b in batches for s in self.score_batch(b)]
         metrics = self.learner.train_step(scored)
         if self.learner.step % self.spec.resources.broadcast_every == 0:
             self.rollout.load_drafter(self.learner.drafter.state_dict(), self.learner.step)
         return metrics, batches
 
-    def score(self, records):
-        r = self.spec.replay
-        batch = score(self.models.target, records, block_size=self.learner.drafter.block_size,
-                      mode=self.spec.rollout.mode, teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk)
-        self.learner.flops.add_target(self.target_params, int(batch.features.shape[0] * batch.features.shape[1]))
-        return batch
+    def score_batch(self, batch: AnchorBatch) -> list[ScoredBatch]:
+        """Teacher replay of one rollout batch, in micro-batches (the scorer actor does exactly this)."""
+        scored = score_micro_batches(self.models.target, batch, self.spec)
+        for s in scored:
+            self.learner.flops.add_target(self.target_params, int(s.context_valid.shape[0] * s.features.shape[1]))
+        return scored
 
     # -- evaluation, checkpoints -------------------------------------------------------------------------------
 
