@@ -10,35 +10,36 @@ from opd.train.local import LocalTrainer
 
 def test_learner_lowers_the_loss_on_a_fixed_batch(micro_spec_file):
     trainer = LocalTrainer(load_spec(micro_spec_file))
-    scored = trainer.score_batch(trainer.rollout.run(0)) + trainer.score_batch(trainer.rollout.run(1))
+    scored = [mb for i in range(2) for mb in trainer.scorer(trainer.rollout.run(i)).micro_batches]
     losses = [trainer.learner.train_step(scored).loss for _ in range(12)]
     assert losses[-1] < 0.7 * losses[0], losses
 
 
 def test_a_step_changes_only_the_drafter(micro_spec_file):
     trainer = LocalTrainer(load_spec(micro_spec_file))
-    target_before = {k: v.clone() for k, v in trainer.models.target.model.state_dict().items()}
+    target = trainer.session.models.target
+    target_before = {k: v.clone() for k, v in target.model.state_dict().items()}
     drafter_before = {k: v.clone() for k, v in trainer.learner.drafter.state_dict().items()}
     trainer.train_step()
-    for k, v in trainer.models.target.model.state_dict().items():
+    for k, v in target.model.state_dict().items():
         assert torch.equal(v, target_before[k]), k  # embedding and LM head included
     changed = [k for k, v in trainer.learner.drafter.state_dict().items() if not torch.equal(v, drafter_before[k])]
-    assert changed and all(p.grad is None for p in trainer.models.target.model.parameters())
+    assert changed and all(p.grad is None for p in target.model.parameters())
 
 
 def test_resume_reaches_the_same_state_as_an_uninterrupted_run(micro_spec_file, tmp_path):
     spec = load_spec(micro_spec_file)
-    straight = LocalTrainer(spec).run(track=False)
+    straight = LocalTrainer(spec, track=False).run()
     assert straight.steps == spec.steps and set(straight.evals) == {0, 2, 4}
     crashed = load_spec(micro_spec_file, [f"tracking.run_dir={tmp_path / 'crash'}"])
-    first = LocalTrainer(crashed).run(track=False, stop_after=3)  # dies after step 3; last checkpoint is step 2
+    first = LocalTrainer(crashed, track=False).run(stop_after=3)  # dies after step 3; last checkpoint is step 2
     assert first.steps == 3
-    resumed = LocalTrainer(crashed)
-    second = resumed.run(track=False)
+    resumed = LocalTrainer(crashed, track=False)
+    second = resumed.run()
     assert second.steps == spec.steps and len(second.losses) == 2  # steps 3 and 4 again, nothing skipped
     assert second.losses == straight.losses[2:]
-    a = LocalTrainer(spec)
-    a.resume()
+    a = LocalTrainer(spec, track=False)
+    a.session.start()
     for k, v in a.learner.drafter.state_dict().items():
         assert torch.allclose(v, resumed.learner.drafter.state_dict()[k], atol=1e-6), k
 

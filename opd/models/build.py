@@ -27,6 +27,13 @@ class Models:
         return self.tokenizer.eos_token_id
 
 
+def build_target(spec: ExperimentSpec) -> Target:
+    """The frozen target alone (what a replay scorer needs)."""
+    m = spec.models
+    return load_target(m.target_path, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation,
+                       layer_ids=m.layer_ids or [])
+
+
 def build_models(spec: ExperimentSpec, drafter_path: str | None = None, *, seed: int | None = None) -> Models:
     """The frozen target, its tokenizer and a drafter: loaded from `drafter_path` (default: the spec's warm
     drafter) or, when the path is "random" or no drafter is configured, freshly initialised from `seed`."""
@@ -35,8 +42,7 @@ def build_models(spec: ExperimentSpec, drafter_path: str | None = None, *, seed:
     if path not in (None, "random") and not (Path(path) / "config.json").is_file():
         raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash drafter directory or 'random')")
     tokenizer = load_tokenizer(m.tokenizer)
-    target = load_target(m.target_path, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation,
-                         layer_ids=m.layer_ids or [])
+    target = build_target(spec)
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")

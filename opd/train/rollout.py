@@ -29,6 +29,7 @@ class AnchorBatch:
     index: int  # rollout batch number (the data cursor)
     draft_version: int
     records: list[SequenceRecord]
+    flops: FlopCounter  # what producing it cost (target and drafter forwards)
 
     @property
     def tokens(self) -> int:
@@ -45,7 +46,6 @@ class RolloutWorker:
                  prompts: list[Prompt], draft_version: int = 0) -> None:
         self.spec, self.prompts = spec, prompts
         self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version)
-        self.flops = FlopCounter()
         self._target_params, self._drafter_params = target_matmul_params(target.model), drafter_matmul_params(drafter)
         self._perms: dict[int, list[int]] = {}
 
@@ -74,23 +74,24 @@ class RolloutWorker:
         records = self.decoder.generate(
             [p.ids for p, _ in chosen], Sampling(r.temperature, r.top_k, r.top_p), max_new_tokens=r.max_new_tokens,
             seed=self.spec.seed * 7919 + index, keys=[prompt_key(p.id, e) for p, e in chosen])
-        self._count_flops(records)
+        flops = self._decode_flops(records)
         if self.spec.replay.anchors == "random":
-            records = self._redraft(records, index)
-        return AnchorBatch(index, self.draft_version, records)
+            records = self._redraft(records, index, flops)
+        return AnchorBatch(index, self.draft_version, records, flops)
 
-    def _redraft(self, records: list[SequenceRecord], index: int) -> list[SequenceRecord]:
+    def _redraft(self, records: list[SequenceRecord], index: int, flops: FlopCounter) -> list[SequenceRecord]:
         gen = torch.Generator().manual_seed(self.spec.seed * 104_729 + index)
         per_seq = self.spec.replay.random_anchors_per_seq
         target, drafter = self.decoder.target, self.decoder.drafter
         out = [redraft_at_random_anchors(target, drafter, rec, per_seq or len(rec.anchors), gen) for rec in records]
         for rec in out:
-            self.flops.add_target(self._target_params, len(rec.prompt_ids) + len(rec.response_ids))
-            self.flops.add_drafter(self._drafter_params, len(rec.anchors) * drafter.block_size, train=False)
+            flops.add_target(self._target_params, len(rec.prompt_ids) + len(rec.response_ids))
+            flops.add_drafter(self._drafter_params, len(rec.anchors) * drafter.block_size, train=False)
         return out
 
-    def _count_flops(self, records: list[SequenceRecord]) -> None:
-        k = self.decoder.drafter.block_size
+    def _decode_flops(self, records: list[SequenceRecord]) -> FlopCounter:
+        flops, k = FlopCounter(), self.decoder.drafter.block_size
         for rec in records:
-            self.flops.add_target(self._target_params, len(rec.prompt_ids) + k * rec.num_steps)
-            self.flops.add_drafter(self._drafter_params, k * rec.num_steps, train=False)
+            flops.add_target(self._target_params, len(rec.prompt_ids) + k * rec.num_steps)
+            flops.add_drafter(self._drafter_params, k * rec.num_steps, train=False)
+        return flops

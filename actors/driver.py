@@ -1,0 +1,149 @@
+"""The driver for `engine: ray`: place the roles, wire the queues, run to the step budget, shut down cleanly.
+
+rollout-i ──anchors queue──► scorer-j ──scored queue──► learner
+    ▲                                                      │
+    └────────────── WeightStore (versioned snapshot) ◄─────┘
+
+Rollout actors and scorers loop on their own; the driver only advances the learner step by step (for the
+progress bar) and watches for a role that died. Restarting the driver resumes from the learner's last
+checkpoint: the data cursor is the step, so the same batches are re-produced.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.learner import LearnerActor
+from actors.queues import BatchQueue
+from actors.rollout import RolloutActor
+from actors.scorer import ReplayScorerActor
+from actors.weight_store import WeightStore
+from opd.errors import OpdError
+from opd.progress import progress_bar
+from opd.spec import ExperimentSpec, RoleSpec
+from opd.train.local import TrainResult, progress_columns
+
+
+def init_ray(spec: ExperimentSpec) -> None:
+    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it), else start a local Ray sized by the spec."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        return
+    cluster = spec.resources.cluster
+    ray.init(num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus, include_dashboard=True,
+             configure_logging=False, log_to_driver=True)
+
+
+def _bundle(role: RoleSpec) -> dict[str, float]:
+    bundle = {"CPU": role.num_cpus}
+    if role.num_gpus:
+        bundle["GPU"] = role.num_gpus
+    return bundle
+
+
+def place(spec: ExperimentSpec, timeout_s: float = 60.0):
+    """Two placement groups: the learner with its scorers packed on one node (heavy tensors never cross the
+    network), and the rollout replicas spread wherever they fit. Refused here if the cluster cannot hold them."""
+    r = spec.resources
+    learner_pg = placement_group([_bundle(r.learner)] + [_bundle(r.scorer)] * r.scorer.replicas,
+                                 strategy="STRICT_PACK", name="opd-learner")
+    rollout_pg = placement_group([_bundle(r.rollout)] * r.rollout.replicas, strategy="PACK", name="opd-rollout")
+    ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
+    if len(ready) < 2:
+        for pg in (learner_pg, rollout_pg):
+            remove_placement_group(pg)
+        raise OpdError(f"resources: the cluster cannot place the roles within {timeout_s:.0f}s "
+                       f"(available: {ray.available_resources()}); reduce replicas or GPUs/CPUs per role")
+    return learner_pg, rollout_pg
+
+
+def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
+    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": 3,
+            "max_concurrency": 2,  # so a test or the dashboard can query an actor while its loop runs
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+
+
+class RayRun:
+    """All actors of one run; `train()` advances to the step budget, `shutdown()` always runs."""
+
+    def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
+        self.spec = spec
+        init_ray(spec)
+        r, as_dict = spec.resources, spec.model_dump(mode="json")
+        self.learner_pg, self.rollout_pg = place(spec)
+        self.store = WeightStore.options(name="weights").remote()
+        self.anchors = BatchQueue("anchors", r.queue_size)
+        self.scored = BatchQueue("scored", r.queue_size)
+        self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
+            as_dict, self.store, self.scored, track)
+        self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, i + 1, r.scorer, f"scorer-{i}")).remote(
+            as_dict, self.store, self.anchors, self.scored) for i in range(r.scorer.replicas)]
+        self.rollouts = [RolloutActor.options(**_on(self.rollout_pg, i, r.rollout, f"rollout-{i}")).remote(
+            as_dict, f"rollout-{i}", self.store, self.anchors) for i in range(r.rollout.replicas)]
+        self.loops: list = []
+
+    def start(self) -> int:
+        step = ray.get(self.learner.start.remote())
+        per_step = self.spec.optim.batch_size // self.spec.rollout.batch_size
+        replicas = len(self.rollouts)
+        self.loops = [s.run.remote() for s in self.scorers]
+        self.loops += [a.run.remote(step * per_step + i, replicas) for i, a in enumerate(self.rollouts)]
+        return step
+
+    def train(self, until: int) -> list[dict]:
+        """Advance the learner to step `until`, watching the other roles while it works."""
+        pending = self.learner.train.remote(until)
+        while not ray.wait([pending], timeout=1.0)[0]:
+            self._check_loops()
+        return ray.get(pending)
+
+    def _check_loops(self) -> None:
+        """A role loop that ended while training runs has failed: surface its error instead of hanging."""
+        done, _ = ray.wait(self.loops, timeout=0)
+        for ref in done:
+            ray.get(ref)  # raises the actor's error
+            raise OpdError("a rollout or scorer loop stopped unexpectedly")
+
+    def shutdown(self) -> None:
+        """Stop the loops, close the MLflow run, release every actor and placement group (also after a failure)."""
+        try:
+            ray.get(self.store.request_stop.remote())
+            ray.wait(self.loops, num_returns=len(self.loops), timeout=120)
+            ray.get(self.learner.close.remote())
+        except ray.exceptions.RayError:
+            pass  # a dead actor has nothing left to close; the error that killed it is already raised
+        finally:
+            for actor in [self.learner, *self.scorers, *self.rollouts, self.store]:
+                ray.kill(actor)
+            for q in (self.anchors, self.scored):
+                q.shutdown()
+            for pg in (self.learner_pg, self.rollout_pg):
+                remove_placement_group(pg)
+
+
+def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:
+    run = RayRun(spec, track=track)
+    try:
+        step = run.start()
+        result = TrainResult(steps=step, run_id=ray.get(run.learner.run_id.remote()))
+        with progress_bar(*progress_columns()) as bar:
+            task = bar.add_task("draft-opd (ray)", total=spec.steps, completed=step, loss=float("nan"),
+                                tau=float("nan"))
+            while step < spec.steps:
+                for report in run.train(step + 1):
+                    m, step = report["metrics"], report["step"]
+                    result.losses.append(m["loss"])
+                    result.checkpoint = report["checkpoint"] or result.checkpoint
+                    if report["evals"]:
+                        result.evals[step] = report["evals"]
+                    bar.update(task, completed=step, loss=m["loss"], tau=m["rollout_tau"])
+        result.steps = step
+        return result
+    finally:
+        run.shutdown()

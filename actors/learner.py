@@ -1,0 +1,87 @@
+"""LearnerActor: owns the `LearnerSession` (drafter, optimizer, checkpoints, MLflow) and publishes weights."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from actors.metrics import Metrics
+from actors.queues import BatchQueue
+from opd.spec import ExperimentSpec
+from opd.train.session import LearnerSession
+
+
+@ray.remote
+class LearnerActor:
+    def __init__(self, spec: dict, store, inbox: BatchQueue, track: bool = True) -> None:
+        self.spec = ExperimentSpec.model_validate(spec)
+        self.store, self.inbox = store, inbox
+        self.session = LearnerSession(self.spec, track=track)
+        self.per_step = self.spec.optim.batch_size // self.spec.rollout.batch_size
+        self.metrics = Metrics()
+
+    def start(self) -> int:
+        """Resume from the last checkpoint (if any), publish the current weights; returns the step."""
+        resumed = self.session.start()
+        if not resumed:
+            self.session.evaluate_and_log()
+        self._publish()
+        return self.session.step
+
+    def train(self, until: int) -> list[dict]:
+        """Take optimizer steps until `until`; one report (metrics, evals, checkpoint) per step."""
+        reports = []
+        while self.session.step < until:
+            items = self._collect()
+            report = self.session.train_step(items)
+            if self.session.published.version > ray.get(self.store.latest.remote())[0]:
+                self._publish()
+            self._record(report.metrics)
+            reports.append({"step": report.step, "metrics": report.metrics, "checkpoint": report.checkpoint,
+                            "evals": report.evals})
+        return reports
+
+    def _collect(self) -> list:
+        """Whole rollout batches for one step; stale ones are counted and dropped, never trained on."""
+        items = []
+        while len(items) < self.per_step:
+            t0 = time.perf_counter()
+            item = self.inbox.get()
+            self.session.counters.idle_s += time.perf_counter() - t0
+            if self.session.is_stale(item):
+                self.session.discard(item)
+                self.metrics.record("opd_stale_batches_total", 1)
+                continue
+            self.metrics.record("opd_policy_lag", self.session.step - item.batch.draft_version)
+            items.append(item)
+        return items
+
+    def _publish(self) -> None:
+        t0 = time.perf_counter()
+        snapshot = self.session.published
+        ref = ray.put(snapshot)
+        ray.get(self.store.publish.remote(snapshot.version, [ref], snapshot.checksum))
+        self.metrics.record("opd_broadcast_s", time.perf_counter() - t0)
+
+    def _record(self, m: dict) -> None:
+        c = self.session.counters
+        self.metrics.record("opd_learner_step_s", m["step_time_s"])
+        self.metrics.record("opd_learner_idle_fraction", c.idle_s / max(1e-9, c.idle_s + c.busy_s))
+        for part, key in (("total", "loss"), ("acc", "loss_acc"), ("rej", "loss_rej")):
+            self.metrics.record("opd_loss", m[key], part=part)
+
+    def draft_state(self) -> tuple[int, dict]:
+        return self.session.published.version, self.session.drafter.state_dict()
+
+    def run_id(self) -> str | None:
+        return self.session.run_id
+
+    def counters(self) -> dict:
+        return vars(self.session.counters)
+
+    def evaluate(self, baseline: bool = True) -> list:
+        return self.session.evaluate(baseline=baseline)
+
+    def close(self) -> None:
+        self.session.close()

@@ -1,0 +1,67 @@
+"""Bounded queues of object references between the roles.
+
+The payload is `ray.put` once by the producer and only a wrapped reference travels through the queue (a bare
+ObjectRef would be resolved and copied into the queue actor). A full queue blocks the producer: nothing is
+dropped. Ray (since 2.56) no longer lets a producer hand ownership to another actor, so a payload dies with
+its producer; the consumer then gets `Lost` (with the batch index, which travels beside the reference) and the
+batch is re-produced from its deterministic data cursor instead of silently disappearing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.queue import Empty, Full, Queue
+
+
+class Stopped(Exception):
+    """The run is shutting down while a producer or consumer was waiting."""
+
+
+class Lost(Exception):
+    """The payload's owner (its producer) died before the consumer read it."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"batch {index} was lost with its producer")
+        self.index = index
+
+
+class BatchQueue:
+    def __init__(self, name: str, maxsize: int) -> None:
+        self.name = name
+        self.queue = Queue(maxsize=maxsize, actor_options={"name": f"queue-{name}", "num_cpus": 0})
+
+    def put(self, item: Any, index: int, stopped: Callable[[], bool] = lambda: False) -> float:
+        """Enqueue batch `index` (blocking while full); returns the seconds spent blocked."""
+        ref = ray.put(item)
+        start = time.perf_counter()
+        while True:
+            try:
+                self.queue.put((index, [ref]), timeout=1.0)
+                return time.perf_counter() - start
+            except Full:
+                if stopped():
+                    raise Stopped from None
+
+    def get(self, stopped: Callable[[], bool] = lambda: False) -> Any:
+        """Dequeue (blocking while empty) and fetch the payload."""
+        while True:
+            try:
+                index, wrapped = self.queue.get(timeout=1.0)
+            except Empty:
+                if stopped():
+                    raise Stopped from None
+                continue
+            try:
+                return ray.get(wrapped[0])
+            except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
+                raise Lost(index) from None
+
+    def depth(self) -> int:
+        return self.queue.qsize()
+
+    def shutdown(self) -> None:
+        self.queue.shutdown(force=True)

@@ -1,0 +1,78 @@
+"""RolloutActor: owns a `RolloutWorker` (target + drafter copy) and feeds the anchor queue."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from actors.metrics import Metrics
+from actors.queues import BatchQueue, Stopped
+from opd.acceptance import AcceptanceStats
+from opd.data import load_prompts
+from opd.models.build import build_models
+from opd.spec import ExperimentSpec
+from opd.train.rollout import RolloutWorker
+from opd.weights import WeightSnapshot
+
+
+def required_version(index: int, spec: ExperimentSpec) -> int:
+    """The oldest published version batch `index` may be drafted with: rollout never runs further ahead of the
+    learner than `max_policy_lag` allows, so (absent failures) the learner never has to discard a batch."""
+    r = spec.resources
+    step = index // (spec.optim.batch_size // spec.rollout.batch_size)
+    return max(0, (step - r.max_policy_lag) // r.broadcast_every * r.broadcast_every)
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(self, spec: dict, name: str, store, out: BatchQueue) -> None:
+        self.spec, self.name, self.store, self.out = ExperimentSpec.model_validate(spec), name, store, out
+        models = build_models(self.spec)
+        data = self.spec.data
+        prompts = load_prompts(data.train_prompts, models.tokenizer, max_prompt_tokens=data.max_prompt_tokens,
+                               skip_bad_lines=data.skip_bad_lines).prompts
+        self.worker = RolloutWorker(self.spec, models.target, models.drafter, models.eos_id, prompts, draft_version=-1)
+        self.metrics = Metrics()
+
+    def run(self, first_index: int, stride: int) -> int:
+        """Produce batches first_index, first_index + stride, ... until the run stops; returns how many."""
+        produced, index = 0, first_index
+        try:
+            while True:
+                self._adopt(required_version(index, self.spec))
+                t0 = time.perf_counter()
+                batch = self.worker.run(index)
+                self._record(batch, time.perf_counter() - t0)
+                wait = self.out.put(batch, batch.index, self._stopped)
+                self.metrics.record("opd_queue_put_wait_s", wait, queue=self.out.name)
+                produced, index = produced + 1, index + stride
+        except Stopped:
+            return produced
+
+    def draft_state(self) -> tuple[int, dict]:
+        """The weights this actor drafts with (tests compare them with the learner's bit for bit)."""
+        return self.worker.draft_version, self.worker.decoder.drafter.state_dict()
+
+    def _stopped(self) -> bool:
+        return ray.get(self.store.stopped.remote())
+
+    def _adopt(self, needed: int) -> None:
+        """Swap in the newest verified weights, waiting until at least version `needed` is published."""
+        while True:
+            version, wrapped, _ = ray.get(self.store.latest.remote())
+            if version >= needed and version >= self.worker.draft_version:
+                break
+            if self._stopped():
+                raise Stopped
+            time.sleep(0.02)
+        if version != self.worker.draft_version:
+            snapshot: WeightSnapshot = ray.get(wrapped[0])
+            self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights
+
+    def _record(self, batch, seconds: float) -> None:
+        stats = AcceptanceStats.from_records(batch.records, self.worker.decoder.drafter.block_size)
+        self.metrics.record("opd_rollout_tokens_per_s", batch.tokens / seconds, actor=self.name)
+        self.metrics.record("opd_rollout_tau", stats.tau_token_weighted, actor=self.name)
+        self.metrics.record("opd_rollout_batches_total", 1, actor=self.name)
+        self.metrics.record("opd_queue_depth", self.out.depth(), queue=self.out.name)

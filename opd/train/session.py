@@ -1,0 +1,181 @@
+"""The learner's side of a run, shared by the local loop and the Ray `LearnerActor`.
+
+It owns the trainable drafter and optimizer (`Learner`), the held-out prompts, the MLflow run, checkpoints and
+the weight snapshot last published to rollout — so the two engines differ only in how batches reach it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from opd.acceptance import AcceptanceStats
+from opd.data import load_prompts
+from opd.eval import EvalRow, evaluate
+from opd.models.build import Models, build_models
+from opd.models.drafter import DFlashDrafter
+from opd.replay import ScoredBatch
+from opd.spec import ExperimentSpec
+from opd.tracking import Tracker
+from opd.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from opd.train.flops import FlopCounter
+from opd.train.learner import Learner, StepMetrics
+from opd.train.rollout import AnchorBatch
+from opd.weights import WeightSnapshot
+
+
+@dataclass
+class ScoredItem:
+    """One rollout batch after teacher replay: what travels from scorer to learner."""
+
+    batch: AnchorBatch  # records, index, draft version, rollout FLOPs
+    micro_batches: list[ScoredBatch]
+    scorer_flops: float = 0.0
+
+
+@dataclass
+class Counters:
+    """Every rollout batch produced is either trained on or counted stale; nothing disappears silently."""
+
+    trained_batches: int = 0
+    stale_batches: int = 0
+    trained_sequences: int = 0
+    trained_anchors: int = 0
+    idle_s: float = 0.0  # learner time spent waiting for data
+    busy_s: float = 0.0
+
+
+@dataclass
+class StepReport:
+    step: int
+    metrics: dict[str, float]
+    evals: list[EvalRow] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+class LearnerSession:
+    def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
+        self.spec = spec
+        self.models = build_models(spec)
+        data = spec.data
+        self.eval_prompts = load_prompts(data.eval_prompts, self.models.tokenizer,
+                                         max_prompt_tokens=data.max_prompt_tokens,
+                                         skip_bad_lines=data.skip_bad_lines, limit=spec.eval.num_prompts).prompts
+        self.learner = Learner(spec, self.models.drafter)
+        self.flops = FlopCounter()  # rollout + scorer + learner, everything this run has spent
+        self.counters = Counters()
+        self.eval_history: dict[int, dict[str, float]] = {}
+        self.published = WeightSnapshot.of(self.learner.drafter.state_dict(), 0)
+        self.track, self.tracker, self.run_id = track, None, None
+
+    @property
+    def step(self) -> int:
+        return self.learner.step
+
+    @property
+    def drafter(self) -> DFlashDrafter:
+        return self.learner.drafter
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Resume from the newest checkpoint if there is one, open the MLflow run; True when resumed."""
+        path = latest_checkpoint(self.spec.run_dir)
+        if path is not None:
+            self._restore(path)
+        if self.track:
+            self.tracker = Tracker(self.spec, self.run_id)
+            self.run_id = self.tracker.run_id
+        return path is not None
+
+    def close(self) -> None:
+        if self.tracker:
+            self.tracker.close()
+
+    def _restore(self, path) -> None:
+        state = load_state(path)
+        self.drafter.load_state_dict(DFlashDrafter.from_pretrained(path, self.models.target).state_dict())
+        self.learner.load_state_dict(state["learner"])
+        self.published = WeightSnapshot(**state["published"])
+        self.flops = FlopCounter(**{k: v for k, v in state["flops"].items() if k != "total"})
+        self.counters = Counters(**state["counters"])
+        self.eval_history, self.run_id = state["eval_history"], state["mlflow_run_id"]
+        torch.set_rng_state(state["torch_rng"])
+
+    def checkpoint(self) -> str:
+        state = {"learner": self.learner.state_dict(), "published": vars(self.published),
+                 "flops": self.flops.as_dict(), "counters": vars(self.counters), "eval_history": self.eval_history,
+                 "mlflow_run_id": self.run_id, "torch_rng": torch.get_rng_state()}
+        return str(save_checkpoint(self.spec.run_dir, self.step, self.drafter, state))
+
+    # -- training ----------------------------------------------------------------------------------------------
+
+    def is_stale(self, item: ScoredItem) -> bool:
+        return self.step - item.batch.draft_version > self.spec.resources.max_policy_lag
+
+    def discard(self, item: ScoredItem) -> None:
+        """A batch too old to train on: counted (and its compute still paid), never trained."""
+        self.counters.stale_batches += 1
+        self._add_flops(item)
+
+    def train_step(self, items: list[ScoredItem]) -> StepReport:
+        """One optimizer step on whole rollout batches (in index order, so any engine takes the same step)."""
+        t0 = time.perf_counter()
+        items = sorted(items, key=lambda it: it.batch.index)
+        metrics = self.learner.train_step([mb for it in items for mb in it.micro_batches])
+        for it in items:
+            self._add_flops(it)
+        self.counters.trained_batches += len(items)
+        self.counters.trained_sequences += sum(len(it.batch.records) for it in items)
+        self.counters.trained_anchors += sum(r.num_steps for it in items for r in it.batch.records)
+        if self.step % self.spec.resources.broadcast_every == 0:
+            self.published = WeightSnapshot.of(self.drafter.state_dict(), self.step)
+        self.counters.busy_s += time.perf_counter() - t0
+        report = StepReport(self.step, self._metrics(metrics, items, time.perf_counter() - t0))
+        self._periodic(report)
+        return report
+
+    def _add_flops(self, item: ScoredItem) -> None:
+        self.flops.target_forward += item.batch.flops.target_forward + item.scorer_flops
+        self.flops.drafter_forward += item.batch.flops.drafter_forward
+
+    def _metrics(self, m: StepMetrics, items: list[ScoredItem], step_time: float) -> dict[str, float]:
+        stats = AcceptanceStats.from_records([r for it in items for r in it.batch.records],
+                                             self.drafter.block_size)
+        out = {"loss": m.loss, "loss_acc": m.loss_acc, "loss_rej": m.loss_rej, "grad_norm": m.grad_norm, "lr": m.lr,
+               "skipped_nonfinite": float(m.skipped), "rollout_tau": stats.tau_token_weighted,
+               "policy_lag": max(self.step - 1 - it.batch.draft_version for it in items),
+               "step_time_s": step_time, "stale_batches": self.counters.stale_batches}
+        out.update({f"accept_ge_{k}": v for k, v in enumerate(stats.survival, start=1)})
+        out.update({f"first_reject_{k}": v for k, v in enumerate(stats.first_rejection[:-1], start=1)})
+        out["first_reject_full_accept"] = stats.first_rejection[-1]
+        flops = self.flops
+        flops.drafter_train = self.learner.flops.drafter_train
+        out.update({f"flops_{k}": v for k, v in flops.as_dict().items()})
+        return out
+
+    def _periodic(self, report: StepReport) -> None:
+        if self.tracker:
+            self.tracker.log(report.metrics, self.step)
+        every = self.spec.eval.every
+        if (every and self.step % every == 0) or self.step == self.spec.steps:
+            report.evals = self.evaluate_and_log()
+        if self.step % self.spec.tracking.checkpoint_every == 0 or self.step == self.spec.steps:
+            report.checkpoint = self.checkpoint()
+
+    # -- evaluation --------------------------------------------------------------------------------------------
+
+    def evaluate(self, *, baseline: bool = False) -> list[EvalRow]:
+        e = self.spec.eval
+        models = Models(self.models.target, self.drafter, self.models.tokenizer)
+        return evaluate(models, self.eval_prompts, e.sampling, max_new_tokens=e.max_new_tokens,
+                        batch_size=e.batch_size, seed=self.spec.seed, baseline=baseline, draft_version=self.step)
+
+    def evaluate_and_log(self) -> list[EvalRow]:
+        rows = self.evaluate()
+        self.eval_history[self.step] = {f"eval_tau_{r.sampling}": r.tau for r in rows}
+        if self.tracker:
+            self.tracker.log(self.eval_history[self.step], self.step)
+        return rows
