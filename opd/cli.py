@@ -69,6 +69,12 @@ def _sft(args: argparse.Namespace) -> int:
     return run_sft(_load(args), args.out)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from opd.main_job import run_main
+
+    return run_main(_load(args))
+
+
 def _build_tiny_arguments(parser: argparse.ArgumentParser) -> None:
     """The builder parses its own options (--steps, --out-dir, ...): they are forwarded untouched."""
     parser.set_defaults(forwards_options=True)
@@ -85,6 +91,8 @@ def _build_tiny(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check a spec and print it fully resolved as YAML", _spec_arguments, _validate),
     "eval": ("measure τ, acceptance and speedup of a drafter on held-out prompts", _eval_arguments, _eval),
+    "run": ("the main job: τ of the warm drafter, Draft-OPD training, τ after, plot and MLflow run",
+            _spec_arguments, _run),
     "train": ("train a drafter with Draft-OPD (engine local or ray); resumes from the last checkpoint",
               _spec_arguments, _train),
     "sft": ("SFT a drafter on target responses (the warm start, or continued SFT with sft.max_flops)",
