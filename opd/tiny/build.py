@@ -168,11 +168,15 @@ def _lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
-def write_card(out: Path, cfg: BuildConfig, quality: TargetQuality, n_params: int, tokens_seen: int,
-               build_seconds: float, command: str) -> None:
+CHECK_PROMPTS = 32  # the card also records quality on this many held-out prompts, which the tests re-measure
+
+
+def write_card(out: Path, cfg: BuildConfig, quality: TargetQuality, check: TargetQuality, n_params: int,
+               tokens_seen: int, build_seconds: float, command: str) -> None:
     """The model card is both documentation and the contract the tests check the shipped weights against."""
     card = {"command": command, "build": asdict(cfg), "params": n_params, "tokens_seen": tokens_seen,
-            "build_seconds": round(build_seconds), "quality": asdict(quality)}
+            "build_seconds": round(build_seconds), "quality": asdict(quality),
+            f"check_{CHECK_PROMPTS}": {k: v for k, v in asdict(check).items() if k != "samples"}}
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     samples = "\n\n".join(f"**Prompt**\n```\n{s['prompt']}```\n**Greedy continuation**\n```\n{s['output']}\n```"
                           for s in quality.samples[:3])
@@ -227,8 +231,9 @@ def build(cfg: BuildConfig, command: str) -> None:
     model.to(torch.bfloat16).save_pretrained(out / "target", max_shard_size="6MB")
     model.to(torch.float32)
     quality = measure_quality(model, tokenizer, heldout)
+    check = measure_quality(model, tokenizer, heldout[:CHECK_PROMPTS])
     n_params = sum(p.numel() for p in model.parameters())
-    write_card(out / "target", cfg, quality, n_params, cfg.steps * cfg.batch_size * cfg.seq_len,
+    write_card(out / "target", cfg, quality, check, n_params, cfg.steps * cfg.batch_size * cfg.seq_len,
                time.time() - t0, command)
 
 
