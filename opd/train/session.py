@@ -43,6 +43,7 @@ class Counters:
     stale_batches: int = 0
     trained_sequences: int = 0
     trained_anchors: int = 0
+    trained_tokens: int = 0  # committed response tokens of the trained batches
     idle_s: float = 0.0  # learner time spent waiting for data
     busy_s: float = 0.0
 
@@ -129,6 +130,7 @@ class LearnerSession:
             self._add_flops(it)
         self.counters.trained_batches += len(items)
         self.counters.trained_sequences += sum(len(it.batch.records) for it in items)
+        self.counters.trained_tokens += sum(it.batch.tokens for it in items)
         self.counters.trained_anchors += sum(r.num_steps for it in items for r in it.batch.records)
         if self.step % self.spec.resources.broadcast_every == 0:
             self.published = WeightSnapshot.of(self.drafter.state_dict(), self.step)
