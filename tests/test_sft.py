@@ -34,3 +34,14 @@ def test_opd_sft_writes_a_loadable_drafter(micro_spec_file, tmp_path):
     before = build_models(spec).drafter.state_dict()
     after = build_models(spec, str(out)).drafter.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_opd_sft_logs_an_mlflow_run(micro_spec_file, tmp_path):
+    import mlflow
+
+    sets = ["sft.epochs=1", "sft.batch_size=20", "sft.response_max_new_tokens=4", "sft.anchors_per_seq=2"]
+    assert main(["sft", str(micro_spec_file), "--out", str(tmp_path / "d"), *[a for s in sets for a in ("--set", s)]]) == 0
+    spec = load_spec(micro_spec_file, sets)
+    mlflow.set_tracking_uri(spec.tracking_uri)
+    run = mlflow.search_runs(experiment_names=[spec.tracking.experiment]).iloc[0]
+    assert run["params.sft.epochs"] == "1" and run["metrics.sft_loss"] > 0

@@ -26,6 +26,7 @@ from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, OptimSpec
+from opd.tracking import Tracker
 from opd.train.flops import FlopCounter, drafter_matmul_params, target_matmul_params
 from opd.train.learner import build_optimizer
 
@@ -107,14 +108,20 @@ def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
     prompts = load_prompts(spec.data.train_prompts, models.tokenizer, max_prompt_tokens=spec.data.max_prompt_tokens,
                            skip_bad_lines=spec.data.skip_bad_lines).prompts
     examples = generate_responses(spec, models, prompts, run_dir / "sft_data.jsonl")
-    flops = train_sft(spec, models, examples)
+    tracker = Tracker(spec)
+    try:
+        flops = train_sft(spec, models, examples, tracker)
+    finally:
+        tracker.close()
     out = Path(out_dir or run_dir / "drafter")
     models.drafter.save_pretrained(out)
-    print(f"SFT drafter saved to {out} ({flops.total:.3g} training FLOPs)")
+    print(f"SFT drafter saved to {out} ({flops.total:.3g} training FLOPs); MLflow run {tracker.run_id} in "
+          f"{spec.tracking_uri}")
     return 0
 
 
-def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample]) -> FlopCounter:
+def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample],
+              tracker: Tracker | None = None) -> FlopCounter:
     """`sft.epochs` over the examples, or until `sft.max_flops` training FLOPs when that is set."""
     s = spec.sft
     steps_per_epoch = math.ceil(len(examples) / s.batch_size)
@@ -143,6 +150,9 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample]) 
             flops.add_drafter(drafter_params, slots * models.drafter.block_size // (models.drafter.block_size - 1),
                               train=True)
             bar.update(task, completed=step + 1, description=f"sft loss {loss.item():.3f}")
+            if tracker:
+                tracker.log({"sft_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "flops_total": flops.total},
+                            step + 1)
             if s.max_flops is not None and flops.total >= s.max_flops:
                 break
     models.drafter.eval()
