@@ -12,7 +12,7 @@ $(VENV_STAMP): pyproject.toml
 	touch $(VENV_STAMP)
 
 run: $(VENV_STAMP)
-	.venv/bin/opd validate configs/tiny.yaml
+	.venv/bin/opd run configs/tiny.yaml
 
 test: $(VENV_STAMP)
 	$(PY) -m pytest
@@ -22,6 +22,8 @@ test-all: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) bench/decode.py
+	$(PY) bench/replay.py
+	$(PY) bench/pipeline.py
 
 clean-venv:
 	rm -rf .venv
