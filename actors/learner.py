@@ -51,7 +51,7 @@ class LearnerActor:
             self.session.counters.idle_s += time.perf_counter() - t0
             if self.session.is_stale(item):
                 self.session.discard(item)
-                self.metrics.record("opd_stale_batches_total", 1)
+                self.metrics.record("opd_stale_batches", 1)
                 continue
             self.metrics.record("opd_policy_lag", self.session.step - item.batch.draft_version)
             items.append(item)

@@ -14,11 +14,11 @@ LAGS = [0.5, 1.5, 2.5, 3.5, 4.5, 8.5, 16.5]  # integer lags fall between the bou
 DEFINITIONS = {
     "opd_rollout_tokens_per_s": ("gauge", "rollout committed tokens per second, per actor", ("actor",)),
     "opd_rollout_tau": ("gauge", "mean acceptance length of the last rollout batch", ("actor",)),
-    "opd_rollout_batches_total": ("counter", "rollout batches produced", ("actor",)),
+    "opd_rollout_batches": ("counter", "rollout batches produced", ("actor",)),
     "opd_queue_depth": ("gauge", "batches waiting in a queue", ("queue",)),
     "opd_queue_put_wait_s": ("histogram", "seconds a producer blocked on a full queue", ("queue",)),
     "opd_policy_lag": ("histogram", "learner version minus the draft version of a trained batch", ()),
-    "opd_stale_batches_total": ("counter", "batches discarded for exceeding max_policy_lag", ()),
+    "opd_stale_batches": ("counter", "batches discarded for exceeding max_policy_lag", ()),
     "opd_learner_step_s": ("histogram", "seconds per learner optimizer step", ()),
     "opd_learner_idle_fraction": ("gauge", "share of learner time spent waiting for data", ()),
     "opd_broadcast_s": ("histogram", "seconds to publish draft weights to the object store", ()),

@@ -74,5 +74,5 @@ class RolloutActor:
         stats = AcceptanceStats.from_records(batch.records, self.worker.decoder.drafter.block_size)
         self.metrics.record("opd_rollout_tokens_per_s", batch.tokens / seconds, actor=self.name)
         self.metrics.record("opd_rollout_tau", stats.tau_token_weighted, actor=self.name)
-        self.metrics.record("opd_rollout_batches_total", 1, actor=self.name)
+        self.metrics.record("opd_rollout_batches", 1, actor=self.name)
         self.metrics.record("opd_queue_depth", self.out.depth(), queue=self.out.name)
