@@ -6,6 +6,7 @@ Shared by the single-process loop and the Ray `LearnerActor`, so both paths take
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,9 @@ class Learner:
         else:
             self.nonfinite_in_a_row = 0
             self.optimizer.step()
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
         self.step += 1
         return StepMetrics(loss, acc, rej, num_acc, num_rej, grad_norm, lr, skipped)
 
