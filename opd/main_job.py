@@ -78,7 +78,8 @@ def run_main(spec: ExperimentSpec) -> int:
 
         result = LocalTrainer(spec).run()
     after = held_out_eval(spec, result.checkpoint)
-    history = {step: {f"eval_tau_{r.sampling}": r.tau for r in rows} for step, rows in sorted(result.evals.items())}
+    evals = {**result.evals, 0: before} if result.steps > 0 else result.evals  # step 0 is the warm drafter
+    history = {step: {f"eval_tau_{r.sampling}": r.tau for r in rows} for step, rows in sorted(evals.items())}
     plot = run_dir / "tau_over_steps.png"
     plot_tau(history, plot)
     table = comparison_table(before, after)
