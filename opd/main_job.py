@@ -78,7 +78,7 @@ def run_main(spec: ExperimentSpec) -> int:
 
         result = LocalTrainer(spec).run()
     after = held_out_eval(spec, result.checkpoint)
-    evals = {**result.evals, 0: before} if result.steps > 0 else result.evals  # step 0 is the warm drafter
+    evals = {**result.evals, 0: before}  # step 0 is the warm drafter, measured by the driver
     history = {step: {f"eval_tau_{r.sampling}": r.tau for r in rows} for step, rows in sorted(evals.items())}
     plot = run_dir / "tau_over_steps.png"
     plot_tau(history, plot)
