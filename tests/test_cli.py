@@ -29,11 +29,11 @@ MALFORMED = [
     ("negative lr", on_tiny("optim: {lr: -1.0e-4}"), [], {}, "optim.lr: got -0.0001 (should be greater than 0)"),
     ("gamma 0", on_tiny("loss: {gamma: 0}"), [], {}, "loss.gamma: got 0 (should be greater than 0)"),
     ("gamma 1.5", on_tiny("loss: {gamma: 1.5}"), [], {}, "loss.gamma: got 1.5 (should be less than or equal"),
-    ("layer beyond depth", on_tiny("models: {drafter: {target_layer_ids: [1, 6]}}"), [], {},
+    ("layer beyond depth", on_tiny("models: {drafter_path: null, drafter: {target_layer_ids: [1, 6]}}"), [], {},
      "models.drafter.target_layer_ids: layer 6 is outside the target"),
     ("negative layer id", on_tiny("models: {drafter: {target_layer_ids: [-1, 3]}}"), [], {},
      "models.drafter.target_layer_ids[0]: got -1"),
-    ("layers unordered", on_tiny("models: {drafter: {target_layer_ids: [3, 1]}}"), [], {},
+    ("layers unordered", on_tiny("models: {drafter_path: null, drafter: {target_layer_ids: [3, 1]}}"), [], {},
      "models.drafter.target_layer_ids: [3, 1] is not strictly increasing"),
     ("block size 1", on_tiny("models: {drafter: {block_size: 1}}"), [], {}, "models.drafter.block_size: got 1"),
     ("role beyond cluster", on_tiny("resources: {cluster: {num_gpus: 4}, learner: {replicas: 2, num_gpus: 4}}"), [],
@@ -144,3 +144,10 @@ def test_console_script_lists_commands_without_heavy_imports() -> None:
                                 capture_output=True, text=True, timeout=60)
     assert module_run.returncode == 2
     assert module_run.stderr == "error: nowhere.yaml: file not found (expected a YAML spec)\n"
+
+
+def test_layer_ids_that_disagree_with_the_warm_drafter_are_refused(tmp_path, capsys):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(on_tiny("models: {drafter: {target_layer_ids: [1, 4]}}"))
+    assert main(["validate", str(spec)]) == 2
+    assert "disagrees with the warm drafter's [1, 3]" in capsys.readouterr().err
