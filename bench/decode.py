@@ -70,7 +70,8 @@ def main() -> None:
                                limit=args.prompts).prompts
         for batch in (1, 8):
             rows.append({"drafter": name, **bench(models, prompts, batch, args.max_new_tokens)})
-    table = Table(title=f"Decoding, tiny target, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens")
+    table = Table(title=f"Decoding, tiny target, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens",
+                  width=160)
     columns = ["drafter", "batch", "ar_tok_s", "spec_tok_s", "speedup", "tau", "ms_per_step", "draft_share",
                "verify_share", "bookkeeping_share"]
     for c in columns:
