@@ -8,6 +8,7 @@ instead of stopping the run.
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,11 @@ class Prompt:
 class PromptSet:
     prompts: list[Prompt]
     skipped: list[str] = field(default_factory=list)  # one "file:line: why" per skipped line
+
+
+def prompt_key(prompt_id: str, epoch: int = 0) -> int:
+    """A stable integer per (prompt, epoch): its keyed random numbers are the same in every run, batch and actor."""
+    return zlib.crc32(f"{prompt_id}#{epoch}".encode())
 
 
 def load_tokenizer(path: str):

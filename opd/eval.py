@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.acceptance import AcceptanceStats
-from opd.data import Prompt, load_prompts
+from opd.data import Prompt, load_prompts, prompt_key
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
@@ -56,7 +56,7 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
     sampling = Sampling(setting.temperature, setting.top_k, setting.top_p)
     records, spec_time, ar_time, ar_tokens, matches = [], 0.0, 0.0, 0, 0
     for batch in batches:
-        ids, keys = [p.ids for p in batch], [_key(p.id) for p in batch]
+        ids, keys = [p.ids for p in batch], [prompt_key(p.id) for p in batch]
         t0 = time.perf_counter()
         out = decoder.generate(ids, sampling, max_new_tokens=max_new_tokens, seed=seed, keys=keys)
         spec_time += time.perf_counter() - t0
@@ -77,13 +77,6 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
         survival=stats.survival, first_rejection=stats.first_rejection, spec_tokens_per_s=spec_tps,
         ar_tokens_per_s=ar_tps, speedup=spec_tps / ar_tps if baseline else None,
         greedy_match=matches / len(records) if baseline and sampling.greedy else None)
-
-
-def _key(prompt_id: str) -> int:
-    """A stable integer per prompt id, so a prompt gets the same random numbers in every run and batch."""
-    import zlib
-
-    return zlib.crc32(prompt_id.encode())
 
 
 def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:

@@ -6,13 +6,12 @@ with a seeded permutation), so a resumed run or a restarted actor re-produces ex
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from opd.anchors import redraft_at_random_anchors
-from opd.data import Prompt
+from opd.data import Prompt, prompt_key
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
@@ -34,11 +33,6 @@ class AnchorBatch:
     @property
     def tokens(self) -> int:
         return sum(len(r.response_ids) for r in self.records)
-
-
-def prompt_key(prompt_id: str, epoch: int = 0) -> int:
-    """A stable integer per (prompt, epoch): its keyed random numbers are the same in every run and actor."""
-    return zlib.crc32(f"{prompt_id}#{epoch}".encode())
 
 
 class RolloutWorker:
