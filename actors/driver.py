@@ -101,14 +101,25 @@ class RayRun:
         pending = self.learner.train.remote(until)
         while not ray.wait([pending], timeout=1.0)[0]:
             self._check_loops()
-        return ray.get(pending)
+        try:
+            return ray.get(pending)
+        except ray.exceptions.RayError as exc:
+            raise OpdError(f"the learner failed ({str(exc).strip().splitlines()[0]}); run the same command again "
+                           f"to resume from the last checkpoint") from None
 
     def _check_loops(self) -> None:
-        """A role loop that ended while training runs has failed: surface its error instead of hanging."""
+        """A role loop that ended while training runs has failed: stop with its reason instead of hanging.
+
+        The run is resumable: the learner's last checkpoint and the deterministic data cursor lose nothing."""
         done, _ = ray.wait(self.loops, timeout=0)
         for ref in done:
-            ray.get(ref)  # raises the actor's error
-            raise OpdError("a rollout or scorer loop stopped unexpectedly")
+            try:
+                ray.get(ref)
+                reason = "its loop returned early"
+            except ray.exceptions.RayError as exc:
+                reason = str(exc).strip().splitlines()[0]
+            raise OpdError(f"a rollout or scorer actor failed ({reason}); run the same command again to resume "
+                           f"from the last checkpoint")
 
     def shutdown(self) -> None:
         """Stop the loops, close the MLflow run, release every actor and placement group (also after a failure)."""

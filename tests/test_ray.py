@@ -113,3 +113,21 @@ def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micr
     layout["resources"]["rollout"]["replicas"] = 5
     with pytest.raises(OpdError, match="cannot place"):
         place(ExperimentSpec.model_validate({**base, **layout}), timeout_s=2)
+
+
+def test_a_dead_rollout_actor_stops_the_run_cleanly_and_the_rerun_resumes(ray_cluster, micro_spec_file, tmp_path):
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+    try:
+        run.start()
+        run.train(1)
+        ray.kill(run.rollouts[0], no_restart=True)
+        with pytest.raises(OpdError, match="rollout or scorer actor failed.*resume from the last checkpoint"):
+            run.train(3)
+    finally:
+        run.shutdown()
+    again = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+    try:
+        assert again.start() == 1  # nothing trained is lost: the checkpoint of step 1
+        assert [r["step"] for r in again.train(3)] == [2, 3]
+    finally:
+        again.shutdown()
