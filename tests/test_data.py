@@ -49,3 +49,14 @@ def test_file_empty_after_filtering_is_refused(tmp_path, tokenizer):
         load_prompts(str(path), tokenizer, max_prompt_tokens=64, skip_bad_lines=True)
     with pytest.raises(OpdError, match="not found"):
         load_prompts(str(tmp_path / "missing.jsonl"), tokenizer, max_prompt_tokens=64)
+
+
+def test_a_tokenizer_without_a_mask_token_is_refused_unless_the_spec_names_one(micro_assets):
+    from opd.data import mask_token_id
+
+    tokenizer = load_tokenizer(micro_assets["target"])
+    assert mask_token_id(tokenizer, None) == tokenizer.mask_token_id
+    tokenizer.mask_token = None
+    with pytest.raises(OpdError, match="tokenizer has no mask token"):
+        mask_token_id(tokenizer, None)
+    assert mask_token_id(tokenizer, 5) == 5
