@@ -97,15 +97,15 @@ def run_main(spec: ExperimentSpec) -> int:
 
 
 def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, artifacts: list[Path]) -> None:
+    """Add the before/after table and the plot to the training run (the learner opened it)."""
     if run_id is None:
         return
-    import mlflow
+    from opd.tracking import Tracker
 
-    mlflow.set_tracking_uri(spec.tracking_uri)
-    with mlflow.start_run(run_id=run_id):
-        for when, rows in (("before", before), ("after", after)):
-            for r in rows:
-                mlflow.log_metrics({f"heldout_tau_{r.sampling}_{when}": r.tau,
-                                    f"speedup_{r.sampling}_{when}": r.speedup})
-        for path in artifacts:
-            mlflow.log_artifact(str(path))
+    tracker = Tracker(spec, run_id)
+    metrics = {f"heldout_{name}_{r.sampling}_{when}": value
+               for when, rows in (("before", before), ("after", after)) for r in rows
+               for name, value in (("tau", r.tau), ("speedup", r.speedup))}
+    tracker.log(metrics, spec.steps)
+    for path in artifacts:
+        tracker.artifact(path)

@@ -1,42 +1,48 @@
 """MLflow tracking: one run per experiment, params = the flattened spec, resumed runs continue the same run.
 
-Only the driver/learner writes; the default store is sqlite inside the run directory.
+Only the driver/learner writes; the default store is sqlite inside the run directory. Everything goes through
+an explicit run id (MlflowClient), never MLflow's "active run": that is per thread, and a Ray actor may serve
+its calls from several threads, which would silently open a second run.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from opd.spec import ExperimentSpec, flatten
 
+_BATCH = 100  # MLflow's limit of params or metrics per log_batch call
+
 
 class Tracker:
     def __init__(self, spec: ExperimentSpec, run_id: str | None = None) -> None:
-        import mlflow
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
 
-        self._mlflow = mlflow
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        mlflow.set_tracking_uri(spec.tracking_uri)
-        mlflow.set_experiment(spec.tracking.experiment)
-        self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else spec.name)
+        self.client = MlflowClient(tracking_uri=spec.tracking_uri)
         if run_id is None:
-            params = flatten(spec)
-            mlflow.log_params(params)
-            mlflow.log_text(spec.to_yaml(), "spec.yaml")
-
-    @property
-    def run_id(self) -> str:
-        return self.run.info.run_id
+            experiment = self.client.get_experiment_by_name(spec.tracking.experiment)
+            experiment_id = (experiment.experiment_id if experiment
+                             else self.client.create_experiment(spec.tracking.experiment))
+            run_id = self.client.create_run(experiment_id, run_name=spec.name).info.run_id
+            params = [Param(k, v) for k, v in flatten(spec).items()]
+            for i in range(0, len(params), _BATCH):
+                self.client.log_batch(run_id, params=params[i : i + _BATCH])
+            self.client.log_text(run_id, spec.to_yaml(), "spec.yaml")
+        self.run_id = run_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        from mlflow.entities import Metric
 
-    def artifact(self, path: str | Path, folder: str | None = None) -> None:
-        path = Path(path)
-        if path.is_dir():
-            self._mlflow.log_artifacts(str(path), artifact_path=folder)
-        else:
-            self._mlflow.log_artifact(str(path), artifact_path=folder)
+        now = int(time.time() * 1000)
+        rows = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(rows), _BATCH):
+            self.client.log_batch(self.run_id, metrics=rows[i : i + _BATCH])
+
+    def artifact(self, path: str | Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
 
     def close(self) -> None:
-        self._mlflow.end_run()
+        self.client.set_terminated(self.run_id)
