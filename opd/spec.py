@@ -365,6 +365,10 @@ class EvalSpec(_Section):
     num_prompts: int = Field(32, ge=1)
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(8, ge=1)
+    # τ-collapse alarm: held-out τ (first sampling setting) below collapse_ratio x the best so far is logged as
+    # `tau_collapse` and, with stop_on_collapse, stops the run (a bad weight sync must not go unnoticed).
+    collapse_ratio: float | None = Field(None, gt=0, le=1)
+    stop_on_collapse: bool = False
     sampling: list[SamplingSpec] = Field(
         default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
                                  SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],

@@ -13,6 +13,7 @@ import torch
 
 from opd.acceptance import AcceptanceStats
 from opd.data import load_prompts
+from opd.errors import OpdError
 from opd.eval import EvalRow, evaluate
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
@@ -177,7 +178,17 @@ class LearnerSession:
 
     def evaluate_and_log(self) -> list[EvalRow]:
         rows = self.evaluate()
+        best = max((h[f"eval_tau_{rows[0].sampling}"] for h in self.eval_history.values()), default=None)
         self.eval_history[self.step] = {f"eval_tau_{r.sampling}": r.tau for r in rows}
+        collapsed = self._collapsed(rows[0].tau, best)
         if self.tracker:
-            self.tracker.log(self.eval_history[self.step], self.step)
+            self.tracker.log({**self.eval_history[self.step], "tau_collapse": float(collapsed)}, self.step)
+        if collapsed and self.spec.eval.stop_on_collapse:
+            raise OpdError(f"held-out τ collapsed at step {self.step}: {rows[0].tau:.3f} < "
+                           f"{self.spec.eval.collapse_ratio} x best {best:.3f} (eval.collapse_ratio; the last "
+                           f"good checkpoint is in {self.spec.run_dir / 'checkpoints'})")
         return rows
+
+    def _collapsed(self, tau: float, best: float | None) -> bool:
+        ratio = self.spec.eval.collapse_ratio
+        return ratio is not None and best is not None and tau < ratio * best
