@@ -131,3 +131,27 @@ def test_a_dead_rollout_actor_stops_the_run_cleanly_and_the_rerun_resumes(ray_cl
         assert [r["step"] for r in again.train(3)] == [2, 3]
     finally:
         again.shutdown()
+
+
+def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micro_spec_file, tmp_path):
+    local = LocalTrainer(load_spec(micro_spec_file, ["steps=3", "eval.every=0", f"tracking.run_dir={tmp_path / 'l'}"]),
+                         track=False)
+    local.run()
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+    try:
+        run.start()
+        run.train(1)
+        ray.kill(run.learner, no_restart=True)
+        with pytest.raises(OpdError, match="learner failed.*resume"):
+            run.train(3)
+    finally:
+        run.shutdown()
+    again = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+    try:
+        assert again.start() == 1
+        again.train(3)
+        _, state = ray.get(again.learner.draft_state.remote())
+    finally:
+        again.shutdown()
+    for k, v in local.session.drafter.state_dict().items():
+        assert torch.allclose(v, state[k], atol=1e-6), k
