@@ -27,7 +27,7 @@ def ray_cluster():
 
 
 def ray_spec(micro_spec_file, tmp_path, **overrides) -> ExperimentSpec:
-    sets = [f"engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
+    sets = ["engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
             f"tracking.run_dir={tmp_path / 'ray' / '{name}'}", "tracking.checkpoint_every=1"]
     return load_spec(micro_spec_file, sets + [f"{k}={v}" for k, v in overrides.items()])
 
