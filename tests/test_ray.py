@@ -155,3 +155,25 @@ def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micr
         again.shutdown()
     for k, v in local.session.drafter.state_dict().items():
         assert torch.allclose(v, state[k], atol=1e-6), k
+
+
+@ray.remote
+class _Producer:
+    def put(self, queue: BatchQueue, index: int) -> None:
+        queue.put({"payload": torch.ones(10)}, index)
+
+
+def test_a_batch_whose_producer_died_is_reported_lost_with_its_index(ray_cluster):
+    from actors.queues import Lost
+
+    queue = BatchQueue("test-lost", maxsize=4)
+    producer = _Producer.remote()
+    try:
+        ray.get(producer.put.remote(queue, 7))
+        ray.kill(producer, no_restart=True)
+        time.sleep(1.0)  # let the owner's death reach the object directory
+        with pytest.raises(Lost) as lost:
+            queue.get()
+        assert lost.value.index == 7  # never silently dropped: the consumer learns which batch to re-produce
+    finally:
+        queue.shutdown()
