@@ -12,16 +12,8 @@ from opd.acceptance import AcceptanceStats
 from opd.data import load_prompts
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
-from opd.train.rollout import RolloutWorker
+from opd.train.rollout import RolloutWorker, required_version
 from opd.weights import WeightSnapshot
-
-
-def required_version(index: int, spec: ExperimentSpec) -> int:
-    """The oldest published version batch `index` may be drafted with: rollout never runs further ahead of the
-    learner than `max_policy_lag` allows, so (absent failures) the learner never has to discard a batch."""
-    r = spec.resources
-    step = index // (spec.optim.batch_size // spec.rollout.batch_size)
-    return max(0, (step - r.max_policy_lag) // r.broadcast_every * r.broadcast_every)
 
 
 @ray.remote

@@ -36,7 +36,6 @@ class ScoredBatch:
     accepted: torch.Tensor  # [B, M]
     position_mask: torch.Tensor  # [B, M, K-1] bool: slots that exist
     teacher: torch.Tensor | TopKTeacher  # log-probs [B, M, K-1, V] (or top-k) at the drafted slots
-    draft_versions: list[int]
 
     def flat_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | TopKTeacher]:
         """accepted [N], position_mask [N, K-1] and teacher of the N valid blocks, for the loss."""
@@ -151,8 +150,7 @@ def _gather(logits, features, packed, records, block_size, temperature, topk) ->
         features=features[:, :prefix], context_valid=context_valid.to(device), anchor_ids=anchor_ids,
         anchor_positions=anchor_pos.to(device), block_valid=block_valid.to(device), accepted=accepted.to(device),
         position_mask=(exists & block_valid[..., None]).to(device),
-        teacher=teacher_distribution(slot_logits, temperature=temperature, topk=topk),
-        draft_versions=[r.draft_version for r in records])
+        teacher=teacher_distribution(slot_logits, temperature=temperature, topk=topk))
 
 
 def student_logits(drafter: DFlashDrafter, batch: ScoredBatch) -> torch.Tensor:

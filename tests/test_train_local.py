@@ -55,3 +55,15 @@ def test_train_logs_an_mlflow_run(micro_spec_file):
     assert {"loss", "rollout_tau", "eval_tau_greedy", "flops_total", "policy_lag"} <= set(run.data.metrics)
     history = mlflow.MlflowClient().get_metric_history(result.run_id, "loss")
     assert [m.step for m in history] == [1, 2]
+
+
+def test_required_version_bounds_how_far_rollout_runs_ahead(micro_spec_file):
+    from opd.train.rollout import required_version
+
+    # 2 rollout batches per step (optim 4 / rollout 2)
+    lag0 = load_spec(micro_spec_file, ["resources.max_policy_lag=0"])
+    assert [required_version(i, lag0) for i in range(6)] == [0, 0, 1, 1, 2, 2]
+    lag1 = load_spec(micro_spec_file, ["resources.max_policy_lag=1"])
+    assert [required_version(i, lag1) for i in range(6)] == [0, 0, 0, 0, 1, 1]
+    every2 = load_spec(micro_spec_file, ["resources.max_policy_lag=1", "resources.broadcast_every=2"])
+    assert [required_version(i, every2) for i in range(8)] == [0, 0, 0, 0, 0, 0, 2, 2]

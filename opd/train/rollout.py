@@ -35,6 +35,15 @@ class AnchorBatch:
         return sum(len(r.response_ids) for r in self.records)
 
 
+def required_version(index: int, spec: ExperimentSpec) -> int:
+    """The oldest published version batch `index` may be drafted with: rollout never runs further ahead of the
+    learner than `max_policy_lag` allows, so (absent failures) the learner never has to discard a batch.
+    Versions are published every `broadcast_every` steps, so the requirement is rounded down to one of them."""
+    r = spec.resources
+    step = index // (spec.optim.batch_size // spec.rollout.batch_size)
+    return max(0, (step - r.max_policy_lag) // r.broadcast_every * r.broadcast_every)
+
+
 class RolloutWorker:
     def __init__(self, spec: ExperimentSpec, target: Target, drafter: DFlashDrafter, eos_id: int,
                  prompts: list[Prompt], draft_version: int = 0) -> None:
