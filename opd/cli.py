@@ -75,6 +75,18 @@ def _run(args: argparse.Namespace) -> int:
     return run_main(_load(args))
 
 
+def _reproduce_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="YAML reproduce spec, e.g. configs/reproduce.yaml")
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a top-level field (repeatable), e.g. --set seeds=[0] --set opd_steps=20")
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from opd.reproduce import run_reproduce
+
+    return run_reproduce(args.config, args.overrides)
+
+
 def _build_tiny_arguments(parser: argparse.ArgumentParser) -> None:
     """The builder parses its own options (--steps, --out-dir, ...): they are forwarded untouched."""
     parser.set_defaults(forwards_options=True)
@@ -86,8 +98,7 @@ def _build_tiny(args: argparse.Namespace) -> int:
     return build_tiny(args.forwarded)
 
 
-# name -> (one-line help, argument setup, handler). Later commands (train, eval, sft, build-tiny, run,
-# reproduce) add one row here and one handler that imports its module inside the function.
+# name -> (one-line help, argument setup, handler); each handler imports its module inside the function.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check a spec and print it fully resolved as YAML", _spec_arguments, _validate),
     "eval": ("measure τ, acceptance and speedup of a drafter on held-out prompts", _eval_arguments, _eval),
@@ -97,6 +108,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
               _spec_arguments, _train),
     "sft": ("SFT a drafter on target responses (the warm start, or continued SFT with sft.max_flops)",
             _sft_arguments, _sft),
+    "reproduce": ("the paper's claims in miniature: every arm from the warm drafter at matched FLOPs, over seeds",
+                  _reproduce_arguments, _reproduce),
     "build-tiny": ("rebuild the shipped tiny target (tokenizer, prompts, weights, card); resumable",
                    _build_tiny_arguments, _build_tiny),
 }

@@ -235,8 +235,12 @@ class SftSpec(_Section):
     lr: float = Field(6e-4, gt=0)
     epochs: int = Field(6, ge=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    schedule: Literal["cosine", "constant"] = "cosine"
     batch_size: int = Field(16, ge=1)
     response_max_new_tokens: int = Field(2048, ge=1)
+    # Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling).
+    # Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode.
+    response_temperature: Temperature | None = None
     max_flops: float | None = Field(None, gt=0)  # matched-compute continued-SFT budget
 
 

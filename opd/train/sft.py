@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Promp
                        batch_size: int = 32) -> list[SftExample]:
     """Target responses for every prompt, appended to `cache` as they are made (a restart resumes there)."""
     done = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
-    r = spec.rollout
-    sampling = Sampling(r.temperature, r.top_k, r.top_p)
+    r, temperature = spec.rollout, spec.sft.response_temperature
+    sampling = Sampling(r.temperature, r.top_k, r.top_p) if temperature is None else Sampling(temperature, 0, 1.0)
     todo = prompts[len(done):]
     with progress_bar() as bar, cache.open("a") as f:
         task = bar.add_task("sft data", total=len(prompts), completed=len(done))
@@ -120,13 +121,15 @@ def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
     return 0
 
 
-def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample],
-              tracker: Tracker | None = None) -> FlopCounter:
-    """`sft.epochs` over the examples, or until `sft.max_flops` training FLOPs when that is set."""
+def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], tracker: Tracker | None = None,
+              on_step: Callable[[FlopCounter], None] | None = None) -> FlopCounter:
+    """`sft.epochs` over the examples, or until `sft.max_flops` training FLOPs when that is set.
+
+    `on_step` sees the FLOPs spent after every step (`opd reproduce` evaluates at matched-FLOPs marks)."""
     s = spec.sft
     steps_per_epoch = math.ceil(len(examples) / s.batch_size)
     steps = steps_per_epoch * s.epochs
-    optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, batch_size=s.batch_size)
+    optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, schedule=s.schedule, batch_size=s.batch_size)
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
@@ -153,6 +156,8 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample],
             if tracker:
                 tracker.log({"sft_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "flops_total": flops.total},
                             step + 1)
+            if on_step:
+                on_step(flops)
             if s.max_flops is not None and flops.total >= s.max_flops:
                 break
     models.drafter.eval()

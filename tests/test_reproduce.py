@@ -1,0 +1,85 @@
+"""`opd reproduce`: matched-FLOPs arms, the resumable job pool and the report, on the micro models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from opd.cli import main
+from opd.paper_report import write_report
+from opd.reproduce import ArmJob, ArmSpec, load_reproduce_spec, run_arm, run_jobs
+
+SETS = ["sft.response_max_new_tokens=12", "sft.anchors_per_seq=4", "sft.batch_size=2", "sft.max_length=160"]
+
+
+def _job(micro_spec_file, tmp_path, arm: ArmSpec, marks=None, sft_data=None) -> ArmJob:
+    return ArmJob(arm, seed=0, experiment=str(micro_spec_file), overrides=SETS,
+                  run_dir=str(tmp_path / arm.name), opd_steps=3, eval_points=3, eval_prompts=2, marks=marks,
+                  sft_data=sft_data)
+
+
+def _sft_data(tmp_path) -> str:
+    path = tmp_path / "sft.jsonl"
+    rows = [{"id": str(i), "prompt_ids": [5, 6, 7, 8 + i % 5], "response_ids": [9 + (i + j) % 40 for j in range(20)]}
+            for i in range(64)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_every_arm_stops_at_the_first_step_past_the_full_methods_flops(micro_spec_file, tmp_path):
+    full = run_arm(_job(micro_spec_file, tmp_path, ArmSpec(name="draft-opd")))
+    assert full.steps == 3 and len(full.curve) == 4  # the warm drafter, then one mark per step
+    budget = full.flops["total"]
+    marks = [x for x, _ in full.curve[1:]]
+    assert marks[-1] == budget and marks == sorted(marks)
+    assert all(full.flops[k] > 0 for k in ("target_forward", "drafter_forward", "drafter_train"))
+
+    sft = run_arm(_job(micro_spec_file, tmp_path, ArmSpec(name="sft", kind="sft"), marks, _sft_data(tmp_path)))
+    per_step = sft.flops["total"] / sft.steps
+    assert budget <= sft.flops["total"] < budget + per_step * 1.5  # matched: stopped at the first step past it
+    assert sft.flops["drafter_forward"] == 0 and sft.flops["target_forward"] > 0 and sft.flops["drafter_train"] > 0
+    assert [x for x, _ in sft.curve[1:]] == sorted(x for x, _ in sft.curve[1:])
+    assert all(x >= m for (x, _), m in zip(sft.curve[1:], marks))  # measured as each mark is crossed
+    assert sft.steps > full.steps  # an SFT step is cheaper than a rollout + replay + update step
+
+    redraft = run_arm(_job(micro_spec_file, tmp_path, ArmSpec(name="random-anchors", set=["replay.anchors=random"]),
+                           marks))
+    per_step = redraft.flops["total"] / redraft.steps
+    assert budget <= redraft.flops["total"] < budget + per_step * 1.5
+    assert redraft.steps <= full.steps  # redrafting at random anchors costs extra drafter and target forwards
+
+
+def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file, tmp_path):
+    spec_file = tmp_path / "reproduce.yaml"
+    spec_file.write_text(json.dumps({
+        "experiment": str(micro_spec_file), "set": SETS, "seeds": [0, 1], "opd_steps": 2, "eval_points": 1,
+        "eval_prompts": 2, "workers": 1, "out_dir": str(tmp_path / "out"),
+        "arms": [{"name": "draft-opd"}, {"name": "no-decay", "set": ["loss.rejected_decay=false"]}]}))
+    spec = load_reproduce_spec(spec_file)
+    results = run_jobs(spec, tmp_path / "out")
+    assert sorted((r.arm, r.seed) for r in results) == [("draft-opd", 0), ("draft-opd", 1), ("no-decay", 0),
+                                                        ("no-decay", 1)]
+    saved = sorted(p.name for p in (tmp_path / "out" / "arms").iterdir())
+    assert saved == ["draft-opd-seed0.json", "draft-opd-seed1.json", "no-decay-seed0.json", "no-decay-seed1.json"]
+    (tmp_path / "out" / "work").rename(tmp_path / "out" / "gone")  # a rerun must not train anything again
+    again = run_jobs(spec, tmp_path / "out")
+    assert sorted(r.final["greedy"] for r in again) == sorted(r.final["greedy"] for r in results)
+    assert not (tmp_path / "out" / "work").exists()
+    report = write_report(spec, again, tmp_path / "out", minutes=1.0).read_text()
+    assert "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
+    assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("content, message", [
+    ("experiment: x.yaml\nopd_steps: 4\narms: [{name: sft, kind: sft}, {name: other}]", "including 'draft-opd'"),
+    ("experiment: x.yaml\nopd_steps: 1\narms: [{name: draft-opd}, {name: sft}]", "opd_steps"),
+    ("experiment: x.yaml\nopd_steps: 4\narms: [{name: draft-opd}, {name: sft, kind: dpo}]", "arms.1.kind"),
+    ("experiment: [", "not valid YAML"),
+])
+def test_a_bad_reproduce_spec_is_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "r.yaml"
+    path.write_text(content)
+    assert main(["reproduce", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and str(path) in err
