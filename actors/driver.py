@@ -1,23 +1,29 @@
 """The driver for `engine: ray`: place the roles, wire the queues, run to the step budget, shut down cleanly.
 
 rollout-i ──anchors queue──► scorer-j ──scored queue──► learner
-    ▲                                                      │
+    ▲            ▲                           ▲             │
+    │            └────── LedgerActor ────────┘             │
     └────────────── WeightStore (versioned snapshot) ◄─────┘
 
-Rollout actors and scorers loop on their own; the driver only advances the learner step by step (for the
-progress bar) and watches for a role that died. Restarting the driver resumes from the learner's last
-checkpoint: the data cursor is the step, so the same batches are re-produced.
+Rollout actors and scorers loop on their own, producing the batch indices the ledger hands out; the driver only
+advances the learner step by step (for the progress bar) and watches the loops. A rollout or scorer actor that
+dies is restarted by Ray (`max_restarts`) and its loop relaunched here; the ledger re-queues the batches it held,
+so training continues in the same run. Only a learner failure, or an actor out of restarts, stops the run;
+restarting the driver then resumes from the learner's last checkpoint (the data cursor is the batch index, so
+the same batches are re-produced).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.learner import LearnerActor
+from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
@@ -26,6 +32,9 @@ from opd.errors import OpdError
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.local import TrainResult, progress_columns
+
+MAX_RESTARTS = 3  # per rollout or scorer actor; one more death stops the run
+RESTART_TIMEOUT_S = 600.0  # a restarted actor rebuilds its models (a large target takes minutes to load)
 
 
 def init_ray(spec: ExperimentSpec) -> None:
@@ -64,7 +73,7 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
 
 
 def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
-    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": 3,
+    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": MAX_RESTARTS,
             "max_concurrency": 2,  # so a test or the dashboard can query an actor while its loop runs
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
 
@@ -78,22 +87,24 @@ class RayRun:
         r, as_dict = spec.resources, spec.model_dump(mode="json")
         self.learner_pg, self.rollout_pg = place(spec)
         self.store = WeightStore.options(name="weights").remote()
+        self.ledger = LedgerActor.options(name="ledger").remote(as_dict)
         self.anchors = BatchQueue("anchors", r.queue_size)
         self.scored = BatchQueue("scored", r.queue_size)
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
-            as_dict, self.store, self.scored, track)
+            as_dict, self.store, self.ledger, self.scored, track)
         self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, i + 1, r.scorer, f"scorer-{i}")).remote(
-            as_dict, self.store, self.anchors, self.scored) for i in range(r.scorer.replicas)]
+            as_dict, f"scorer-{i}", self.store, self.ledger, self.anchors, self.scored)
+            for i in range(r.scorer.replicas)]
         self.rollouts = [RolloutActor.options(**_on(self.rollout_pg, i, r.rollout, f"rollout-{i}")).remote(
-            as_dict, f"rollout-{i}", self.store, self.anchors) for i in range(r.rollout.replicas)]
-        self.loops: list = []
+            as_dict, f"rollout-{i}", self.store, self.ledger, self.anchors) for i in range(r.rollout.replicas)]
+        self.loops: dict = {}  # loop ref -> (actor name, actor)
 
     def start(self) -> int:
+        """Resume the learner (which opens the ledger at its step), then launch every rollout and scorer loop."""
         step = ray.get(self.learner.start.remote())
-        per_step = self.spec.optim.batch_size // self.spec.rollout.batch_size
-        replicas = len(self.rollouts)
-        self.loops = [s.run.remote() for s in self.scorers]
-        self.loops += [a.run.remote(step * per_step + i, replicas) for i, a in enumerate(self.rollouts)]
+        named = [(f"scorer-{i}", s) for i, s in enumerate(self.scorers)]
+        named += [(f"rollout-{i}", a) for i, a in enumerate(self.rollouts)]
+        self.loops = {actor.run.remote(): (name, actor) for name, actor in named}
         return step
 
     def train(self, until: int) -> list[dict]:
@@ -104,38 +115,72 @@ class RayRun:
         try:
             return ray.get(pending)
         except ray.exceptions.RayError as exc:
-            raise OpdError(f"the learner failed ({str(exc).strip().splitlines()[0]}); run the same command again "
+            raise OpdError(f"the learner failed ({_first_line(exc)}); run the same command again "
                            f"to resume from the last checkpoint") from None
 
     def _check_loops(self) -> None:
-        """A role loop that ended while training runs has failed: stop with its reason instead of hanging.
-
-        The run is resumable: the learner's last checkpoint and the deterministic data cursor lose nothing."""
-        done, _ = ray.wait(self.loops, timeout=0)
+        """Relaunch the loop of an actor that died and was restarted; stop the run on any other ended loop."""
+        done, _ = ray.wait(list(self.loops), timeout=0)
         for ref in done:
-            try:
-                ray.get(ref)
-                reason = "its loop returned early"
-            except ray.exceptions.RayError as exc:
-                reason = str(exc).strip().splitlines()[0]
-            raise OpdError(f"a rollout or scorer actor failed ({reason}); run the same command again to resume "
-                           f"from the last checkpoint")
+            name, actor = self.loops.pop(ref)
+            self.loops[relaunch(ref, name, actor)] = (name, actor)
 
     def shutdown(self) -> None:
         """Stop the loops, close the MLflow run, release every actor and placement group (also after a failure)."""
         try:
             ray.get(self.store.request_stop.remote())
-            ray.wait(self.loops, num_returns=len(self.loops), timeout=120)
+            ray.wait(list(self.loops), num_returns=len(self.loops), timeout=120)
             ray.get(self.learner.close.remote())
         except ray.exceptions.RayError:
             pass  # a dead actor has nothing left to close; the error that killed it is already raised
         finally:
-            for actor in [self.learner, *self.scorers, *self.rollouts, self.store]:
+            for actor in [self.learner, *self.scorers, *self.rollouts, self.store, self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
                 q.shutdown()
             for pg in (self.learner_pg, self.rollout_pg):
                 remove_placement_group(pg)
+
+
+def relaunch(ref, name: str, actor):
+    """A new loop on an actor whose loop `ref` ended, if the actor died and Ray restarted it (the ledger re-queues
+    what the dead one held). A loop that returned or raised, or an actor out of restarts, stops the run with one
+    line instead of hanging; the run stays resumable from the learner's last checkpoint."""
+    try:
+        ray.get(ref)
+        reason = "its loop returned early"
+    except ray.exceptions.RayTaskError as exc:  # the loop raised (even because another actor died): relaunching
+        reason = _first_line(exc)  # would fail again
+    except ray.exceptions.RayActorError:
+        try:
+            _await_restart(actor)
+            return actor.run.remote()
+        except ray.exceptions.RayError as exc:
+            reason = f"it died and was not restarted: {_first_line(exc)}"
+    except ray.exceptions.RayError as exc:
+        reason = _first_line(exc)
+    raise OpdError(f"{name} failed ({reason}); run the same command again to resume from the last checkpoint")
+
+
+def _await_restart(actor) -> None:
+    """Return once a restarting actor has rebuilt itself; calls fail fast while it restarts, so poll. Raises
+    ActorDiedError when it will not come back (out of restarts, or killed for good), GetTimeoutError if too slow."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        try:
+            return ray.get(actor.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line for an error; a task that raised is reported by what it raised (its first line is only Ray's
+    banner naming the task and process)."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        return f"{type(exc.cause).__name__}: {_first_line(exc.cause)}"
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:

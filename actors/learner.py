@@ -6,35 +6,43 @@ import time
 
 import ray
 
+from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue
 from opd.spec import ExperimentSpec
-from opd.train.session import LearnerSession
+from opd.train.ledger import StepBuffer, Ticket
+from opd.train.session import LearnerSession, ScoredItem
 
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, spec: dict, store, inbox: BatchQueue, track: bool = True) -> None:
+    def __init__(self, spec: dict, store, ledger, inbox: BatchQueue, track: bool = True) -> None:
         self.spec = ExperimentSpec.model_validate(spec)
-        self.store, self.inbox = store, inbox
+        self.store, self.ledger, self.inbox = store, ledger, inbox
         self.session = LearnerSession(self.spec, track=track)
         self.per_step = self.spec.optim.batch_size // self.spec.rollout.batch_size
+        self.buffer = StepBuffer(self.per_step)
+        self.worker = ""  # the learner's id in the ledger, once started
         self.metrics = Metrics()
 
     def start(self) -> int:
-        """Resume from the last checkpoint (if any), publish the current weights; returns the step."""
+        """Resume from the last checkpoint (if any), publish the current weights and open the ledger at the first
+        batch this step needs; returns the step."""
         resumed = self.session.start()
         if not resumed:
             self.session.evaluate_and_log()
         self._publish()
+        ray.get(self.ledger.begin.remote(self.session.step * self.per_step))
+        self.worker = ray.get(self.ledger.register.remote("learner"))
         return self.session.step
 
     def train(self, until: int) -> list[dict]:
         """Take optimizer steps until `until`; one report (metrics, evals, checkpoint) per step."""
         reports = []
         while self.session.step < until:
-            items = self._collect()
-            report = self.session.train_step(items)
+            tickets, items = zip(*self._collect())
+            report = self.session.train_step(list(items))
+            ray.get(self.ledger.trained.remote(list(tickets)))
             if self.session.published.version > ray.get(self.store.latest.remote())[0]:
                 self._publish()
             self._record(report.metrics)
@@ -42,20 +50,25 @@ class LearnerActor:
                             "evals": report.evals})
         return reports
 
-    def _collect(self) -> list:
-        """Whole rollout batches for one step; stale ones are counted and dropped, never trained on."""
-        items = []
-        while len(items) < self.per_step:
-            t0 = time.perf_counter()
-            item = self.inbox.get()
-            self.session.counters.idle_s += time.perf_counter() - t0
-            if self.session.is_stale(item):
+    def _collect(self) -> list[tuple[Ticket, ScoredItem]]:
+        """This step's rollout batches, strictly by index. A stale one is counted, never trained on, and sent back
+        to be re-produced with newer weights. While one is missing the learner keeps draining the queue into its
+        buffer, so later batches never block the producers of the missing one."""
+        while True:
+            entries, stale = self.buffer.take(self.session.step, self.session.is_stale)
+            for ticket, item in stale:
                 self.session.discard(item)
                 self.metrics.record("opd_stale_batches", 1)
-                continue
+                ray.get(self.ledger.stale.remote(ticket))
+            if entries is not None:
+                break
+            t0 = time.perf_counter()
+            if (taken := receive(self.inbox, self.ledger, self.worker)) is not None:
+                self.buffer.add(*taken)
+            self.session.counters.idle_s += time.perf_counter() - t0
+        for _, item in entries:
             self.metrics.record("opd_policy_lag", self.session.step - item.batch.draft_version)
-            items.append(item)
-        return items
+        return entries
 
     def _publish(self) -> None:
         t0 = time.perf_counter()

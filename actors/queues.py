@@ -3,8 +3,9 @@
 The payload is `ray.put` once by the producer and only a wrapped reference travels through the queue (a bare
 ObjectRef would be resolved and copied into the queue actor). A full queue blocks the producer: nothing is
 dropped. Ray (since 2.56) no longer lets a producer hand ownership to another actor, so a payload dies with
-its producer; the consumer then gets `Lost` (with the batch index, which travels beside the reference) and the
-batch is re-produced from its deterministic data cursor instead of silently disappearing.
+its producer; the consumer then gets `Lost` with the batch's `Ticket` (which travels beside the reference),
+reports it to the ledger, and the batch is re-produced from its deterministic data cursor instead of silently
+disappearing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import ray
 from ray.util.queue import Empty, Full, Queue
 
+from opd.train.ledger import Ticket
+
 
 class Stopped(Exception):
     """The run is shutting down while a producer or consumer was waiting."""
@@ -24,9 +27,9 @@ class Stopped(Exception):
 class Lost(Exception):
     """The payload's owner (its producer) died before the consumer read it."""
 
-    def __init__(self, index: int) -> None:
-        super().__init__(f"batch {index} was lost with its producer")
-        self.index = index
+    def __init__(self, ticket: Ticket) -> None:
+        super().__init__(f"batch {ticket.index} (attempt {ticket.attempt}) was lost with its producer")
+        self.ticket = ticket
 
 
 class BatchQueue:
@@ -34,31 +37,31 @@ class BatchQueue:
         self.name = name
         self.queue = Queue(maxsize=maxsize, actor_options={"name": f"queue-{name}", "num_cpus": 0})
 
-    def put(self, item: Any, index: int, stopped: Callable[[], bool] = lambda: False) -> float:
-        """Enqueue batch `index` (blocking while full); returns the seconds spent blocked."""
+    def put(self, item: Any, ticket: Ticket, stopped: Callable[[], bool] = lambda: False) -> float:
+        """Enqueue one attempt of a batch (blocking while full); returns the seconds spent blocked."""
         ref = ray.put(item)
         start = time.perf_counter()
         while True:
             try:
-                self.queue.put((index, [ref]), timeout=1.0)
+                self.queue.put((ticket, [ref]), timeout=1.0)
                 return time.perf_counter() - start
             except Full:
                 if stopped():
                     raise Stopped from None
 
-    def get(self, stopped: Callable[[], bool] = lambda: False) -> Any:
-        """Dequeue (blocking while empty) and fetch the payload."""
+    def get(self, stopped: Callable[[], bool] = lambda: False) -> tuple[Ticket, Any]:
+        """Dequeue (blocking while empty) and fetch the payload; raises `Lost` if its producer died."""
         while True:
             try:
-                index, wrapped = self.queue.get(timeout=1.0)
+                ticket, wrapped = self.queue.get(timeout=1.0)
             except Empty:
                 if stopped():
                     raise Stopped from None
                 continue
             try:
-                return ray.get(wrapped[0])
+                return ticket, ray.get(wrapped[0])
             except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
-                raise Lost(index) from None
+                raise Lost(ticket) from None
 
     def depth(self) -> int:
         return self.queue.qsize()

@@ -1,4 +1,5 @@
-"""RolloutActor: owns a `RolloutWorker` (target + drafter copy) and feeds the anchor queue."""
+"""RolloutActor: owns a `RolloutWorker` (target + drafter copy) and feeds the anchor queue with the batches the
+ledger hands out."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from opd.acceptance import AcceptanceStats
 from opd.data import load_prompts
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
-from opd.train.rollout import RolloutWorker, required_version
+from opd.train.ledger import Ticket
+from opd.train.rollout import RolloutWorker
 from opd.weights import WeightSnapshot
 
 
 @ray.remote
 class RolloutActor:
-    def __init__(self, spec: dict, name: str, store, out: BatchQueue) -> None:
-        self.spec, self.name, self.store, self.out = ExperimentSpec.model_validate(spec), name, store, out
+    def __init__(self, spec: dict, name: str, store, ledger, out: BatchQueue) -> None:
+        self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
+                                                                   ledger, out)
         models = build_models(self.spec)
         data = self.spec.data
         prompts = load_prompts(data.train_prompts, models.tokenizer, max_prompt_tokens=data.max_prompt_tokens,
@@ -27,18 +30,22 @@ class RolloutActor:
         self.worker = RolloutWorker(self.spec, models.target, models.drafter, models.eos_id, prompts, draft_version=-1)
         self.metrics = Metrics()
 
-    def run(self, first_index: int, stride: int) -> int:
-        """Produce batches first_index, first_index + stride, ... until the run stops; returns how many."""
-        produced, index = 0, first_index
+    def ready(self) -> None:
+        """Answers once the constructor has finished: the driver waits on it before relaunching a restarted loop."""
+
+    def run(self) -> int:
+        """Produce the batches the ledger hands out until the run stops; returns how many. Each launch is a new
+        incarnation for the ledger, which re-queues whatever a killed earlier one held."""
+        worker, produced = ray.get(self.ledger.register.remote(self.name)), 0
         try:
             while True:
-                self._adopt(required_version(index, self.spec))
+                ticket = self._claim(worker)
                 t0 = time.perf_counter()
-                batch = self.worker.run(index)
+                batch = self.worker.run(ticket.index)
                 self._record(batch, time.perf_counter() - t0)
-                wait = self.out.put(batch, batch.index, self._stopped)
+                wait = self.out.put(batch, ticket, self._stopped)
                 self.metrics.record("opd_queue_put_wait_s", wait, queue=self.out.name)
-                produced, index = produced + 1, index + stride
+                produced += 1
         except Stopped:
             return produced
 
@@ -49,11 +56,13 @@ class RolloutActor:
     def _stopped(self) -> bool:
         return ray.get(self.store.stopped.remote())
 
-    def _adopt(self, needed: int) -> None:
-        """Swap in the newest verified weights, waiting until at least version `needed` is published."""
+    def _claim(self, worker: str) -> Ticket:
+        """The next batch to produce, with the newest weights swapped in. The ledger hands out nothing the newest
+        version may not draft (max_policy_lag), so this waits while rollout is as far ahead as it may be."""
         while True:
             version, wrapped, _ = ray.get(self.store.latest.remote())
-            if version >= needed and version >= self.worker.draft_version:
+            ticket = ray.get(self.ledger.claim.remote(worker, version))
+            if ticket is not None:
                 break
             if self._stopped():
                 raise Stopped
@@ -61,6 +70,7 @@ class RolloutActor:
         if version != self.worker.draft_version:
             snapshot: WeightSnapshot = ray.get(wrapped[0])
             self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights
+        return ticket
 
     def _record(self, batch, seconds: float) -> None:
         stats = AcceptanceStats.from_records(batch.records, self.worker.decoder.drafter.block_size)

@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _reproduce_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", metavar="CONFIG", help="YAML reproduce spec, e.g. configs/reproduce.yaml")
+    parser.add_argument("config", metavar="CONFIG", help="YAML reproduce spec, e.g. configs/reproduce/tiny.yaml")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a top-level field (repeatable), e.g. --set seeds=[0] --set opd_steps=20")
 

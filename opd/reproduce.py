@@ -43,7 +43,7 @@ class ArmSpec(BaseModel):
 
 
 class ReproduceSpec(BaseModel):
-    """What `configs/reproduce.yaml` holds."""
+    """What `configs/reproduce/tiny.yaml` holds."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,7 +62,7 @@ def load_reproduce_spec(path: str | Path, overrides: list[str] | None = None) ->
     """Read and check a reproduce spec; `overrides` are top-level `key=value` pairs (e.g. seeds=[0])."""
     path = Path(path)
     if not path.is_file():
-        raise OpdError(f"{path}: no such reproduce spec (expected a YAML file like configs/reproduce.yaml)")
+        raise OpdError(f"{path}: no such reproduce spec (expected a YAML file like configs/reproduce/tiny.yaml)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
         for item in overrides or []:

@@ -9,13 +9,14 @@ import ray
 import torch
 import yaml
 
-from actors.driver import RayRun, place
-from actors.queues import BatchQueue
+from actors.driver import RayRun, place, relaunch
+from actors.queues import BatchQueue, Lost
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec, load_spec
+from opd.train.flops import FlopCounter
+from opd.train.ledger import Ticket, reconciles
 from opd.train.local import LocalTrainer
 from opd.train.rollout import AnchorBatch
-from opd.train.flops import FlopCounter
 from opd.train.session import ScoredItem
 
 
@@ -26,10 +27,19 @@ def ray_cluster():
     ray.shutdown()
 
 
-def ray_spec(micro_spec_file, tmp_path, **overrides) -> ExperimentSpec:
-    sets = ["engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
+def ray_spec(micro_spec_file, tmp_path, *sets: str, **overrides) -> ExperimentSpec:
+    base = ["engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
             f"tracking.run_dir={tmp_path / 'ray' / '{name}'}", "tracking.checkpoint_every=1"]
-    return load_spec(micro_spec_file, sets + [f"{k}={v}" for k, v in overrides.items()])
+    return load_spec(micro_spec_file, base + list(sets) + [f"{k}={v}" for k, v in overrides.items()])
+
+
+def local_losses(micro_spec_file, tmp_path, steps: int) -> list[float]:
+    spec = load_spec(micro_spec_file, [f"steps={steps}", "eval.every=0", f"tracking.run_dir={tmp_path / 'local'}"])
+    return LocalTrainer(spec, track=False).run().losses
+
+
+def account(run: RayRun) -> dict[str, int]:
+    return ray.get(run.ledger.account.remote())
 
 
 def wait_for(fn, timeout: float = 60.0):
@@ -44,18 +54,23 @@ def wait_for(fn, timeout: float = 60.0):
 
 def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_path):
     """One rollout actor, max_policy_lag 0: the Ray run takes the local run's steps exactly; a stale batch is
-    skipped and counted; the rollout drafts with the learner's weights bit for bit; a killed driver resumes."""
-    local = LocalTrainer(load_spec(micro_spec_file, ["steps=5", "eval.every=0",
-                                                     f"tracking.run_dir={tmp_path / 'local'}"]), track=False).run()
-    run = RayRun(ray_spec(micro_spec_file, tmp_path, steps=5), track=False)
+    counted, never trained, and re-produced fresh; the rollout drafts with the learner's weights bit for bit; a
+    killed driver resumes."""
+    local = local_losses(micro_spec_file, tmp_path, steps=5)
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.queue_size=4", steps=5), track=False)
     try:
-        stale = ScoredItem(AnchorBatch(index=-1, draft_version=-5, records=[], flops=FlopCounter()), [])
-        run.scored.put(stale, -1)  # an ancient batch waiting before anything else
         assert run.start() == 0
+        wait_for(lambda: account(run)["claimed"] == 2)  # batches 0 and 1; batch 2 waits for version 1
+        ticket = ray.get(run.ledger.claim.remote(ray.get(run.ledger.register.remote("test")), 99))
+        assert ticket == Ticket(2, 0)
+        stale = ScoredItem(AnchorBatch(index=2, draft_version=-5, records=[], flops=FlopCounter()), [])
+        run.scored.put(stale, ticket)  # batch 2 drafted with ancient weights: sent back, produced again
         reports = [r for step in (1, 2, 3) for r in run.train(step)]
-        assert [r["metrics"]["loss"] for r in reports] == pytest.approx(local.losses[:3], rel=1e-5, abs=1e-7)
+        assert [r["metrics"]["loss"] for r in reports] == pytest.approx(local[:3], rel=1e-5, abs=1e-7)
         counters = ray.get(run.learner.counters.remote())
         assert counters["stale_batches"] == 1 and counters["trained_batches"] == 6
+        ledger = account(run)
+        assert (ledger["stale"], ledger["reproduced"], ledger["trained"]) == (1, 1, 6) and reconciles(ledger)
         version, learner_state = ray.get(run.learner.draft_state.remote())
         rollout_version, rollout_state = wait_for(
             lambda: (s := ray.get(run.rollouts[0].draft_state.remote()))[0] == version and s)
@@ -69,14 +84,14 @@ def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_pa
         assert resumed.start() == 3
         reports = [r for step in (4, 5) for r in resumed.train(step)]
         assert [r["step"] for r in reports] == [4, 5]
-        assert [r["metrics"]["loss"] for r in reports] == pytest.approx(local.losses[3:], rel=1e-5, abs=1e-7)
+        assert [r["metrics"]["loss"] for r in reports] == pytest.approx(local[3:], rel=1e-5, abs=1e-7)
     finally:
         resumed.shutdown()
 
 
 @ray.remote
 def _produce(queue: BatchQueue, n: int) -> float:
-    return sum(queue.put({"payload": torch.full((1000,), float(i))}, i) for i in range(n))
+    return sum(queue.put({"payload": torch.full((1000,), float(i))}, Ticket(i, 0)) for i in range(n))
 
 
 def test_full_queue_blocks_the_producer_and_loses_nothing(ray_cluster):
@@ -86,7 +101,7 @@ def test_full_queue_blocks_the_producer_and_loses_nothing(ray_cluster):
         wait_for(lambda: queue.depth() == 2)
         time.sleep(1.0)
         assert queue.depth() == 2 and not ray.wait([producer], timeout=0)[0]  # blocked, not dropping
-        got = [queue.get()["payload"][0].item() for _ in range(6)]
+        got = [queue.get()[1]["payload"][0].item() for _ in range(6)]
         assert got == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         assert ray.get(producer) > 0.5  # it really waited
     finally:
@@ -115,22 +130,117 @@ def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micr
         place(ExperimentSpec.model_validate({**base, **layout}), timeout_s=2)
 
 
-def test_a_dead_rollout_actor_stops_the_run_cleanly_and_the_rerun_resumes(ray_cluster, micro_spec_file, tmp_path):
-    run = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+# a batch that is never re-produced leaves the learner waiting for it: fail instead of hanging
+fails_if_a_batch_goes_missing = pytest.mark.timeout(240)
+
+
+def full_pipeline(run: RayRun) -> None:
+    """Start and wait until every stage holds batches it has not passed on (max_policy_lag 1, queues of 1, no
+    step trained yet): the scorer holds 0 (in the scored queue) and 1 (blocked on it), rollout-0 holds 2 (in the
+    anchors queue) and 3 (blocked on it)."""
+    assert run.start() == 0
+    full = {0: "scorer-0#1", 1: "scorer-0#1", 2: "rollout-0#1", 3: "rollout-0#1"}
+    wait_for(lambda: ray.get(run.ledger.holders.remote()) == full)
+
+
+def assert_survived(run: RayRun, reports: list[dict], steps: int, given_up: int) -> None:
+    """The run reached its budget in the same RayRun, every batch index was trained exactly once, and every
+    batch the fault took was produced again."""
+    assert [r["step"] for r in reports] == list(range(1, steps + 1))
+    ledger = account(run)
+    assert ray.get(run.ledger.trained_indices.remote()) == list(range(2 * steps)) and ledger["duplicates"] == 0
+    assert ledger["lost"] + ledger["orphaned"] == given_up == ledger["reproduced"]
+    assert ledger["restarts"] == 1 and ledger["stale"] == 0 and reconciles(ledger)
+    assert ray.get(run.learner.counters.remote())["trained_batches"] == 2 * steps
+
+
+@fails_if_a_batch_goes_missing
+def test_a_killed_rollout_actor_restarts_and_the_run_continues(ray_cluster, micro_spec_file, tmp_path):
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.max_policy_lag=1", steps=3), track=False)
     try:
-        run.start()
-        run.train(1)
-        ray.kill(run.rollouts[0], no_restart=True)
-        with pytest.raises(OpdError, match="rollout or scorer actor failed.*resume from the last checkpoint"):
-            run.train(3)
+        full_pipeline(run)
+        ray.kill(run.rollouts[0], no_restart=False)  # batches 2 (enqueued) and 3 die with it
+        time.sleep(1.0)  # the kill lands before anyone reads batch 2
+        assert_survived(run, run.train(3), steps=3, given_up=2)
     finally:
         run.shutdown()
-    again = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+
+
+@fails_if_a_batch_goes_missing
+def test_a_killed_scorer_restarts_and_the_run_continues_until_it_dies_for_good(ray_cluster, micro_spec_file,
+                                                                               tmp_path):
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.max_policy_lag=1", steps=3), track=False)
     try:
-        assert again.start() == 1  # nothing trained is lost: the checkpoint of step 1
-        assert [r["step"] for r in again.train(3)] == [2, 3]
+        full_pipeline(run)
+        ray.kill(run.scorers[0], no_restart=False)  # batches 0 (enqueued) and 1 die with it
+        time.sleep(1.0)  # the kill lands before the learner reads batch 0
+        assert_survived(run, run.train(3), steps=3, given_up=2)
+        ray.kill(run.scorers[0], no_restart=True)  # as if out of restarts: step 5's batches can never be scored
+        with pytest.raises(OpdError, match=r"^scorer-0 failed \(it died and was not restarted: [^\n]*\); run the "
+                                           r"same command again to resume from the last checkpoint$"):
+            run.train(5)
     finally:
-        again.shutdown()
+        run.shutdown()
+
+
+@ray.remote
+class _Producer:
+    def put(self, queue: BatchQueue, item, ticket: Ticket) -> None:
+        queue.put(item, ticket)
+
+    def claim_and_put(self, queue: BatchQueue, ledger) -> Ticket:
+        """Act as one more rollout producer: claim the next batch and enqueue it."""
+        ticket = ray.get(ledger.claim.remote(ray.get(ledger.register.remote("producer")), 99))
+        queue.put(AnchorBatch(ticket.index, 0, [], FlopCounter()), ticket)
+        return ticket
+
+
+@fails_if_a_batch_goes_missing
+def test_batches_enqueued_by_a_producer_that_died_are_reproduced(ray_cluster, micro_spec_file, tmp_path):
+    """The scorer finds the dead producer's batch Lost, reports it, and carries on; the batch is produced again
+    and the run takes exactly the local run's steps."""
+    local = local_losses(micro_spec_file, tmp_path, steps=2)
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, steps=2), track=False)
+    producer = _Producer.remote()
+    try:
+        assert run.start() == 0
+        wait_for(lambda: ray.get(run.ledger.holders.remote()) == {0: "scorer-0#1", 1: "scorer-0#1"})
+        assert ray.get(producer.claim_and_put.remote(run.anchors, run.ledger)) == Ticket(2, 0)
+        ray.kill(producer, no_restart=True)  # batch 2 waits in the anchors queue, its owner gone
+        time.sleep(1.0)
+        reports = run.train(2)
+        assert [r["metrics"]["loss"] for r in reports] == pytest.approx(local, rel=1e-5, abs=1e-7)
+        ledger = account(run)
+        assert (ledger["lost"], ledger["reproduced"], ledger["trained"], ledger["dropped"]) == (1, 1, 4, 0)
+        assert ray.get(run.ledger.trained_indices.remote()) == [0, 1, 2, 3] and reconciles(ledger)
+    finally:
+        run.shutdown()
+
+
+@ray.remote(max_restarts=1)
+class _Looper:
+    def ready(self) -> None:
+        pass
+
+    def run(self, needs=None) -> None:
+        if needs is not None:
+            ray.get(needs.ready.remote())
+        time.sleep(60)
+
+
+def test_only_a_restarted_actor_gets_its_loop_relaunched(ray_cluster):
+    """A loop that raised (here: because an actor it calls is dead) would fail again: stop, do not relaunch."""
+    looper, dead = _Looper.remote(), _Looper.remote()
+    ray.kill(dead, no_restart=True)
+    with pytest.raises(OpdError, match=r"^looper failed \(.*ActorDiedError.*; run the same command again"):
+        relaunch(looper.run.remote(dead), "looper", looper)
+    loop = looper.run.remote()
+    ray.kill(looper, no_restart=False)
+    loop = relaunch(loop, "looper", looper)  # restarted: a fresh loop
+    assert not ray.wait([loop], timeout=1.0)[0]
+    ray.kill(looper, no_restart=True)
+    with pytest.raises(OpdError, match=r"^looper failed \(it died and was not restarted: "):
+        relaunch(loop, "looper", looper)
 
 
 def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micro_spec_file, tmp_path):
@@ -157,23 +267,15 @@ def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micr
         assert torch.allclose(v, state[k], atol=1e-6), k
 
 
-@ray.remote
-class _Producer:
-    def put(self, queue: BatchQueue, index: int) -> None:
-        queue.put({"payload": torch.ones(10)}, index)
-
-
-def test_a_batch_whose_producer_died_is_reported_lost_with_its_index(ray_cluster):
-    from actors.queues import Lost
-
+def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluster):
     queue = BatchQueue("test-lost", maxsize=4)
     producer = _Producer.remote()
     try:
-        ray.get(producer.put.remote(queue, 7))
+        ray.get(producer.put.remote(queue, {"payload": torch.ones(10)}, Ticket(7, 2)))
         ray.kill(producer, no_restart=True)
         time.sleep(1.0)  # let the owner's death reach the object directory
         with pytest.raises(Lost) as lost:
             queue.get()
-        assert lost.value.index == 7  # never silently dropped: the consumer learns which batch to re-produce
+        assert lost.value.ticket == Ticket(7, 2)  # never silently dropped: the consumer learns what to re-produce
     finally:
         queue.shutdown()

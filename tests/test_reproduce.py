@@ -6,7 +6,10 @@ import json
 
 import pytest
 
+from pathlib import Path
+
 from opd.cli import main
+from opd.spec import load_spec
 from opd.paper_report import write_report
 from opd.reproduce import ArmJob, ArmSpec, load_reproduce_spec, run_arm, run_jobs
 
@@ -83,3 +86,12 @@ def test_a_bad_reproduce_spec_is_one_line(tmp_path, capsys, content, message):
     assert main(["reproduce", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and str(path) in err
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs" / "reproduce").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_reproduce_specs_validate_with_every_arm(path):
+    spec = load_reproduce_spec(path)
+    root = path.parents[2]
+    for arm in spec.arms:
+        load_spec(root / spec.experiment, [*spec.set, *arm.set], check_paths=False)

@@ -13,7 +13,7 @@ from opd.spec import (ExperimentSpec, SpecError, check_paths, default_target_lay
                       validate_spec)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "reproduce")  # not experiments
 TINY = ROOT / "configs" / "tiny.yaml"
 MINIMAL = {"steps": 10, "models": {"target_path": "t"}, "data": {"train_prompts": "a", "eval_prompts": "b"}}
 

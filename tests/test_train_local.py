@@ -66,4 +66,11 @@ def test_required_version_bounds_how_far_rollout_runs_ahead(micro_spec_file):
     lag1 = load_spec(micro_spec_file, ["resources.max_policy_lag=1"])
     assert [required_version(i, lag1) for i in range(6)] == [0, 0, 0, 0, 1, 1]
     every2 = load_spec(micro_spec_file, ["resources.max_policy_lag=1", "resources.broadcast_every=2"])
-    assert [required_version(i, every2) for i in range(8)] == [0, 0, 0, 0, 0, 0, 2, 2]
+    assert [required_version(i, every2) for i in range(8)] == [0, 0, 0, 0, 2, 2, 2, 2]
+    for spec in (lag0, lag1, every2, load_spec(micro_spec_file, ["resources.max_policy_lag=3",
+                                                                 "resources.broadcast_every=3"])):
+        r = spec.resources
+        for i in range(40):
+            step, need = i // 2, required_version(i, spec)
+            assert need % r.broadcast_every == 0 and need <= step  # published by the time step `step` runs
+            assert step - need <= r.max_policy_lag  # so the learner never finds it stale

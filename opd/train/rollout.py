@@ -38,10 +38,11 @@ class AnchorBatch:
 def required_version(index: int, spec: ExperimentSpec) -> int:
     """The oldest published version batch `index` may be drafted with: rollout never runs further ahead of the
     learner than `max_policy_lag` allows, so (absent failures) the learner never has to discard a batch.
-    Versions are published every `broadcast_every` steps, so the requirement is rounded down to one of them."""
+    Versions are published every `broadcast_every` steps, so the requirement is rounded up to the next of them
+    (published by step `step` because the spec keeps max_policy_lag >= broadcast_every - 1)."""
     r = spec.resources
     step = index // (spec.optim.batch_size // spec.rollout.batch_size)
-    return max(0, (step - r.max_policy_lag) // r.broadcast_every * r.broadcast_every)
+    return max(0, -(-(step - r.max_policy_lag) // r.broadcast_every) * r.broadcast_every)
 
 
 class RolloutWorker:

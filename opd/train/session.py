@@ -38,7 +38,8 @@ class ScoredItem:
 
 @dataclass
 class Counters:
-    """Every rollout batch produced is either trained on or counted stale; nothing disappears silently."""
+    """The learner's own account (checkpointed): every batch that reaches it is trained on or counted stale. With
+    `engine: ray` the run's ledger (opd/train/ledger.py) also accounts for batches lost before reaching it."""
 
     trained_batches: int = 0
     stale_batches: int = 0
@@ -118,7 +119,8 @@ class LearnerSession:
         return self.step - item.batch.draft_version > self.spec.resources.max_policy_lag
 
     def discard(self, item: ScoredItem) -> None:
-        """A batch too old to train on: counted (and its compute still paid), never trained."""
+        """A batch too old to train on: counted (and its compute still paid), never trained; with `engine: ray` it
+        is then re-produced with newer weights."""
         self.counters.stale_batches += 1
         self._add_flops(item)
 

@@ -1,0 +1,181 @@
+"""Where every rollout batch of a run is, so a restarted actor costs a re-production, never a lost or doubled batch.
+
+The data cursor is the batch index (opd/train/rollout.py): batch i holds the same prompts and seeds whoever
+produces it, so a batch that died with its holder is simply produced again. The `Ledger` (one per run, hosted
+by `actors/ledger.py`) hands out indices, knows which worker incarnation holds the current attempt of each, and
+keeps one account:
+
+    claimed = trained + lost + orphaned + stale + in flight      (every claim is one production attempt)
+    reproduced = lost + orphaned + stale - waiting               (every attempt given up is produced again)
+
+An attempt is given up when a consumer reports it `lost` (its producer died while it sat in a queue), when the
+incarnation holding it is replaced (`orphaned`: its actor restarted), or when the learner sends it back as
+`stale`. A copy of a given-up attempt that still turns up anywhere is `dropped`, never trained.
+
+`StepBuffer` is the learner's side: batches arrive in any order, steps take them strictly by index.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class Ticket(NamedTuple):
+    """One production attempt of batch `index`; it travels through the queues beside the payload."""
+
+    index: int
+    attempt: int
+
+
+@dataclass
+class LedgerCounts:
+    claimed: int = 0  # production attempts handed out
+    reproduced: int = 0  # of which re-productions of a given-up batch
+    trained: int = 0  # batches the learner trained on
+    lost: int = 0  # attempts a consumer found dead in a queue (their producer died)
+    orphaned: int = 0  # attempts held by an incarnation that a restart replaced
+    stale: int = 0  # attempts the learner sent back for exceeding max_policy_lag
+    dropped: int = 0  # copies of given-up (or unknown) attempts that still arrived; thrown away
+    duplicates: int = 0  # batches reported trained twice (a bug if ever non-zero)
+    restarts: int = 0  # loop launches that replaced an earlier incarnation of the same actor
+
+
+class Ledger:
+    """Hands out batch indices and keeps the account; `required(index)` is the oldest draft version that may
+    produce batch `index` (rollout.required_version), so a claim never outruns max_policy_lag."""
+
+    def __init__(self, first_index: int, required: Callable[[int], int]) -> None:
+        self.next, self.required = first_index, required
+        self.attempt: dict[int, int] = {}  # index -> its current attempt, until trained
+        self.holder: dict[int, str] = {}  # index -> worker holding that attempt (absent while waiting for redo)
+        self.redo: list[int] = []  # heap of given-up indices waiting to be produced again
+        self.done: set[int] = set()
+        self.incarnation: dict[str, int] = {}  # actor name -> its live incarnation
+        self.counts = LedgerCounts()
+
+    def register(self, name: str) -> str:
+        """A worker loop (re)starting under `name` gets a new id; whatever an earlier incarnation held and had not
+        passed on died with it, so it goes back for re-production."""
+        n = self.incarnation.get(name, 0) + 1
+        self.incarnation[name] = n
+        if n > 1:
+            self.counts.restarts += 1
+            for index in [i for i, w in self.holder.items() if _name(w) == name]:
+                self._redo(index)
+                self.counts.orphaned += 1
+        return f"{name}#{n}"
+
+    def claim(self, worker: str, version: int) -> Ticket | None:
+        """The lowest index waiting for re-production, else the next new one; None while drafting it would need
+        a newer version than `version` (or the worker is a replaced incarnation)."""
+        index = self.redo[0] if self.redo else self.next
+        if not self._live(worker) or self.required(index) > version:
+            return None
+        if self.redo:
+            heapq.heappop(self.redo)
+            self.counts.reproduced += 1
+        else:
+            self.next += 1
+            self.attempt[index] = 0
+        self.holder[index] = worker
+        self.counts.claimed += 1
+        return Ticket(index, self.attempt[index])
+
+    def handoff(self, ticket: Ticket, worker: str) -> bool:
+        """`worker` took `ticket` out of a queue and now holds it. False means drop it: a copy of a given-up
+        attempt (its re-production is on its way), or taken by a replaced incarnation, which cannot be trusted to
+        pass it on (so it goes back for re-production now rather than never arriving)."""
+        if not self._current(ticket):
+            self.counts.dropped += 1
+            return False
+        if not self._live(worker):
+            self._redo(ticket.index)
+            self.counts.orphaned += 1
+            return False
+        self.holder[ticket.index] = worker
+        return True
+
+    def lost(self, ticket: Ticket) -> None:
+        """A consumer found the payload dead (its producer died with it enqueued)."""
+        self._give_up(ticket, "lost")
+
+    def stale(self, ticket: Ticket) -> None:
+        """The learner will not train on it (too old for max_policy_lag); a fresh copy is produced instead."""
+        self._give_up(ticket, "stale")
+
+    def trained(self, tickets: Iterable[Ticket]) -> None:
+        for ticket in tickets:
+            if ticket.index in self.done:
+                self.counts.duplicates += 1
+                continue
+            self.done.add(ticket.index)
+            self.attempt.pop(ticket.index, None)
+            self.holder.pop(ticket.index, None)
+            self.counts.trained += 1
+
+    def account(self) -> dict[str, int]:
+        """The counts plus what is in flight and waiting; `reconciles(account)` checks the two equations."""
+        return {**vars(self.counts), "in_flight": len(self.holder), "waiting": len(self.redo)}
+
+    def trained_indices(self) -> list[int]:
+        return sorted(self.done)
+
+    def holders(self) -> dict[int, str]:
+        return dict(self.holder)
+
+    def _give_up(self, ticket: Ticket, reason: str) -> None:
+        if not self._current(ticket):
+            self.counts.dropped += 1
+            return
+        self._redo(ticket.index)
+        setattr(self.counts, reason, getattr(self.counts, reason) + 1)
+
+    def _redo(self, index: int) -> None:
+        self.attempt[index] += 1
+        del self.holder[index]
+        heapq.heappush(self.redo, index)
+
+    def _current(self, ticket: Ticket) -> bool:
+        return ticket.index in self.holder and self.attempt[ticket.index] == ticket.attempt
+
+    def _live(self, worker: str) -> bool:
+        return f"{_name(worker)}#{self.incarnation.get(_name(worker))}" == worker
+
+
+def reconciles(account: dict[str, int]) -> bool:
+    """Every attempt ended exactly once (trained, given up, or still in flight), every given-up one was produced
+    again or is waiting to be, and no batch was trained twice."""
+    a = account
+    given_up = a["lost"] + a["orphaned"] + a["stale"]
+    return (a["claimed"] == a["trained"] + given_up + a["in_flight"]
+            and a["reproduced"] == given_up - a["waiting"] and a["duplicates"] == 0)
+
+
+def _name(worker: str) -> str:
+    return worker.rpartition("#")[0]
+
+
+class StepBuffer:
+    """The learner's reorder buffer. Batches arrive in any order (several rollout replicas, re-productions), but
+    step s trains on exactly indices s*per_step .. (s+1)*per_step - 1, so the steps a run takes do not depend on
+    timing, and a missing batch never lets a later one jump the queue."""
+
+    def __init__(self, per_step: int) -> None:
+        self.per_step = per_step
+        self.waiting: dict[int, tuple[Ticket, Any]] = {}
+
+    def add(self, ticket: Ticket, item: Any) -> None:
+        self.waiting[ticket.index] = (ticket, item)
+
+    def take(self, step: int, is_stale: Callable[[Any], bool]) -> tuple[list[tuple[Ticket, Any]] | None,
+                                                                       list[tuple[Ticket, Any]]]:
+        """(step's entries by index if all arrived and none is stale, else None; the stale ones, removed here so
+        they can be re-produced)."""
+        wanted = range(step * self.per_step, (step + 1) * self.per_step)
+        stale = [self.waiting.pop(i) for i in wanted if i in self.waiting and is_stale(self.waiting[i][1])]
+        if stale or any(i not in self.waiting for i in wanted):
+            return None, stale
+        return [self.waiting.pop(i) for i in wanted], []

@@ -1,0 +1,104 @@
+"""The run's batch ledger and the learner's reorder buffer, without Ray."""
+
+from __future__ import annotations
+
+from opd.train.ledger import Ledger, StepBuffer, Ticket, reconciles
+
+
+def ledger(first: int = 0, per_step: int = 2, lag: int = 0) -> Ledger:
+    """Batch i belongs to step i // per_step and may be drafted with any version >= that step - lag."""
+    return Ledger(first, lambda i: max(0, i // per_step - lag))
+
+
+def test_indices_are_handed_out_in_order_and_throttled_by_the_version():
+    led = ledger(first=4)
+    w = led.register("rollout-0")
+    assert led.claim(w, version=1) is None  # batch 4 is step 2's: version 2 needed
+    assert [led.claim(w, version=2), led.claim(w, version=2)] == [Ticket(4, 0), Ticket(5, 0)]
+    assert led.claim(w, version=2) is None
+    assert led.claim(w, version=3) == Ticket(6, 0)
+
+
+def test_a_restarted_worker_loses_what_it_held_and_it_is_reproduced_first():
+    led = ledger()
+    r, s = led.register("rollout-0"), led.register("scorer-0")
+    for _ in range(3):
+        led.claim(r, version=1)
+    assert led.handoff(Ticket(0, 0), s)  # batch 0 reached the scorer: no longer the rollout's to lose
+    r2 = led.register("rollout-0")  # the actor restarted: 1 and 2 died with it
+    assert led.account()["orphaned"] == 2 and led.account()["restarts"] == 1
+    assert led.claim(r, version=9) is None  # the old incarnation gets nothing more
+    assert [led.claim(r2, version=1), led.claim(r2, version=1), led.claim(r2, version=1)] == [
+        Ticket(1, 1), Ticket(2, 1), Ticket(3, 0)]
+    assert not led.handoff(Ticket(1, 0), s)  # a copy of the dead attempt that still arrived is dropped
+    assert led.account()["dropped"] == 1 and led.account()["reproduced"] == 2
+    s2 = led.register("scorer-0")
+    assert not led.handoff(Ticket(3, 0), s)  # a late message from a replaced incarnation: batch 3 goes back
+    assert led.claim(r2, version=1) == Ticket(0, 1) and led.claim(r2, version=1) == Ticket(3, 1)
+    assert led.handoff(Ticket(3, 1), s2) and led.account()["orphaned"] == 4  # 1, 2, then 0 and 3
+
+
+def test_lost_in_a_queue_is_reproduced_once_even_if_the_restart_reports_it_too():
+    led = ledger()
+    r, s = led.register("rollout-0"), led.register("scorer-0")
+    led.claim(r, version=0)
+    led.lost(Ticket(0, 0))  # the scorer found it dead
+    r2 = led.register("rollout-0")  # then the restart: 0 is no longer held by anyone
+    led.lost(Ticket(0, 0))  # and a second report of the same attempt
+    assert led.claim(r2, version=0) == Ticket(0, 1)
+    a = led.account()
+    assert (a["lost"], a["orphaned"], a["reproduced"], a["dropped"]) == (1, 0, 1, 1)
+    assert led.handoff(Ticket(0, 1), s)
+
+
+def test_stale_goes_back_and_the_account_reconciles():
+    led = ledger()
+    r, s, learner = led.register("rollout-0"), led.register("scorer-0"), led.register("learner")
+    tickets = [led.claim(r, version=0), led.claim(r, version=0)]
+    for t in tickets:
+        assert led.handoff(t, s) and led.handoff(t, learner)
+    led.stale(tickets[0])
+    assert not reconciles({**led.account(), "reproduced": 1})  # the check can fail
+    redo = led.claim(r, version=0)
+    assert redo == Ticket(0, 1) and led.handoff(redo, learner)
+    led.trained([redo, tickets[1]])
+    led.trained([redo])
+    a = led.account()
+    assert (a["claimed"], a["trained"], a["stale"], a["in_flight"], a["waiting"]) == (3, 2, 1, 0, 0)
+    assert a["duplicates"] == 1 and not reconciles(a)
+    assert led.trained_indices() == [0, 1]
+
+
+def test_the_account_reconciles_through_every_kind_of_fault():
+    led = ledger(lag=1)
+    r, s, learner = led.register("rollout-0"), led.register("scorer-0"), led.register("learner")
+    t = [led.claim(r, version=0) for _ in range(4)]
+    assert led.handoff(t[0], s) and led.handoff(t[1], s)
+    led.lost(t[2])
+    s2 = led.register("scorer-0")  # 0 and 1 orphaned
+    assert led.handoff(t[3], s2)
+    assert reconciles(led.account())
+    batches = [led.claim(r, version=0) for _ in range(3)]
+    for b in batches:
+        assert led.handoff(b, s2)
+    for b in batches + [t[3]]:
+        assert led.handoff(b, learner)
+    led.trained(sorted(batches + [t[3]]))
+    a = led.account()
+    assert reconciles(a) and led.trained_indices() == [0, 1, 2, 3]
+    assert (a["claimed"], a["lost"], a["orphaned"], a["reproduced"]) == (7, 1, 2, 3)
+
+
+def test_the_step_buffer_releases_a_step_only_complete_fresh_and_in_index_order():
+    def is_stale(item: str) -> bool:
+        return item == "old"
+
+    buf = StepBuffer(per_step=2)
+    buf.add(Ticket(3, 0), "d")  # step 1's, early
+    buf.add(Ticket(1, 0), "b")
+    assert buf.take(0, is_stale) == (None, [])
+    buf.add(Ticket(0, 0), "old")
+    assert buf.take(0, is_stale) == (None, [(Ticket(0, 0), "old")])  # removed, to be re-produced
+    buf.add(Ticket(0, 1), "a")
+    assert buf.take(0, is_stale) == ([(Ticket(0, 1), "a"), (Ticket(1, 0), "b")], [])
+    assert buf.take(1, is_stale) == (None, [])
