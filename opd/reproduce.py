@@ -10,6 +10,7 @@ worker processes; each finished (arm, seed) is saved, so a killed reproduction r
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,7 @@ class ReproduceSpec(BaseModel):
     opd_steps: int = Field(ge=2)  # the full method's steps; their FLOPs are every arm's budget
     eval_points: int = Field(4, ge=1)  # held-out τ measured at this many evenly spaced marks
     eval_prompts: int = Field(64, ge=1)
+    sft_data: str | None = None  # the warm drafter's SFT data (jsonl); None: regenerate it with the spec's sft:
     workers: int = Field(2, ge=1)
     out_dir: str = "runs/reproduce"
     arms: list[ArmSpec] = Field(min_length=2)
@@ -140,6 +142,7 @@ def arm_spec(job: ArmJob, steps: int) -> ExperimentSpec:
 def run_arm(job: ArmJob) -> ArmResult:
     """One (arm, seed) from the warm drafter to the budget; runs in a worker process."""
     torch.set_num_threads(1)
+    os.environ["OPD_PROGRESS"] = "0"
     started = time.perf_counter()
     result = _run_sft_arm(job) if job.arm.kind == "sft" else _run_opd_arm(job)
     result.minutes = (time.perf_counter() - started) / 60
@@ -148,11 +151,10 @@ def run_arm(job: ArmJob) -> ArmResult:
 
 def _run_opd_arm(job: ArmJob) -> ArmResult:
     budget_setter = job.marks is None
-    # Budgeted arms get room past the full arm's step count; the warmup stays as many steps as the full arm's.
-    cap = job.opd_steps if budget_setter else 4 * job.opd_steps
+    # Room past the full arm's step count for cheaper arms; the warmup stays as many steps as the full arm's.
+    cap = 4 * job.opd_steps
     spec = arm_spec(job, cap)
-    if not budget_setter:
-        spec.optim.warmup_ratio *= job.opd_steps / cap
+    spec.optim.warmup_ratio *= job.opd_steps / cap
     trainer = LocalTrainer(spec, track=False)
     session = trainer.session
     session.start()
@@ -221,7 +223,11 @@ def _marks(result: ArmResult) -> list[float]:
 
 
 def _sft_data(spec: ReproduceSpec, out: Path) -> str:
-    """The continued-SFT arm's data: the warm drafter's own SFT data, regenerated once and cached."""
+    """The continued-SFT arm's data: the warm drafter's own SFT data, shipped or regenerated once and cached."""
+    if spec.sft_data:
+        if not Path(spec.sft_data).is_file():
+            raise OpdError(f"sft_data: {spec.sft_data} does not exist (expected the warm drafter's SFT jsonl)")
+        return spec.sft_data
     experiment = load_spec(spec.experiment, spec.set)
     path = out / "sft_data.jsonl"
     models = build_models(experiment)

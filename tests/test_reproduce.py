@@ -65,10 +65,15 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
                                                         ("no-decay", 1)]
     saved = sorted(p.name for p in (tmp_path / "out" / "arms").iterdir())
     assert saved == ["draft-opd-seed0.json", "draft-opd-seed1.json", "no-decay-seed0.json", "no-decay-seed1.json"]
-    (tmp_path / "out" / "work").rename(tmp_path / "out" / "gone")  # a rerun must not train anything again
+    marked = tmp_path / "out" / "arms" / "no-decay-seed1.json"
+    row = json.loads(marked.read_text())
+    marked.write_text(json.dumps({**row, "final": {"greedy": 123.0}}))  # a rerun must load, not retrain
     again = run_jobs(spec, tmp_path / "out")
-    assert sorted(r.final["greedy"] for r in again) == sorted(r.final["greedy"] for r in results)
-    assert not (tmp_path / "out" / "work").exists()
+    finals = {(r.arm, r.seed): r.final["greedy"] for r in again}
+    assert finals[("no-decay", 1)] == 123.0
+    assert finals == {**{(r.arm, r.seed): r.final["greedy"] for r in results}, ("no-decay", 1): 123.0}
+    marked.write_text(json.dumps(row))
+    again = run_jobs(spec, tmp_path / "out")
     report = write_report(spec, again, tmp_path / "out", minutes=1.0).read_text()
     assert "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000

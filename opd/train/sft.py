@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from opd.data import Prompt, load_prompts
+from opd.data import Prompt, load_prompts, prompt_key
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.losses import sft_loss
@@ -51,7 +51,7 @@ def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Promp
             chunk = todo[i : i + batch_size]
             out = generate_autoregressive(models.target, [p.ids for p in chunk], sampling,
                                           max_new_tokens=spec.sft.response_max_new_tokens, eos_id=models.eos_id,
-                                          seed=spec.seed)
+                                          seed=spec.seed, keys=[prompt_key(p.id) for p in chunk])
             for p, resp in zip(chunk, out):
                 row = {"id": p.id, "prompt_ids": p.ids, "response_ids": resp}
                 f.write(json.dumps(row) + "\n")
