@@ -105,6 +105,7 @@ class ModelsSpec(_Section):
     target_num_layers: int | None = Field(None, ge=1)  # read from target_path/config.json when it exists
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU Ray gave this actor, else the CPU
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
 
     @property

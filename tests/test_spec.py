@@ -157,7 +157,7 @@ def test_run_dir_and_default_tracking_uri() -> None:
 
 def test_flatten_gives_mlflow_params() -> None:
     params = flatten(load_spec(TINY, check_paths=False))
-    assert params["optim.lr"] == "5e-05" and params["loss.rejected_decay"] == "true"
+    assert params["optim.lr"] == "0.0001" and params["loss.rejected_decay"] == "true"
     assert params["replay.teacher_topk"] == "null" and params["models.target_path"] == "opd/assets/tiny/target"
     assert params["eval.sampling.1.top_k"] == "20" and params["optim.betas"] == "[0.9, 0.95]"
     assert all(isinstance(v, str) for v in params.values())

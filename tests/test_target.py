@@ -87,6 +87,19 @@ def test_4d_custom_mask_equals_separate_forwards(attn_implementation, mask_kind)
         assert (got[n_prefix:] - getattr(separate_block, name)[0, -n_block:]).abs().max() < TOL, name
 
 
+def test_a_flash_attention_target_replays_4d_masks_on_sdpa_and_keeps_flash_for_decoding():
+    """flash-attn has no custom masks: packed replay must fall back to sdpa for that call only. The config is
+    labelled flash_attention_2 by hand (no flash-attn on CPU), so any call that did not fall back would fail."""
+    target = micro_target(layer_ids=[1, 3])
+    prefix, block, anchor = _replay_case()
+    ids, mask, positions, _ = _replay_inputs(prefix, block, anchor)
+    expected = target(ids, attention_mask=mask, position_ids=positions).logits
+    target.model.config._attn_implementation = "flash_attention_2"
+    got = target(ids, attention_mask=mask, position_ids=positions).logits
+    assert (got - expected).abs().max() < TOL
+    assert target.model.config._attn_implementation == "flash_attention_2"
+
+
 def test_4d_mask_is_not_ignored():
     """Guard for the test above: without the mask the block would see the whole prefix."""
     target = micro_target()

@@ -27,11 +27,20 @@ class Models:
         return self.tokenizer.eos_token_id
 
 
+def resolve_device(device: str) -> str:
+    """`auto` is CUDA when this process sees a GPU: inside an actor Ray sets CUDA_VISIBLE_DEVICES to its own."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise OpdError("models.device: cuda but this process sees no GPU (expected auto or cpu here)")
+    return device
+
+
 def build_target(spec: ExperimentSpec) -> Target:
     """The frozen target alone (what a replay scorer needs)."""
     m = spec.models
     return load_target(m.target_path, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation,
-                       layer_ids=m.layer_ids or [])
+                       layer_ids=m.layer_ids or [], device=resolve_device(m.device))
 
 
 def build_models(spec: ExperimentSpec, drafter_path: str | None = None, *, seed: int | None = None) -> Models:
@@ -48,7 +57,7 @@ def build_models(spec: ExperimentSpec, drafter_path: str | None = None, *, seed:
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
         return Models(target, random_drafter(spec, target, tokenizer, spec.seed if seed is None else seed), tokenizer)
-    drafter = DFlashDrafter.from_pretrained(path, target)
+    drafter = DFlashDrafter.from_pretrained(path, target).to(target.device)
     if drafter.block_size != m.drafter.block_size:
         raise OpdError(f"drafter {path}: block_size {drafter.block_size} but models.drafter.block_size is "
                        f"{m.drafter.block_size} (expected them to agree)")
@@ -62,4 +71,4 @@ def random_drafter(spec: ExperimentSpec, target: Target, tokenizer, seed: int) -
                                      target_layer_ids=target.layer_ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return DFlashDrafter(config, target.embed_tokens, target.lm_head)
+        return DFlashDrafter(config, target.embed_tokens, target.lm_head).to(target.device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,13 +96,14 @@ class Target(nn.Module):
         mask = self._prepare_mask(attention_mask)
         self._captured = {}
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                use_cache=use_cache,
-                **{self._cache_arg: past_key_values},
-            )
+            with self._attention_for(mask):
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    use_cache=use_cache,
+                    **{self._cache_arg: past_key_values},
+                )
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._captured = None
@@ -136,12 +139,24 @@ class Target(nn.Module):
 
         return hook
 
+    @contextmanager
+    def _attention_for(self, mask: torch.Tensor | None) -> Iterator[None]:
+        """flash-attn takes no custom 4-D mask, so the calls that need one (packed replay) run on sdpa, while
+        decoding keeps flash-attn. HF reads `config._attn_implementation` on every forward."""
+        config = self.model.config
+        if mask is None or mask.dim() != 4 or config._attn_implementation != "flash_attention_2":
+            yield
+            return
+        config._attn_implementation = "sdpa"
+        try:
+            yield
+        finally:
+            config._attn_implementation = "flash_attention_2"
+
     def _prepare_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         if mask is None or mask.dim() != 4:
             return mask
         implementation = self.model.config._attn_implementation
-        if implementation == "flash_attention_2":
-            raise OpdError("a 4-D attention mask is not supported with attn_implementation 'flash_attention_2'")
         if implementation == "eager" and mask.dtype == torch.bool:
             additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
             return additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
@@ -159,8 +174,9 @@ def load_target(
     dtype: torch.dtype,
     attn_implementation: str = "sdpa",
     layer_ids: list[int],
+    device: str = "cpu",
 ) -> Target:
-    """Load a local HF causal LM directory as a frozen `Target` (no hub access)."""
+    """Load a local HF causal LM directory as a frozen `Target` (no hub access) onto `device`."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -177,4 +193,4 @@ def load_target(
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OpdError(f"target model {path}: {first_line}") from exc
-    return Target(model, layer_ids)
+    return Target(model.to(device), layer_ids)

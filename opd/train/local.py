@@ -32,7 +32,7 @@ class TrainResult:
 
 def copy_drafter(drafter: DFlashDrafter) -> DFlashDrafter:
     """A separate drafter with the same weights and the same shared target modules (the rollout's copy)."""
-    clone = DFlashDrafter(drafter.config, drafter.embed_tokens, drafter.lm_head)
+    clone = DFlashDrafter(drafter.config, drafter.embed_tokens, drafter.lm_head).to(drafter.fc.weight.device)
     clone.load_state_dict(drafter.state_dict())
     return clone
 
