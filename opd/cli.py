@@ -98,6 +98,36 @@ def _build_tiny(args: argparse.Namespace) -> int:
     return build_tiny(args.forwarded)
 
 
+def _gen_sft_data_arguments(parser: argparse.ArgumentParser) -> None:
+    _spec_arguments(parser)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="hf: batched decoding in this process; vllm: vLLM's offline engine (GPU extra)")
+    parser.add_argument("--out", metavar="FILE",
+                        help="jsonl to write (default: RUN_DIR/sft_data.jsonl, where opd sft reads)")
+
+
+def _gen_sft_data(args: argparse.Namespace) -> int:
+    from opd.gen_data import run_gen_sft_data
+
+    return run_gen_sft_data(_load(args), args.engine, args.out)
+
+
+def _serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    _spec_arguments(parser)
+    parser.add_argument("--draft", metavar="DIR", action="append", required=True,
+                        help="exported DFlash drafter directory (repeatable)")
+    parser.add_argument("--concurrency", default="1,4,8,16,32", metavar="N,N,...",
+                        help="requests in flight, one measurement per level (default: 1,4,8,16,32)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip serving the target alone (no speedup column)")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+
+
+def _serve_bench(args: argparse.Namespace) -> int:
+    from opd.serving.bench import run_serve_bench
+
+    return run_serve_bench(_load(args), args.draft, args.concurrency, args.json, baseline=not args.no_baseline)
+
+
 # name -> (one-line help, argument setup, handler); each handler imports its module inside the function.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check a spec and print it fully resolved as YAML", _spec_arguments, _validate),
@@ -112,6 +142,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                   _reproduce_arguments, _reproduce),
     "build-tiny": ("rebuild the shipped tiny target (tokenizer, prompts, weights, card); resumable",
                    _build_tiny_arguments, _build_tiny),
+    "gen-sft-data": ("the target's responses to the training prompts for opd sft (hf or vLLM); resumable",
+                     _gen_sft_data_arguments, _gen_sft_data),
+    "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
+                    _serve_bench_arguments, _serve_bench),
 }
 
 

@@ -38,12 +38,17 @@ class SftExample:
     response_ids: list[int]
 
 
+def response_sampling(spec: ExperimentSpec) -> Sampling:
+    """sft.response_temperature when set, else the rollout's sampling (both data engines use this rule)."""
+    r, temperature = spec.rollout, spec.sft.response_temperature
+    return Sampling(r.temperature, r.top_k, r.top_p) if temperature is None else Sampling(temperature, 0, 1.0)
+
+
 def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Prompt], cache: Path,
                        batch_size: int = 32) -> list[SftExample]:
     """Target responses for every prompt, appended to `cache` as they are made (a restart resumes there)."""
     done = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
-    r, temperature = spec.rollout, spec.sft.response_temperature
-    sampling = Sampling(r.temperature, r.top_k, r.top_p) if temperature is None else Sampling(temperature, 0, 1.0)
+    sampling = response_sampling(spec)
     todo = prompts[len(done):]
     with progress_bar() as bar, cache.open("a") as f:
         task = bar.add_task("sft data", total=len(prompts), completed=len(done))

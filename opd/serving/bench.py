@@ -1,0 +1,139 @@
+"""`opd serve-bench`: the exported drafters in a real serving engine (vLLM, `method: dflash`).
+
+`opd eval` measures τ and speedup in this project's own decoder; what a deployment gets is decided by the
+serving engine, where batching across requests eats into the speculative speedup as concurrency grows. So each
+drafter is served with the spec's target over the held-out prompts (data.eval_prompts, eval.num_prompts of them,
+eval.max_new_tokens each, sampled as eval.sampling's first setting) at every concurrency level, with the plain
+target as the baseline, and the table reports output tokens/s, τ from vLLM's acceptance counters, and speedup.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from opd.data import load_prompts, load_tokenizer
+from opd.decoding.sampling import Sampling
+from opd.errors import OpdError
+from opd.models.drafter import CONFIG_FILE, DFlashConfig
+from opd.progress import progress_bar
+from opd.serving.engine import (dflash_config, release_gpu_memory, require_vllm, sampling_params, serve_closed_loop,
+                                spec_decode_counts, target_llm)
+from opd.spec import ExperimentSpec
+
+BASELINE = "target only"
+
+
+@dataclass
+class ServeRow:
+    drafter: str  # a drafter directory, or BASELINE
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    tau: float | None  # 1 + accepted / drafts from vLLM's counters; None for the baseline
+    speedup: float | None  # tokens/s over the baseline's at the same concurrency
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8]; anything but distinct positive integers is a one-line error."""
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+        raise OpdError(f"--concurrency {text!r}: expected distinct positive integers separated by commas, e.g. 1,4,8")
+    return levels
+
+
+def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
+    """Check an exported drafter directory up front (a one-line error beats a vLLM traceback minutes into loading)
+    and return its block size."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise OpdError(f"--draft {path}: {CONFIG_FILE} not found (expected an exported DFlash drafter directory)")
+    try:
+        config = DFlashConfig.from_hf_dict(json.loads(file.read_text()))
+    except (json.JSONDecodeError, OpdError) as exc:
+        raise OpdError(f"--draft {path}: {exc}") from None
+    target_file = Path(spec.models.target_path) / CONFIG_FILE
+    target = json.loads(target_file.read_text()) if target_file.is_file() else {}
+    wanted = (target.get("hidden_size"), target.get("num_hidden_layers"))
+    if target and (config.hidden_size, config.num_target_layers) != wanted:
+        raise OpdError(f"--draft {path}: drafts for a target of hidden size {config.hidden_size} with "
+                       f"{config.num_target_layers} layers, but {spec.models.target_path} has hidden size "
+                       f"{wanted[0]} with {wanted[1]} layers")
+    return config.block_size
+
+
+def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, json_out: str | None,
+                    baseline: bool = True) -> int:
+    """Check the arguments and drafters, then serve and report; every user error comes before vLLM starts."""
+    levels = parse_concurrency(concurrency)
+    engines = {d: dflash_config(d, drafter_block_size(d, spec)) for d in drafts}
+    require_vllm("opd serve-bench")
+    if baseline:
+        engines = {BASELINE: None, **engines}
+    e = spec.eval
+    prompts = load_prompts(spec.data.eval_prompts, load_tokenizer(spec.models.tokenizer),
+                           max_prompt_tokens=spec.data.max_prompt_tokens, skip_bad_lines=spec.data.skip_bad_lines,
+                           limit=e.num_prompts).prompts
+    setting = e.sampling[0]
+    sampling = Sampling(setting.temperature, setting.top_k, setting.top_p)
+    rows: list[ServeRow] = []
+    with progress_bar() as bar:
+        for name, config in engines.items():
+            task = bar.add_task(f"serve {Path(name).name}", total=len(levels))
+            rows += _serve(spec, name, config, [p.ids for p in prompts], sampling, levels, lambda: bar.advance(task))
+            release_gpu_memory()
+    base = {r.concurrency: r.tokens_per_s for r in rows if r.drafter == BASELINE}
+    for r in rows:
+        r.speedup = r.tokens_per_s / base[r.concurrency] if base and r.drafter != BASELINE else None
+    title = (f"vLLM serving: {spec.models.target_path}, {len(prompts)} prompts x {e.max_new_tokens} new tokens, "
+             f"sampling {setting.name}")
+    print_rows(rows, title)
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps({
+            "target": spec.models.target_path, "prompts": len(prompts), "max_new_tokens": e.max_new_tokens,
+            "sampling": setting.model_dump(), "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    return 0
+
+
+def _serve(spec: ExperimentSpec, name: str, config: dict | None, prompts: list[list[int]], sampling: Sampling,
+           levels: list[int], tick: Callable[[], None]) -> list[ServeRow]:
+    """Every concurrency level on one engine; the engine is dropped on return so its GPU memory can be freed."""
+    max_tokens = spec.eval.max_new_tokens
+    llm = target_llm(spec, max_tokens=max_tokens, speculative_config=config, max_num_seqs=max(levels), stats=True)
+    params = sampling_params(sampling, max_tokens)
+    serve_closed_loop(llm, prompts[: max(levels)], sampling_params(sampling, 8), max(levels), "warmup")
+    rows = []
+    for c in levels:
+        before = spec_decode_counts(llm)  # the counters are cumulative over the engine's life
+        tokens, seconds = serve_closed_loop(llm, prompts, params, c, f"c{c}")
+        after = spec_decode_counts(llm)
+        drafts, accepted = after[0] - before[0], after[1] - before[1]
+        tau = 1 + accepted / drafts if config is not None and drafts else None
+        rows.append(ServeRow(name, c, len(prompts), tokens, seconds, tokens / seconds, tau, None))
+        tick()
+    return rows
+
+
+def print_rows(rows: list[ServeRow], title: str, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=title)
+    for column in ("drafter", "concurrency", "requests", "output tokens", "s", "tok/s", "τ", "speedup"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r.drafter, str(r.concurrency), str(r.requests), str(r.output_tokens), f"{r.seconds:.1f}",
+                      f"{r.tokens_per_s:.1f}", "-" if r.tau is None else f"{r.tau:.3f}",
+                      "-" if r.speedup is None else f"{r.speedup:.2f}x")
+    console.print(table)
+    console.print("τ = 1 + accepted / drafts (vLLM's spec-decode counters); speedup: tokens/s over "
+                                 "the target alone at the same concurrency.")

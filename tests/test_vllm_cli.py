@@ -1,0 +1,196 @@
+"""`opd gen-sft-data` and `opd serve-bench` without a GPU.
+
+The HF engine runs for real on the micro models. vLLM cannot run here, so: a missing vLLM is one `error:` line
+with the install command; argument errors are caught before vLLM is even looked for; and the glue (resume,
+sampling mapping, the fixed-concurrency loop, τ from counter deltas, speedup) runs against a stand-in `vllm`
+module that implements the few calls it makes. The stand-in encodes our reading of vLLM's API, so these tests
+check our code, not vLLM: tests/test_gpu.py runs the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from opd.cli import main
+from opd.spec import load_spec
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError even where it is installed
+
+
+# ------------------------------------------------------------------------------------------------ a stand-in vLLM
+
+
+class FakeEngine:
+    """Every step advances each running request by τ tokens; a speculating engine counts one draft per request
+    and step with τ − 1 accepted tokens, so the benchmark must report exactly τ."""
+
+    def __init__(self, speculating: bool, tau: int = 3) -> None:
+        self.tau = tau if speculating else 1
+        self.speculating = speculating
+        self.running: dict[str, list[int]] = {}
+        self.peak: dict[str, int] = {}  # most requests in flight per request-id prefix (one per level)
+        self.drafts = self.accepted = 0
+
+    def add_request(self, request_id: str, prompt: dict, params) -> None:
+        assert isinstance(prompt["prompt_token_ids"], list)
+        self.running[request_id] = [0, params.max_tokens]
+        tag = request_id.split("-")[0]
+        self.peak[tag] = max(self.peak.get(tag, 0), len(self.running))
+
+    def step(self) -> list:
+        outs = []
+        for rid, state in list(self.running.items()):
+            state[0] = min(state[0] + self.tau, state[1])
+            if self.speculating:
+                self.drafts, self.accepted = self.drafts + 1, self.accepted + self.tau - 1
+            done = state[0] == state[1]
+            if done:
+                del self.running[rid]
+            outs.append(SimpleNamespace(finished=done, outputs=[SimpleNamespace(token_ids=[5] * state[0])]))
+        return outs
+
+
+class FakeLLM:
+    made: list[FakeLLM] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.calls = kwargs, []
+        self.llm_engine = FakeEngine(kwargs.get("speculative_config") is not None)
+        FakeLLM.made.append(self)
+
+    def generate(self, prompts: list[dict], params, use_tqdm: bool = True) -> list:
+        self.calls.append((prompts, params))
+        responses = [(p["prompt_token_ids"][:2] + [9])[: params.max_tokens] for p in prompts]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=r)]) for r in responses]
+
+    def get_metrics(self) -> list:
+        e = self.llm_engine
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=e.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=e.accepted),
+                SimpleNamespace(name="vllm:prompt_tokens", value=123)]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch) -> type[FakeLLM]:
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = FakeLLM, lambda **kw: SimpleNamespace(**kw)
+    distributed = types.ModuleType("vllm.distributed")
+    distributed.cleanup_dist_env_and_memory = lambda: None
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", distributed)
+    monkeypatch.setattr(FakeLLM, "made", [])
+    return FakeLLM
+
+
+# ------------------------------------------------------------------------------------------------ gen-sft-data
+
+
+def test_gen_sft_data_hf_resumes_to_the_same_file_and_opd_sft_reuses_it(micro_spec_file, tmp_path):
+    sets = ["--set", "rollout.temperature=0", "--set", "sft.response_max_new_tokens=6"]
+    spec = load_spec(micro_spec_file)
+    cache = spec.run_dir / "sft_data.jsonl"
+    assert main(["gen-sft-data", str(micro_spec_file), *sets]) == 0
+    full = cache.read_text()
+    rows = [json.loads(line) for line in full.splitlines()]
+    assert len(rows) == 40 and all(set(r) == {"id", "prompt_ids", "response_ids"} for r in rows)
+    assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
+
+    cache.write_text("".join(full.splitlines(keepends=True)[:13]))  # interrupted after 13 rows
+    assert main(["gen-sft-data", str(micro_spec_file), *sets]) == 0
+    assert cache.read_text() == full  # greedy: the resumed file equals the uninterrupted one
+
+    assert main(["sft", str(micro_spec_file), "--out", str(tmp_path / "d"), *sets, "--set", "sft.epochs=1",
+                 "--set", "sft.batch_size=20", "--set", "sft.anchors_per_seq=2"]) == 0
+    assert cache.read_text() == full  # opd sft trained on them without generating again
+
+
+def test_gen_sft_data_vllm_without_vllm_is_one_line(micro_spec_file, no_vllm, capsys):
+    assert main(["gen-sft-data", str(micro_spec_file), "--engine", "vllm"]) == 2
+    assert "pip install -e .[gpu]" in one_error_line(capsys)
+
+
+def test_gen_sft_data_vllm_writes_the_same_rows_and_resumes(micro_spec_file, tmp_path, fake_vllm):
+    out = tmp_path / "data" / "sft.jsonl"
+    args = ["gen-sft-data", str(micro_spec_file), "--engine", "vllm", "--out", str(out),
+            "--set", "sft.response_temperature=0.7", "--set", "sft.response_max_new_tokens=5"]
+    out.parent.mkdir()
+    out.write_text("".join(json.dumps({"id": f"done{i}", "prompt_ids": [1], "response_ids": [2]}) + "\n"
+                           for i in range(30)))
+    assert main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 40 and rows[0]["id"] == "done0"  # the 30 done rows kept, the other 10 appended
+    (llm,) = fake_vllm.made
+    prompts, params = llm.calls[0]
+    assert len(llm.calls) == 1 and [p["prompt_token_ids"] for p in prompts] == [r["prompt_ids"] for r in rows[30:]]
+    assert all(r["response_ids"] == r["prompt_ids"][:2] + [9] for r in rows[30:])
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.7, -1, 1.0, 5)
+    spec = load_spec(micro_spec_file)
+    assert llm.kwargs["model"] == spec.models.target_path and llm.kwargs["dtype"] == "float32"
+
+    assert main(args) == 0 and len(fake_vllm.made) == 1  # all done: no engine is even started
+
+
+# ------------------------------------------------------------------------------------------------ serve-bench
+
+
+def test_serve_bench_without_vllm_is_one_line(micro_spec_file, micro_assets, no_vllm, capsys):
+    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"]]) == 2
+    assert "pip install -e .[gpu]" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("levels", ["1,x", "0,4", "4,4", "", "1,,2"])
+def test_serve_bench_bad_concurrency_is_one_line(micro_spec_file, micro_assets, no_vllm, capsys, levels):
+    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"],
+                 "--concurrency", levels]) == 2
+    assert "--concurrency" in one_error_line(capsys)
+
+
+def test_serve_bench_missing_or_mismatched_drafter_is_one_line(micro_spec_file, micro_assets, tmp_path, no_vllm,
+                                                               capsys):
+    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"],
+                 "--draft", "/nonexistent/drafter"]) == 2
+    assert "/nonexistent/drafter" in one_error_line(capsys)
+    config = json.loads(Path(micro_assets["drafter"], "config.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    assert main(["serve-bench", str(micro_spec_file), "--draft", str(tmp_path / "other")]) == 2
+    assert "hidden size 64" in one_error_line(capsys)
+
+
+def test_serve_bench_reports_tau_speedup_and_holds_each_concurrency(micro_spec_file, micro_assets, tmp_path,
+                                                                    fake_vllm, capsys):
+    out = tmp_path / "serve.json"
+    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"], "--concurrency", "1,3",
+                 "--json", str(out), "--set", "eval.max_new_tokens=7", "--set", "eval.num_prompts=10",
+                 "--set", f"data.eval_prompts={micro_assets['train']}"]) == 0
+    assert "vLLM serving" in capsys.readouterr().out  # the table (its cells wrap at the terminal's width)
+    result = json.loads(out.read_text())
+    rows = {(r["drafter"], r["concurrency"]): r for r in result["rows"]}
+    assert list(rows) == [("target only", 1), ("target only", 3), (micro_assets["drafter"], 1),
+                          (micro_assets["drafter"], 3)]
+    for c in (1, 3):
+        base, spec = rows["target only", c], rows[micro_assets["drafter"], c]
+        assert base["tau"] is None and base["speedup"] is None
+        assert spec["tau"] == pytest.approx(3.0)  # the warm-up's drafts are not counted
+        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / base["tokens_per_s"])
+        assert spec["requests"] == 10 and spec["output_tokens"] == 10 * 7
+    target_llm, drafter_llm = fake_vllm.made
+    assert target_llm.kwargs.get("speculative_config") is None and drafter_llm.kwargs["max_num_seqs"] == 3
+    assert drafter_llm.kwargs["speculative_config"] == {"method": "dflash", "model": micro_assets["drafter"],
+                                                        "num_speculative_tokens": 3}  # block size 4
+    assert drafter_llm.llm_engine.peak == {"warmup": 3, "c1": 1, "c3": 3}
