@@ -10,7 +10,8 @@ advances the learner step by step (for the progress bar) and watches the loops. 
 dies is restarted by Ray (`max_restarts`) and its loop relaunched here; the ledger re-queues the batches it held,
 so training continues in the same run. Only a learner failure, or an actor out of restarts, stops the run;
 restarting the driver then resumes from the learner's last checkpoint (the data cursor is the batch index, so
-the same batches are re-produced).
+the same batches are re-produced). With `resources.learner.replicas` N > 1 the learner is N data-parallel ranks
+(`learner`, `learner-1`, ...) in one torch.distributed group, packed on the learner's node.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.learner import LearnerActor
+from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
 from actors.rollout import RolloutActor
@@ -31,6 +32,7 @@ from actors.weight_store import WeightStore
 from opd.errors import OpdError
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, RoleSpec
+from opd.train.distributed import free_address
 from opd.train.local import TrainResult, progress_columns
 
 MAX_RESTARTS = 3  # per rollout or scorer actor; one more death stops the run
@@ -57,11 +59,12 @@ def _bundle(role: RoleSpec) -> dict[str, float]:
 
 
 def place(spec: ExperimentSpec, timeout_s: float = 60.0):
-    """Two placement groups: the learner with its scorers packed on one node (heavy tensors never cross the
-    network), and the rollout replicas spread wherever they fit. Refused here if the cluster cannot hold them."""
+    """Two placement groups: the learner ranks (bundles 0..N-1) with their scorers packed on one node (heavy
+    tensors never cross the network), and the rollout replicas spread wherever they fit. Refused here if the
+    cluster cannot hold them."""
     r = spec.resources
-    learner_pg = placement_group([_bundle(r.learner)] + [_bundle(r.scorer)] * r.scorer.replicas,
-                                 strategy="STRICT_PACK", name="opd-learner")
+    bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.replicas
+    learner_pg = placement_group(bundles, strategy="STRICT_PACK", name="opd-learner")
     rollout_pg = placement_group([_bundle(r.rollout)] * r.rollout.replicas, strategy="PACK", name="opd-rollout")
     ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
     if len(ready) < 2:
@@ -70,6 +73,18 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
         raise OpdError(f"resources: the cluster cannot place the roles within {timeout_s:.0f}s "
                        f"(available: {ray.available_resources()}); reduce replicas or GPUs/CPUs per role")
     return learner_pg, rollout_pg
+
+
+@ray.remote(num_cpus=0)
+def _node_address() -> str:
+    return free_address(ray.util.get_node_ip_address())
+
+
+def learner_address(learner_pg) -> str:
+    """A free host:port on the learner's node for rank 0 to listen on, known before any rank is built, so all of
+    them join the group in their constructors."""
+    strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=0)
+    return ray.get(_node_address.options(scheduling_strategy=strategy).remote())
 
 
 def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
@@ -90,9 +105,13 @@ class RayRun:
         self.ledger = LedgerActor.options(name="ledger").remote(as_dict)
         self.anchors = BatchQueue("anchors", r.queue_size)
         self.scored = BatchQueue("scored", r.queue_size)
+        n = r.learner.replicas
+        address = learner_address(self.learner_pg) if n > 1 else None
+        self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
+            as_dict, i, address) for i in range(1, n)]
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
-            as_dict, self.store, self.ledger, self.scored, track)
-        self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, i + 1, r.scorer, f"scorer-{i}")).remote(
+            as_dict, self.store, self.ledger, self.scored, track, address, self.learner_ranks)
+        self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, n + i, r.scorer, f"scorer-{i}")).remote(
             as_dict, f"scorer-{i}", self.store, self.ledger, self.anchors, self.scored)
             for i in range(r.scorer.replicas)]
         self.rollouts = [RolloutActor.options(**_on(self.rollout_pg, i, r.rollout, f"rollout-{i}")).remote(
@@ -134,7 +153,7 @@ class RayRun:
         except ray.exceptions.RayError:
             pass  # a dead actor has nothing left to close; the error that killed it is already raised
         finally:
-            for actor in [self.learner, *self.scorers, *self.rollouts, self.store, self.ledger]:
+            for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, self.store, self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
                 q.shutdown()

@@ -1,4 +1,8 @@
-"""LearnerActor: owns the `LearnerSession` (drafter, optimizer, checkpoints, MLflow) and publishes weights."""
+"""LearnerActor: owns the `LearnerSession` (drafter, optimizer, checkpoints, MLflow) and publishes weights.
+
+With `resources.learner.replicas` N > 1 it is learner rank 0 of N: it alone collects batches, tracks, evaluates,
+checkpoints and publishes, and sends each `LearnerRankActor` its shard of every step (opd/train/distributed.py).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,44 @@ import ray
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue
+from opd.models.build import resolve_device
+from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
+from opd.train.distributed import Group, init_group
 from opd.train.ledger import StepBuffer, Ticket
-from opd.train.session import LearnerSession, ScoredItem
+from opd.train.session import LearnerReplica, LearnerSession, ScoredItem
+
+
+class RankPeers:
+    """`Peers` over the rank actors: shards travel as call arguments (through the object store of the node they
+    share with rank 0); `join` surfaces a rank's failure in rank 0's step."""
+
+    def __init__(self, ranks: list) -> None:
+        self.ranks, self.pending = ranks, []
+
+    def launch(self, shards: list[list[ScoredBatch]], total: int) -> None:
+        self.pending = [rank.train_step.remote(s, total) for rank, s in zip(self.ranks, shards)]
+
+    def join(self) -> None:
+        ray.get(self.pending)
+
+
+def join_group(spec: ExperimentSpec, address: str | None, rank: int) -> Group | None:
+    """This rank's place in the learner process group at `address` (None: a single learner, no group)."""
+    if address is None:
+        return None
+    return init_group(address, rank, spec.resources.learner.replicas, resolve_device(spec.models.device))
 
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, spec: dict, store, ledger, inbox: BatchQueue, track: bool = True) -> None:
+    def __init__(self, spec: dict, store, ledger, inbox: BatchQueue, track: bool = True, address: str | None = None,
+                 ranks: list | None = None) -> None:
+        """`address` and `ranks` (the `LearnerRankActor`s 1..N-1) only with several learner ranks."""
         self.spec = ExperimentSpec.model_validate(spec)
-        self.store, self.ledger, self.inbox = store, ledger, inbox
-        self.session = LearnerSession(self.spec, track=track)
+        self.store, self.ledger, self.inbox, self.ranks = store, ledger, inbox, ranks or []
+        self.session = LearnerSession(self.spec, track=track, group=join_group(self.spec, address, 0),
+                                      peers=RankPeers(self.ranks) if self.ranks else None)
         self.per_step = self.spec.optim.batch_size // self.spec.rollout.batch_size
         self.buffer = StepBuffer(self.per_step)
         self.worker = ""  # the learner's id in the ledger, once started
@@ -29,6 +60,8 @@ class LearnerActor:
         """Resume from the last checkpoint (if any), publish the current weights and open the ledger at the first
         batch this step needs; returns the step."""
         resumed = self.session.start()
+        checkpoint = None if self.session.resumed_from is None else str(self.session.resumed_from)
+        ray.get([rank.start.remote(checkpoint) for rank in self.ranks])
         if not resumed:
             self.session.evaluate_and_log()
         self._publish()
@@ -98,3 +131,18 @@ class LearnerActor:
 
     def close(self) -> None:
         self.session.close()
+
+
+@ray.remote
+class LearnerRankActor:
+    """Learner rank r > 0: joins the group, then steps on the shards rank 0 sends (`LearnerReplica`)."""
+
+    def __init__(self, spec: dict, rank: int, address: str) -> None:
+        spec = ExperimentSpec.model_validate(spec)
+        self.replica = LearnerReplica(spec, join_group(spec, address, rank))
+
+    def start(self, checkpoint: str | None) -> None:
+        self.replica.start(checkpoint)
+
+    def train_step(self, micro_batches: list[ScoredBatch], total: int) -> None:
+        self.replica.train_step(micro_batches, total)

@@ -15,8 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd.eval import EvalRow, evaluate
 from opd.data import load_prompts
+from opd.eval import EvalRow, evaluate
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
 

@@ -6,6 +6,7 @@ Shared by the single-process loop and the Ray `LearnerActor`, so both paths take
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from opd.losses import acceptance_aware_loss
 from opd.models.drafter import DFlashDrafter
 from opd.replay import ScoredBatch, student_logits
 from opd.spec import ExperimentSpec, OptimSpec
+from opd.train.distributed import Group, ensure_group, gather, reduce_gradients, reduce_sum
 from opd.train.flops import FlopCounter, drafter_matmul_params
 
 
@@ -53,50 +55,120 @@ class StepMetrics:
 
 
 class Learner:
-    def __init__(self, spec: ExperimentSpec, drafter: DFlashDrafter) -> None:
+    """The drafter's optimizer steps, on one learner rank of `group` (the default: the only one).
+
+    With several ranks each sees only its shard of a step's micro-batches (opd/train/distributed.py); losses are
+    divided by the step's total micro-batch count, gradients are summed over the ranks, and every rank takes the
+    same step, so N ranks match one learner on the full batch. `optim.backend: deepspeed` hands the backward
+    reduction, clipping and the step to a DeepSpeed engine around the same AdamW and schedule.
+    """
+
+    def __init__(self, spec: ExperimentSpec, drafter: DFlashDrafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
         self.drafter.train()
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps)
+        self.group, self.engine = group or Group(), None
+        if spec.optim.backend == "deepspeed":
+            self.engine, self.group = deepspeed_engine(spec, drafter, self.optimizer, self.scheduler)
         self.step = 0  # optimizer steps taken (or skipped as non-finite)
         self.nonfinite_in_a_row = 0
         self.flops = FlopCounter()
         self._params = drafter_matmul_params(drafter)
 
-    def train_step(self, micro_batches: list[ScoredBatch]) -> StepMetrics:
-        """One optimizer step over micro-batches (gradients averaged); non-finite steps are skipped, counted, and
-        stop the run after `optim.max_nonfinite_steps` in a row."""
+    @property
+    def partitioned(self) -> bool:
+        """True when DeepSpeed wraps the optimizer (ZeRO, bf16): its state is then per rank."""
+        return self.engine is not None and self.engine.optimizer is not self.optimizer
+
+    def train_step(self, micro_batches: list[ScoredBatch], total: int | None = None) -> StepMetrics:
+        """One optimizer step. `micro_batches` is this rank's shard of the step's `total` micro-batches (default:
+        all of them); gradients and metrics are those of the mean over all `total`. Non-finite steps are skipped,
+        counted, and stop the run after `optim.max_nonfinite_steps` in a row."""
+        total = total or len(micro_batches)
+        if self.engine is not None and self.group.world > 1 and total % self.group.world:
+            raise OpdError(f"optim.backend deepspeed: {total} micro-batches per step do not split evenly over "
+                           f"{self.group.world} learner ranks (make rollout.batch_size a multiple of "
+                           f"optim.micro_batch_size)")
         self.optimizer.zero_grad(set_to_none=True)
-        totals = torch.zeros(3, dtype=torch.float64)
-        num_acc = num_rej = 0
-        for batch in micro_batches:
-            accepted, position_mask, teacher = batch.flat_blocks()
-            logits = student_logits(self.drafter, batch)
-            terms = acceptance_aware_loss(logits, teacher, accepted, self.spec.loss, position_mask)
-            (terms.loss / len(micro_batches)).backward()
-            totals += torch.tensor([terms.loss.item(), terms.acc.item(), terms.rej.item()], dtype=torch.float64)
-            num_acc, num_rej = num_acc + terms.num_acc, num_rej + terms.num_rej
-            self.flops.add_drafter(self._params, logits.shape[0] * self.drafter.block_size, train=True)
-        loss, acc, rej = (totals / len(micro_batches)).tolist()
-        grad_norm = self._grad_norm()
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        sums = reduce_sum(self._accumulate(micro_batches, total), self.group)
+        loss, acc, rej = (sums[:3] / total).tolist()
+        num_acc, num_rej, tokens = (int(x) for x in sums[3:].tolist())
+        self.flops.add_drafter(self._params, tokens, train=True)
         lr = self.scheduler.get_last_lr()[0]
+        grad_norm, skipped = (self._deepspeed_step if self.engine else self._torch_step)(math.isfinite(loss))
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1
             if self.nonfinite_in_a_row >= self.spec.optim.max_nonfinite_steps:
                 raise OpdError(f"training stopped: {self.nonfinite_in_a_row} non-finite steps in a row at step "
                                f"{self.step} (lower optim.lr or check the data)")
         else:
             self.nonfinite_in_a_row = 0
-            self.optimizer.step()
-        with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()
         self.step += 1
         return StepMetrics(loss, acc, rej, num_acc, num_rej, grad_norm, lr, skipped)
 
-    def _grad_norm(self) -> float:
-        clip = self.spec.optim.grad_clip
+    def _accumulate(self, micro_batches: list[ScoredBatch], total: int) -> torch.Tensor:
+        """Backward of each micro-batch loss / `total`; returns this rank's sums of (loss, L_acc, L_rej, |I_acc|,
+        |I_rej|, trained drafter tokens) in float64, for the all-reduce."""
+        sums = torch.zeros(6, dtype=torch.float64)
+        for i, batch in enumerate(micro_batches):
+            accepted, position_mask, teacher = batch.flat_blocks()
+            if self.engine is None:
+                logits = student_logits(self.drafter, batch)
+            else:  # the last backward of the step is DeepSpeed's accumulation boundary (its reduction)
+                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                logits = self.engine(batch)
+            terms = acceptance_aware_loss(logits, teacher, accepted, self.spec.loss, position_mask)
+            if self.engine is None:
+                (terms.loss / total).backward()
+            else:  # DeepSpeed averages over ranks, so scale back up by the world size
+                self.engine.backward(terms.loss / (total / self.group.world), scale_wrt_gas=False)
+            sums += torch.tensor([terms.loss.item(), terms.acc.item(), terms.rej.item(), terms.num_acc,
+                                  terms.num_rej, logits.shape[0] * self.drafter.block_size], dtype=torch.float64)
+        return sums.to(self._device)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where collectives run: nccl needs the tensors on the GPU."""
+        return self.drafter.fc.weight.device
+
+    def _torch_step(self, loss_finite: bool) -> tuple[float, bool]:
+        """Sum the gradients over the ranks, clip, step; (grad norm, skipped)."""
+        reduce_gradients(self.drafter.parameters(), self.group)
+        grad_norm = self._grad_norm(self.spec.optim.grad_clip)
+        skipped = not (loss_finite and math.isfinite(grad_norm))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self._advance_schedule()
+        return grad_norm, skipped
+
+    def _deepspeed_step(self, loss_finite: bool) -> tuple[float, bool]:
+        """The engine's step (reduction already done at the boundary backward; clipping, AdamW and the schedule
+        inside). A wrapped optimizer (ZeRO, bf16) skips non-finite gradients itself; for the plain AdamW the
+        reduced gradients are checked here, as on the torch path."""
+        if self.partitioned:
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            grad_norm, skipped = float("nan" if norm is None else norm), not self.engine.was_step_applied()
+        else:
+            grad_norm = self._grad_norm(0.0)  # the engine clips in its step
+            skipped = not (loss_finite and math.isfinite(grad_norm))
+            if skipped:
+                self.engine.zero_grad()
+            else:
+                self.engine.step()
+        if skipped:  # the engine advances the schedule only on steps it applies
+            self._advance_schedule()
+        return grad_norm, skipped
+
+    def _advance_schedule(self) -> None:
+        with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
+
+    def _grad_norm(self, clip: float) -> float:
+        """Total gradient norm before clipping to `clip` (0 = measure only)."""
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         if not params:
             return 0.0
@@ -104,13 +176,62 @@ class Learner:
         return float(norm)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        """Everything to resume the optimizer. With a partitioned optimizer every rank must call it (a gather):
+        rank 0 gets all ranks' parts, the others None."""
+        if self.partitioned:
+            optimizer = gather(self.engine.optimizer.state_dict(), self.group)
+        else:
+            optimizer = self.optimizer.state_dict()
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "nonfinite_in_a_row": self.nonfinite_in_a_row, "flops": self.flops.as_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.partitioned:  # all ranks' parts; DeepSpeed picks this rank's, fp32 master weights included
+            self.engine.optimizer.load_state_dict(state["optimizer"], load_from_fp32_weights=True)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
         flops = dict(state["flops"])
         flops.pop("total", None)
         self.flops = FlopCounter(**flops)
+
+
+class _Student(torch.nn.Module):
+    """The drafter's replay forward as a module, so DeepSpeed's engine runs it (its backward hooks need that)."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: ScoredBatch) -> torch.Tensor:
+        return student_logits(self.drafter, batch)
+
+
+def deepspeed_config(spec: ExperimentSpec, world: int) -> dict:
+    """The DeepSpeed config the spec implies: ZeRO stage, clipping, bf16 on GPU when the spec's dtype is bf16,
+    the torch AdamW accepted under ZeRO."""
+    o = spec.optim
+    return {"train_micro_batch_size_per_gpu": o.micro_batch_size,
+            "gradient_accumulation_steps": o.batch_size // (o.micro_batch_size * world),
+            "zero_optimization": {"stage": o.zero_stage}, "zero_allow_untested_optimizer": True,
+            "gradient_clipping": o.grad_clip,
+            "bf16": {"enabled": spec.models.dtype == "bfloat16" and torch.cuda.is_available()}}
+
+
+def deepspeed_engine(spec: ExperimentSpec, drafter: DFlashDrafter, optimizer, scheduler) -> tuple[object, Group]:
+    """`deepspeed.initialize` around the drafter with our AdamW and LR lambda as client optimizer/scheduler, in
+    the current learner process group (a one-rank group when there is none: DeepSpeed always wants one)."""
+    if spec.optim.zero_stage == 3:
+        raise OpdError("optim.zero_stage: 3 is not supported (ZeRO-3 partitions the drafter's weights, which "
+                       "evaluation, weight publishing and checkpoints read whole; expected 0, 1 or 2)")
+    try:
+        import deepspeed
+    except ImportError:
+        raise OpdError("optim.backend: deepspeed needs DeepSpeed, which is not installed "
+                       "(pip install -e .[gpu])") from None
+    group = ensure_group(drafter.fc.weight.device)
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; each learner rank drives its device 0
+    engine, *_ = deepspeed.initialize(model=_Student(drafter), optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(spec, group.world))
+    return engine, group

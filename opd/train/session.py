@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -17,10 +19,12 @@ from opd.errors import OpdError
 from opd.eval import EvalRow, evaluate
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
+from opd.models.target import Target
 from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
 from opd.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from opd.train.distributed import Group, shard
 from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics
 from opd.train.rollout import AnchorBatch
@@ -58,20 +62,49 @@ class StepReport:
     checkpoint: str | None = None
 
 
+class Peers(Protocol):
+    """Learner ranks 1..N-1 as rank 0 drives them (actors/learner.py implements it over Ray)."""
+
+    def launch(self, shards: list[list[ScoredBatch]], total: int) -> None:
+        """Start rank r+1's step on `shards[r]` of the step's `total` micro-batches; returns at once."""
+
+    def join(self) -> None:
+        """Wait for the launched steps; raises what a rank raised."""
+
+
+def checkpoint_due(spec: ExperimentSpec, step: int) -> bool:
+    """Whether step `step` ends with a checkpoint; every learner rank asks, as ZeRO's checkpoint is a gather."""
+    return step % spec.tracking.checkpoint_every == 0 or step == spec.steps
+
+
+def restore_learner(learner: Learner, path: Path, target: Target) -> dict:
+    """Load checkpoint `path`'s drafter weights and optimizer state into `learner` (every learner rank resumes
+    from the same checkpoint); returns the whole saved state."""
+    state = load_state(path)
+    learner.drafter.load_state_dict(DFlashDrafter.from_pretrained(path, target).state_dict())
+    learner.load_state_dict(state["learner"])
+    return state
+
+
 class LearnerSession:
-    def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
-        self.spec = spec
+    """Learner rank 0 (the only one by default): with `peers`, each step's micro-batches are sharded over the
+    ranks of `group` and this rank trains on the first shard."""
+
+    def __init__(self, spec: ExperimentSpec, *, track: bool = True, group: Group | None = None,
+                 peers: Peers | None = None) -> None:
+        self.spec, self.peers = spec, peers
         self.models = build_models(spec)
         data = spec.data
         self.eval_prompts = load_prompts(data.eval_prompts, self.models.tokenizer,
                                          max_prompt_tokens=data.max_prompt_tokens,
                                          skip_bad_lines=data.skip_bad_lines, limit=spec.eval.num_prompts).prompts
-        self.learner = Learner(spec, self.models.drafter)
+        self.learner = Learner(spec, self.models.drafter, group)
         self.flops = FlopCounter()  # rollout + scorer + learner, everything this run has spent
         self.counters = Counters()
         self.eval_history: dict[int, dict[str, float]] = {}
         self.published = WeightSnapshot.of(self.learner.drafter.state_dict(), 0)
         self.track, self.tracker, self.run_id = track, None, None
+        self.resumed_from: Path | None = None  # the checkpoint `start` restored, for the other ranks
 
     @property
     def step(self) -> int:
@@ -85,7 +118,7 @@ class LearnerSession:
 
     def start(self) -> bool:
         """Resume from the newest checkpoint if there is one, open the MLflow run; True when resumed."""
-        path = latest_checkpoint(self.spec.run_dir)
+        path = self.resumed_from = latest_checkpoint(self.spec.run_dir)
         if path is not None:
             self._restore(path)
         if self.track:
@@ -97,18 +130,18 @@ class LearnerSession:
         if self.tracker:
             self.tracker.close()
 
-    def _restore(self, path) -> None:
-        state = load_state(path)
-        self.drafter.load_state_dict(DFlashDrafter.from_pretrained(path, self.models.target).state_dict())
-        self.learner.load_state_dict(state["learner"])
+    def _restore(self, path: Path) -> None:
+        state = restore_learner(self.learner, path, self.models.target)
         self.published = WeightSnapshot(**state["published"])
         self.flops = FlopCounter(**{k: v for k, v in state["flops"].items() if k != "total"})
         self.counters = Counters(**state["counters"])
         self.eval_history, self.run_id = state["eval_history"], state["mlflow_run_id"]
         torch.set_rng_state(state["torch_rng"])
 
-    def checkpoint(self) -> str:
-        state = {"learner": self.learner.state_dict(), "published": vars(self.published),
+    def checkpoint(self, learner_state: dict | None = None) -> str:
+        """Write a checkpoint; `learner_state` is the learner's, taken right after the step (with ZeRO it is a
+        gather that the other ranks join then, not after evaluation)."""
+        state = {"learner": learner_state or self.learner.state_dict(), "published": vars(self.published),
                  "flops": self.flops.as_dict(), "counters": vars(self.counters), "eval_history": self.eval_history,
                  "mlflow_run_id": self.run_id, "torch_rng": torch.get_rng_state()}
         return str(save_checkpoint(self.spec.run_dir, self.step, self.drafter, state))
@@ -128,7 +161,14 @@ class LearnerSession:
         """One optimizer step on whole rollout batches (in index order, so any engine takes the same step)."""
         t0 = time.perf_counter()
         items = sorted(items, key=lambda it: it.batch.index)
-        metrics = self.learner.train_step([mb for it in items for mb in it.micro_batches])
+        micro = [mb for it in items for mb in it.micro_batches]
+        world = self.learner.group.world
+        if self.peers:
+            self.peers.launch([shard(micro, r, world) for r in range(1, world)], len(micro))
+        metrics = self.learner.train_step(shard(micro, 0, world), len(micro))
+        learner_state = self.learner.state_dict() if checkpoint_due(self.spec, self.step) else None
+        if self.peers:
+            self.peers.join()
         for it in items:
             self._add_flops(it)
         self.counters.trained_batches += len(items)
@@ -139,7 +179,7 @@ class LearnerSession:
             self.published = WeightSnapshot.of(self.drafter.state_dict(), self.step)
         self.counters.busy_s += time.perf_counter() - t0
         report = StepReport(self.step, self._metrics(metrics, items, time.perf_counter() - t0))
-        self._periodic(report)
+        self._periodic(report, learner_state)
         return report
 
     def _add_flops(self, item: ScoredItem) -> None:
@@ -161,14 +201,14 @@ class LearnerSession:
         out.update({f"flops_{k}": v for k, v in flops.as_dict().items()})
         return out
 
-    def _periodic(self, report: StepReport) -> None:
+    def _periodic(self, report: StepReport, learner_state: dict | None) -> None:
         if self.tracker:
             self.tracker.log(report.metrics, self.step)
         every = self.spec.eval.every
         if (every and self.step % every == 0) or self.step == self.spec.steps:
             report.evals = self.evaluate_and_log()
-        if self.step % self.spec.tracking.checkpoint_every == 0 or self.step == self.spec.steps:
-            report.checkpoint = self.checkpoint()
+        if checkpoint_due(self.spec, self.step):
+            report.checkpoint = self.checkpoint(learner_state)
 
     # -- evaluation --------------------------------------------------------------------------------------------
 
@@ -194,3 +234,24 @@ class LearnerSession:
     def _collapsed(self, tau: float, best: float | None) -> bool:
         ratio = self.spec.eval.collapse_ratio
         return ratio is not None and best is not None and tau < ratio * best
+
+
+class LearnerReplica:
+    """Learner rank r > 0: the same drafter and optimizer, stepping on its shard of each step. Rank 0 alone
+    tracks, evaluates, checkpoints and publishes weights."""
+
+    def __init__(self, spec: ExperimentSpec, group: Group) -> None:
+        self.spec = spec
+        models = build_models(spec)
+        self.target = models.target
+        self.learner = Learner(spec, models.drafter, group)
+
+    def start(self, checkpoint: str | None) -> None:
+        """Resume from the checkpoint rank 0 restored (None: a fresh run)."""
+        if checkpoint is not None:
+            restore_learner(self.learner, Path(checkpoint), self.target)
+
+    def train_step(self, micro_batches: list[ScoredBatch], total: int) -> None:
+        self.learner.train_step(micro_batches, total)
+        if checkpoint_due(self.spec, self.learner.step):
+            self.learner.state_dict()  # this rank's part of rank 0's checkpoint (a gather under ZeRO)
