@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 from dataclasses import dataclass
@@ -147,11 +148,11 @@ def _plot_histogram(results: list[ArmResult], path: Path) -> None:
 def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minutes: float) -> Path:
     summary = summarize(results)
     warm_runs = [r for r in results if r.arm == BUDGET_ARM]
-    warm = {"greedy": statistics.fmean(r.curve[0][1] for r in warm_runs)}
+    warm = {k: statistics.fmean(r.initial[k] for r in warm_runs) for k in warm_runs[0].initial}
     _plot_curves(results, out / "tau_vs_flops.png")
     _plot_histogram(results, out / "first_rejection.png")
-    machine = f"{platform.system()} {platform.machine()}, {torch.get_num_threads()} threads/worker × " \
-              f"{spec.workers} workers, torch {torch.__version__}, CPU"
+    machine = (f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {spec.workers} worker processes "
+               f"× 1 torch thread, torch {torch.__version__}")
     lines = ["# Draft-OPD claims in miniature (`opd reproduce`)", "",
              (f"Experiment `{spec.experiment}` with {' '.join(spec.set) or 'no overrides'}; seeds {spec.seeds}; "
              f"the full method runs {spec.opd_steps} steps and every arm trains to its FLOPs. Held-out τ on "

@@ -111,6 +111,7 @@ class ArmResult:
     curve: list[tuple[float, float]]  # (FLOPs spent, held-out greedy τ), the warm drafter at 0
     final: dict[str, float]  # sampling name -> held-out τ at the end
     first_rejection: dict[str, list[float]] = field(default_factory=dict)  # "first_half"/"second_half"
+    initial: dict[str, float] = field(default_factory=dict)  # the warm drafter, every setting (full arm only)
     minutes: float = 0.0
 
 
@@ -160,7 +161,8 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     session.start()
     trainer.rollout.load_drafter(session.published.verified().state, session.published.version)
     evaluator = _Evaluator(spec, session.models, job.eval_prompts)
-    curve = [(0.0, evaluator(session.drafter)["greedy"])]
+    initial = evaluator(session.drafter, spec.eval.sampling if budget_setter else None)
+    curve = [(0.0, initial["greedy"])]
     mark_steps = {round(job.opd_steps * (i + 1) / job.eval_points) for i in range(job.eval_points)}
     marks = list(job.marks or [])
     records_by_step = []
@@ -176,7 +178,8 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
             break
     final = evaluator(session.drafter, spec.eval.sampling)
     return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, final,
-                     _first_rejection_halves(records_by_step, session.drafter.block_size))
+                     _first_rejection_halves(records_by_step, session.drafter.block_size),
+                     initial if budget_setter else {})
 
 
 def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) -> dict[str, list[float]]:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
-
 from opd.cli import main
-from opd.spec import load_spec
 from opd.paper_report import write_report
 from opd.reproduce import ArmJob, ArmSpec, load_reproduce_spec, run_arm, run_jobs
+from opd.spec import load_spec
 
 SETS = ["sft.response_max_new_tokens=12", "sft.anchors_per_seq=4", "sft.batch_size=2", "sft.max_length=160"]
 
@@ -37,6 +36,7 @@ def test_every_arm_stops_at_the_first_step_past_the_full_methods_flops(micro_spe
     marks = [x for x, _ in full.curve[1:]]
     assert marks[-1] == budget and marks == sorted(marks)
     assert all(full.flops[k] > 0 for k in ("target_forward", "drafter_forward", "drafter_train"))
+    assert full.initial == {"greedy": full.curve[0][1]}  # the warm drafter in every eval setting, once per seed
 
     sft = run_arm(_job(micro_spec_file, tmp_path, ArmSpec(name="sft", kind="sft"), marks, _sft_data(tmp_path)))
     per_step = sft.flops["total"] / sft.steps

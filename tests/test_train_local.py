@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from opd.errors import OpdError
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
 
@@ -74,3 +76,15 @@ def test_required_version_bounds_how_far_rollout_runs_ahead(micro_spec_file):
             step, need = i // 2, required_version(i, spec)
             assert need % r.broadcast_every == 0 and need <= step  # published by the time step `step` runs
             assert step - need <= r.max_policy_lag  # so the learner never finds it stale
+
+
+def test_a_run_dir_refuses_to_resume_a_different_experiment(micro_spec_file, tmp_path):
+    """Resuming with another learning rate (or warm drafter, loss, data...) would silently continue a different
+    experiment from this one's weights; a longer step budget or another eval setting is fine."""
+    run = [f"tracking.run_dir={tmp_path / 'r'}", "eval.every=0"]
+    LocalTrainer(load_spec(micro_spec_file, run), track=False).run(stop_after=2)
+    changed = LocalTrainer(load_spec(micro_spec_file, [*run, "optim.lr=0.5"]), track=False)
+    with pytest.raises(OpdError, match=r"trained with optim\.lr=0\.001 but the spec now says 0\.5.*tracking\.run_dir"):
+        changed.run()
+    longer = LocalTrainer(load_spec(micro_spec_file, [*run, "steps=5", "eval.num_prompts=2"]), track=False).run()
+    assert longer.steps == 5 and len(longer.losses) == 3

@@ -12,9 +12,13 @@ from pathlib import Path
 
 import torch
 
+from opd.errors import OpdError
 from opd.models.drafter import DFlashDrafter
+from opd.spec import ExperimentSpec, flatten
 
 STATE_FILE = "trainer_state.pt"
+# Sections a resumed run may change: how long it runs, how it is placed, evaluated and logged.
+RESUMABLE_CHANGES = ("name", "steps", "engine", "resources.", "tracking.", "eval.")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -41,3 +45,22 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_state(path: Path) -> dict:
     return torch.load(Path(path) / STATE_FILE, weights_only=False)
+
+
+def training_fields(spec: ExperimentSpec) -> dict[str, str]:
+    """The spec fields that shape the trained drafter (saved with every checkpoint)."""
+    return {k: v for k, v in flatten(spec).items() if not k.startswith(RESUMABLE_CHANGES)}
+
+
+def check_same_training(path: Path, saved: dict[str, str] | None, spec: ExperimentSpec) -> None:
+    """Refuse to resume a run whose spec changed what it trains: it would silently continue another experiment
+    (a new warm drafter, learning rate or loss) from this one's weights."""
+    if saved is None:
+        return
+    now = training_fields(spec)
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if changed:
+        k = changed[0]
+        raise OpdError(f"{path}: this run was trained with {k}={saved.get(k)} but the spec now says {now.get(k)} "
+                       f"({len(changed)} field(s) differ); resume with the same spec, or start fresh with another "
+                       f"tracking.run_dir")

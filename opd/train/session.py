@@ -23,7 +23,8 @@ from opd.models.target import Target
 from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
-from opd.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from opd.train.checkpoint import (check_same_training, latest_checkpoint, load_state, save_checkpoint,
+                                  training_fields)
 from opd.train.distributed import Group, shard
 from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics
@@ -131,6 +132,7 @@ class LearnerSession:
             self.tracker.close()
 
     def _restore(self, path: Path) -> None:
+        check_same_training(path, load_state(path).get("spec"), self.spec)
         state = restore_learner(self.learner, path, self.models.target)
         self.published = WeightSnapshot(**state["published"])
         self.flops = FlopCounter(**{k: v for k, v in state["flops"].items() if k != "total"})
@@ -143,7 +145,8 @@ class LearnerSession:
         gather that the other ranks join then, not after evaluation)."""
         state = {"learner": learner_state or self.learner.state_dict(), "published": vars(self.published),
                  "flops": self.flops.as_dict(), "counters": vars(self.counters), "eval_history": self.eval_history,
-                 "mlflow_run_id": self.run_id, "torch_rng": torch.get_rng_state()}
+                 "mlflow_run_id": self.run_id, "torch_rng": torch.get_rng_state(),
+                 "spec": training_fields(self.spec)}
         return str(save_checkpoint(self.spec.run_dir, self.step, self.drafter, state))
 
     # -- training ----------------------------------------------------------------------------------------------
