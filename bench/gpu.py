@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from replay import synthetic_record  # bench/replay.py, beside this script
 from rich.console import Console
 from rich.table import Table
 
@@ -47,7 +48,6 @@ from opd.models.target import Target
 from opd.replay import score, student_logits
 from opd.spec import default_target_layer_ids, validate_spec
 from opd.train.learner import Learner
-from replay import synthetic_record  # bench/replay.py, beside this script
 
 RESULTS = Path(__file__).parent / "results"
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,

@@ -22,8 +22,15 @@ from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.models.drafter import CONFIG_FILE, DFlashConfig
 from opd.progress import progress_bar
-from opd.serving.engine import (dflash_config, release_gpu_memory, require_vllm, sampling_params, serve_closed_loop,
-                                spec_decode_counts, target_llm)
+from opd.serving.engine import (
+    dflash_config,
+    release_gpu_memory,
+    require_vllm,
+    sampling_params,
+    serve_closed_loop,
+    spec_decode_counts,
+    target_llm,
+)
 from opd.spec import ExperimentSpec
 
 BASELINE = "target only"
