@@ -241,6 +241,22 @@ def _sft_data(spec: ReproduceSpec, out: Path) -> str:
     return str(path)
 
 
+def track(job: ArmJob, result: ArmResult, out: Path) -> None:
+    """One MLflow run per (arm, seed) in OUT/mlflow.db, experiment "reproduce": the arm's resolved spec as
+    params, held-out τ at each FLOP mark (step = mark index) and the final τ. Only this process writes."""
+    from opd.tracking import Tracker
+
+    experiment = load_spec(job.experiment, [*job.overrides, *job.arm.set, f"seed={job.seed}",
+                                            f"name={job.arm.name}-seed{job.seed}", f"tracking.run_dir={out}",
+                                            "tracking.experiment=reproduce"])
+    tracker = Tracker(experiment)
+    for i, (flops, tau) in enumerate(result.curve):
+        tracker.log({"heldout_tau_greedy": tau, "flops_total": flops}, i)
+    tracker.log({**{f"final_tau_{k}": v for k, v in result.final.items()}, "steps": result.steps,
+                 "minutes": result.minutes}, len(result.curve) - 1)
+    tracker.close()
+
+
 def run_jobs(spec: ReproduceSpec, out: Path) -> list[ArmResult]:
     """The full arm per seed first; each finished budget releases that seed's other arms to the pool."""
     saved = out / "arms"
@@ -281,9 +297,9 @@ def run_jobs(spec: ReproduceSpec, out: Path) -> list[ArmResult]:
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
-                pending.pop(future)
-                result = future.result()
+                finished_job, result = pending.pop(future), future.result()
                 (saved / f"{result.arm}-seed{result.seed}.json").write_text(json.dumps(asdict(result)) + "\n")
+                track(finished_job, result, out)
                 finish(result)
     return results
 
@@ -299,5 +315,6 @@ def run_reproduce(path: str, overrides: list[str] | None = None) -> int:
     minutes = (time.perf_counter() - started) / 60
     report = write_report(spec, results, out, minutes)
     print(report.read_text())
-    print(f"Done in {minutes:.1f} min: {report}, plots and per-arm JSON in {out}")
+    print(f"Done in {minutes:.1f} min: {report}, plots and per-arm JSON in {out}; one MLflow run per arm and "
+          f"seed: mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()}")
     return 0

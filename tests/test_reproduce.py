@@ -63,6 +63,17 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     results = run_jobs(spec, tmp_path / "out")
     assert sorted((r.arm, r.seed) for r in results) == [("draft-opd", 0), ("draft-opd", 1), ("no-decay", 0),
                                                         ("no-decay", 1)]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("reproduce").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["draft-opd-seed0", "draft-opd-seed1", "no-decay-seed0",
+                                                      "no-decay-seed1"]
+    by_name = {(r.arm, r.seed): r for r in results}
+    for run in runs:
+        arm, seed = run.info.run_name.rsplit("-seed", 1)
+        assert run.data.metrics["final_tau_greedy"] == by_name[(arm, int(seed))].final["greedy"]
+        assert run.data.params["loss.rejected_decay"] == ("false" if arm == "no-decay" else "true")
     saved = sorted(p.name for p in (tmp_path / "out" / "arms").iterdir())
     assert saved == ["draft-opd-seed0.json", "draft-opd-seed1.json", "no-decay-seed0.json", "no-decay-seed1.json"]
     marked = tmp_path / "out" / "arms" / "no-decay-seed1.json"
@@ -74,6 +85,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     assert finals == {**{(r.arm, r.seed): r.final["greedy"] for r in results}, ("no-decay", 1): 123.0}
     marked.write_text(json.dumps(row))
     again = run_jobs(spec, tmp_path / "out")
+    assert len(client.search_runs([runs[0].info.experiment_id])) == 4  # loaded arms are not logged again
     report = write_report(spec, again, tmp_path / "out", minutes=1.0).read_text()
     assert "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
