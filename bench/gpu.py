@@ -7,9 +7,11 @@ Random weights, so no checkpoint or download is needed: a Qwen3 target with Qwen
 bf16 on CUDA. Decoding uses flash_attention_2 when flash-attn is installed, else sdpa; replay and the learner
 always use sdpa, because packed replay needs a 4-D attention mask that flash-attn does not take.
 
-- decode: greedy autoregressive vs speculative decoding at batch 1 and 16. A random drafter's drafts are almost
-  never accepted (τ ≈ 1), so these rows measure the *cost* side — tokens/s and latency per step (one target
-  forward, or one draft + verify step) — not the speedup a trained drafter gives; `opd eval` measures that.
+- decode: greedy autoregressive vs speculative decoding at batch 1 and 16, and at the largest batch also the
+  opt-in static-shape speculative path (`rollout.static_cache`: StaticCache, finished rows kept). A random
+  drafter's drafts are almost never accepted (τ ≈ 1), so these rows measure the *cost* side — tokens/s and latency
+  per step (one target forward, or one draft + verify step) — not the speedup a trained drafter gives; `opd eval`
+  measures that.
 - replay: `opd.replay.score` + `student_logits` (teacher and student, full vocabulary) on synthetic rollout
   records (bench/replay.py), anchors and committed tokens per second at batch 1 and 4.
 - learner: `Learner.train_step` (student replay, acceptance-aware loss, backward, AdamW) on one scored sequence.
@@ -126,7 +128,8 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype, attn: str) -> tu
 
 def bench_decode(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Clock) -> list[dict]:
     vocab, eos = target.vocab_size, target.vocab_size - 2  # eos: an ordinary id the prompts never contain
-    decoder = SpeculativeDecoder(target, drafter, eos_id=eos)
+    decoders = {static: SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=static)
+                for static in (False, True)}
     g = torch.Generator().manual_seed(0)
     rows, deadline = [], clock.deadline("decode")
     for batch in plan.decode_batches:
@@ -136,13 +139,17 @@ def bench_decode(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Cloc
             out = generate_autoregressive(target, prompts, Sampling(), max_new_tokens=plan.new_tokens, eos_id=eos)
             return {"tokens": sum(map(len, out)), "steps": max(map(len, out))}
 
-        def speculative() -> dict:
+        def speculative(static: bool = False) -> dict:
+            decoder = decoders[static]
             steps = decoder.timings["steps"]
             out = decoder.generate(prompts, Sampling(), max_new_tokens=plan.new_tokens)
             return {"tokens": sum(len(r.response_ids) for r in out), "steps": int(decoder.timings["steps"] - steps),
                     "tau": AcceptanceStats.from_records(out, drafter.block_size).tau_token_weighted}
 
-        for mode, fn in (("autoregressive", autoregressive), ("speculative", speculative)):
+        modes = [("autoregressive", autoregressive), ("speculative", speculative)]
+        if batch == max(plan.decode_batches):  # fixed shapes matter most where finished rows would leave the batch
+            modes.append(("speculative_static", lambda: speculative(static=True)))
+        for mode, fn in modes:
             r = clock.measure(f"decode {mode} batch {batch}", fn, deadline, plan.repeats)
             if r:
                 rows.append({"mode": mode, "batch": batch, **r, "tokens_per_s": r["tokens"] / r["seconds"],

@@ -39,9 +39,11 @@ class EvalRow:
 
 
 def evaluate(models: Models, prompts: list[Prompt], samplings: list[SamplingSpec], *, max_new_tokens: int,
-             batch_size: int, seed: int = 0, baseline: bool = True, draft_version: int = 0) -> list[EvalRow]:
+             batch_size: int, seed: int = 0, baseline: bool = True, draft_version: int = 0,
+             static_cache: bool = False) -> list[EvalRow]:
     """One row per sampling setting."""
-    decoder = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id, draft_version=draft_version)
+    decoder = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id, draft_version=draft_version,
+                                 static_cache=static_cache)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     rows = []
     with progress_bar() as bar:
@@ -116,7 +118,7 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
                            max_prompt_tokens=spec.data.max_prompt_tokens, skip_bad_lines=spec.data.skip_bad_lines,
                            limit=spec.eval.num_prompts)
     rows = evaluate(models, prompts.prompts, spec.eval.sampling, max_new_tokens=spec.eval.max_new_tokens,
-                    batch_size=spec.eval.batch_size, seed=spec.seed)
+                    batch_size=spec.eval.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache)
     print_rows(rows)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRo
                            skip_bad_lines=spec.data.skip_bad_lines, limit=spec.eval.num_prompts).prompts
     e = spec.eval
     return evaluate(models, prompts, e.sampling, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                    seed=spec.seed, baseline=True)
+                    seed=spec.seed, baseline=True, static_cache=spec.rollout.static_cache)
 
 
 def comparison_table(before: list[EvalRow], after: list[EvalRow]) -> Table:

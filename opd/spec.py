@@ -198,6 +198,10 @@ class RolloutSpec(_Section):
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
+    # Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept): what CUDA graphs and
+    # torch.compile need; same tokens as the default. Held-out eval uses it too. Memory: the caches hold
+    # prompt + K x max_new_tokens slots per row (rejected slots stay as holes), K times the dynamic worst case.
+    static_cache: bool = False
 
 
 class ReplaySpec(_Section):

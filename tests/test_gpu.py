@@ -154,8 +154,9 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     assert {"device", "dtype", "attn_implementation", "target_shapes", "drafter", "budget_s", "elapsed_s",
             "note"} <= set(result)
     assert [(r["mode"], r["batch"]) for r in result["decode"]] == [
-        ("autoregressive", 1), ("speculative", 1), ("autoregressive", 4), ("speculative", 4)]
-    assert all(1.0 <= r["tau"] <= 4.0 for r in result["decode"] if r["mode"] == "speculative")
+        ("autoregressive", 1), ("speculative", 1), ("autoregressive", 4), ("speculative", 4),
+        ("speculative_static", 4)]
+    assert all(1.0 <= r["tau"] <= 4.0 for r in result["decode"] if r["mode"].startswith("speculative"))
     for section, keys in SECTIONS.items():
         assert result[section] and all(keys <= set(row) for row in result[section]), section
 
@@ -166,4 +167,4 @@ def test_bench_gpu_time_guard_skips_what_does_not_fit(tmp_path, monkeypatch):
     assert gpu.main(["--tiny", "--budget-s", "0", "--json", str(tmp_path / "gpu.json")]) == 0
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["decode"] == result["replay"] == result["learner"] == [] and not result["errors"]
-    assert len(result["skipped"]) == 7  # 2 batches x 2 modes, 2 replay batches, 1 learner step
+    assert len(result["skipped"]) == 8  # 2 batches x 2 modes + static at batch 4, 2 replay batches, 1 learner step

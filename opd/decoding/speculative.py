@@ -6,6 +6,14 @@ keeps, and both caches advance. Rows accept different amounts, so neither cache 
 slots of a row are kept and the rejected ones become masked *holes* (the target gets a 2-D attention mask with
 zeros there and explicit position ids; the drafter cache has a `valid` flag). A row's output therefore depends
 only on its own tokens and its own keyed random numbers, never on its neighbours' acceptance.
+
+With `static_cache=True` every tensor keeps one shape for the whole batch, which CUDA graphs and
+torch.compile(mode="reduce-overhead") need: the target KV cache is an HF `StaticCache` and the drafter cache is
+preallocated, both sized prompt width + K x (max_new_tokens - 1) (prefill commits one token and every step at
+least one more, so no row needs more than max_new_tokens - 1 steps); the 2-D attention mask spans that whole
+length (unwritten slots are zeros), and finished rows stay in the batch, their outputs ignored. Each step writes
+the same K slots of every row: the cache's own write counter advances by K, which is the `cache_position` that
+transformers 5 no longer takes as an argument.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import time
 from collections import defaultdict
 
 import torch
+from transformers.cache_utils import StaticCache
 
 from opd.decoding.batch import left_pad
 from opd.decoding.record import SequenceRecord
@@ -26,9 +35,10 @@ from opd.models.target import Target
 class SpeculativeDecoder:
     """Owns a target and a drafter; the drafter's weights can be swapped between calls (`load_drafter`)."""
 
-    def __init__(self, target: Target, drafter: DFlashDrafter, *, eos_id: int, draft_version: int = 0) -> None:
+    def __init__(self, target: Target, drafter: DFlashDrafter, *, eos_id: int, draft_version: int = 0,
+                 static_cache: bool = False) -> None:
         self.target, self.drafter, self.eos_id = target, drafter, eos_id
-        self.draft_version = draft_version
+        self.draft_version, self.static_cache = draft_version, static_cache
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls
 
     def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -43,11 +53,11 @@ class SpeculativeDecoder:
         keys = list(keys) if keys is not None else list(range(len(prompts)))
         records = [SequenceRecord(key=k, prompt_ids=list(p), draft_version=self.draft_version)
                    for k, p in zip(keys, prompts)]
-        state = self._prefill(prompts, keys, sampling, seed)
+        state = self._prefill(prompts, keys, sampling, seed, max_new_tokens)
         for rec, token in zip(records, state.anchor.tolist()):
             rec.response_ids.append(token)
         self._drop_finished(state, records, max_new_tokens)
-        while state.rows.numel():
+        while bool(state.live.any()):
             self._step(state, records, sampling, seed, max_new_tokens)
         for rec in records:
             _finish(rec, self.eos_id, max_new_tokens)
@@ -55,21 +65,29 @@ class SpeculativeDecoder:
 
     # -- phases ------------------------------------------------------------------------------------------------
 
-    def _prefill(self, prompts: list[list[int]], keys: list[int], sampling: Sampling, seed: int) -> _State:
+    def _prefill(self, prompts: list[list[int]], keys: list[int], sampling: Sampling, seed: int,
+                 max_new_tokens: int) -> _State:
         t0 = time.perf_counter()
         device = self.target.device
         ids, mask = left_pad(prompts, pad_id=self.eos_id, device=device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.target(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        capacity = ids.shape[1] + self.drafter.block_size * (max_new_tokens - 1) if self.static_cache else None
+        target_cache, full_mask = None, mask
+        if capacity is not None:
+            target_cache = StaticCache(config=self.target.config, max_cache_len=capacity)
+            full_mask = torch.cat([mask, mask.new_zeros(len(prompts), capacity - ids.shape[1])], 1)
+        out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
+                          use_cache=True)
         keys_t = torch.tensor(keys, device=device)
         first = next_token(out.logits[:, -1], sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
-        draft_cache = self.drafter.new_cache(len(prompts))
+        draft_cache = self.drafter.new_cache(len(prompts), capacity)
         self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool())
         self.timings["verify"] += time.perf_counter() - t0
         return _State(rows=torch.arange(len(prompts), device=device), keys=keys_t,
-                      target_cache=out.past_key_values, target_mask=mask, draft_cache=draft_cache,
-                      anchor=first, anchor_pos=positions[:, -1] + 1,
-                      response_len=torch.ones(len(prompts), dtype=torch.long, device=device))
+                      target_cache=out.past_key_values, target_mask=full_mask, filled=ids.shape[1],
+                      draft_cache=draft_cache, anchor=first, anchor_pos=positions[:, -1] + 1,
+                      response_len=torch.ones(len(prompts), dtype=torch.long, device=device),
+                      live=torch.ones(len(prompts), dtype=torch.bool, device=device))
 
     def _step(self, s: _State, records: list[SequenceRecord], sampling: Sampling, seed: int,
               max_new_tokens: int) -> None:
@@ -79,9 +97,8 @@ class SpeculativeDecoder:
         k = drafts.shape[1] + 1
         block = torch.cat([s.anchor[:, None], drafts], 1)
         block_pos = s.anchor_pos[:, None] + torch.arange(k, device=block.device)
-        mask = torch.cat([s.target_mask, torch.ones_like(block)], 1)
-        out = self.target(block, attention_mask=mask, position_ids=block_pos, past_key_values=s.target_cache,
-                          use_cache=True)
+        out = self.target(block, attention_mask=self._block_mask(s, k), position_ids=block_pos,
+                          past_key_values=s.target_cache, use_cache=True)
         clock.append(time.perf_counter())
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
         verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
@@ -89,7 +106,8 @@ class SpeculativeDecoder:
         clock.append(time.perf_counter())
         self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept)
         clock.append(time.perf_counter())
-        s.target_cache, s.target_mask = out.past_key_values, torch.cat([s.target_mask, kept.long()], 1)
+        s.target_cache = out.past_key_values
+        self._keep_slots(s, kept)
         self._record(s, records, drafts, verdict.accepted, verdict.bonus)
         s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
         s.response_len = s.response_len + verdict.accepted + 1
@@ -101,11 +119,31 @@ class SpeculativeDecoder:
         self.timings["bookkeeping"] += (clock[3] - clock[2]) + (clock[5] - clock[4])
         self.timings["steps"] += 1
 
+    def _block_mask(self, s: _State, k: int) -> torch.Tensor:
+        """The target's 2-D mask for verifying a K-token block: every kept slot so far plus the block itself."""
+        if not self.static_cache:
+            return torch.cat([s.target_mask, s.target_mask.new_ones(len(s.rows), k)], 1)
+        s.target_mask[:, s.filled : s.filled + k] = 1
+        return s.target_mask
+
+    def _keep_slots(self, s: _State, kept: torch.Tensor) -> None:
+        """The block's K slots stay in the cache; the rejected ones become masked holes."""
+        if self.static_cache:
+            s.target_mask[:, s.filled : s.filled + len(kept[0])] = kept.long()
+        else:
+            s.target_mask = torch.cat([s.target_mask, kept.long()], 1)
+        s.filled += len(kept[0])
+
     def _record(self, s: _State, records: list[SequenceRecord], drafts: torch.Tensor, accepted: torch.Tensor,
                 bonus: torch.Tensor) -> None:
-        """Append this step's facts; the committed tokens are the accepted drafts followed by the bonus."""
-        for row, anchor_idx, block, r, b in zip(s.rows.tolist(), (s.response_len - 1).tolist(), drafts.tolist(),
-                                                 accepted.tolist(), bonus.tolist()):
+        """Append this step's facts; the committed tokens are the accepted drafts followed by the bonus.
+
+        Finished rows that stay in a static batch are skipped: their tokens are meaningless."""
+        for row, live, anchor_idx, block, r, b in zip(s.rows.tolist(), s.live.tolist(),
+                                                       (s.response_len - 1).tolist(), drafts.tolist(),
+                                                       accepted.tolist(), bonus.tolist()):
+            if not live:
+                continue
             rec = records[row]
             rec.anchors.append(anchor_idx)
             rec.drafts.append(block)
@@ -113,10 +151,14 @@ class SpeculativeDecoder:
             rec.response_ids.extend(block[:r] + [b])
 
     def _drop_finished(self, s: _State, records: list[SequenceRecord], max_new_tokens: int) -> None:
-        """Rows that emitted eos or hit the length limit leave the batch, so they cost no more compute."""
+        """Rows that emitted eos or hit the length limit leave the batch, so they cost no more compute; with a
+        static cache they stay (shapes must not change) and are only marked finished."""
         done = [i for i, row in enumerate(s.rows.tolist())
                 if self.eos_id in records[row].response_ids or len(records[row].response_ids) >= max_new_tokens]
         if not done:
+            return
+        if self.static_cache:
+            s.live[done] = False
             return
         keep = torch.tensor(sorted(set(range(len(s.rows))) - set(done)), dtype=torch.long, device=s.rows.device)
         s.select(keep)
@@ -136,16 +178,19 @@ def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
 
 
 class _State:
-    """Per-batch tensors of the rows still decoding; `rows` maps them back to the caller's prompt order."""
+    """Per-batch tensors of the rows in the batch; `rows` maps them back to the caller's prompt order, `live`
+    says which still decode (all of them unless a static cache keeps finished rows), `filled` counts the target
+    cache slots written."""
 
-    def __init__(self, *, rows, keys, target_cache, target_mask, draft_cache, anchor, anchor_pos,
-                 response_len) -> None:
-        self.rows, self.keys = rows, keys
-        self.target_cache, self.target_mask, self.draft_cache = target_cache, target_mask, draft_cache
+    def __init__(self, *, rows, keys, target_cache, target_mask, filled, draft_cache, anchor, anchor_pos,
+                 response_len, live) -> None:
+        self.rows, self.keys, self.live = rows, keys, live
+        self.target_cache, self.target_mask, self.filled = target_cache, target_mask, filled
+        self.draft_cache = draft_cache
         self.anchor, self.anchor_pos, self.response_len = anchor, anchor_pos, response_len
 
     def select(self, keep: torch.Tensor) -> None:
-        for name in ("rows", "keys", "target_mask", "anchor", "anchor_pos", "response_len"):
+        for name in ("rows", "keys", "live", "target_mask", "anchor", "anchor_pos", "response_len"):
             setattr(self, name, getattr(self, name)[keep])
         if len(keep):
             self.target_cache.batch_select_indices(keep)

@@ -324,19 +324,29 @@ class DrafterCache:
     Rows of a batch advance at different speeds (ragged acceptance), so entries carry their own position and a
     `valid` flag instead of assuming a dense prefix: a hole is simply an entry nobody can attend to.
     Block K/V are never stored; only target-verified context is.
+
+    `filled` is None for a cache that grows by concatenation. A preallocated cache (`new_cache(capacity=...)`)
+    has fixed-shape tensors and `filled` counts the entries written; the rest are invalid, so attending over the
+    whole capacity equals attending over the written prefix, and every draft sees the same tensor shapes (what
+    CUDA graphs and torch.compile need).
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     positions: torch.Tensor
     valid: torch.Tensor
+    filled: int | None = None
 
     @property
     def length(self) -> int:
-        return self.positions.shape[1]
+        return self.positions.shape[1] if self.filled is None else self.filled
 
     def crop(self, length: int) -> None:
         """Drop every entry at index >= length (e.g. context that the next verification replaces)."""
+        if self.filled is not None:  # keep the shapes: forgetting the entries is enough
+            self.valid[:, length:] = False
+            self.filled = min(self.filled, length)
+            return
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
         self.positions = self.positions[:, :length]
@@ -459,15 +469,18 @@ class DFlashDrafter(nn.Module):
 
     # -- inference path: cached context, one block per sequence --------------------------------------------------
 
-    def new_cache(self, batch_size: int) -> DrafterCache:
-        """An empty context cache on the drafter's device and dtype."""
+    def new_cache(self, batch_size: int, capacity: int | None = None) -> DrafterCache:
+        """An empty context cache on the drafter's device and dtype; with `capacity`, preallocated to that many
+        entries (fixed shapes), else growing."""
         weight = self.fc.weight
-        empty = weight.new_zeros(batch_size, self.config.num_key_value_heads, 0, self.config.head_dim)
+        length = capacity or 0
+        shape = (batch_size, self.config.num_key_value_heads, length, self.config.head_dim)
         return DrafterCache(
-            keys=[empty] * len(self.layers),
-            values=[empty] * len(self.layers),
-            positions=torch.zeros(batch_size, 0, dtype=torch.long, device=weight.device),
-            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=weight.device),
+            keys=[weight.new_zeros(shape) for _ in self.layers],
+            values=[weight.new_zeros(shape) for _ in self.layers],
+            positions=torch.zeros(batch_size, length, dtype=torch.long, device=weight.device),
+            valid=torch.zeros(batch_size, length, dtype=torch.bool, device=weight.device),
+            filled=None if capacity is None else 0,
         )
 
     @torch.no_grad()
@@ -479,6 +492,9 @@ class DFlashDrafter(nn.Module):
         Entries with valid=False (padding, holes from ragged acceptance) stay masked out forever.
         """
         context_kv = self._context_kv(self.project_context(target_features), positions)
+        if cache.filled is not None:
+            _write(cache, context_kv, positions, valid)
+            return
         cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, context_kv)]
         cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, context_kv)]
         cache.positions = torch.cat([cache.positions, positions], dim=1)
@@ -526,6 +542,20 @@ class DFlashDrafter(nn.Module):
         tensors = _read_tensors(directory / WEIGHTS_FILE, drafter.state_dict())
         drafter.load_state_dict(tensors)
         return drafter
+
+
+def _write(cache: DrafterCache, context_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+           valid: torch.Tensor) -> None:
+    """Write new entries in place after the filled ones of a preallocated cache (its shapes never change)."""
+    start, end = cache.filled, cache.filled + positions.shape[1]
+    if end > cache.positions.shape[1]:
+        raise ValueError(f"drafter cache capacity {cache.positions.shape[1]} exceeded ({end} entries)")
+    for old_k, old_v, (k, v) in zip(cache.keys, cache.values, context_kv):
+        old_k[:, :, start:end] = k
+        old_v[:, :, start:end] = v
+    cache.positions[:, start:end] = positions
+    cache.valid[:, start:end] = valid.to(torch.bool)
+    cache.filled = end
 
 
 def _block_mask(

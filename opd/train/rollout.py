@@ -49,7 +49,8 @@ class RolloutWorker:
     def __init__(self, spec: ExperimentSpec, target: Target, drafter: DFlashDrafter, eos_id: int,
                  prompts: list[Prompt], draft_version: int = 0) -> None:
         self.spec, self.prompts = spec, prompts
-        self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version)
+        self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
+                                          static_cache=spec.rollout.static_cache)
         self._target_params, self._drafter_params = target_matmul_params(target.model), drafter_matmul_params(drafter)
         self._perms: dict[int, list[int]] = {}
 

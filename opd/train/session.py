@@ -219,7 +219,8 @@ class LearnerSession:
         e = self.spec.eval
         models = Models(self.models.target, self.drafter, self.models.tokenizer)
         return evaluate(models, self.eval_prompts, e.sampling, max_new_tokens=e.max_new_tokens,
-                        batch_size=e.batch_size, seed=self.spec.seed, baseline=baseline, draft_version=self.step)
+                        batch_size=e.batch_size, seed=self.spec.seed, baseline=baseline, draft_version=self.step,
+                        static_cache=self.spec.rollout.static_cache)
 
     def evaluate_and_log(self) -> list[EvalRow]:
         rows = self.evaluate()
