@@ -7,7 +7,6 @@ steps (eos and length mixed), so finished rows really do stay in the static batc
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers.cache_utils import StaticCache
 
 from opd.decoding.autoregressive import generate_autoregressive
