@@ -158,6 +158,7 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
              f"the full method runs {spec.opd_steps} steps and every arm trains to its FLOPs. Held-out τ on "
              f"{spec.eval_prompts} prompts (per-response mean, bonus token included). {machine}; "
              f"{minutes:.1f} min wall."), ""]
+    lines += _table("All arms", [a.name for a in spec.arms], summary, warm)
     for title, arms in TABLES:
         lines += _table(title, arms, summary, warm)
     lines += _histogram_table(results)

@@ -87,7 +87,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     again = run_jobs(spec, tmp_path / "out")
     assert len(client.search_runs([runs[0].info.experiment_id])) == 4  # loaded arms are not logged again
     report = write_report(spec, again, tmp_path / "out", minutes=1.0).read_text()
-    assert "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
+    assert "### All arms" in report and "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
 
 
