@@ -10,7 +10,7 @@ import ray
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
 from opd.acceptance import AcceptanceStats
-from opd.data import load_prompts
+from opd.data import train_prompts
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
 from opd.train.ledger import Ticket
@@ -24,9 +24,7 @@ class RolloutActor:
         self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
                                                                    ledger, out)
         models = build_models(self.spec)
-        data = self.spec.data
-        prompts = load_prompts(data.train_prompts, models.tokenizer, max_prompt_tokens=data.max_prompt_tokens,
-                               skip_bad_lines=data.skip_bad_lines).prompts
+        prompts = train_prompts(self.spec.data, models.tokenizer)
         self.worker = RolloutWorker(self.spec, models.target, models.drafter, models.eos_id, prompts, draft_version=-1)
         self.metrics = Metrics()
 

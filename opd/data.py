@@ -11,8 +11,12 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opd.errors import OpdError
+
+if TYPE_CHECKING:
+    from opd.spec import DataSpec
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,18 @@ def load_prompts(path: str, tokenizer, *, max_prompt_tokens: int, skip_bad_lines
     if not result.prompts:
         raise OpdError(f"prompts: {path} has no usable prompt ({len(result.skipped)} lines skipped)")
     return result
+
+
+def train_prompts(data: DataSpec, tokenizer) -> list[Prompt]:
+    """The spec's rollout/SFT prompt pool, with its length limit and bad-line policy."""
+    return load_prompts(data.train_prompts, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
+                        skip_bad_lines=data.skip_bad_lines).prompts
+
+
+def eval_prompts(data: DataSpec, tokenizer, limit: int | None = None) -> list[Prompt]:
+    """The first `limit` of the spec's held-out prompts, with the same limit and policy."""
+    return load_prompts(data.eval_prompts, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
+                        skip_bad_lines=data.skip_bad_lines, limit=limit).prompts
 
 
 def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str]) -> Prompt:

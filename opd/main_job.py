@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd.data import load_prompts
+from opd.data import eval_prompts
 from opd.eval import EvalRow, evaluate
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
@@ -23,8 +23,7 @@ from opd.spec import ExperimentSpec
 
 def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
     models = build_models(spec, drafter_path)
-    prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=spec.data.max_prompt_tokens,
-                           skip_bad_lines=spec.data.skip_bad_lines, limit=spec.eval.num_prompts).prompts
+    prompts = eval_prompts(spec.data, models.tokenizer, spec.eval.num_prompts)
     e = spec.eval
     return evaluate(models, prompts, e.sampling, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                     seed=spec.seed, baseline=True, static_cache=spec.rollout.static_cache)

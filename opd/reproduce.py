@@ -22,7 +22,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from opd.data import load_prompts
+from opd.data import eval_prompts, train_prompts
 from opd.errors import OpdError
 from opd.eval import evaluate
 from opd.models.build import Models, build_models
@@ -120,8 +120,7 @@ class _Evaluator:
 
     def __init__(self, spec: ExperimentSpec, models: Models, num_prompts: int) -> None:
         self.spec, self.models = spec, models
-        self.prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=spec.data.max_prompt_tokens,
-                                    skip_bad_lines=spec.data.skip_bad_lines, limit=num_prompts).prompts
+        self.prompts = eval_prompts(spec.data, models.tokenizer, num_prompts)
 
     def __call__(self, drafter, samplings: list[SamplingSpec] | None = None) -> dict[str, float]:
         was_training = drafter.training
@@ -158,8 +157,7 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     spec.optim.warmup_ratio *= job.opd_steps / cap
     trainer = LocalTrainer(spec, track=False)
     session = trainer.session
-    session.start()
-    trainer.rollout.load_drafter(session.published.verified().state, session.published.version)
+    trainer.start()
     evaluator = _Evaluator(spec, session.models, job.eval_prompts)
     initial = evaluator(session.drafter, spec.eval.sampling if budget_setter else None)
     curve = [(0.0, initial["greedy"])]
@@ -234,10 +232,7 @@ def _sft_data(spec: ReproduceSpec, out: Path) -> str:
     experiment = load_spec(spec.experiment, spec.set)
     path = out / "sft_data.jsonl"
     models = build_models(experiment)
-    prompts = load_prompts(experiment.data.train_prompts, models.tokenizer,
-                           max_prompt_tokens=experiment.data.max_prompt_tokens,
-                           skip_bad_lines=experiment.data.skip_bad_lines).prompts
-    generate_responses(experiment, models, prompts, path)
+    generate_responses(experiment, models, train_prompts(experiment.data, models.tokenizer), path)
     return str(path)
 
 

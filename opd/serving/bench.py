@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd.data import load_prompts, load_tokenizer
+from opd.data import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.models.drafter import CONFIG_FILE, DFlashConfig
@@ -88,9 +88,7 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
     if baseline:
         engines = {BASELINE: None, **engines}
     e = spec.eval
-    prompts = load_prompts(spec.data.eval_prompts, load_tokenizer(spec.models.tokenizer),
-                           max_prompt_tokens=spec.data.max_prompt_tokens, skip_bad_lines=spec.data.skip_bad_lines,
-                           limit=e.num_prompts).prompts
+    prompts = eval_prompts(spec.data, load_tokenizer(spec.models.tokenizer), e.num_prompts)
     setting = e.sampling[0]
     sampling = Sampling(setting.temperature, setting.top_k, setting.top_p)
     rows: list[ServeRow] = []

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from rich.progress import TextColumn
 
-from opd.data import load_prompts
+from opd.data import train_prompts
 from opd.eval import EvalRow
 from opd.models.drafter import DFlashDrafter
 from opd.progress import progress_bar
@@ -60,9 +60,8 @@ class LocalTrainer:
     def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
         self.spec = spec
         self.session = LearnerSession(spec, track=track)
-        m, data = self.session.models, spec.data
-        prompts = load_prompts(data.train_prompts, m.tokenizer, max_prompt_tokens=data.max_prompt_tokens,
-                               skip_bad_lines=data.skip_bad_lines).prompts
+        m = self.session.models
+        prompts = train_prompts(spec.data, m.tokenizer)
         self.rollout = RolloutWorker(spec, m.target, copy_drafter(self.session.drafter), m.eos_id, prompts)
         self.scorer = Scorer(spec, m.target)
         self.per_step = spec.optim.batch_size // spec.rollout.batch_size
@@ -80,11 +79,17 @@ class LocalTrainer:
             self.rollout.load_drafter(snapshot.verified().state, snapshot.version)
         return report
 
-    def run(self, *, stop_after: int | None = None) -> TrainResult:
-        """Train to `spec.steps` (or stop after `stop_after` steps in this call, as a crash would)."""
+    def start(self) -> bool:
+        """Resume the session if it can and hand rollout the published weights; True when resumed."""
         s = self.session
         resumed = s.start()
         self.rollout.load_drafter(s.published.verified().state, s.published.version)
+        return resumed
+
+    def run(self, *, stop_after: int | None = None) -> TrainResult:
+        """Train to `spec.steps` (or stop after `stop_after` steps in this call, as a crash would)."""
+        s = self.session
+        resumed = self.start()
         result = TrainResult(steps=s.step, run_id=s.run_id)
         if not resumed:
             result.evals[0] = s.evaluate_and_log()

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from opd.acceptance import AcceptanceStats
-from opd.data import load_prompts
+from opd.data import eval_prompts
 from opd.errors import OpdError
 from opd.eval import EvalRow, evaluate
 from opd.models.build import Models, build_models
@@ -23,8 +23,7 @@ from opd.models.target import Target
 from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
-from opd.train.checkpoint import (check_same_training, latest_checkpoint, load_state, save_checkpoint,
-                                  training_fields)
+from opd.train.checkpoint import check_same_training, latest_checkpoint, load_state, save_checkpoint, training_fields
 from opd.train.distributed import Group, shard
 from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics
@@ -95,10 +94,7 @@ class LearnerSession:
                  peers: Peers | None = None) -> None:
         self.spec, self.peers = spec, peers
         self.models = build_models(spec)
-        data = spec.data
-        self.eval_prompts = load_prompts(data.eval_prompts, self.models.tokenizer,
-                                         max_prompt_tokens=data.max_prompt_tokens,
-                                         skip_bad_lines=data.skip_bad_lines, limit=spec.eval.num_prompts).prompts
+        self.eval_prompts = eval_prompts(spec.data, self.models.tokenizer, spec.eval.num_prompts)
         self.learner = Learner(spec, self.models.drafter, group)
         self.flops = FlopCounter()  # rollout + scorer + learner, everything this run has spent
         self.counters = Counters()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from opd.data import Prompt, load_prompts, prompt_key
+from opd.data import Prompt, prompt_key, train_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.losses import sft_loss
@@ -44,26 +44,36 @@ def response_sampling(spec: ExperimentSpec) -> Sampling:
     return Sampling(r.temperature, r.top_k, r.top_p) if temperature is None else Sampling(temperature, 0, 1.0)
 
 
-def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Prompt], cache: Path,
-                       batch_size: int = 32) -> list[SftExample]:
-    """Target responses for every prompt, appended to `cache` as they are made (a restart resumes there)."""
+def append_responses(prompts: list[Prompt], cache: Path, generate: Callable[[list[Prompt]], list[list[int]]],
+                     chunk_size: int, label: str) -> list[SftExample]:
+    """Responses for every prompt, appended to `cache` chunk by chunk, so a restart (with either engine) resumes
+    after the rows already written; `generate` only runs for prompts still to do."""
     done = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
-    sampling = response_sampling(spec)
     todo = prompts[len(done):]
     with progress_bar() as bar, cache.open("a") as f:
-        task = bar.add_task("sft data", total=len(prompts), completed=len(done))
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i : i + batch_size]
-            out = generate_autoregressive(models.target, [p.ids for p in chunk], sampling,
-                                          max_new_tokens=spec.sft.response_max_new_tokens, eos_id=models.eos_id,
-                                          seed=spec.seed, keys=[prompt_key(p.id) for p in chunk])
-            for p, resp in zip(chunk, out):
+        task = bar.add_task(label, total=len(prompts), completed=len(done))
+        for i in range(0, len(todo), chunk_size):
+            chunk = todo[i : i + chunk_size]
+            for p, resp in zip(chunk, generate(chunk)):
                 row = {"id": p.id, "prompt_ids": p.ids, "response_ids": resp}
                 f.write(json.dumps(row) + "\n")
                 done.append(row)
             f.flush()
             bar.update(task, completed=len(done))
     return [SftExample(d["prompt_ids"], d["response_ids"]) for d in done]
+
+
+def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Prompt], cache: Path,
+                       batch_size: int = 32) -> list[SftExample]:
+    """The target's responses by batched HF decoding, sampled per prompt id (chunking does not change them)."""
+    sampling = response_sampling(spec)
+
+    def generate(chunk: list[Prompt]) -> list[list[int]]:
+        return generate_autoregressive(models.target, [p.ids for p in chunk], sampling,
+                                       max_new_tokens=spec.sft.response_max_new_tokens, eos_id=models.eos_id,
+                                       seed=spec.seed, keys=[prompt_key(p.id) for p in chunk])
+
+    return append_responses(prompts, cache, generate, batch_size, "sft data")
 
 
 def sft_step_loss(target: Target, drafter: DFlashDrafter, examples: list[SftExample], *, anchors_per_seq: int,
@@ -111,9 +121,7 @@ def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
     models = build_models(spec)
     run_dir = spec.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    prompts = load_prompts(spec.data.train_prompts, models.tokenizer, max_prompt_tokens=spec.data.max_prompt_tokens,
-                           skip_bad_lines=spec.data.skip_bad_lines).prompts
-    examples = generate_responses(spec, models, prompts, run_dir / "sft_data.jsonl")
+    examples = generate_responses(spec, models, train_prompts(spec.data, models.tokenizer), run_dir / "sft_data.jsonl")
     tracker = Tracker(spec)
     try:
         flops = train_sft(spec, models, examples, tracker)
