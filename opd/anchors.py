@@ -4,6 +4,11 @@ It keeps the `SequenceRecord` format, so scorer and learner never know which mod
 are drafted by the current drafter on the target's features of the committed sequence, and their acceptance is
 what verification would have given: the length of the prefix that matches the committed continuation (the
 committed text is a target sample, so "sample the target and accept while equal" is the acceptance rule).
+
+Only blocks whose K−1 drafted slots all land on committed response tokens are drafted: a slot past the end of
+the response has nothing to be verified against, and the record format (which replay reads) makes every slot of
+a block exist, so such a slot would be scored as a rejection although nothing rejected it. A response too short
+for any whole block keeps the blocks its rollout verified.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from opd.models.target import Target
 @torch.no_grad()
 def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: SequenceRecord, num_anchors: int,
                               generator: torch.Generator) -> SequenceRecord:
-    """A copy of `record` whose blocks start at random valid anchors (a and a+1 both response tokens)."""
+    """A copy of `record` whose blocks start at random anchors a whose whole block is verifiable (a+1 .. a+K−1
+    are all response tokens); a response shorter than one block keeps the rollout's own, verified, blocks."""
     response, k1 = record.response_ids, drafter.block_size - 1
-    candidates = len(response) - 1
+    candidates = verifiable_anchors(len(response), k1)
     if candidates < 1:
-        return replace(record, anchors=[], drafts=[], accepted=[])
+        return record
     pick = torch.randperm(candidates, generator=generator)[: min(num_anchors, candidates)].sort().values.tolist()
     committed = torch.tensor([record.prompt_ids + response], device=target.device)
     features = target(committed).features
@@ -38,6 +44,11 @@ def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: Se
     drafts = drafter.logits(hidden[0, :, 1:]).argmax(-1).tolist()
     accepted = [_matching_prefix(d, response[a + 1 : a + 1 + k1]) for a, d in zip(pick, drafts)]
     return replace(record, anchors=pick, drafts=drafts, accepted=accepted)
+
+
+def verifiable_anchors(response_len: int, drafted: int) -> int:
+    """How many anchors 0..n−1 have all `drafted` slots inside the response (slot k predicts index a + k)."""
+    return max(0, response_len - drafted)
 
 
 def _matching_prefix(draft: list[int], committed: list[int]) -> int:
