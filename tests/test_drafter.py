@@ -382,3 +382,63 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(OpdError, match="model.safetensors: drafter weights not found"):
         DFlashDrafter.from_pretrained(tmp_path, target)
+
+
+# The public DFlash code runs a `sliding_attention` layer (or `is_causal: true`) causal with a window; this
+# drafter is full attention, bidirectional in the block, so such configs must be refused, not loaded silently.
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048},
+         r"'layer_types' makes layer 0 'sliding_attention'; only 'full_attention'"),
+        ({"layer_types": ["full_attention"]}, r"'layer_types' must list 2 layer types"),
+        ({"layer_types": None, "use_sliding_window": True, "sliding_window": 2048, "max_window_layers": 1},
+         r"'use_sliding_window \(sliding_window 2048, max_window_layers 1\)' makes layer 1 'sliding_attention'"),
+        ({"is_causal": True}, r"'is_causal' is True; only block-bidirectional"),
+        ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "causal": True}},
+         r"'dflash_config\.causal' is True"),
+        ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "selector_rank": 256}},
+         r"'dflash_config\.selector_rank' belongs to a DFlash variant"),
+    ],
+    ids=["sliding-layer", "layer-count", "qwen3-sliding-window", "is-causal", "dflash-causal", "dflash2-selector"],
+)
+def test_unsupported_dflash_variants_are_refused_in_one_line(setup, tmp_path, change, message):
+    target, *_ = setup
+    _hand_written_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(change)
+    config = {k: v for k, v in config.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OpdError, match=message) as info:
+        DFlashDrafter.from_pretrained(tmp_path, target)
+    assert "\n" not in str(info.value) and str(info.value).startswith(str(tmp_path / "config.json"))
+
+
+def test_supported_variant_flags_still_load(setup, tmp_path):
+    """Flags that say 'the plain DFlash model' load: full-attention layer types, a window that is switched off,
+    explicit non-causal flags, and block_size / num_target_layers inside dflash_config (newer exports)."""
+    target, *_ = setup
+    _hand_written_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config |= {"is_causal": False, "use_sliding_window": False, "sliding_window": 4096}
+    config["dflash_config"] |= {"causal": False, "block_size": config.pop("block_size"),
+                                "num_target_layers": config.pop("num_target_layers")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert DFlashDrafter.from_pretrained(tmp_path, target).config.block_size == BLOCK
+
+
+def test_serving_refuses_the_targets_last_layer_that_vllm_cannot_capture(tmp_path):
+    """Training may use the last layer (it is read at the final norm); `opd serve-bench` refuses it up front.
+    The shipped tiny drafter (ids [1, 3] of 6) and the Qwen3 configs' default ids never use it."""
+    from types import SimpleNamespace
+
+    from opd.serving.bench import drafter_block_size
+
+    spec = SimpleNamespace(models=SimpleNamespace(target_path=str(tmp_path / "no-target")))
+    _hand_written_checkpoint(tmp_path / "last", layer_ids=(0, 2, 3))
+    with pytest.raises(OpdError, match=r"include 3, the target's last layer, which vLLM's DFlash path cannot") as info:
+        drafter_block_size(str(tmp_path / "last"), spec)
+    assert "\n" not in str(info.value)
+    _hand_written_checkpoint(tmp_path / "inner", layer_ids=(0, 1, 2))
+    assert drafter_block_size(str(tmp_path / "inner"), spec) == BLOCK
+    assert drafter_block_size("opd/assets/tiny/drafter", spec) == 8

@@ -138,8 +138,10 @@ class DFlashConfig:
         dflash = hf.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise OpdError("config field 'dflash_config' must be an object")
+        _check_variant(hf, dflash)
         num_hidden_layers = _int_field(hf, "num_hidden_layers")
-        num_target_layers = _int_field(hf, "num_target_layers")
+        _check_full_attention(hf, num_hidden_layers)
+        num_target_layers = _int_field(hf if "num_target_layers" in hf else dflash, "num_target_layers")
         block_size = hf.get("block_size", dflash.get("block_size"))
         if block_size is None:
             raise OpdError("config field 'block_size' is missing")
@@ -167,6 +169,53 @@ class DFlashConfig:
             num_target_layers=num_target_layers,
             attention_bias=bool(hf.get("attention_bias", False)),
         )
+
+
+# `dflash_config` keys of the model implemented here; others (selector_*, conv_*, projector_type,
+# final_logit_softcapping, input_embedding_scale, ...) belong to other DFlash variants and change the forward.
+DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "causal"})
+QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config's default, used when a config enables sliding windows without it
+
+
+def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
+    """Refuse DFlash variants this drafter does not implement; loading them would draft wrongly, silently."""
+    unknown = sorted(set(dflash) - DFLASH_KEYS)
+    if unknown:
+        raise OpdError(f"config field 'dflash_config.{unknown[0]}' belongs to a DFlash variant this drafter does not "
+                       f"implement (supported keys: {', '.join(sorted(DFLASH_KEYS))})")
+    for name, value in (("is_causal", hf.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
+        if value:
+            raise OpdError(f"config field '{name}' is {value!r}; only block-bidirectional DFlash drafters are "
+                           "supported (expected false or absent)")
+
+
+def _check_full_attention(hf: dict[str, Any], num_layers: int) -> None:
+    """Every layer must be full attention: a sliding layer runs causal with a window in the public code, which
+    the block mask here does not do. Layer types are read as transformers derives them for Qwen3."""
+    types = hf.get("layer_types")
+    if types is None:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        first = hf.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(num_layers)]
+        field = f"use_sliding_window (sliding_window {window}, max_window_layers {first})"
+    else:
+        field = "layer_types"
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise OpdError(f"config field 'layer_types' must list {num_layers} layer types, got {types!r}")
+    bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
+    if bad:
+        raise OpdError(f"config field '{field}' makes layer {bad[0][0]} {bad[0][1]!r}; only 'full_attention' "
+                       "DFlash drafters are supported (sliding-window layers would run without their causal window)")
+
+
+def check_vllm_capturable(config: DFlashConfig) -> None:
+    """vLLM's DFlash path captures layer i's output as the input of layer i + 1, so it cannot capture the
+    target's last layer; such a drafter trains and drafts here (we read the final norm) but not in vLLM."""
+    last = config.num_target_layers - 1
+    if last in config.target_layer_ids:
+        raise OpdError(f"dflash_config.target_layer_ids {config.target_layer_ids} include {last}, the target's last "
+                       f"layer, which vLLM's DFlash path cannot capture (expected ids below {last})")
 
 
 def _int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:

@@ -20,7 +20,7 @@ from rich.table import Table
 from opd.data import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.models.drafter import CONFIG_FILE, DFlashConfig
+from opd.models.drafter import CONFIG_FILE, DFlashConfig, check_vllm_capturable
 from opd.progress import progress_bar
 from opd.serving.engine import (
     dflash_config,
@@ -67,6 +67,7 @@ def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
         raise OpdError(f"--draft {path}: {CONFIG_FILE} not found (expected an exported DFlash drafter directory)")
     try:
         config = DFlashConfig.from_hf_dict(json.loads(file.read_text()))
+        check_vllm_capturable(config)
     except (json.JSONDecodeError, OpdError) as exc:
         raise OpdError(f"--draft {path}: {exc}") from None
     target_file = Path(spec.models.target_path) / CONFIG_FILE
