@@ -40,14 +40,31 @@ RESTART_TIMEOUT_S = 600.0  # a restarted actor rebuilds its models (a large targ
 
 
 def init_ray(spec: ExperimentSpec) -> None:
-    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it), else start a local Ray sized by the spec."""
+    """Join a running cluster, else start a private local Ray sized by `resources.cluster`.
+
+    The running cluster is the one RAY_ADDRESS names (`ray job submit` sets it) or, without it, the one
+    `ray start --head` runs on this machine: a bare `ray.init` joins that one anyway and then refuses the spec's
+    CPU/GPU counts with a ValueError, so it is joined on purpose, with its own resources (the placement check
+    still refuses a layout it cannot hold). RAY_ADDRESS=local always starts a private Ray.
+    """
+    import sys
+
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        try:  # where `ray start` records its head (TMPDIR/ray/ray_current_cluster); `ray stop` removes it
+            address = ray._private.utils.read_ray_address()
+        except Exception:  # a Ray without this private helper: start a private Ray beside it
+            address = None
+        if address:
+            print(f"note: joining the Ray cluster that `ray start` runs at {address} (its resources apply, not "
+                  "resources.cluster); RAY_ADDRESS=local starts a private one instead", file=sys.stderr)
+    if address and address != "local":
+        ray.init(address=address)
         return
     cluster = spec.resources.cluster
-    ray.init(num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus, include_dashboard=True,
+    ray.init(address="local", num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus, include_dashboard=True,
              configure_logging=False, log_to_driver=True)
 
 
