@@ -1,6 +1,7 @@
 # The two commands a user needs: `make run` and `make test`. Both build .venv from nothing when it is missing.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
+DS_STAMP := .venv/.deepspeed
 
 .PHONY: run test test-all bench clean-venv
 
@@ -17,7 +18,13 @@ run: $(VENV_STAMP)
 test: $(VENV_STAMP)
 	$(PY) -m pytest
 
-test-all: $(VENV_STAMP)
+# DeepSpeed's CPU build (no compiled ops) for tests/test_deepspeed.py; only test-all installs it, so `make test`
+# stays as light as before.
+$(DS_STAMP): $(VENV_STAMP)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev,deepspeed]'
+	touch $(DS_STAMP)
+
+test-all: $(DS_STAMP)
 	$(PY) -m pytest -m 'not gpu'
 
 bench: $(VENV_STAMP)
