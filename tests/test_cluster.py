@@ -65,7 +65,7 @@ def test_kuberay_manifests_have_the_required_fields():
         assert manifest["apiVersion"] == "ray.io/v1"
         assert manifest["metadata"]["name"]
     for job in _kuberay("RayJob"):
-        assert job["spec"]["entrypoint"].startswith("opd train configs/")
+        assert job["spec"]["entrypoint"].startswith("python -m opd.cli train configs/")  # no `opd` on PATH needed
         assert job["spec"]["submissionMode"] == "K8sJobMode"
         assert job["spec"]["shutdownAfterJobFinishes"] is True
         assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["working_dir"]
@@ -126,7 +126,8 @@ def test_submit_dry_run_prints_the_exact_command():
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(
         r"ray job submit --address http://127\.0\.0\.1:8265 --runtime-env cluster/runtime_env\.yaml "
-        r"--submission-id opd-qwen3-4b-\d{8}-\d{6} --no-wait -- opd train configs/qwen3-4b\.yaml\n", result.stdout)
+        r"--submission-id opd-qwen3-4b-\d{8}-\d{6} --no-wait -- python -m opd\.cli train configs/qwen3-4b\.yaml\n",
+        result.stdout)
 
 
 def test_submit_forwards_train_args_and_takes_the_name_from_the_resolved_spec(tmp_path):
@@ -135,8 +136,66 @@ def test_submit_forwards_train_args_and_takes_the_name_from_the_resolved_spec(tm
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(
         r"ray job submit --address http://head:8265 --runtime-env cluster/runtime_env\.yaml "
-        r"--submission-id opd-q8-rebalanced-\d{8}-\d{6} --no-wait -- opd train configs/qwen3-8b\.yaml "
+        r"--submission-id opd-q8-rebalanced-\d{8}-\d{6} --no-wait -- python -m opd\.cli train configs/qwen3-8b\.yaml "
         r"--set name=q8-rebalanced --set resources\.rollout\.replicas=5\n", result.stdout)
+
+
+def test_submit_runs_the_entrypoint_with_the_given_python(tmp_path):
+    """`--python` names the head's interpreter, so the job needs neither `opd` nor the right `python` on PATH."""
+    result = _submit("--dry-run", "--address", "http://head:8265", "--python", "/opt/venv/bin/python",
+                     "configs/tiny.yaml")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("--no-wait -- /opt/venv/bin/python -m opd.cli train configs/tiny.yaml")
+
+
+AUTH_TRACEBACK = "\n".join(
+    ["Traceback (most recent call last):"] + [f'  File "ray/dashboard/sdk.py", line {i}, in _do_request' for i in
+                                             range(28)]
+    + ["ray.exceptions.AuthenticationError: Authentication required: Unauthorized: Missing authentication token"])
+
+
+def _fake_ray(tmp_path: Path, body: str) -> dict[str, str]:
+    """PATH with a stand-in `ray` first (and this venv's `opd` for validation), HOME without a Ray token."""
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir(exist_ok=True)
+    home.mkdir(exist_ok=True)
+    fake = bin_dir / "ray"
+    fake.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "HOME": str(home), "RAY_ADDRESS": "http://127.0.0.1:8265"}
+
+
+def test_an_auth_failure_is_one_line_that_says_how_to_pass_the_token(tmp_path):
+    """Ray 2.60 answers a submit without the head's token with a 30-line AuthenticationError traceback."""
+    env = _fake_ray(tmp_path, f"cat >&2 <<'EOF'\n{AUTH_TRACEBACK}\nEOF\nexit 1")
+    result = _submit("configs/tiny.yaml", env_extra=env, drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: the cluster at http://127.0.0.1:8265 wants its Ray auth token")
+    assert "--token-file" in result.stderr and "RAY_AUTH_TOKEN" in result.stderr
+
+
+@pytest.mark.parametrize("setup, expected", [
+    ({"args": ("--token-file", "token")}, "mode=token path={tmp}/token"),
+    ({"env": {"RAY_AUTH_TOKEN": "abc"}}, "mode=token path="),
+    ({"home_token": True}, "mode=token path="),
+    ({"home_token": True, "env": {"RAY_AUTH_MODE": "disabled"}}, "mode=disabled path="),
+    ({}, "mode= path="),
+], ids=["token-file", "token-variable", "home-token", "auth-disabled", "no-token"])
+def test_the_token_reaches_ray_in_token_mode(tmp_path, setup, expected):
+    """Ray's client sends a token only with RAY_AUTH_MODE=token, so submit.sh turns it on when a token is at hand
+    (a file, the variable, or ~/.ray/auth_token) and leaves an explicit RAY_AUTH_MODE alone."""
+    env = _fake_ray(tmp_path, 'echo "mode=${RAY_AUTH_MODE:-} path=${RAY_AUTH_TOKEN_PATH:-}"')
+    (tmp_path / "token").write_text("secret")
+    if setup.get("home_token"):
+        (tmp_path / "home" / ".ray").mkdir()
+        (tmp_path / "home" / ".ray" / "auth_token").write_text("secret")
+    result = _submit(*setup.get("args", ()), str(ROOT / "configs" / "tiny.yaml"), cwd=tmp_path,
+                     env_extra=env | setup.get("env", {}),
+                     drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == expected.format(tmp=tmp_path)
 
 
 @pytest.mark.parametrize("args, drop, message", [
@@ -144,7 +203,8 @@ def test_submit_forwards_train_args_and_takes_the_name_from_the_resolved_spec(tm
     (("configs/qwen3-4b.yaml",), ("RAY_ADDRESS",), "error: RAY_ADDRESS is not set"),
     (("--dry-run", "configs/qwen3-4b.yaml", "--set", "optim.lr=-1"), (), "error: optim.lr"),
     ((), (), "error: missing CONFIG"),
-], ids=["missing-config", "no-address", "bad-spec", "no-args"])
+    (("--token-file", "/nonexistent/auth_token", "configs/tiny.yaml"), (), "error: token file /nonexistent"),
+], ids=["missing-config", "no-address", "bad-spec", "no-args", "missing-token-file"])
 def test_submit_errors_are_one_line(args, drop, message):
     result = _submit(*args, drop=drop)
     assert result.returncode != 0 and result.stdout == ""
