@@ -13,6 +13,7 @@ import ray
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue
+from opd.losses import StepNorm
 from opd.models.build import resolve_device
 from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
@@ -28,8 +29,8 @@ class RankPeers:
     def __init__(self, ranks: list) -> None:
         self.ranks, self.pending = ranks, []
 
-    def launch(self, shards: list[list[ScoredBatch]], total: int) -> None:
-        self.pending = [rank.train_step.remote(s, total) for rank, s in zip(self.ranks, shards)]
+    def launch(self, shards: list[list[ScoredBatch]], norm: StepNorm) -> None:
+        self.pending = [rank.train_step.remote(s, norm) for rank, s in zip(self.ranks, shards)]
 
     def join(self) -> None:
         ray.get(self.pending)
@@ -129,8 +130,8 @@ class LearnerActor:
     def evaluate(self, baseline: bool = True) -> list:
         return self.session.evaluate(baseline=baseline)
 
-    def close(self) -> None:
-        self.session.close()
+    def close(self, status: str = "FINISHED") -> None:
+        self.session.close(status)
 
 
 @ray.remote
@@ -144,5 +145,5 @@ class LearnerRankActor:
     def start(self, checkpoint: str | None) -> None:
         self.replica.start(checkpoint)
 
-    def train_step(self, micro_batches: list[ScoredBatch], total: int) -> None:
-        self.replica.train_step(micro_batches, total)
+    def train_step(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> None:
+        self.replica.train_step(micro_batches, norm)

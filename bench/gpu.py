@@ -12,7 +12,7 @@ always use sdpa, because packed replay needs a 4-D attention mask that flash-att
   drafter's drafts are almost never accepted (τ ≈ 1), so these rows measure the *cost* side — tokens/s and latency
   per step (one target forward, or one draft + verify step) — not the speedup a trained drafter gives; `opd eval`
   measures that.
-- replay: `opd.replay.score` + `student_logits` (teacher and student, full vocabulary) on synthetic rollout
+- replay: `opd.replay.score` + `student_hidden` (teacher and student hidden states at the slots) on synthetic rollout
   records (bench/replay.py), anchors and committed tokens per second at batch 1 and 4.
 - learner: `Learner.train_step` (student replay, acceptance-aware loss, backward, AdamW) on one scored sequence.
 
@@ -47,7 +47,7 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
-from opd.replay import score, student_logits
+from opd.replay import score, student_hidden
 from opd.spec import default_target_layer_ids, validate_spec
 from opd.train.learner import Learner
 
@@ -169,7 +169,7 @@ def bench_replay(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Cloc
         def replay(b: int = batch) -> dict:
             with torch.no_grad():
                 scored = score(target, records[:b], block_size=plan.block_size)
-                student_logits(drafter, scored)
+                student_hidden(drafter, scored.to(target.device))
             return {"anchors": int(scored.block_valid.sum()), "tokens": sum(len(r.response_ids) for r in records[:b])}
 
         r = clock.measure(f"replay batch {batch}", replay, clock.deadline("replay"), plan.repeats)

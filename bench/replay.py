@@ -39,7 +39,7 @@ from opd.losses import teacher_distribution
 from opd.models.build import DTYPES, build_models, random_drafter
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
-from opd.replay import score, student_logits
+from opd.replay import score, student_hidden
 from opd.spec import default_target_layer_ids, load_spec
 
 RESULTS = Path(__file__).parent / "results" / "replay.json"
@@ -115,7 +115,7 @@ def synthetic_record(key: int, length: int, prompt_len: int, vocab: int, block_s
 def packed(target: Target, drafter: DFlashDrafter, records: list[SequenceRecord], block_size: int):
     """Teacher log-probs [N, K-1, V] and student logits [N, K-1, V] of all N blocks."""
     batch = score(target, records, block_size=block_size, mode="draft_opd")
-    return batch.flat_blocks()[2], student_logits(drafter, batch)
+    return teacher_distribution(target.lm_head(batch.teacher)), drafter.logits(student_hidden(drafter, batch))
 
 
 def naive(target: Target, drafter: DFlashDrafter, records: list[SequenceRecord], subset: list[tuple[int, int]],

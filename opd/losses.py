@@ -7,25 +7,33 @@ KL (mode seeking: stop proposing what the target rejects), down-weighted by gamm
 matter less once an earlier one is rejected. Each set is a weighted mean over its own positions, then the two
 are mixed by lambda_acc / lambda_rej.
 
-Numerics: logits arrive in bf16/fp32 (fp64 in tests) and are computed in fp32 at least, in log space. Only the
-rows that belong to a set are gathered and only the KL direction that set needs is computed, so padding rows
-never touch the maths (garbage or NaN there is harmless) and no [N, K-1, V] fp64 temporary is made unless the
-input is fp64. Weighted means are softmaxes of log-weights, so any gamma is safe and an empty set gives 0 with
-zero (not NaN) gradients.
+The means are over a whole optimizer step, not a micro-batch: `StepNorm` holds the step's |I_acc| and Z, known
+from the acceptance counts before any forward. Each slot then carries a fixed coefficient, the step's loss is a
+plain sum over slots, and micro-batch size, chunk size and the number of learner ranks cannot change the math.
+
+Memory: at Qwen3's 151,936-token vocabulary one [slots, V] fp32 tensor is 0.6 MB per slot, so the loss never
+holds all slots' logits. It takes hidden states (the student's, and the target's final-norm states from replay),
+forms logits through the shared frozen LM head one chunk of slots at a time, and computes each chunk's gradient
+w.r.t. the hidden states right away (`_ChunkedLoss`): transient memory is set by the chunk, not the response.
+
+Numerics: log-softmax in fp32 at least (fp64 when the inputs are fp64). Only member slots are computed, so
+padding (garbage or NaN) never touches the maths, and an empty set gives 0 with zero (not NaN) gradients.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from opd.spec import LossSpec
+from opd.zero_copy import ZeroCopy
 
 
 @dataclass
-class TopKTeacher:
+class TopKTeacher(ZeroCopy):
     """Teacher distribution kept as its top-k tokens plus one tail bucket (for large vocabularies).
 
     `tail_logprob` is the exact log-mass of the other tokens when the full distribution was at hand
@@ -45,14 +53,19 @@ class TopKTeacher:
         head = torch.logsumexp(self.logprobs, dim=-1).clamp(max=0.0)
         return torch.log(-torch.expm1(head))  # log(1 - e^head) without cancellation; mass clamped >= 0
 
+    def rows(self, rows: torch.Tensor) -> TopKTeacher:
+        """The selected flat slots (indices into N*(K-1)), as a [R, 1, k] teacher."""
+        return TopKTeacher(self.ids.flatten(0, 1)[rows, None], self.logprobs.flatten(0, 1)[rows, None],
+                           self.tail().flatten(0, 1)[rows, None])
+
 
 @dataclass
 class LossTerms:
-    loss: torch.Tensor  # scalar, differentiable w.r.t. the student logits
-    acc: torch.Tensor  # L_acc, detached
-    rej: torch.Tensor  # L_rej, detached
-    num_acc: int  # positions in I_acc
-    num_rej: int  # positions in I_rej
+    loss: torch.Tensor  # scalar, differentiable w.r.t. the student input: this batch's share of the step's L
+    acc: torch.Tensor  # this batch's share of L_acc, detached
+    rej: torch.Tensor  # this batch's share of L_rej, detached
+    num_acc: int  # positions in I_acc (this batch)
+    num_rej: int  # positions in I_rej (this batch)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -77,59 +90,11 @@ def teacher_distribution(teacher_logits: torch.Tensor, *, temperature: float = 1
         return TopKTeacher(ids=ids, logprobs=top, tail_logprob=tail)
 
 
-def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) over the last dim from log-probs; terms with a = 0 are 0 (xlogy), with finite gradients."""
-    a = log_a.exp()
-    gap = torch.where(a > 0, log_a - log_b, 0.0)  # masks -inf - -inf before it can reach the product
-    return (a * gap).sum(dim=-1)
+# ------------------------------------------------------------------------------------------------ position sets
 
 
-def _member_rows(members: torch.Tensor) -> torch.Tensor:
-    """Flat row indices (into [N*(K-1)]) of the positions in a set."""
-    return members.flatten().nonzero().squeeze(-1)
-
-
-def _weighted_mean(values: torch.Tensor, rows: torch.Tensor, drafted: int, log_decay: float) -> torch.Tensor:
-    """sum(w v) / sum(w) with w = exp((k-1) log_decay): a softmax of log-weights, so no weight underflows
-    and an empty set gives 0."""
-    offsets = (rows % drafted).to(values.dtype)  # k - 1
-    return (torch.softmax(offsets * log_decay, dim=0) * values).sum()
-
-
-def _bucket_logprobs(student: torch.Tensor, teacher: TopKTeacher,
-                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Student and teacher log-probs over the k+1 buckets (top-k ids, then the tail) of the selected rows.
-
-    The student's tail is the logsumexp of its other tokens rather than log(1 - sum), which would cancel to
-    garbage exactly when the student is confident. With k = V there is no tail bucket.
-    """
-    ids = teacher.ids.flatten(0, 1)[rows]
-    teacher_top = teacher.logprobs.detach().flatten(0, 1)[rows].to(student.dtype)
-    student_top = student.gather(-1, ids)
-    if ids.shape[-1] >= student.shape[-1]:
-        return student_top, teacher_top
-    student_tail = student.scatter(-1, ids, -math.inf).logsumexp(dim=-1, keepdim=True)
-    teacher_tail = teacher.tail().detach().flatten(0, 1)[rows].to(student.dtype).unsqueeze(-1)
-    return torch.cat([student_top, student_tail], -1), torch.cat([teacher_top, teacher_tail], -1)
-
-
-def _set_loss(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher, members: torch.Tensor, *,
-              forward: bool, log_decay: float) -> torch.Tensor:
-    """Weighted mean KL over one position set: forward KL(p || q) or reverse KL(q || p)."""
-    rows = _member_rows(members)
-    teacher_ref = teacher.logprobs if isinstance(teacher, TopKTeacher) else teacher
-    dtype = _compute_dtype(student_logits, teacher_ref)
-    student = torch.log_softmax(student_logits.flatten(0, 1)[rows].to(dtype), dim=-1)
-    if isinstance(teacher, TopKTeacher):
-        student, target = _bucket_logprobs(student, teacher, rows)
-    else:
-        target = teacher.detach().flatten(0, 1)[rows].to(dtype)
-    divergence = _kl(target, student) if forward else _kl(student, target)
-    return _weighted_mean(divergence, rows, student_logits.shape[1], log_decay)
-
-
-def _position_sets(accepted: torch.Tensor, valid: torch.Tensor,
-                   first_rejected_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def position_sets(accepted: torch.Tensor, valid: torch.Tensor,
+                  first_rejected_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """I_acc = {k <= r_m} and I_rej = {k > r_m} (or only k = r_m + 1), both restricted to valid positions."""
     k = torch.arange(1, valid.shape[1] + 1, device=valid.device)
     r = accepted.to(valid.device).unsqueeze(1)
@@ -137,40 +102,217 @@ def _position_sets(accepted: torch.Tensor, valid: torch.Tensor,
     return valid & (k <= r), valid & rejected
 
 
-def _valid_positions(student_logits: torch.Tensor, position_mask: torch.Tensor | None) -> torch.Tensor:
+def _valid_positions(shape: torch.Size, position_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The [N, K-1] positions that count; a mask of the wrong shape is an error, not a broadcast."""
-    shape = student_logits.shape[:2]
     if position_mask is None:
-        return torch.ones(shape, dtype=torch.bool, device=student_logits.device)
+        return torch.ones(shape, dtype=torch.bool, device=device)
     if position_mask.shape != shape:
         raise ValueError(f"position_mask has shape {tuple(position_mask.shape)}, expected {tuple(shape)}")
-    return position_mask.to(device=student_logits.device, dtype=torch.bool)
+    return position_mask.to(device=device, dtype=torch.bool)
+
+
+def _log_decay(cfg: LossSpec) -> tuple[float, float]:
+    """log of the per-position decay of (I_acc, I_rej): weight w_k = exp((k-1) log_decay)."""
+    log_gamma = math.log(cfg.gamma)
+    return (log_gamma if cfg.accepted_decay else 0.0), (log_gamma if cfg.rejected_decay else 0.0)
+
+
+def _log_weight_sum(members: torch.Tensor, log_decay: float) -> float:
+    """log sum_(m,k in set) w_k in float64 (-inf for an empty set); log space, so no small gamma underflows."""
+    offsets = members.nonzero()[:, 1].to(torch.float64)
+    return float(torch.logsumexp(offsets * log_decay, dim=0)) if len(offsets) else -math.inf
+
+
+@dataclass(frozen=True)
+class StepNorm:
+    """Eq. 10-13's denominators for one optimizer step: log |I_acc| (or log sum of weights under accepted decay)
+    and log Z, over every block of every micro-batch of the step, on every learner rank."""
+
+    log_acc: float
+    log_rej: float
+    num_acc: int
+    num_rej: int
+
+    @classmethod
+    def of(cls, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: LossSpec) -> StepNorm:
+        """From (accepted [N], position_mask [N, K-1]) of each micro-batch: small tensors, no forward needed."""
+        acc_decay, rej_decay = _log_decay(cfg)
+        log_acc = log_rej = -math.inf
+        num_acc = num_rej = 0
+        for accepted, mask in blocks:
+            acc_set, rej_set = position_sets(accepted, mask.bool(), cfg.first_rejected_only)
+            log_acc = _logaddexp(log_acc, _log_weight_sum(acc_set, acc_decay))
+            log_rej = _logaddexp(log_rej, _log_weight_sum(rej_set, rej_decay))
+            num_acc, num_rej = num_acc + int(acc_set.sum()), num_rej + int(rej_set.sum())
+        return cls(log_acc, log_rej, num_acc, num_rej)
+
+    def mix(self, cfg: LossSpec) -> tuple[float, float]:
+        """The weights of L_acc and L_rej in L. A step with an empty set is the other set's mean alone (naive
+        mode has no rejected slot): mixing in a zero would silently scale the learning rate down."""
+        lam_acc = cfg.lambda_acc if self.num_acc else 0.0
+        lam_rej = cfg.lambda_rej if self.num_rej else 0.0
+        total = lam_acc + lam_rej
+        return (lam_acc / total, lam_rej / total) if total > 0 else (0.0, 0.0)
+
+
+def _logaddexp(a: float, b: float) -> float:
+    return b if a == -math.inf else a if b == -math.inf else max(a, b) + math.log1p(math.exp(-abs(a - b)))
+
+
+@dataclass
+class SlotWeights:
+    """The member slots of one batch and their fixed coefficients in the step's loss."""
+
+    rows: torch.Tensor  # [R] flat indices into N*(K-1)
+    share: torch.Tensor  # [R] float64: w_k / sum of its set's weights over the step (the set's mean)
+    coef: torch.Tensor  # [R] float64: share times the set's weight in L (`StepNorm.mix`)
+    forward: torch.Tensor  # [R] bool: forward KL(p || q) (else reverse KL(q || p))
+    accepted: torch.Tensor  # [R] bool: in I_acc (else I_rej)
+    num_acc: int
+    num_rej: int
 
 
 _FORWARD = {"mixed": (True, False), "all_forward": (True, True), "all_reverse": (False, False)}  # (acc, rej)
 
 
-def acceptance_aware_loss(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher,
-                          accepted: torch.Tensor, cfg: LossSpec,
-                          position_mask: torch.Tensor | None = None) -> LossTerms:
-    """L = (lambda_acc L_acc + lambda_rej L_rej) / (lambda_acc + lambda_rej), paper eq. 10-13 plus ablations.
+def slot_weights(accepted: torch.Tensor, position_mask: torch.Tensor, cfg: LossSpec, norm: StepNorm) -> SlotWeights:
+    """Coefficients such that the step's L = sum over slots of coef * KL (in that slot's direction)."""
+    acc_set, rej_set = position_sets(accepted, position_mask, cfg.first_rejected_only)
+    rows = (acc_set | rej_set).flatten().nonzero().squeeze(-1)
+    is_acc = acc_set.flatten()[rows]
+    offsets = (rows % position_mask.shape[1]).to(torch.float64)
 
-    student_logits [N, K-1, V]; teacher: log-probs [N, K-1, V] or a TopKTeacher (see `teacher_distribution`);
-    accepted [N]: r_m; position_mask [N, K-1]: False = padding, excluded everywhere.
-    """
-    if accepted.shape != student_logits.shape[:1]:
-        raise ValueError(f"accepted has shape {tuple(accepted.shape)}, expected ({student_logits.shape[0]},)")
-    valid = _valid_positions(student_logits, position_mask)
-    acc_set, rej_set = _position_sets(accepted, valid, cfg.first_rejected_only)
+    def per_set(acc_value: float, rej_value: float) -> torch.Tensor:
+        return torch.where(is_acc, torch.full_like(offsets, acc_value), torch.full_like(offsets, rej_value))
+
+    share = torch.exp(offsets * per_set(*_log_decay(cfg)) - per_set(norm.log_acc, norm.log_rej))
     acc_forward, rej_forward = _FORWARD[cfg.kl_mode]
-    log_gamma = math.log(cfg.gamma)
-    acc = _set_loss(student_logits, teacher, acc_set, forward=acc_forward,
-                    log_decay=log_gamma if cfg.accepted_decay else 0.0)
-    rej = _set_loss(student_logits, teacher, rej_set, forward=rej_forward,
-                    log_decay=log_gamma if cfg.rejected_decay else 0.0)
-    loss = (cfg.lambda_acc * acc + cfg.lambda_rej * rej) / (cfg.lambda_acc + cfg.lambda_rej)
-    return LossTerms(loss=loss, acc=acc.detach(), rej=rej.detach(),
-                     num_acc=int(acc_set.sum()), num_rej=int(rej_set.sum()))
+    forward = (is_acc & acc_forward) | (~is_acc & rej_forward)
+    return SlotWeights(rows, share, per_set(*norm.mix(cfg)) * share, forward, is_acc, int(acc_set.sum()),
+                       int(rej_set.sum()))
+
+
+# ------------------------------------------------------------------------------------------------ divergences
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) over the last dim from log-probs; terms with a = 0 are 0 (xlogy), with finite gradients."""
+    a = log_a.exp()
+    gap = torch.where(a > 0, log_a - log_b, 0.0)  # masks -inf - -inf before it can reach the product
+    return (a * gap).sum(dim=-1)
+
+
+def _bucket_logprobs(student: torch.Tensor, teacher: TopKTeacher) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher log-probs [R, k+1] over the buckets (top-k ids, then the tail) of R rows.
+
+    The student's tail is the logsumexp of its other tokens rather than log(1 - sum), which would cancel to
+    garbage exactly when the student is confident. With k = V there is no tail bucket.
+    """
+    ids = teacher.ids[:, 0]
+    teacher_top = teacher.logprobs[:, 0].detach().to(student.dtype)
+    student_top = student.gather(-1, ids)
+    if ids.shape[-1] >= student.shape[-1]:
+        return student_top, teacher_top
+    student_tail = student.scatter(-1, ids, -math.inf).logsumexp(dim=-1, keepdim=True)
+    teacher_tail = teacher.tail_logprob[:, 0].detach().to(student.dtype).unsqueeze(-1)
+    return torch.cat([student_top, student_tail], -1), torch.cat([teacher_top, teacher_tail], -1)
+
+
+def _slot_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher,
+                     forward: torch.Tensor) -> torch.Tensor:
+    """Per-row KL [R] between the student's logits [R, V] and the teacher's log-probs [R, V] (or top-k rows),
+    forward or reverse per row."""
+    dtype = _compute_dtype(student_logits, teacher.logprobs if isinstance(teacher, TopKTeacher) else teacher)
+    student = torch.log_softmax(student_logits.to(dtype), dim=-1)
+    if isinstance(teacher, TopKTeacher):
+        student, target = _bucket_logprobs(student, teacher)
+    else:
+        target = teacher.detach().to(dtype)
+    fwd = forward.unsqueeze(-1)
+    return _kl(torch.where(fwd, target, student), torch.where(fwd, student, target))
+
+
+# ------------------------------------------------------------------------------------------------ chunked loss
+
+
+ChunkFn = Callable[[torch.Tensor, slice], torch.Tensor]  # (student rows [C, ...], which rows) -> KL per row [C]
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """sum_r coef_r KL_r over rows processed `chunk` at a time. Each chunk's gradient w.r.t. its input rows is
+    taken right away, so only one chunk's vocabulary-sized tensors are ever alive; backward just hands back the
+    stored row gradients. Returns the loss and [L_acc part, L_rej part] (sum_r share_r KL_r over each set); only
+    the loss is differentiable."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, fn: ChunkFn, w: SlotWeights, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = torch.zeros_like(rows) if ctx.needs_input_grad[0] else None
+        parts = torch.zeros(2, dtype=torch.float64, device=rows.device)
+        total = torch.zeros((), dtype=torch.float64, device=rows.device)
+        dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32  # the KL's compute dtype
+        for start in range(0, rows.shape[0], chunk):
+            part = slice(start, start + chunk)
+            x = rows[part].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                kl = fn(x, part)
+                loss, dtype = (w.coef[part].to(kl.device, kl.dtype) * kl).sum(), kl.dtype
+            if grad is not None:
+                (grad[part],) = torch.autograd.grad(loss, x)
+            total += loss.detach().to(torch.float64)
+            shared = w.share[part].to(kl.device) * kl.detach().to(torch.float64)
+            acc = w.accepted[part]
+            parts += torch.stack([shared[acc].sum(), shared[~acc].sum()])
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(parts)
+        return total.to(dtype), parts
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_parts: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None
+
+
+def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTeacher, accepted: torch.Tensor,
+                          cfg: LossSpec, position_mask: torch.Tensor | None = None, *,
+                          head: torch.nn.Module | None = None, teacher_temperature: float = 1.0,
+                          norm: StepNorm | None = None, chunk_size: int | None = None) -> LossTerms:
+    """This batch's part of L = (lambda_acc L_acc + lambda_rej L_rej) / (lambda_acc + lambda_rej), paper eq. 10-13
+    plus ablations; the parts of a step's micro-batches sum to the step's L.
+
+    Without `head`: student logits [N, K-1, V] and teacher log-probs [N, K-1, V] (see `teacher_distribution`)
+    or a TopKTeacher. With `head` (the shared frozen LM head): the drafter's final hidden states [N, K-1, H] and
+    the target's final-norm hidden states [N, K-1, H] (teacher log-probs at `teacher_temperature` are recomputed
+    exactly, chunk by chunk) or a TopKTeacher. accepted [N]: r_m; position_mask [N, K-1]: False = padding.
+    `norm`: the step's denominators (default: this batch is the whole step). `chunk_size`: slots per chunk
+    (default: all at once).
+    """
+    shape = student.shape[:2]
+    if accepted.shape != shape[:1]:
+        raise ValueError(f"accepted has shape {tuple(accepted.shape)}, expected ({shape[0]},)")
+    valid = _valid_positions(shape, position_mask, student.device)
+    accepted = accepted.to(student.device)
+    norm = norm or StepNorm.of([(accepted, valid)], cfg)
+    w = slot_weights(accepted, valid, cfg, norm)
+    rows = student.flatten(0, 1)[w.rows]
+
+    def divergence(x: torch.Tensor, part: slice) -> torch.Tensor:
+        index = w.rows[part]
+        if isinstance(teacher, TopKTeacher):
+            target = teacher.rows(index)
+        elif head is None:
+            target = teacher.flatten(0, 1)[index]
+        else:
+            target = _teacher_logprobs(head, teacher.flatten(0, 1)[index], teacher_temperature)
+        return _slot_divergence(x if head is None else head(x), target, w.forward[part])
+
+    loss, parts = _ChunkedLoss.apply(rows, divergence, w, chunk_size or max(1, len(w.rows)))
+    return LossTerms(loss=loss, acc=parts[0], rej=parts[1], num_acc=w.num_acc, num_rej=w.num_rej)
+
+
+def _teacher_logprobs(head: torch.nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Exact teacher log-probs from the target's final-norm hidden states: the same LM head the target ran."""
+    with torch.no_grad():
+        return teacher_distribution(head(hidden.to(head.weight.dtype)), temperature=temperature)
 
 
 def sft_loss(student_logits: torch.Tensor, labels: torch.Tensor, *, gamma: float,
@@ -179,8 +321,10 @@ def sft_loss(student_logits: torch.Tensor, labels: torch.Tensor, *, gamma: float
 
     Labels at masked positions are never read, so padding may hold any id.
     """
-    rows = _member_rows(_valid_positions(student_logits, position_mask))
+    valid = _valid_positions(student_logits.shape[:2], position_mask, student_logits.device)
+    rows = valid.flatten().nonzero().squeeze(-1)
     logprobs = torch.log_softmax(student_logits.flatten(0, 1)[rows].to(_compute_dtype(student_logits)), dim=-1)
     targets = labels.to(student_logits.device).flatten()[rows].unsqueeze(-1)
     nll = -logprobs.gather(-1, targets).squeeze(-1)
-    return _weighted_mean(nll, rows, student_logits.shape[1], -1.0 / gamma)
+    offsets = (rows % student_logits.shape[1]).to(nll.dtype)  # k - 1
+    return (torch.softmax(offsets * (-1.0 / gamma), dim=0) * nll).sum()

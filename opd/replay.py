@@ -1,15 +1,21 @@
 """Packed replay: the target's and the drafter's view of every recorded block, in one forward each.
 
 Teacher: the committed sequence followed by every drafted block, packed into one row with a 4-D mask. Block m
-sees the committed prefix up to and including its anchor and itself causally, so the logits at slot k are
-p(d_m,k | c_m, d_m,<k) — rejected slots included, which is the whole point of Draft-OPD. One forward replaces M
-per-anchor forwards that would each recompute the shared prefix.
+sees the committed prefix up to and including its anchor and itself causally, so the target's state at slot k
+predicts d_m,k given (c_m, d_m,<k) — rejected slots included, which is the whole point of Draft-OPD. One forward
+replaces M per-anchor forwards that would each recompute the shared prefix.
+
+What the scorer ships is sized for Qwen3's 151,936-token vocabulary: not log-probs ([M, K-1, V] fp32, ~3 GB per
+2048-token sequence) but the target's final-norm hidden states at the drafted slots ([N, K-1, H] in the target's
+dtype, ~26 MB), from which the learner recomputes the exact teacher log-probs with the frozen LM head the
+drafter shares. The target runs without its LM head, so no vocabulary-sized logits are made for the prefix.
 
 Student: one DFlash `forward_blocks` over all anchors of a sequence (each block sees context strictly before its
-anchor), giving q at the same slots.
+anchor), giving the drafter's hidden states at the same slots.
 
 In `naive` rollout mode the teacher scores the *committed* continuation instead of the drafts (the paper's
-naive target-assisted baseline); those logits are already in the committed prefix, so no blocks are appended.
+naive target-assisted baseline); those states are already in the committed prefix, so no blocks are appended.
+A record with no drafted block (eos first, or max_new_tokens 1) trains nothing and breaks nothing.
 """
 
 from __future__ import annotations
@@ -22,38 +28,47 @@ from opd.decoding.record import SequenceRecord
 from opd.losses import TopKTeacher, teacher_distribution
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
+from opd.zero_copy import ZeroCopy
 
 
 @dataclass
-class ScoredBatch:
-    """What the learner needs for B sequences with up to M blocks each (padding marked invalid)."""
+class ScoredBatch(ZeroCopy):
+    """What the learner needs for B sequences with up to M blocks each, N of them real (padding excluded).
 
-    features: torch.Tensor  # [B, S, n*H] target features of the committed sequence
+    Born on the CPU and contiguous, and pickled as numpy buffers (`ZeroCopy`), so the object store moves it
+    without torch's slow storage pickling; the learner moves one micro-batch at a time to its device.
+    """
+
+    features: torch.Tensor  # [B, S, n*H] target features of the committed prefix
     context_valid: torch.Tensor  # [B, S] bool
     anchor_ids: torch.Tensor  # [B, M] the committed token each block starts from
     anchor_positions: torch.Tensor  # [B, M] its absolute position (prompt + response index)
-    block_valid: torch.Tensor  # [B, M] bool
-    accepted: torch.Tensor  # [B, M]
-    position_mask: torch.Tensor  # [B, M, K-1] bool: slots that exist
-    teacher: torch.Tensor | TopKTeacher  # log-probs [B, M, K-1, V] (or top-k) at the drafted slots
+    block_valid: torch.Tensor  # [B, M] bool; the N True entries, row-major, are the blocks below
+    accepted: torch.Tensor  # [N] drafted tokens the target accepted
+    position_mask: torch.Tensor  # [N, K-1] bool: slots that exist
+    teacher: torch.Tensor | TopKTeacher  # [N, K-1, H] final-norm target hidden states, or top-k log-probs
 
-    def flat_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | TopKTeacher]:
-        """accepted [N], position_mask [N, K-1] and teacher of the N valid blocks, for the loss."""
-        v = self.block_valid
+    @property
+    def num_blocks(self) -> int:
+        return int(self.accepted.shape[0])
+
+    def to(self, device: torch.device | str) -> ScoredBatch:
         t = self.teacher
-        teacher = (TopKTeacher(t.ids[v], t.logprobs[v], None if t.tail_logprob is None else t.tail_logprob[v])
-                   if isinstance(t, TopKTeacher) else t[v])
-        return self.accepted[v], self.position_mask[v], teacher
+        teacher = (TopKTeacher(t.ids.to(device), t.logprobs.to(device), t.tail_logprob.to(device))
+                   if isinstance(t, TopKTeacher) else t.to(device))
+        return ScoredBatch(self.features.to(device), self.context_valid.to(device), self.anchor_ids.to(device),
+                           self.anchor_positions.to(device), self.block_valid.to(device), self.accepted.to(device),
+                           self.position_mask.to(device), teacher)
 
 
 @dataclass
 class _Packed:
-    """One sequence laid out for the teacher: ids, positions, mask, and where each slot's logits are."""
+    """One sequence laid out for the teacher: ids, positions, mask, and where each slot's state is."""
 
     ids: list[int]
     positions: list[int]
     prefix_len: int
-    slot_index: list[list[int]]  # [M][K-1] row index of the logits predicting slot k
+    slot_index: list[list[int]]  # [M][K-1] row index of the state predicting slot k
     anchors: list[int]  # absolute positions
     accepted: list[int]
     slot_exists: list[list[bool]]
@@ -65,7 +80,7 @@ def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
     committed = record.prompt_ids + record.response_ids
     if mode == "naive":
         return _pack_naive(record, committed, prompt_len, k1)
-    prefix_len = prompt_len + max(record.anchors) + 1
+    prefix_len = prompt_len + max(record.anchors, default=-1) + 1
     ids, positions = committed[:prefix_len], list(range(prefix_len))
     slot_index, anchors = [], []
     for anchor, draft in zip(record.anchors, record.drafts):
@@ -106,23 +121,33 @@ def teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor:
 @torch.no_grad()
 def score(target: Target, records: list[SequenceRecord], *, block_size: int, mode: str = "draft_opd",
           teacher_temperature: float = 1.0, teacher_topk: int | None = None) -> ScoredBatch:
-    """Teacher replay for a batch of records: one packed target forward for all their blocks."""
+    """Teacher replay for a batch of records: one packed target forward (no LM head) for all their blocks.
+    `teacher_temperature` applies only with `teacher_topk` (top-k is taken here); the learner applies it
+    to the full-vocabulary teacher."""
     packed = [pack(r, block_size, mode) for r in records]
     length = max(len(p.ids) for p in packed)
-    device = target.device
     ids = torch.zeros(len(packed), length, dtype=torch.long)
     positions = torch.zeros(len(packed), length, dtype=torch.long)
     for b, p in enumerate(packed):
         ids[b, : len(p.ids)] = torch.tensor(p.ids)
         positions[b, : len(p.ids)] = torch.tensor(p.positions)
     mask = torch.stack([teacher_mask(p, block_size, length) for p in packed])[:, None]
-    out = target(ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device))
-    return _gather(out.logits, out.features, packed, records, block_size, teacher_temperature, teacher_topk)
+    device = target.device
+    hidden, features = target.hidden_states(ids.to(device), attention_mask=mask.to(device),
+                                            position_ids=positions.to(device))
+    batch = _layout(packed, records, block_size)
+    rows = torch.arange(len(packed), device=device)[:, None, None]
+    slots = hidden[rows, batch.pop("slot_index").to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]
+    teacher = (slots.cpu().contiguous() if teacher_topk is None else
+               _to_cpu(teacher_distribution(target.lm_head(slots), temperature=teacher_temperature,
+                                            topk=teacher_topk)))
+    prefix = batch["context_valid"].shape[1]
+    return ScoredBatch(features=features[:, :prefix].cpu().contiguous(), teacher=teacher, **batch)
 
 
-def _gather(logits, features, packed, records, block_size, temperature, topk) -> ScoredBatch:
+def _layout(packed: list[_Packed], records: list[SequenceRecord], block_size: int) -> dict[str, torch.Tensor]:
+    """The small index tensors of a scored batch (CPU), and where each block's slot states are."""
     b, m, k1 = len(packed), max(len(p.anchors) for p in packed), block_size - 1
-    device = logits.device
     slot_index = torch.zeros(b, m, k1, dtype=torch.long)
     anchor_pos = torch.zeros(b, m, dtype=torch.long)
     accepted = torch.zeros(b, m, dtype=torch.long)
@@ -130,38 +155,38 @@ def _gather(logits, features, packed, records, block_size, temperature, topk) ->
     exists = torch.zeros(b, m, k1, dtype=torch.bool)
     prefix = max(p.prefix_len for p in packed)
     context_valid = torch.zeros(b, prefix, dtype=torch.bool)
-    for i, p in enumerate(packed):
-        n = len(p.anchors)
-        slot_index[i, :n] = torch.tensor(p.slot_index)
-        anchor_pos[i, :n] = torch.tensor(p.anchors)
-        accepted[i, :n] = torch.tensor(p.accepted)
-        block_valid[i, :n] = True
-        exists[i, :n] = torch.tensor(p.slot_exists)
-        context_valid[i, : p.prefix_len] = True
-    slot_index = slot_index.to(device)
-    rows = torch.arange(b, device=device)[:, None, None]
-    slot_logits = logits[rows, slot_index]  # [B, M, K-1, V]
     committed = torch.zeros(b, prefix, dtype=torch.long)
-    for i, r in enumerate(records):
+    for i, (p, r) in enumerate(zip(packed, records)):
+        n = len(p.anchors)
+        if n:
+            slot_index[i, :n] = torch.tensor(p.slot_index)
+            anchor_pos[i, :n] = torch.tensor(p.anchors)
+            accepted[i, :n] = torch.tensor(p.accepted)
+            exists[i, :n] = torch.tensor(p.slot_exists)
+        block_valid[i, :n] = True
+        context_valid[i, : p.prefix_len] = True
         seq = (r.prompt_ids + r.response_ids)[:prefix]
         committed[i, : len(seq)] = torch.tensor(seq)
-    anchor_ids = committed.to(device).gather(1, anchor_pos.to(device))
-    return ScoredBatch(
-        features=features[:, :prefix], context_valid=context_valid.to(device), anchor_ids=anchor_ids,
-        anchor_positions=anchor_pos.to(device), block_valid=block_valid.to(device), accepted=accepted.to(device),
-        position_mask=(exists & block_valid[..., None]).to(device),
-        teacher=teacher_distribution(slot_logits, temperature=temperature, topk=topk))
+    return {"slot_index": slot_index, "context_valid": context_valid, "anchor_ids": committed.gather(1, anchor_pos),
+            "anchor_positions": anchor_pos, "block_valid": block_valid, "accepted": accepted[block_valid],
+            "position_mask": exists[block_valid]}
 
 
-def student_logits(drafter: DFlashDrafter, batch: ScoredBatch) -> torch.Tensor:
-    """Drafter logits [N, K-1, V] at the drafted slots of the N valid blocks, in one block-masked forward."""
+def _to_cpu(teacher: TopKTeacher) -> TopKTeacher:
+    return TopKTeacher(teacher.ids.cpu().contiguous(), teacher.logprobs.cpu().contiguous(),
+                       teacher.tail_logprob.cpu().contiguous())
+
+
+def student_hidden(drafter: DFlashDrafter, batch: ScoredBatch) -> torch.Tensor:
+    """Drafter final hidden states [N, K-1, H] at the drafted slots of the N valid blocks, in one block-masked
+    forward (logits come chunk by chunk in the loss, through the shared LM head)."""
     k = drafter.block_size
     block_ids = torch.full((*batch.anchor_ids.shape, k), drafter.mask_token_id, dtype=torch.long,
                            device=batch.anchor_ids.device)
     block_ids[..., 0] = batch.anchor_ids
     context = drafter.project_context(batch.features.to(drafter.fc.weight.dtype))
     hidden = drafter.forward_blocks(context, batch.context_valid, block_ids, batch.anchor_positions)
-    return drafter.logits(hidden[batch.block_valid][:, 1:])
+    return hidden[batch.block_valid][:, 1:]
 
 
 def score_micro_batches(target: Target, batch, spec) -> list[ScoredBatch]:

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec, load_spec
 from opd.train.distributed import free_address, init_group, shard
-from opd.train.learner import Learner
+from opd.train.learner import Learner, step_norm
 from opd.train.local import LocalTrainer
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,6 @@ def _deepspeed_is_installed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.fail("DeepSpeed is not installed: `make test-all` installs it (DS_BUILD_OPS=0 pip install -e "
                     "'.[deepspeed]')", pytrace=False)
-
 
 
 CLIPPED = ["optim.micro_batch_size=1", "optim.grad_clip=0.01"]  # gradient norms here are ~0.02: clipping acts
@@ -48,7 +47,7 @@ def _deepspeed_rank(rank: int, world: int, spec_json: str, address: str, steps: 
     spec = ExperimentSpec.model_validate_json(spec_json)
     group = init_group(address, rank, world, "cpu")
     learner = Learner(spec, build_models(spec).drafter, group)
-    losses = [learner.train_step(shard(steps[0], rank, world), len(steps[0])).loss]
+    losses = [learner.train_step(shard(steps[0], rank, world), step_norm(steps[0], spec)).loss]
     state = learner.state_dict()  # collective under ZeRO
     if rank == 0:
         torch.save({"learner": state, "drafter": learner.drafter.state_dict()}, f"{out}/ckpt.pt")
@@ -57,7 +56,7 @@ def _deepspeed_rank(rank: int, world: int, spec_json: str, address: str, steps: 
     learner = Learner(spec, build_models(spec).drafter, group)
     learner.drafter.load_state_dict(saved["drafter"])
     learner.load_state_dict(saved["learner"])
-    losses += [learner.train_step(shard(micro, rank, world), len(micro)).loss for micro in steps[1:]]
+    losses += [learner.train_step(shard(micro, rank, world), step_norm(micro, spec)).loss for micro in steps[1:]]
     torch.save({"losses": losses, "state": learner.drafter.state_dict(), "partitioned": learner.partitioned},
                f"{out}/rank{rank}.pt")
 

@@ -70,7 +70,10 @@ def reference_loss(student: torch.Tensor, teacher_logits: torch.Tensor, accepted
                 rej_den += w
     l_acc = acc_num / acc_den if acc_den else acc_num
     l_rej = rej_num / rej_den if rej_den else rej_num
-    return (cfg.lambda_acc * l_acc + cfg.lambda_rej * l_rej) / (cfg.lambda_acc + cfg.lambda_rej)
+    lam_acc, lam_rej = (cfg.lambda_acc if acc_den else 0.0), (cfg.lambda_rej if rej_den else 0.0)  # empty: no share
+    if lam_acc + lam_rej == 0:
+        return acc_num * 0 + rej_num * 0
+    return (lam_acc * l_acc + lam_rej * l_rej) / (lam_acc + lam_rej)
 
 
 def assert_matches_reference(student: torch.Tensor, teacher_logits: torch.Tensor, accepted: torch.Tensor,

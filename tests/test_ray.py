@@ -17,7 +17,9 @@ from opd.train.flops import FlopCounter
 from opd.train.ledger import Ticket, reconciles
 from opd.train.local import LocalTrainer
 from opd.train.rollout import AnchorBatch
+from opd.replay import ScoredBatch
 from opd.train.session import ScoredItem
+from opd.weights import WeightSnapshot
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +281,34 @@ def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluste
         assert lost.value.ticket == Ticket(7, 2)  # never silently dropped: the consumer learns what to re-produce
     finally:
         queue.shutdown()
+
+
+@ray.remote
+class _Reader:
+    def read(self, wrapped: list) -> dict:
+        """In another worker: what arrived, and whether two gets map the same object-store memory (zero-copy)
+        rather than each unpickling a fresh copy."""
+        def tensors(value) -> list:
+            return list(value.state.values()) if hasattr(value, "state") else list(vars(value).values())
+        first, second = ray.get(wrapped[0]), ray.get(wrapped[0])
+        return {"value": first, "zero_copy": all(a.data_ptr() == b.data_ptr()
+                                                 for a, b in zip(tensors(first), tensors(second)))}
+
+
+def test_scored_batches_and_weights_cross_the_object_store_zero_copy(ray_cluster):
+    gen = torch.Generator().manual_seed(0)  # over Ray's 100 KB inline limit, so the objects live in the store
+    batch = ScoredBatch(features=torch.randn(2, 300, 256, generator=gen).bfloat16(),
+                        context_valid=torch.ones(2, 300, dtype=torch.bool), anchor_ids=torch.arange(6).view(2, 3),
+                        anchor_positions=torch.arange(6).view(2, 3), block_valid=torch.ones(2, 3, dtype=torch.bool),
+                        accepted=torch.arange(6), position_mask=torch.ones(6, 3, dtype=torch.bool),
+                        teacher=torch.randn(6, 3, 4, generator=gen).bfloat16())
+    snapshot = WeightSnapshot.of({"w": torch.randn(500, 400, generator=gen).bfloat16(), "b": torch.zeros(4)}, 3)
+    reader = _Reader.remote()
+    for sent in (batch, snapshot):
+        got = ray.get(reader.read.remote([ray.put(sent)]))
+        assert got["zero_copy"]  # mapped from the object store, not unpickled into fresh torch storage
+        pairs = (zip(vars(sent).values(), vars(got["value"]).values()) if sent is batch else
+                 ((sent.state[k], got["value"].state[k]) for k in sent.state))
+        for a, b in pairs:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got["value"].verified(3).checksum == snapshot.checksum

@@ -9,7 +9,7 @@ from opd.anchors import redraft_at_random_anchors
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.losses import teacher_distribution
-from opd.replay import score, student_logits
+from opd.replay import score, student_hidden
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, K = 6, 7, 4
@@ -58,8 +58,9 @@ def naive_student(target, drafter, rec):
 
 def check_against_naive(target, drafter, records, mode):
     batch = score(target, records, block_size=K, mode=mode)
-    accepted, mask, teacher = batch.flat_blocks()
-    student = student_logits(drafter, batch)
+    accepted, mask = batch.accepted, batch.position_mask
+    teacher = teacher_distribution(target.lm_head(batch.teacher))  # the learner's exact teacher from hidden states
+    student = drafter.logits(student_hidden(drafter, batch))
     i = 0
     for rec in records:
         for t_ref, s_ref in zip(naive_teacher(target, rec, mode), naive_student(target, drafter, rec)):
@@ -99,5 +100,4 @@ def test_random_anchor_acceptance_matches_verification(models):
 
 def test_naive_mode_marks_all_committed_slots_accepted(models, records):
     batch = score(models[0], records, block_size=K, mode="naive")
-    accepted, mask, _ = batch.flat_blocks()
-    assert torch.equal(mask.sum(-1), accepted)
+    assert torch.equal(batch.position_mask.sum(-1), batch.accepted)

@@ -336,7 +336,7 @@ class DFlashAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.num_heads * self.head_dim))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -511,7 +511,7 @@ class DFlashDrafter(nn.Module):
         hidden = self._run_blocks(
             block_ids.reshape(batch, -1), block_positions, self._context_kv(context, context_positions), mask
         )
-        return hidden.view(batch, num_blocks, block_size, -1)
+        return hidden.view(batch, num_blocks, block_size, hidden.shape[-1])
 
     # The training path is what DDP/DeepSpeed wrappers call.
     forward = forward_blocks

@@ -93,21 +93,31 @@ class Target(nn.Module):
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
         (sdpa) or as an additive mask (eager), which is what packed replay relies on.
         """
+        out, features = self._run(self.model, input_ids, attention_mask, position_ids,
+                                  use_cache=use_cache, **{self._cache_arg: past_key_values})
+        return TargetOutput(logits=out.logits, features=features, past_key_values=getattr(out, self._cache_arg))
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final-norm hidden states [B,T,H], features [B,T,n*H]) from the decoder alone, without the LM head:
+        replay needs the target's distribution only at drafted slots, and `lm_head` of these states gives it
+        exactly, so no [B,T,V] logits are made for the prefix."""
+        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, use_cache=False)
+        return out.last_hidden_state, features
+
+    def _run(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             position_ids: torch.Tensor | None, **kwargs: Any) -> tuple[Any, torch.Tensor]:
+        """`module`'s output and the features its hooks captured."""
         mask = self._prepare_mask(attention_mask)
         self._captured = {}
         try:
             with self._attention_for(mask):
-                out = self.model(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    position_ids=position_ids,
-                    use_cache=use_cache,
-                    **{self._cache_arg: past_key_values},
-                )
+                out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._captured = None
-        return TargetOutput(logits=out.logits, features=features, past_key_values=getattr(out, self._cache_arg))
+        return out, features
 
     # -- internals ---------------------------------------------------------------------------------------------
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from opd.errors import OpdError
-from opd.losses import acceptance_aware_loss
+from opd.losses import StepNorm, acceptance_aware_loss
 from opd.models.drafter import DFlashDrafter
-from opd.replay import ScoredBatch, student_logits
+from opd.replay import ScoredBatch, student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.distributed import Group, ensure_group, gather, reduce_gradients, reduce_sum
 from opd.train.flops import FlopCounter, drafter_matmul_params
@@ -57,10 +57,13 @@ class StepMetrics:
 class Learner:
     """The drafter's optimizer steps, on one learner rank of `group` (the default: the only one).
 
-    With several ranks each sees only its shard of a step's micro-batches (opd/train/distributed.py); losses are
-    divided by the step's total micro-batch count, gradients are summed over the ranks, and every rank takes the
-    same step, so N ranks match one learner on the full batch. `optim.backend: deepspeed` hands the backward
-    reduction, clipping and the step to a DeepSpeed engine around the same AdamW and schedule.
+    A step's loss is eq. 10-13 over the whole step (`StepNorm`): each micro-batch's loss is its exact share of
+    it, so summing gradients over micro-batches and ranks gives the full-batch gradient whatever the micro-batch
+    size, loss chunk size or rank count. With several ranks each sees only its shard of a step's micro-batches
+    (opd/train/distributed.py), gradients are summed over the ranks, and every rank takes the same step.
+    Micro-batches arrive on the CPU and are moved to the drafter's device one at a time, so at most one
+    micro-batch of scored data is on the GPU. `optim.backend: deepspeed` hands the backward reduction,
+    clipping and the step to a DeepSpeed engine around the same AdamW and schedule.
     """
 
     def __init__(self, spec: ExperimentSpec, drafter: DFlashDrafter, group: Group | None = None) -> None:
@@ -80,20 +83,16 @@ class Learner:
         """True when DeepSpeed wraps the optimizer (ZeRO, bf16): its state is then per rank."""
         return self.engine is not None and self.engine.optimizer is not self.optimizer
 
-    def train_step(self, micro_batches: list[ScoredBatch], total: int | None = None) -> StepMetrics:
-        """One optimizer step. `micro_batches` is this rank's shard of the step's `total` micro-batches (default:
-        all of them); gradients and metrics are those of the mean over all `total`. Non-finite steps are skipped,
-        counted, and stop the run after `optim.max_nonfinite_steps` in a row."""
-        total = total or len(micro_batches)
-        if self.engine is not None and self.group.world > 1 and total % self.group.world:
-            raise OpdError(f"optim.backend deepspeed: {total} micro-batches per step do not split evenly over "
-                           f"{self.group.world} learner ranks (make rollout.batch_size a multiple of "
-                           f"optim.micro_batch_size)")
+    def train_step(self, micro_batches: list[ScoredBatch], norm: StepNorm | None = None) -> StepMetrics:
+        """One optimizer step. `micro_batches` is this rank's shard of the step, `norm` the whole step's
+        denominators (default: these micro-batches are the whole step). Non-finite steps are skipped, counted,
+        and stop the run after `optim.max_nonfinite_steps` in a row."""
+        norm = norm or step_norm(micro_batches, self.spec)
         self.optimizer.zero_grad(set_to_none=True)
-        sums = reduce_sum(self._accumulate(micro_batches, total), self.group)
-        loss, acc, rej = (sums[:3] / total).tolist()
-        num_acc, num_rej, tokens = (int(x) for x in sums[3:].tolist())
-        self.flops.add_drafter(self._params, tokens, train=True)
+        sums = reduce_sum(self._accumulate(micro_batches, norm), self.group)
+        loss, acc, rej, tokens = sums.tolist()
+        num_acc, num_rej = norm.num_acc, norm.num_rej
+        self.flops.add_drafter(self._params, int(tokens), train=True)
         lr = self.scheduler.get_last_lr()[0]
         grad_norm, skipped = (self._deepspeed_step if self.engine else self._torch_step)(math.isfinite(loss))
         if skipped:
@@ -106,24 +105,28 @@ class Learner:
         self.step += 1
         return StepMetrics(loss, acc, rej, num_acc, num_rej, grad_norm, lr, skipped)
 
-    def _accumulate(self, micro_batches: list[ScoredBatch], total: int) -> torch.Tensor:
-        """Backward of each micro-batch loss / `total`; returns this rank's sums of (loss, L_acc, L_rej, |I_acc|,
-        |I_rej|, trained drafter tokens) in float64, for the all-reduce."""
-        sums = torch.zeros(6, dtype=torch.float64)
+    def _accumulate(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> torch.Tensor:
+        """Backward of each micro-batch's share of the step loss, one micro-batch on the device at a time; returns
+        this rank's sums of (loss, L_acc, L_rej, trained drafter tokens) in float64, for the all-reduce."""
+        sums = torch.zeros(4, dtype=torch.float64)
         for i, batch in enumerate(micro_batches):
-            accepted, position_mask, teacher = batch.flat_blocks()
+            batch = batch.to(self._device)
             if self.engine is None:
-                logits = student_logits(self.drafter, batch)
+                hidden = student_hidden(self.drafter, batch)
             else:  # the last backward of the step is DeepSpeed's accumulation boundary (its reduction)
                 self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                logits = self.engine(batch)
-            terms = acceptance_aware_loss(logits, teacher, accepted, self.spec.loss, position_mask)
+                hidden = self.engine(batch)
+            terms = acceptance_aware_loss(
+                hidden, batch.teacher, batch.accepted, self.spec.loss, batch.position_mask, head=self.drafter.lm_head,
+                norm=norm, chunk_size=self.spec.optim.loss_chunk_size,
+                teacher_temperature=self.spec.replay.teacher_temperature)
             if self.engine is None:
-                (terms.loss / total).backward()
+                terms.loss.backward()
             else:  # DeepSpeed averages over ranks, so scale back up by the world size
-                self.engine.backward(terms.loss / (total / self.group.world), scale_wrt_gas=False)
-            sums += torch.tensor([terms.loss.item(), terms.acc.item(), terms.rej.item(), terms.num_acc,
-                                  terms.num_rej, logits.shape[0] * self.drafter.block_size], dtype=torch.float64)
+                self.engine.backward(terms.loss * self.group.world, scale_wrt_gas=False)
+            sums += torch.tensor([terms.loss.item(), terms.acc.item(), terms.rej.item(),
+                                  batch.num_blocks * self.drafter.block_size], dtype=torch.float64)
+            del batch, hidden, terms  # free this micro-batch's device copy before the next arrives
         return sums.to(self._device)
 
     @property
@@ -197,6 +200,11 @@ class Learner:
         self.flops = FlopCounter(**flops)
 
 
+def step_norm(micro_batches: list[ScoredBatch], spec: ExperimentSpec) -> StepNorm:
+    """The step's loss denominators from its micro-batches' acceptance counts (small tensors; no forward)."""
+    return StepNorm.of(((mb.accepted, mb.position_mask) for mb in micro_batches), spec.loss)
+
+
 class _Student(torch.nn.Module):
     """The drafter's replay forward as a module, so DeepSpeed's engine runs it (its backward hooks need that)."""
 
@@ -205,7 +213,7 @@ class _Student(torch.nn.Module):
         self.drafter = drafter
 
     def forward(self, batch: ScoredBatch) -> torch.Tensor:
-        return student_logits(self.drafter, batch)
+        return student_hidden(self.drafter, batch)
 
 
 def deepspeed_config(spec: ExperimentSpec, world: int) -> dict:

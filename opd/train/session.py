@@ -17,6 +17,7 @@ from opd.acceptance import AcceptanceStats
 from opd.data import eval_prompts
 from opd.errors import OpdError
 from opd.eval import EvalRow, evaluate
+from opd.losses import StepNorm
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
@@ -26,7 +27,7 @@ from opd.tracking import Tracker
 from opd.train.checkpoint import check_same_training, latest_checkpoint, load_state, save_checkpoint, training_fields
 from opd.train.distributed import Group, shard
 from opd.train.flops import FlopCounter
-from opd.train.learner import Learner, StepMetrics
+from opd.train.learner import Learner, StepMetrics, step_norm
 from opd.train.rollout import AnchorBatch
 from opd.weights import WeightSnapshot
 
@@ -65,8 +66,8 @@ class StepReport:
 class Peers(Protocol):
     """Learner ranks 1..N-1 as rank 0 drives them (actors/learner.py implements it over Ray)."""
 
-    def launch(self, shards: list[list[ScoredBatch]], total: int) -> None:
-        """Start rank r+1's step on `shards[r]` of the step's `total` micro-batches; returns at once."""
+    def launch(self, shards: list[list[ScoredBatch]], norm: StepNorm) -> None:
+        """Start rank r+1's step on `shards[r]` of the step whose loss denominators are `norm`; returns at once."""
 
     def join(self) -> None:
         """Wait for the launched steps; raises what a rank raised."""
@@ -123,14 +124,16 @@ class LearnerSession:
             self.run_id = self.tracker.run_id
         return path is not None
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """End the MLflow run as FINISHED, FAILED or KILLED."""
         if self.tracker:
-            self.tracker.close()
+            self.tracker.close(status)
 
     def _restore(self, path: Path) -> None:
         check_same_training(path, load_state(path).get("spec"), self.spec)
         state = restore_learner(self.learner, path, self.models.target)
-        self.published = WeightSnapshot(**state["published"])
+        published = state["published"]  # re-summed: checkpoints before CRC-32 hold another kind of checksum
+        self.published = WeightSnapshot.of(published["state"], published["version"])
         self.flops = FlopCounter(**{k: v for k, v in state["flops"].items() if k != "total"})
         self.counters = Counters(**state["counters"])
         self.eval_history, self.run_id = state["eval_history"], state["mlflow_run_id"]
@@ -161,10 +164,13 @@ class LearnerSession:
         t0 = time.perf_counter()
         items = sorted(items, key=lambda it: it.batch.index)
         micro = [mb for it in items for mb in it.micro_batches]
-        world = self.learner.group.world
+        world, norm = self.learner.group.world, step_norm(micro, self.spec)
+        if self.spec.optim.backend == "deepspeed" and len(micro) % world:
+            raise OpdError(f"optim.backend deepspeed: {len(micro)} micro-batches per step do not split evenly over "
+                           f"{world} learner ranks (make rollout.batch_size a multiple of optim.micro_batch_size)")
         if self.peers:
-            self.peers.launch([shard(micro, r, world) for r in range(1, world)], len(micro))
-        metrics = self.learner.train_step(shard(micro, 0, world), len(micro))
+            self.peers.launch([shard(micro, r, world) for r in range(1, world)], norm)
+        metrics = self.learner.train_step(shard(micro, 0, world), norm)
         learner_state = self.learner.state_dict() if checkpoint_due(self.spec, self.step) else None
         if self.peers:
             self.peers.join()
@@ -251,7 +257,7 @@ class LearnerReplica:
         if checkpoint is not None:
             restore_learner(self.learner, Path(checkpoint), self.target)
 
-    def train_step(self, micro_batches: list[ScoredBatch], total: int) -> None:
-        self.learner.train_step(micro_batches, total)
+    def train_step(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> None:
+        self.learner.train_step(micro_batches, norm)
         if checkpoint_due(self.spec, self.learner.step):
             self.learner.state_dict()  # this rank's part of rank 0's checkpoint (a gather under ZeRO)
