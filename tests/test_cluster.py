@@ -155,13 +155,14 @@ AUTH_TRACEBACK = "\n".join(
 
 
 def _fake_ray(tmp_path: Path, body: str) -> dict[str, str]:
-    """PATH with a stand-in `ray` first (and this venv's `opd` for validation), HOME without a Ray token."""
+    """PATH with a stand-in `ray` (and an `opd` whose validation passes at once), HOME without a Ray token."""
     bin_dir, home = tmp_path / "bin", tmp_path / "home"
     bin_dir.mkdir(exist_ok=True)
     home.mkdir(exist_ok=True)
-    fake = bin_dir / "ray"
-    fake.write_text(f"#!/usr/bin/env bash\n{body}\n")
-    fake.chmod(0o755)
+    for name, script in (("ray", body), ("opd", "echo 'name: tiny'")):
+        fake = bin_dir / name
+        fake.write_text(f"#!/usr/bin/env bash\n{script}\n")
+        fake.chmod(0o755)
     return {"PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
             "HOME": str(home), "RAY_ADDRESS": "http://127.0.0.1:8265"}
 
