@@ -34,7 +34,17 @@ def _load(args: argparse.Namespace) -> ExperimentSpec:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    sys.stdout.write(_load(args).to_yaml())
+    """With path checks, also everything `opd train` checks before it starts (opd/preflight.py): a spec that
+    validates does not then fail on its inputs."""
+    spec = _load(args)
+    if not args.no_path_check:
+        from opd.preflight import check_inputs
+        from opd.run_dir import writable_problem
+
+        if problem := writable_problem(spec.run_dir):
+            raise OpdError(problem)
+        check_inputs(spec)
+    sys.stdout.write(spec.to_yaml())
     return 0
 
 
@@ -53,7 +63,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from opd.train.local import run_train
+    from opd.main_job import run_train
 
     return run_train(_load(args))
 

@@ -4,12 +4,20 @@
 2. Train with the spec's engine (Ray by default) — rollout, replay scorer and learner actors.
 3. Evaluate the trained drafter the same way, print both as one table, plot held-out τ over training steps,
    and log the table and the plot to the run's MLflow run.
+
+`opd train` is step 2 alone. Both first lock the run directory and check every input (`open_run`), so a second
+run in the same directory, an unwritable directory or a bad prompt line is one line before any compute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
+import shutil
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -18,7 +26,67 @@ from rich.table import Table
 from opd.data import eval_prompts
 from opd.eval import EvalRow, evaluate
 from opd.models.build import build_models
+from opd.preflight import check_inputs
+from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec
+from opd.tracking import end_run, ensure_store, run_status
+from opd.train.checkpoint import remove_partial_checkpoints
+from opd.train.local import TrainResult
+
+
+@contextlib.contextmanager
+def open_run(spec: ExperimentSpec) -> Iterator[None]:
+    """Hold the run directory for the duration of a training command, after checking, before any model or actor
+    starts, what would otherwise fail minutes in: the directory is writable and no other run holds it, every input
+    is usable (opd/preflight.py), and the MLflow store exists (created atomically)."""
+    with RunDirLock(spec.run_dir):
+        remove_partial_checkpoints(spec.run_dir)
+        check_inputs(spec)
+        ensure_store(spec.tracking_uri)
+        yield
+
+
+def train(spec: ExperimentSpec) -> TrainResult:
+    """Train with the spec's engine; the MLflow run ends FINISHED, or FAILED / KILLED with the error that stopped
+    it (the Ray driver does the same for `engine: ray`)."""
+    if spec.engine == "ray":
+        from actors.driver import run_ray
+
+        return run_ray(spec)
+    from opd.train.local import LocalTrainer
+
+    trainer = LocalTrainer(spec)
+    try:
+        return trainer.run()
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # never mask the error that stopped the run
+            trainer.session.close(run_status(exc))
+        raise
+
+
+def run_train(spec: ExperimentSpec) -> int:
+    """`opd train`: Draft-OPD training only, resuming from the run directory's last checkpoint."""
+    with open_run(spec):
+        result = train(spec)
+    print(f"trained to step {result.steps}; checkpoint: {result.checkpoint}")
+    print(f"MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    return 0
+
+
+def command(name: str) -> str:
+    """How to call this environment's console script `name` from here: bare when the shell finds this very one,
+    else its path (`make run` does not activate the venv)."""
+    path = Path(sys.executable).with_name(name)
+    if not path.exists() or shutil.which(name) == str(path):
+        return name
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+def mlflow_ui(spec: ExperimentSpec) -> str:
+    """The command that opens this run's MLflow store, printed on one line (never wrapped: it is copied)."""
+    return f"{command('mlflow')} ui --backend-store-uri {shlex.quote(spec.tracking_uri)}"
 
 
 def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
@@ -63,19 +131,28 @@ def plot_tau(history: dict[int, dict[str, float]], path: Path) -> None:
 def run_main(spec: ExperimentSpec) -> int:
     console = Console()
     started = time.perf_counter()
+    with open_run(spec):
+        console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
+                      f"run directory {spec.run_dir}")
+        before = held_out_eval(spec, spec.models.drafter_path)
+        result = train(spec)
+        try:
+            summary = _after_training(spec, console, before, result, started)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the learner closed the run FINISHED; never mask `exc`
+                end_run(spec, result.run_id, run_status(exc))
+            raise
+    print(f"Done in {summary['minutes']:.1f} min.\n"
+          f"  checkpoint (DFlash format): {result.checkpoint}\n"
+          f"  τ plot: {spec.run_dir / 'tau_over_steps.png'}\n"
+          f"  MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    return 0
+
+
+def _after_training(spec: ExperimentSpec, console: Console, before: list[EvalRow], result: TrainResult,
+                    started: float) -> dict:
+    """Evaluate the trained drafter, print the table, write the plot and summary, and log them to MLflow."""
     run_dir = spec.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
-                  f"run directory {run_dir}")
-    before = held_out_eval(spec, spec.models.drafter_path)
-    if spec.engine == "ray":
-        from actors.driver import run_ray
-
-        result = run_ray(spec)
-    else:
-        from opd.train.local import LocalTrainer
-
-        result = LocalTrainer(spec).run()
     after = held_out_eval(spec, result.checkpoint)
     evals = {**result.evals, 0: before}  # step 0 is the warm drafter, measured by the driver
     history = {step: {f"eval_tau_{r.sampling}": r.tau for r in rows} for step, rows in sorted(evals.items())}
@@ -87,12 +164,7 @@ def run_main(spec: ExperimentSpec) -> int:
                "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _log_to_mlflow(spec, result.run_id, before, after, [plot, run_dir / "summary.json"])
-    console.print(f"Done in {summary['minutes']:.1f} min.\n"
-                  f"  checkpoint (DFlash format): {result.checkpoint}\n"
-                  f"  τ plot: {plot}\n"
-                  f"  MLflow run {result.run_id}: mlflow ui --backend-store-uri {spec.tracking_uri}\n"
-                  f"  Ray dashboard (while a run is live): http://127.0.0.1:8265")
-    return 0
+    return summary
 
 
 def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, artifacts: list[Path]) -> None:
@@ -101,7 +173,7 @@ def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, arti
         return
     from opd.tracking import Tracker
 
-    tracker = Tracker(spec, run_id)
+    tracker = Tracker(spec, run_id, resume=False)
     metrics = {f"heldout_{name}_{r.sampling}_{when}": value
                for when, rows in (("before", before), ("after", after)) for r in rows
                for name, value in (("tau", r.tau), ("speedup", r.speedup))}

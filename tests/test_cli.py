@@ -112,7 +112,9 @@ def test_missing_target_path_with_path_checks(tmp_path: Path, capsys: pytest.Cap
                                 "(expected a model directory with config.json)"]
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text("{}")
-    assert main(["validate", str(config)]) == 0
+    assert main(["validate", str(config)]) == 2  # the paths exist; now the inputs are checked as `opd train` does
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: tokenizer {tmp_path / 'tok'}: ")
 
 
 def test_every_error_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,3 +153,19 @@ def test_layer_ids_that_disagree_with_the_warm_drafter_are_refused(tmp_path, cap
     spec.write_text(on_tiny("models: {drafter: {target_layer_ids: [1, 4]}}"))
     assert main(["validate", str(spec)]) == 2
     assert "disagrees with the warm drafter's [1, 3]" in capsys.readouterr().err
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_opd_commands() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert readme.index("source .venv/bin/activate") < readme.index("opd validate")
+
+
+def test_printed_commands_name_the_venv_when_it_is_not_active(monkeypatch) -> None:
+    from opd.main_job import command
+
+    venv_mlflow = Path(sys.executable).with_name("mlflow")
+    monkeypatch.setattr("shutil.which", lambda name: str(venv_mlflow))
+    assert command("mlflow") == "mlflow"  # the shell finds this very one
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.chdir(venv_mlflow.parents[2])
+    assert command("mlflow") == f"{venv_mlflow.parent.parent.name}/bin/mlflow"  # e.g. .venv/bin/mlflow

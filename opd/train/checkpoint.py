@@ -1,13 +1,14 @@
 """Checkpoints: the drafter in the public DFlash format plus everything needed to resume exactly.
 
-A checkpoint directory is written under a temporary name and renamed into place, so a crash mid-write never
-leaves a half checkpoint that a restart would pick up.
+A checkpoint directory is written under a temporary name of its own (two writers never share one) and renamed
+into place, so a crash mid-write never leaves a half checkpoint that a restart would pick up.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -18,7 +19,10 @@ from opd.spec import ExperimentSpec, flatten
 
 STATE_FILE = "trainer_state.pt"
 # Sections a resumed run may change: how long it runs, how it is placed, evaluated and logged.
-RESUMABLE_CHANGES = ("name", "steps", "engine", "resources.", "tracking.", "eval.")
+# The memory layout of a step (micro-batch, loss chunk) is one too: the step's loss is normalised over the whole
+# step, so changing it to fit memory does not change the gradient.
+RESUMABLE_CHANGES = ("name", "steps", "engine", "resources.", "tracking.", "eval.", "optim.micro_batch_size",
+                     "optim.loss_chunk_size")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -27,7 +31,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict) -> Path:
     final = checkpoint_dir(run_dir) / f"step-{step:07d}"
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     drafter.save_pretrained(tmp)
     torch.save(state, tmp / STATE_FILE)
@@ -39,8 +43,14 @@ def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dic
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint, or None for a fresh run."""
     root = checkpoint_dir(run_dir)
-    done = sorted(p for p in root.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).exists())
+    done = sorted(p for p in root.glob("step-*") if ".tmp" not in p.name and (p / STATE_FILE).exists())
     return done[-1] if done else None
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Delete what killed runs left half-written; only safe under the run directory's lock (opd/run_dir.py)."""
+    for tmp in checkpoint_dir(run_dir).glob("step-*.tmp*"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_state(path: Path) -> dict:
