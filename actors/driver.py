@@ -16,6 +16,9 @@ the same batches are re-produced). With `resources.learner.replicas` N > 1 the l
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import os
 import time
 
@@ -33,10 +36,12 @@ from opd.errors import OpdError
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.distributed import free_address
+from opd.tracking import end_run, run_status
 from opd.train.local import TrainResult, progress_columns
 
 MAX_RESTARTS = 3  # per rollout or scorer actor; one more death stops the run
 RESTART_TIMEOUT_S = 600.0  # a restarted actor rebuilds its models (a large target takes minutes to load)
+RESUME = "; run the same command again to resume from the last checkpoint"
 
 
 def init_ray(spec: ExperimentSpec) -> None:
@@ -110,11 +115,40 @@ def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
 
 
+class _Named:
+    """A named actor in constructor arguments: pickled as its name, unpickled as the live handle. A handle passed
+    to an actor with `max_restarts` is a reference Ray must keep for its restarts, which it reports as a red
+    `core_worker.cc` error line ("constructor arguments in the object store"); a name is a few inline bytes."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.namespace = name, ray.get_runtime_context().namespace
+
+    def __reduce__(self):
+        return ray.get_actor, (self.name, self.namespace)
+
+
+def _inline(queue: BatchQueue) -> BatchQueue:
+    """A copy of `queue` that travels by its actor's name (see `_Named`)."""
+    inner = copy.copy(queue.queue)
+    inner.actor = _Named(f"queue-{queue.name}")
+    out = copy.copy(queue)
+    out.queue = inner
+    return out
+
+
+def dashboard_url() -> str | None:
+    """The Ray dashboard of the cluster this driver joined (None without one), printed while the run is live."""
+    url = getattr(getattr(ray._private.worker, "_global_node", None), "webui_url", None)
+    return (url if "://" in url else f"http://{url}") if url else None
+
+
 class RayRun:
     """All actors of one run; `train()` advances to the step budget, `shutdown()` always runs."""
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
         self.spec = spec
+        # Ray's token-auth notice at every local start is noise in the run's output (auth stays as Ray sets it).
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         init_ray(spec)
         r, as_dict = spec.resources, spec.model_dump(mode="json")
         self.learner_pg, self.rollout_pg = place(spec)
@@ -124,20 +158,25 @@ class RayRun:
         self.scored = BatchQueue("scored", r.queue_size)
         n = r.learner.replicas
         address = learner_address(self.learner_pg) if n > 1 else None
+        store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
         self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
             as_dict, i, address) for i in range(1, n)]
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
-            as_dict, self.store, self.ledger, self.scored, track, address, self.learner_ranks)
+            as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)])
         self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, n + i, r.scorer, f"scorer-{i}")).remote(
-            as_dict, f"scorer-{i}", self.store, self.ledger, self.anchors, self.scored)
-            for i in range(r.scorer.replicas)]
+            as_dict, f"scorer-{i}", store, ledger, anchors, scored) for i in range(r.scorer.replicas)]
         self.rollouts = [RolloutActor.options(**_on(self.rollout_pg, i, r.rollout, f"rollout-{i}")).remote(
-            as_dict, f"rollout-{i}", self.store, self.ledger, self.anchors) for i in range(r.rollout.replicas)]
+            as_dict, f"rollout-{i}", store, ledger, anchors) for i in range(r.rollout.replicas)]
         self.loops: dict = {}  # loop ref -> (actor name, actor)
+        self.run_id: str | None = None  # the MLflow run, once the learner has opened it
 
     def start(self) -> int:
         """Resume the learner (which opens the ledger at its step), then launch every rollout and scorer loop."""
-        step = ray.get(self.learner.start.remote())
+        try:
+            step = ray.get(self.learner.start.remote())
+            self.run_id = ray.get(self.learner.run_id.remote())
+        except ray.exceptions.RayError as exc:
+            raise failure("the learner", exc) from None
         named = [(f"scorer-{i}", s) for i, s in enumerate(self.scorers)]
         named += [(f"rollout-{i}", a) for i, a in enumerate(self.rollouts)]
         self.loops = {actor.run.remote(): (name, actor) for name, actor in named}
@@ -151,8 +190,7 @@ class RayRun:
         try:
             return ray.get(pending)
         except ray.exceptions.RayError as exc:
-            raise OpdError(f"the learner failed ({_first_line(exc)}); run the same command again "
-                           f"to resume from the last checkpoint") from None
+            raise failure("the learner", exc) from None
 
     def _check_loops(self) -> None:
         """Relaunch the loop of an actor that died and was restarted; stop the run on any other ended loop."""
@@ -161,14 +199,16 @@ class RayRun:
             name, actor = self.loops.pop(ref)
             self.loops[relaunch(ref, name, actor)] = (name, actor)
 
-    def shutdown(self) -> None:
-        """Stop the loops, close the MLflow run, release every actor and placement group (also after a failure)."""
+    def shutdown(self, status: str = "FINISHED") -> None:
+        """Stop the loops, end the MLflow run with `status`, release every actor and placement group (also after a
+        failure). A learner that cannot close its run (dead) has it ended here, so it never stays RUNNING."""
         try:
             ray.get(self.store.request_stop.remote())
             ray.wait(list(self.loops), num_returns=len(self.loops), timeout=120)
-            ray.get(self.learner.close.remote())
-        except ray.exceptions.RayError:
-            pass  # a dead actor has nothing left to close; the error that killed it is already raised
+            ray.get(self.learner.close.remote(status))
+        except ray.exceptions.RayError:  # the error that killed the learner is already raised: never mask it
+            with contextlib.suppress(Exception):
+                end_run(self.spec, self.run_id, status)
         finally:
             for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, self.store, self.ledger]:
                 ray.kill(actor)
@@ -180,22 +220,23 @@ class RayRun:
 
 def relaunch(ref, name: str, actor):
     """A new loop on an actor whose loop `ref` ended, if the actor died and Ray restarted it (the ledger re-queues
-    what the dead one held). A loop that returned or raised, or an actor out of restarts, stops the run with one
-    line instead of hanging; the run stays resumable from the learner's last checkpoint."""
+    what the dead one held). A loop that returned or raised, or an actor out of restarts or whose constructor
+    raised, stops the run with one line (`failure`) instead of hanging."""
     try:
         ray.get(ref)
-        reason = "its loop returned early"
     except ray.exceptions.RayTaskError as exc:  # the loop raised (even because another actor died): relaunching
-        reason = _first_line(exc)  # would fail again
-    except ray.exceptions.RayActorError:
+        raise failure(name, exc) from None  # would fail again
+    except ray.exceptions.RayActorError as exc:
+        if _init_failed(exc):
+            raise failure(name, exc) from None
         try:
             _await_restart(actor)
             return actor.run.remote()
-        except ray.exceptions.RayError as exc:
-            reason = f"it died and was not restarted: {_first_line(exc)}"
+        except ray.exceptions.RayError as again:
+            raise failure(name, again, "" if _init_failed(again) else "it died and was not restarted: ") from None
     except ray.exceptions.RayError as exc:
-        reason = _first_line(exc)
-    raise OpdError(f"{name} failed ({reason}); run the same command again to resume from the last checkpoint")
+        raise failure(name, exc) from None
+    raise OpdError(f"{name} failed (its loop returned early){RESUME}")
 
 
 def _await_restart(actor) -> None:
@@ -211,19 +252,50 @@ def _await_restart(actor) -> None:
             time.sleep(0.5)
 
 
+def failure(name: str, exc: BaseException, context: str = "") -> OpdError:
+    """The one line for role `name` failing with `exc`. When the root cause is an `OpdError` (bad input, a refused
+    resume), that error's own line: a rerun would fail the same way, so it gets no advice to rerun. Only a fault a
+    rerun can fix (an actor, object or node lost, not an exception raised by the code) ends with that advice."""
+    root = _root(exc)
+    if isinstance(root, OpdError):
+        return OpdError(str(root))
+    fixable = isinstance(root, ray.exceptions.RayError) and not _init_failed(root)
+    return OpdError(f"{name} failed ({context}{type(root).__name__}: {_first_line(root)})" + (RESUME if fixable else ""))
+
+
+def _init_failed(exc: BaseException) -> bool:
+    return isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed
+
+
+def _root(exc: BaseException) -> BaseException:
+    """What actually went wrong: the exception a task raised, or the one an actor's constructor raised (Ray keeps
+    only its traceback text, whose last line is `module.Type: message`)."""
+    while isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    if _init_failed(exc):
+        last = [line for line in str(exc).splitlines() if line.strip()][-1]
+        kind, _, message = last.partition(": ")
+        if kind == f"{OpdError.__module__}.{OpdError.__name__}":
+            return OpdError(message)
+    return exc
+
+
 def _first_line(exc: BaseException) -> str:
-    """One line for an error; a task that raised is reported by what it raised (its first line is only Ray's
-    banner naming the task and process)."""
-    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        return f"{type(exc.cause).__name__}: {_first_line(exc.cause)}"
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    """One line for an error; for a constructor that raised, the last line of its traceback (the first is only
+    Ray's banner naming the task and process)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    return lines[-1] if _init_failed(exc) else lines[0]
 
 
 def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:
+    """Train to the step budget; the MLflow run ends FINISHED, or FAILED / KILLED with the error that stopped it."""
     run = RayRun(spec, track=track)
+    if url := dashboard_url():
+        print(f"Ray dashboard (while the run is live): {url}", flush=True)
+    error: BaseException | None = None
     try:
         step = run.start()
-        result = TrainResult(steps=step, run_id=ray.get(run.learner.run_id.remote()))
+        result = TrainResult(steps=step, run_id=run.run_id)
         with progress_bar(*progress_columns()) as bar:
             task = bar.add_task("draft-opd (ray)", total=spec.steps, completed=step, loss=float("nan"),
                                 tau=float("nan"))
@@ -237,5 +309,8 @@ def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:
                     bar.update(task, completed=step, loss=m["loss"], tau=m["rollout_tau"])
         result.steps = step
         return result
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        run.shutdown()
+        run.shutdown(run_status(error))

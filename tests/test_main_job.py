@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -20,6 +26,8 @@ def check_outputs(spec, printed: str) -> None:
     runs = mlflow.search_runs(experiment_names=[spec.tracking.experiment])
     assert len(runs) == 1
     assert {"metrics.heldout_tau_greedy_before", "metrics.heldout_tau_greedy_after", "metrics.loss"} <= set(runs)
+    # printed on one line whatever the terminal's width, so it survives copy and paste
+    assert any(line.endswith(f" ui --backend-store-uri {spec.tracking_uri}") for line in printed.splitlines())
 
 
 SETS = ["steps=2", "eval.every=1", "eval.sampling=[{name: greedy}, {name: sampled, temperature: 0.6, top_p: 0.95, top_k: 20}]"]
@@ -36,3 +44,21 @@ def test_main_job_ray(micro_spec_file, capsys):
     sets = SETS + ["engine=ray"]
     assert main(["run", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 0
     check_outputs(load_spec(micro_spec_file, sets), capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_a_ray_run_is_quiet_and_shows_the_dashboard_while_it_is_live(micro_spec_file):
+    """Issue 16, item 12: no token-auth banner, no red core_worker.cc line about constructor arguments, no MLflow
+    table-creation lines; the dashboard link comes before training ends. Ray runs in a private temp dir."""
+    ray_tmp = tempfile.mkdtemp(prefix="opd-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TMPDIR": ray_tmp, "RAY_TMPDIR": ray_tmp}
+    try:
+        run = subprocess.run([str(Path(sys.executable).with_name("opd")), "train", str(micro_spec_file), "--set",
+                              "engine=ray", "--set", "steps=1", "--set", "eval.num_prompts=1"],
+                             capture_output=True, text=True, env=env, timeout=600)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert run.returncode == 0, run.stderr
+    for noise in ("Token authentication", "core_worker.cc", "Creating initial MLflow", "alembic", "Context impl"):
+        assert noise not in run.stdout + run.stderr, noise
+    assert run.stdout.index("Ray dashboard (while the run is live): http") < run.stdout.index("trained to step")

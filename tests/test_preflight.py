@@ -1,0 +1,101 @@
+"""Bad data and models are one line before any actor starts, and a failed actor is reported by its root cause with
+advice to rerun only when a rerun can fix it (issue 16, item 1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import ray
+
+from opd.cli import main
+from opd.errors import OpdError
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Starting Ray would mean the bad input got past the driver's checks: fail fast instead."""
+    import actors.driver
+
+    def refuse(spec):
+        raise AssertionError("Ray started before the inputs were checked")
+
+    monkeypatch.setattr(actors.driver, "init_ray", refuse)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def malformed_prompts(micro_assets, tmp_path):
+    path = tmp_path / "malformed.jsonl"
+    lines = open(micro_assets["train"]).read().splitlines()[:4] + ["this is not json"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("engine", ["ray", "local"])
+def test_a_malformed_prompt_line_is_one_line_before_any_actor(micro_spec_file, micro_assets, tmp_path, capsys, no_ray,
+                                                             engine):
+    path = malformed_prompts(micro_assets, tmp_path)
+    sets = [f"engine={engine}", f"data.train_prompts={path}"]
+    assert main(["train", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 2
+    line = one_error_line(capsys)
+    assert f"{path}:5: not JSON" in line and "resume" not in line
+    assert main(["validate", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 2
+    assert f"{path}:5: not JSON" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("which", ["drafter", "target"])
+def test_a_truncated_safetensors_file_is_one_line_under_opd_train(micro_spec_file, micro_assets, tmp_path, capsys,
+                                                                  no_ray, which):
+    copy = tmp_path / which
+    shutil.copytree(micro_assets[which], copy)
+    weights = copy / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    sets = ["engine=ray", f"models.{which}_path={copy}"]
+    assert main(["train", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 2
+    line = one_error_line(capsys)
+    assert f"{weights}: unreadable safetensors file" in line and "resume" not in line
+
+
+def test_a_drafter_for_another_target_is_refused_up_front(micro_spec_file, micro_assets, tmp_path, capsys, no_ray):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "drafter"
+    shutil.copytree(micro_assets["drafter"], copy)
+    tensors = load_file(copy / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name][..., :1].contiguous()
+    save_file(tensors, copy / "model.safetensors")
+    assert main(["train", str(micro_spec_file), "--set", "engine=ray", "--set", f"models.drafter_path={copy}"]) == 2
+    assert f"tensor {name} has shape" in one_error_line(capsys)
+
+
+def _constructor_failed(last_line: str) -> ray.exceptions.ActorDiedError:
+    """What `ray.get` raises for an actor whose constructor raised: Ray keeps only the traceback text."""
+    traceback = f"Traceback (most recent call last):\n  File \"actors/rollout.py\", line 27, in __init__\n{last_line}"
+    return ray.exceptions.ActorDiedError(ray.exceptions.RayTaskError("RolloutActor.__init__", traceback, None))
+
+
+def test_a_failed_actor_is_reported_by_its_root_cause():
+    from actors.driver import failure
+
+    bad = "/data/p.jsonl:5: not JSON (Expecting value) (set data.skip_bad_lines: true to skip such lines)"
+    assert str(failure("rollout-0", _constructor_failed(f"opd.errors.OpdError: {bad}"))) == bad
+    raised = ray.exceptions.RayTaskError("LearnerActor.train", "Traceback ...", OpdError("held-out τ collapsed"))
+    assert str(failure("the learner", raised)) == "held-out τ collapsed"
+    # a bug in a constructor or a loop: named, but a rerun would fail the same way
+    bug = str(failure("scorer-0", _constructor_failed("ValueError: bad shape")))
+    assert bug == "scorer-0 failed (ActorDiedError: ValueError: bad shape)"
+    bug = str(failure("rollout-0", ray.exceptions.RayTaskError("run", "Traceback ...", KeyError("x"))))
+    assert bug.startswith("rollout-0 failed (KeyError: ") and "resume" not in bug
+    # a process that died (killed, out of memory, node lost): a rerun resumes from the last checkpoint
+    died = str(failure("the learner", ray.exceptions.ActorDiedError()))
+    assert died.startswith("the learner failed (ActorDiedError: ") and died.endswith(
+        "; run the same command again to resume from the last checkpoint")
