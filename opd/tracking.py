@@ -122,8 +122,8 @@ class Tracker:
                 self.client.log_batch(run_id, params=params[i : i + _BATCH])
             self.client.log_text(run_id, spec.to_yaml(), "spec.yaml")
         else:
-            for key in self.client.get_run(run_id).data.metrics:
-                self.last_step[key] = max(m.step for m in self.client.get_metric_history(run_id, key))
+            # each metric's latest point, step included, in one call (a metric's full history could be long)
+            self.last_step = {m.key: m.step for m in self.client.get_run(run_id).data._metric_objs}
             if resume:
                 self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
