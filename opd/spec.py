@@ -265,8 +265,8 @@ class OptimSpec(_Section):
     grad_clip: float = Field(1.0, ge=0)  # 0 = off
     batch_size: int = Field(24, ge=1)  # global batch: sequences per optimizer step
     micro_batch_size: int = Field(1, ge=1)
-    # Drafted slots whose [slots, vocabulary] logits the loss holds at once: the learner's transient memory is
-    # about 12 x this x V x 4 bytes (2.9 GB at 400 slots and Qwen3's 151,936 tokens), whatever the response length.
+    # Drafted slots whose [slots, vocabulary] logits the loss holds at once: the loss's transient memory is about
+    # 8 x this x V x 4 bytes (2 GB at 400 slots and Qwen3's 151,936 tokens; bench/scale.py), whatever the length.
     loss_chunk_size: int = Field(400, ge=1)
     max_nonfinite_steps: int = Field(10, ge=0)  # abort after this many skipped non-finite steps
 

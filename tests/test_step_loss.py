@@ -7,10 +7,7 @@ acceptance differs between sequences and micro-batches are padded.
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import tempfile
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.losses import StepNorm, acceptance_aware_loss, teacher_distribution
+from opd.memory import peak_cpu_bytes
 from opd.models.build import build_models
 from opd.replay import pack, score, student_hidden, teacher_mask
 from opd.spec import LossSpec, load_spec
@@ -175,21 +173,6 @@ def test_records_without_blocks_train_nothing_and_crash_nothing(models, records)
         assert terms.loss == 0 and all(p.grad is None or not p.grad.any() for p in drafter.parameters())
 
 
-def _peak_bytes(fn) -> int:
-    """Peak CPU bytes allocated while `fn` runs, from the profiler's allocator events."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
-    os.unlink(path)
-    cpu = [e for e in events if e.get("Device Type") == 0]
-    start = cpu[0]["Total Allocated"] - cpu[0]["Bytes"]
-    return max(e["Total Allocated"] for e in cpu) - start
-
-
 def _loss_peak(blocks: int, chunk: int | None, vocab: int = 8192, hidden_size: int = 16) -> int:
     """Peak bytes of one loss forward + backward over `blocks` drafted blocks. Large vocabulary, small hidden
     size: the vocabulary-sized transients dominate, as they do at Qwen3 shapes."""
@@ -198,7 +181,7 @@ def _loss_peak(blocks: int, chunk: int | None, vocab: int = 8192, hidden_size: i
     student = torch.randn(blocks, K - 1, hidden_size, generator=gen).requires_grad_()
     teacher = torch.randn(blocks, K - 1, hidden_size, generator=gen)
     accepted = torch.randint(0, K, (blocks,), generator=gen)
-    return _peak_bytes(lambda: acceptance_aware_loss(student, teacher, accepted, LossSpec(), head=head,
+    return peak_cpu_bytes(lambda: acceptance_aware_loss(student, teacher, accepted, LossSpec(), head=head,
                                                      chunk_size=chunk).loss.backward())
 
 

@@ -1,0 +1,317 @@
+"""The replay data path at Qwen3's real vocabulary and hidden sizes, on a CPU: the replaced path beside the new one.
+
+    python bench/scale.py [--hidden 2560 4096] [--lengths 128 256 512] [--old-max-length 128]
+                          [--json bench/results/scale.json]
+
+Random-weight Qwen3 targets with the real vocabulary (151,936) and hidden size (2560 = 4B, 4096 = 8B), one
+decoder layer (MLP width = hidden, so a CPU can run it) whose output is read five times as the drafter's
+features (n = 5, as the shipped drafters), and a one-layer DFlash drafter. Synthetic rollout records with a
+`--prompt`-token prompt, τ ≈ 6, block 16. Measured, per response length:
+
+- bytes the scorer ships per sequence: the new `ScoredBatch` pickled (protocol 5: in-band + out-of-band
+  buffers), and the replaced path's tensors from the same packed forward (fp32 [N, 15, V] log-probs and the
+  packed row's whole feature storage, which a view pickled);
+- scorer and learner peak memory per micro-batch (one sequence; `opd.memory.peak_cpu_bytes`). The replaced
+  learner is the unchunked loss on [N, 15, V] logits; the new one the chunked loss from hidden states. The
+  bench uses `--chunk` 128 slots so that every length spans several chunks;
+- once: the object store's rate for the new `ScoredBatch` against default torch pickling of the same tensors,
+  and a weight publish + landing at Qwen3-4B drafter size (5 layers, ~1 GB bf16): copy + checksum + put, then
+  get + verify — blake2b and torch pickling (replaced) against CRC-32 and zero-copy (new).
+
+The CPU runs fp32 (its bf16 matmuls are 8x slower); shipped float tensors are cast to bf16 before they are
+measured, as on the GPU. Then every figure is projected to the shipped configs (4B and 8B, 2048 and 4096
+tokens, τ 3 and 6, 512-token prompts, 24 sequences per step) from the formulas printed beside the measurements.
+Writes bench/results/scale.json. No assertions: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import pickle
+import time
+from pathlib import Path
+
+import torch
+from replay import synthetic_record  # bench/replay.py, beside this script
+from rich.console import Console
+from rich.table import Table
+
+from opd.losses import acceptance_aware_loss, teacher_distribution
+from opd.memory import peak_cpu_bytes
+from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.target import Target
+from opd.replay import pack, score, student_hidden, teacher_mask
+from opd.spec import LossSpec
+from opd.weights import WeightSnapshot
+
+VOCAB, K, N_FEATURES, STEP_SEQUENCES, GPU_BYTES = 151_936, 16, 5, 24, 141e9
+QWEN3 = {"4B": {"hidden": 2560, "layers": 36, "intermediate": 9728, "heads": 32},
+         "8B": {"hidden": 4096, "layers": 36, "intermediate": 12288, "heads": 32}}
+DRAFTER_LAYERS = 5
+GB = 1e9
+
+
+def build(hidden: int, seed: int = 0) -> tuple[Target, DFlashDrafter]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=1,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=8192, tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        target = Target(Qwen3ForCausalLM(config).float(), [0] * N_FEATURES)
+        drafter_config = DFlashConfig.for_target(target.config, num_layers=1, block_size=K,
+                                                 mask_token_id=VOCAB - 1, target_layer_ids=[0] * N_FEATURES)
+        drafter = DFlashDrafter(drafter_config, target.embed_tokens, target.lm_head)
+    return target, drafter
+
+
+def records(length: int, prompt: int, tau: float, count: int = 1) -> list:
+    g = torch.Generator().manual_seed(length)
+    accept = 1 - 1 / tau  # geometric acceptance: mean accepted + 1 ≈ τ
+    return [synthetic_record(i, length, prompt, VOCAB - 1, K, accept, g) for i in range(count)]
+
+
+def as_bf16(batch) -> object:
+    """What the GPU path ships: float tensors in the target's bf16."""
+    batch.features, batch.teacher = batch.features.bfloat16(), batch.teacher.bfloat16()
+    return batch
+
+
+def pickled_bytes(obj: object) -> int:
+    buffers = []
+    inband = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(inband) + sum(memoryview(b).nbytes for b in buffers)
+
+
+def old_scorer(target: Target, recs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The replaced scorer: packed forward *with* the LM head, fp32 log-probs at every slot, features as a view."""
+    packed = [pack(r, K, "draft_opd") for r in recs]
+    length = max(len(p.ids) for p in packed)
+    ids = torch.zeros(len(packed), length, dtype=torch.long)
+    positions = torch.zeros_like(ids)
+    for b, p in enumerate(packed):
+        ids[b, : len(p.ids)], positions[b, : len(p.ids)] = torch.tensor(p.ids), torch.tensor(p.positions)
+    mask = torch.stack([teacher_mask(p, K, length) for p in packed])[:, None]
+    with torch.no_grad():
+        out = target(ids, attention_mask=mask, position_ids=positions)
+        rows = torch.stack([out.logits[b, torch.tensor(s)] for b, p in enumerate(packed) for s in p.slot_index])
+        return teacher_distribution(rows), out.features
+
+
+def measure_length(target: Target, drafter: DFlashDrafter, length: int, args) -> dict:
+    recs = records(length, args.prompt, args.tau)
+    row: dict = {"length": length, "blocks": recs[0].num_steps}
+    scored = {}
+    row["scorer_peak_new"] = peak_cpu_bytes(lambda: scored.setdefault("b", score(target, recs, block_size=K)))
+    batch = scored["b"]
+    row["packed_tokens"] = len(pack(recs[0], K, "draft_opd").ids)
+    row["shipped_new"] = pickled_bytes(as_bf16(score(target, recs, block_size=K)))
+    cfg = LossSpec()
+
+    def new_learner() -> None:
+        hidden = student_hidden(drafter, batch)
+        acceptance_aware_loss(hidden, batch.teacher, batch.accepted, cfg, batch.position_mask, head=drafter.lm_head,
+                              chunk_size=args.chunk).loss.backward()
+
+    row["learner_peak_new"] = peak_cpu_bytes(new_learner)
+    drafter.zero_grad(set_to_none=True)
+    if length <= args.old_max_length:
+        old = {}
+        row["scorer_peak_old"] = peak_cpu_bytes(lambda: old.setdefault("t", old_scorer(target, recs)))
+        teacher, features = old["t"]
+        row["shipped_old"] = teacher.nbytes + features.numel() * 2  # the view pickled the whole bf16 storage
+
+        def old_learner() -> None:
+            logits = drafter.logits(student_hidden(drafter, batch))
+            acceptance_aware_loss(logits, teacher, batch.accepted, cfg, batch.position_mask).loss.backward()
+
+        row["learner_peak_old"] = peak_cpu_bytes(old_learner)
+        drafter.zero_grad(set_to_none=True)
+        del old, teacher, features
+    gc.collect()
+    return row
+
+
+def object_store_rates(target: Target, args) -> dict:
+    """GB/s of put + get in another worker for a scored batch: zero-copy ScoredBatch vs torch pickling."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+
+    @ray.remote
+    class Sink:
+        def take(self, wrapped: list) -> int:
+            value = ray.get(wrapped[0])
+            return sum(t.numel() for t in (value.values() if isinstance(value, dict) else vars(value).values()))
+
+    sink = Sink.remote()
+    batch = as_bf16(score(target, records(args.transfer_length, args.prompt, args.tau, count=8), block_size=K))
+    as_torch = dict(vars(batch))
+    size = pickled_bytes(batch)
+    out = {"payload_gb": size / GB}
+    for name, payload in (("zero_copy", batch), ("torch_pickle", as_torch)):
+        ray.get(sink.take.remote([ray.put(payload)]))  # warm the worker
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            ray.get(sink.take.remote([ray.put(payload)]))
+        out[f"{name}_gb_per_s"] = size * args.repeats / (time.perf_counter() - t0) / GB
+    out.update(publish_times(ray, Sink))
+    ray.shutdown()
+    return out
+
+
+def publish_times(ray, sink_cls) -> dict:
+    """One publish + landing of a Qwen3-4B-sized drafter (5 layers of hidden 2560, MLP 9728, fc 5H->H), bf16."""
+    h, inter, layers = 2560, 9728, DRAFTER_LAYERS
+    shapes = {"fc.weight": (h, N_FEATURES * h)}
+    for i in range(layers):
+        shapes |= {f"layers.{i}.self_attn.q_proj.weight": (4096, h), f"layers.{i}.self_attn.k_proj.weight": (1024, h),
+                   f"layers.{i}.self_attn.v_proj.weight": (1024, h), f"layers.{i}.self_attn.o_proj.weight": (h, 4096),
+                   f"layers.{i}.mlp.gate_proj.weight": (inter, h), f"layers.{i}.mlp.up_proj.weight": (inter, h),
+                   f"layers.{i}.mlp.down_proj.weight": (h, inter)}
+    state = {k: torch.empty(s, dtype=torch.bfloat16).normal_() for k, s in shapes.items()}
+    nbytes = sum(t.nbytes for t in state.values())
+
+    def blake2b(tensors: dict) -> str:  # the replaced checksum, as it was computed (tobytes copies)
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(tensors):
+            digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    out = {"drafter_gb": nbytes / GB}
+    t0 = time.perf_counter()
+    cpu = {k: v.to("cpu", copy=True) for k, v in state.items()}
+    digest = blake2b(cpu)
+    ref = ray.put(cpu)
+    t1 = time.perf_counter()
+    landed = ray.get(ref)
+    assert blake2b(landed) == digest
+    t2 = time.perf_counter()
+    out |= {"publish_old_s": t1 - t0, "land_old_s": t2 - t1}
+    del cpu, landed, ref
+    t0 = time.perf_counter()
+    snapshot = WeightSnapshot.of(state, 1)
+    ref = ray.put(snapshot)
+    t1 = time.perf_counter()
+    ray.get(ref).verified(1)
+    t2 = time.perf_counter()
+    out |= {"publish_new_s": t1 - t0, "land_new_s": t2 - t1}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ projection
+
+
+def fit(rows: list[dict], key: str, per: str) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of rows[key] against rows[per] (two or more measured lengths)."""
+    pts = [(r[per], r[key]) for r in rows if key in r]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / max(1e-12, sum((x - mx) ** 2 for x, _ in pts))
+    return my - slope * mx, slope
+
+
+def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, args) -> list[dict]:
+    """Per shipped config: bytes per step scorer -> learner, and the learner's GPU memory, old and new."""
+    out = []
+    for name, shape in QWEN3.items():
+        h, first = shape["hidden"], next(iter(measured))
+        rows, scale = (measured[h], 1.0) if h in measured else (measured[first], h / first)
+        _, block_bytes = fit(rows, "learner_peak_new", "blocks")  # student activations per block, 1 layer
+        drafter_params = (DRAFTER_LAYERS * (4096 * h * 2 + 1024 * h * 2 + 3 * shape["intermediate"] * h)
+                          + N_FEATURES * h * h)
+        static = drafter_params * (2 + 2 + 8) + 2 * VOCAB * h * 2  # bf16 weights + grads, fp32 AdamW, embed + head
+        for length in (2048, 4096):
+            for tau in (3, 6):
+                blocks = length / tau
+                slots = blocks * (K - 1)
+                prefix = args.projection_prompt + length
+                new_seq = slots * h * 2 + prefix * N_FEATURES * h * 2
+                old_seq = slots * VOCAB * 4 + (prefix + blocks * (K - 2)) * N_FEATURES * h * 2
+                activations = block_bytes * scale * blocks * DRAFTER_LAYERS
+                new_gpu = static + new_seq + activations + chunk_bytes_per_slot * args.projection_chunk
+                old_gpu = static + STEP_SEQUENCES * old_seq + activations + args.old_loss_factor * slots * VOCAB * 4
+                out.append({"config": f"Qwen3-{name}", "tokens": length, "tau": tau,
+                            "step_gb_old": STEP_SEQUENCES * old_seq / GB, "step_gb_new": STEP_SEQUENCES * new_seq / GB,
+                            "learner_gb_old": old_gpu / GB, "learner_gb_new": new_gpu / GB,
+                            "fits_old": old_gpu < GPU_BYTES, "fits_new": new_gpu < GPU_BYTES})
+    return out
+
+
+def print_tables(result: dict) -> None:
+    console = Console()
+    t = Table(title="measured on this CPU, one sequence per micro-batch (MB)")
+    for c in ("hidden", "response", "blocks", "shipped old", "shipped new", "scorer peak old", "scorer peak new",
+              "learner peak old", "learner peak new"):
+        t.add_column(c, justify="right")
+    mb = 1e6
+    for h, rows in result["measured"].items():
+        for r in rows:
+            def cell(key: str) -> str:
+                return f"{r[key] / mb:,.0f}" if key in r else "—"
+            t.add_row(str(h), str(r["length"]), str(r["blocks"]), cell("shipped_old"), cell("shipped_new"),
+                      cell("scorer_peak_old"), cell("scorer_peak_new"), cell("learner_peak_old"),
+                      cell("learner_peak_new"))
+    console.print(t)
+    o = result["once"]
+    console.print(f"object store, {o['payload_gb']:.2f} GB scored batch to another worker: zero-copy "
+                  f"{o['zero_copy_gb_per_s']:.2f} GB/s, torch pickling {o['torch_pickle_gb_per_s']:.2f} GB/s "
+                  f"({o['zero_copy_gb_per_s'] / o['torch_pickle_gb_per_s']:.0f}x)")
+    console.print(f"weight publish, {o['drafter_gb']:.2f} GB Qwen3-4B drafter: publish {o['publish_old_s']:.2f} s -> "
+                  f"{o['publish_new_s']:.2f} s, landing + verify {o['land_old_s']:.2f} s -> {o['land_new_s']:.2f} s")
+    p = Table(title=f"projected: {STEP_SEQUENCES} sequences per step, {result['args']['projection_prompt']}-token "
+                    f"prompts, loss chunk {result['args']['projection_chunk']} slots, H200 141 GB")
+    for c in ("config", "tokens", "τ", "scorer→learner GB/step old", "new", "learner GPU GB old", "new"):
+        p.add_column(c, justify="right")
+    for r in result["projected"]:
+        p.add_row(r["config"], str(r["tokens"]), str(r["tau"]), f"{r['step_gb_old']:,.1f}", f"{r['step_gb_new']:,.2f}",
+                  f"{r['learner_gb_old']:,.0f}" + ("" if r["fits_old"] else " OOM"), f"{r['learner_gb_new']:,.1f}")
+    console.print(p)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[2560, 4096])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--old-max-length", type=int, default=128, help="the replaced path only up to this length")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--tau", type=float, default=6.0)
+    parser.add_argument("--chunk", type=int, default=128, help="loss chunk (slots) measured here")
+    parser.add_argument("--transfer-length", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--projection-prompt", type=int, default=512)
+    parser.add_argument("--projection-chunk", type=int, default=400, help="optim.loss_chunk_size projected")
+    parser.add_argument("--json", default="bench/results/scale.json")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    measured: dict[int, list[dict]] = {}
+    for i, hidden in enumerate(args.hidden):
+        target, drafter = build(hidden)
+        lengths = args.lengths if i == 0 else args.lengths[:2]  # two points fit the activations' slope
+        measured[hidden] = [measure_length(target, drafter, n, args) for n in lengths]
+        Console().print(f"hidden {hidden}: measured {lengths}")
+        if i == 0:
+            once = object_store_rates(target, args)
+        del target, drafter
+        gc.collect()
+    first = measured[args.hidden[0]]
+    # The loss's transient per chunk slot: the new learner's flat part, per slot of the measured chunk.
+    base, _ = fit(first, "learner_peak_new", "blocks")
+    old_rows = [r for r in first if "learner_peak_old" in r]
+    args.old_loss_factor = (sum((r["learner_peak_old"] - r["learner_peak_new"]) / (r["blocks"] * (K - 1) * VOCAB * 4)
+                                for r in old_rows) / len(old_rows))
+    result = {"args": vars(args), "measured": measured, "once": once,
+              "chunk_bytes_per_slot": base / args.chunk, "old_loss_bytes_per_teacher_byte": args.old_loss_factor}
+    result["projected"] = project(measured, result["chunk_bytes_per_slot"], args)
+    print_tables(result)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    Console().print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
