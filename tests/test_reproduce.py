@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from opd.cli import main
-from opd.paper_report import write_report
-from opd.reproduce import ArmJob, ArmSpec, load_reproduce_spec, run_arm, run_jobs
+from opd.reproduce import ArmJob, ArmSpec, load_reproduce_spec, run_arm, run_jobs, write_report
 from opd.spec import load_spec
 
 SETS = ["sft.response_max_new_tokens=12", "sft.anchors_per_seq=4", "sft.batch_size=2", "sft.max_length=160"]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from opd.reproduce import BUDGET_ARM, ArmResult, ReproduceSpec
+from opd.reproduce.spec import BUDGET_ARM, ArmResult, ReproduceSpec
 
-# Average τ over the paper's three benchmarks (Qwen3-4B, T=0; REFERENCE.md), for the ablation tables.
+# Average τ over the Draft-OPD paper's three benchmarks (Qwen3-4B, T=0), as its ablation tables report it.
 PAPER_TAU = {"draft-opd": 5.73, "no-decay": 5.49, "all-forward": 5.59, "all-reverse": 5.48, "random-anchors": 5.46,
              "naive-rollout": 5.42}
 TABLES = [

@@ -1,0 +1,126 @@
+"""One (arm, seed) of `opd reproduce`, from the warm drafter to the FLOP budget; runs in a worker process.
+
+The full Draft-OPD arm (no marks given) runs `opd_steps` steps and sets the budget: the FLOPs at each of its
+evaluation marks. Every other arm trains until it has spent that budget, measuring held-out greedy τ whenever it
+crosses one of those marks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from opd.data import eval_prompts
+from opd.errors import OpdError
+from opd.eval import evaluate
+from opd.models.build import Models, build_models
+from opd.reproduce.spec import ArmJob, ArmResult
+from opd.spec import ExperimentSpec, SamplingSpec, load_spec
+from opd.train.flops import FlopCounter
+from opd.train.local import LocalTrainer
+from opd.train.sft import SftExample, train_sft
+
+
+class _Evaluator:
+    """Held-out τ of the drafter being trained (greedy for the curve, every setting at the end)."""
+
+    def __init__(self, spec: ExperimentSpec, models: Models, num_prompts: int) -> None:
+        self.spec, self.models = spec, models
+        self.prompts = eval_prompts(spec.data, models.tokenizer, num_prompts)
+
+    def __call__(self, drafter, samplings: list[SamplingSpec] | None = None) -> dict[str, float]:
+        was_training = drafter.training
+        drafter.eval()
+        e = self.spec.eval
+        rows = evaluate(Models(self.models.target, drafter, self.models.tokenizer), self.prompts,
+                        samplings or [SamplingSpec(name="greedy")], max_new_tokens=e.max_new_tokens,
+                        batch_size=e.batch_size, seed=self.spec.seed, baseline=False)
+        drafter.train(was_training)
+        return {r.sampling: r.tau for r in rows}
+
+
+def arm_spec(job: ArmJob, steps: int) -> ExperimentSpec:
+    sets = [*job.overrides, *job.arm.set, f"seed={job.seed}", "engine=local", f"steps={steps}", "eval.every=0",
+            f"tracking.run_dir={job.run_dir}", f"tracking.checkpoint_every={steps + 1}"]
+    return load_spec(job.experiment, sets)
+
+
+def run_arm(job: ArmJob) -> ArmResult:
+    """One (arm, seed) from the warm drafter to the budget; runs in a worker process."""
+    torch.set_num_threads(1)
+    os.environ["OPD_PROGRESS"] = "0"
+    started = time.perf_counter()
+    result = _run_sft_arm(job) if job.arm.kind == "sft" else _run_opd_arm(job)
+    result.minutes = (time.perf_counter() - started) / 60
+    return result
+
+
+def _run_opd_arm(job: ArmJob) -> ArmResult:
+    budget_setter = job.marks is None
+    # Room past the full arm's step count for cheaper arms; the warmup stays as many steps as the full arm's.
+    cap = 4 * job.opd_steps
+    spec = arm_spec(job, cap)
+    spec.optim.warmup_ratio *= job.opd_steps / cap
+    trainer = LocalTrainer(spec, track=False)
+    session = trainer.session
+    trainer.start()
+    evaluator = _Evaluator(spec, session.models, job.eval_prompts)
+    initial = evaluator(session.drafter, spec.eval.sampling if budget_setter else None)
+    curve = [(0.0, initial["greedy"])]
+    mark_steps = {round(job.opd_steps * (i + 1) / job.eval_points) for i in range(job.eval_points)}
+    marks = list(job.marks or [])
+    records_by_step = []
+    while True:
+        report = trainer.train_step()
+        records_by_step.append(report.metrics)
+        spent = session.flops.total
+        if budget_setter and session.step in mark_steps or marks and spent >= marks[0]:
+            curve.append((spent, evaluator(session.drafter)["greedy"]))
+            marks = marks[1:]
+        if (budget_setter and session.step >= job.opd_steps) or (not budget_setter and not marks) or \
+                session.step >= cap:
+            break
+    final = evaluator(session.drafter, spec.eval.sampling)
+    return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, final,
+                     _first_rejection_halves(records_by_step, session.drafter.block_size),
+                     initial if budget_setter else {})
+
+
+def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) -> dict[str, list[float]]:
+    """Table 10: the rollout's first-rejected-position distribution, averaged over each half of training."""
+    keys = [f"first_reject_{k}" for k in range(1, block_size)] + ["first_reject_full_accept"]
+    half = len(metrics) // 2
+    out = {}
+    for name, part in (("first_half", metrics[:half]), ("second_half", metrics[half:])):
+        out[name] = [sum(m[k] for m in part) / max(1, len(part)) for k in keys]
+    return out
+
+
+def _run_sft_arm(job: ArmJob) -> ArmResult:
+    assert job.marks is not None and job.sft_data is not None
+    spec = arm_spec(job, job.opd_steps)
+    spec.sft.max_flops = job.marks[-1]
+    models = build_models(spec)
+    examples = [SftExample(d["prompt_ids"], d["response_ids"])
+                for d in map(json.loads, Path(job.sft_data).read_text().splitlines())]
+    evaluator = _Evaluator(spec, models, job.eval_prompts)
+    curve = [(0.0, evaluator(models.drafter)["greedy"])]
+    marks = list(job.marks)
+    steps = 0
+
+    def on_step(flops: FlopCounter) -> None:
+        nonlocal marks, steps
+        steps += 1
+        if marks and flops.total >= marks[0]:
+            curve.append((flops.total, evaluator(models.drafter)["greedy"]))
+            marks = marks[1:]
+
+    flops = train_sft(spec, models, examples, on_step=on_step)
+    if marks:
+        raise OpdError(f"arm {job.arm.name}: SFT data ran out before the FLOP budget; raise sft.epochs")
+    final = evaluator(models.drafter, spec.eval.sampling)
+    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, final)

@@ -1,0 +1,93 @@
+"""What `opd reproduce` runs: its YAML spec (`configs/reproduce/*.yaml`), one (arm, seed) job and its result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from opd.errors import OpdError
+
+BUDGET_ARM = "draft-opd"
+
+
+class ArmSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    kind: Literal["opd", "sft"] = "opd"
+    set: list[str] = Field(default_factory=list)  # `--set` overrides on the experiment, e.g. loss.kl_mode=...
+
+
+class ReproduceSpec(BaseModel):
+    """What `configs/reproduce/tiny.yaml` holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    experiment: str  # the base experiment spec: target, warm drafter, prompts, SFT recipe
+    set: list[str] = Field(default_factory=list)  # overrides for every arm
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    opd_steps: int = Field(ge=2)  # the full method's steps; their FLOPs are every arm's budget
+    eval_points: int = Field(4, ge=1)  # held-out τ measured at this many evenly spaced marks
+    eval_prompts: int = Field(64, ge=1)
+    sft_data: str | None = None  # the warm drafter's SFT data (jsonl); None: regenerate it with the spec's sft:
+    workers: int = Field(2, ge=1)
+    out_dir: str = "runs/reproduce"
+    arms: list[ArmSpec] = Field(min_length=2)
+
+
+def load_reproduce_spec(path: str | Path, overrides: list[str] | None = None) -> ReproduceSpec:
+    """Read and check a reproduce spec; `overrides` are top-level `key=value` pairs (e.g. seeds=[0])."""
+    path = Path(path)
+    if not path.is_file():
+        raise OpdError(f"{path}: no such reproduce spec (expected a YAML file like configs/reproduce/tiny.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise OpdError(f"--set {item}: expected KEY=VALUE")
+            data[key.strip()] = yaml.safe_load(value)
+        spec = ReproduceSpec.model_validate(data)
+    except yaml.YAMLError as exc:
+        raise OpdError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise OpdError(f"{path}: {where}: {err['msg']}") from None
+    names = [a.name for a in spec.arms]
+    if BUDGET_ARM not in names or len(set(names)) != len(names):
+        raise OpdError(f"{path}: arms: expected unique names including {BUDGET_ARM!r} (it sets the FLOP budget)")
+    return spec
+
+
+
+@dataclass
+class ArmJob:
+    arm: ArmSpec
+    seed: int
+    experiment: str
+    overrides: list[str]
+    run_dir: str
+    opd_steps: int
+    eval_points: int
+    eval_prompts: int
+    marks: list[float] | None = None  # FLOPs at which to measure τ; the last is the budget (None: set it)
+    sft_data: str | None = None
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    seed: int
+    steps: int
+    flops: dict[str, float]
+    curve: list[tuple[float, float]]  # (FLOPs spent, held-out greedy τ), the warm drafter at 0
+    final: dict[str, float]  # sampling name -> held-out τ at the end
+    first_rejection: dict[str, list[float]] = field(default_factory=dict)  # "first_half"/"second_half"
+    initial: dict[str, float] = field(default_factory=dict)  # the warm drafter, every setting (full arm only)
+    minutes: float = 0.0
+
