@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -121,6 +122,27 @@ def test_target_depth_is_read_from_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"^models.drafter.target_layer_ids: layer 8 is outside the target"):
         validate_spec({**MINIMAL, "models": {"target_path": target, "drafter": {"target_layer_ids": [1, 8]}}},
                       check_paths=False)
+
+
+def test_target_config_is_read_once_per_process_until_it_changes(tmp_path: Path, monkeypatch) -> None:
+    target = make_model_dir(tmp_path / "target", {"num_hidden_layers": 8})
+    reads = []
+    read_text = Path.read_text
+
+    def counting(self: Path, *args, **kwargs) -> str:
+        if self.name == "config.json":
+            reads.append(self)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting)
+    data = {**MINIMAL, "models": {"target_path": target, "drafter": {"num_layers": 2}}}
+    first = ExperimentSpec.model_validate(data)
+    second = ExperimentSpec.model_validate(first.model_dump())  # what every actor does with the driver's spec
+    assert len(reads) == 1 and first == second and second.models.target_num_layers == 8
+    config = Path(target) / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 12}))
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # a later mtime
+    assert ExperimentSpec.model_validate(data).models.target_num_layers == 12 and len(reads) == 2
 
 
 def test_warm_drafter_must_match_spec(tmp_path: Path) -> None:
