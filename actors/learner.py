@@ -127,9 +127,6 @@ class LearnerActor:
     def counters(self) -> dict:
         return vars(self.session.counters)
 
-    def evaluate(self, baseline: bool = True) -> list:
-        return self.session.evaluate(baseline=baseline)
-
     def close(self, status: str = "FINISHED") -> None:
         self.session.close(status)
 
