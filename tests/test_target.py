@@ -18,7 +18,7 @@ TOL = 1e-6  # HF Qwen3 computes RMSNorm and RoPE in float32 even for float64 mod
 @pytest.mark.parametrize(
     ("num_target_layers", "num_draft_layers", "expected"),
     [
-        (36, 5, [1, 9, 17, 25, 33]),  # Qwen3-4B/8B DFlash (REFERENCE.md)
+        (36, 5, [1, 9, 17, 25, 33]),  # Qwen3-4B/8B DFlash (public z-lab checkpoints)
         (36, 1, [18]),
         (64, 5, [1, 16, 31, 46, 61]),  # a public 64-layer-target DFlash config
         (52, 5, [1, 13, 25, 37, 49]),  # z-lab/dflash tests/fixtures/dflash2-config.json

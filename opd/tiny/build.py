@@ -1,6 +1,6 @@
 """`opd build-tiny`: build the shipped tiny target (tokenizer, prompt sets, Qwen3 weights, model card) offline.
 
-A tiny target is only useful if it behaves like a real one (DESIGN.md section 9): raw standard-library source
+A tiny target is only useful if it behaves like a real one (`opd/tiny/quality.py`): raw standard-library source
 gives a model that loops on every prompt, which makes every τ meaningless. So the corpus is narrow and clean —
 procedurally generated grade-school math with worked solutions whose wording varies at random — and the
 model is trained until it writes those solutions fluently. The build checkpoints as it goes and resumes.

@@ -1,6 +1,6 @@
 """Procedurally generated grade-school math word problems with worked, step-by-step solutions.
 
-Why this exists: the tiny target model (DESIGN.md section 9) is trained for about 90 minutes on 2 CPU cores
+Why this exists: the tiny target model (`opd/tiny/build.py`) is trained for about 90 minutes on 2 CPU cores
 and must still behave like a real target: rarely loop, be confident where text is predictable and uncertain
 at real choice points. A few-million-parameter model can master a narrow, clean domain, so we generate one.
 

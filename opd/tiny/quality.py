@@ -1,4 +1,4 @@
-"""Does a target behave like a real one? The three checks of DESIGN.md section 9, on held-out prompts.
+"""Does a target behave like a real one? Three checks on held-out prompts: loops, confidence, loss.
 
 A target that loops makes speculative decoding look great for the wrong reason (the drafter just copies the
 loop), and a target that is never confident gives τ ≈ 1 whatever the drafter does. These numbers go on the
