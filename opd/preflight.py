@@ -58,11 +58,12 @@ def check_drafter(path: str, target: SimpleNamespace) -> None:
     import torch
     from torch import nn
 
-    from opd.models.drafter import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, WEIGHTS_FILE, DFlashDrafter, _read_config
+    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, WEIGHTS_FILE, read_config
+    from opd.models.drafter import DFlashDrafter
 
     if not (Path(path) / CONFIG_FILE).is_file():
         raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash drafter directory or 'random')")
-    config = _read_config(Path(path) / CONFIG_FILE, target)
+    config = read_config(Path(path) / CONFIG_FILE, target)
     with torch.device("meta"):
         shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
                                                                                  config.vocab_size, bias=False)

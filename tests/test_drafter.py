@@ -214,28 +214,6 @@ def test_incremental_cache_with_holes_equals_one_extend(setup):
         assert (got - want).abs().max() < EXACT
 
 
-def test_crop_drops_entries_beyond_length(setup):
-    _, drafter, ids, features, valid = setup
-    positions = torch.arange(T).expand(2, -1)
-    cache = drafter.new_cache(2)
-    drafter.extend_cache(cache, features, positions, valid)
-    cache.crop(6)
-    short = drafter.new_cache(2)
-    drafter.extend_cache(short, features[:, :6], positions[:, :6], valid[:, :6])
-    assert cache.length == 6
-    assert all(k.shape[2] == 6 for k in cache.keys + cache.values)
-    assert torch.equal(cache.positions, short.positions) and torch.equal(cache.valid, short.valid)
-    for a, b in zip(cache.keys + cache.values, short.keys + short.values):
-        assert (a - b).abs().max() < EXACT
-    anchors = torch.tensor([[9, 11], [8, 10]])  # anchors past the crop: only 6 context entries remain visible
-    for got, want in zip(_draft_all(drafter, cache, ids, anchors), _draft_all(drafter, short, ids, anchors)):
-        assert (got - want).abs().max() < EXACT
-    cropped_away = _draft_all(drafter, cache, ids, anchors)[0]
-    uncropped = drafter.new_cache(2)
-    drafter.extend_cache(uncropped, features, positions, valid)
-    assert (cropped_away - _draft_all(drafter, uncropped, ids, anchors)[0]).abs().max() > 1e-3
-
-
 # --- sharing and gradients ----------------------------------------------------------------------------------------
 
 

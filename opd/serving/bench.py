@@ -20,7 +20,7 @@ from rich.table import Table
 from opd.data import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.models.drafter import CONFIG_FILE, DFlashConfig, check_vllm_capturable
+from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, check_vllm_capturable
 from opd.progress import progress_bar
 from opd.serving.engine import (
     dflash_config,

@@ -1,0 +1,313 @@
+"""The public DFlash checkpoint format: `config.json` <-> `DFlashConfig`, and `model.safetensors` checks.
+
+A drafter directory holds config.json (Qwen3 fields plus `block_size`, `num_target_layers` and `dflash_config`)
+and model.safetensors (tensor names without a `model.` prefix, no embedding and no LM head: those are the
+target's). It is the layout of the public DFlash drafters (z-lab/dflash), so drafters trained here load in
+vLLM/SGLang (`method: dflash`) and public drafters load here. Anything this drafter does not implement (other
+DFlash variants, sliding-window layers, scaled RoPE) is refused with a one-line OpdError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from opd.errors import OpdError
+from opd.spec import default_target_layer_ids
+
+if TYPE_CHECKING:
+    from opd.models.target import Target
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+# Tensors a checkpoint may carry but that we always take from the target.
+SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DFlashConfig:
+    """Drafter hyper-parameters; `to_hf_dict`/`from_hf_dict` speak the public DFlash config.json layout."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    attention_bias: bool = False
+
+    @classmethod
+    def for_target(
+        cls,
+        target_hf_config: Any,
+        num_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+    ) -> DFlashConfig:
+        """A drafter as wide as the target (DFlash copies the target's attention and MLP shapes)."""
+        hf = target_hf_config.to_dict()
+        _check_activation(hf)
+        num_target_layers = int(hf["num_hidden_layers"])
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        return cls(
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(num_layers),
+            num_attention_heads=int(hf["num_attention_heads"]),
+            num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            rope_theta=_rope_theta(hf),
+            vocab_size=int(hf["vocab_size"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=[int(i) for i in target_layer_ids],
+            num_target_layers=num_target_layers,
+            attention_bias=bool(hf.get("attention_bias", False)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The public config.json: Qwen3 fields plus `block_size`, `num_target_layers` and `dflash_config`.
+
+        RoPE is written both the transformers-4 way (`rope_theta`) and the transformers-5 way
+        (`rope_parameters`) so either generation of loaders reads it.
+        """
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab_size,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> DFlashConfig:
+        """Read a public DFlash config.json; a missing or malformed field raises OpdError naming it.
+
+        `block_size` may sit at the top level (Qwen3 DFlash checkpoints) or in `dflash_config` (newer ones);
+        without `dflash_config.target_layer_ids` the public default rule applies, as in the public code.
+        """
+        _check_activation(hf)
+        dflash = hf.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise OpdError("config field 'dflash_config' must be an object")
+        _check_variant(hf, dflash)
+        num_hidden_layers = _int_field(hf, "num_hidden_layers")
+        _check_full_attention(hf, num_hidden_layers)
+        num_target_layers = _int_field(hf if "num_target_layers" in hf else dflash, "num_target_layers")
+        block_size = hf.get("block_size", dflash.get("block_size"))
+        if block_size is None:
+            raise OpdError("config field 'block_size' is missing")
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+        if not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
+            raise OpdError("config field 'dflash_config.target_layer_ids' must be a list of integers")
+        num_heads = _int_field(hf, "num_attention_heads")
+        hidden_size = _int_field(hf, "hidden_size")
+        return cls(
+            hidden_size=hidden_size,
+            intermediate_size=_int_field(hf, "intermediate_size"),
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf),
+            vocab_size=_int_field(hf, "vocab_size"),
+            max_position_embeddings=_int_field(hf, "max_position_embeddings"),
+            block_size=int(block_size),
+            mask_token_id=_int_field(dflash, "mask_token_id", prefix="dflash_config."),
+            target_layer_ids=list(layer_ids),
+            num_target_layers=num_target_layers,
+            attention_bias=bool(hf.get("attention_bias", False)),
+        )
+
+
+# `dflash_config` keys of the model implemented here; others (selector_*, conv_*, projector_type,
+# final_logit_softcapping, input_embedding_scale, ...) belong to other DFlash variants and change the forward.
+DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "causal"})
+QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config's default, used when a config enables sliding windows without it
+
+
+def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
+    """Refuse DFlash variants this drafter does not implement; loading them would draft wrongly, silently."""
+    unknown = sorted(set(dflash) - DFLASH_KEYS)
+    if unknown:
+        raise OpdError(f"config field 'dflash_config.{unknown[0]}' belongs to a DFlash variant this drafter does not "
+                       f"implement (supported keys: {', '.join(sorted(DFLASH_KEYS))})")
+    for name, value in (("is_causal", hf.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
+        if value:
+            raise OpdError(f"config field '{name}' is {value!r}; only block-bidirectional DFlash drafters are "
+                           "supported (expected false or absent)")
+
+
+def _check_full_attention(hf: dict[str, Any], num_layers: int) -> None:
+    """Every layer must be full attention: a sliding layer runs causal with a window in the public code, which
+    the block mask here does not do. Layer types are read as transformers derives them for Qwen3."""
+    types = hf.get("layer_types")
+    if types is None:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        first = hf.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(num_layers)]
+        field = f"use_sliding_window (sliding_window {window}, max_window_layers {first})"
+    else:
+        field = "layer_types"
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise OpdError(f"config field 'layer_types' must list {num_layers} layer types, got {types!r}")
+    bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
+    if bad:
+        raise OpdError(f"config field '{field}' makes layer {bad[0][0]} {bad[0][1]!r}; only 'full_attention' "
+                       "DFlash drafters are supported (sliding-window layers would run without their causal window)")
+
+
+def check_vllm_capturable(config: DFlashConfig) -> None:
+    """vLLM's DFlash path captures layer i's output as the input of layer i + 1, so it cannot capture the
+    target's last layer; such a drafter trains and drafts here (we read the final norm) but not in vLLM."""
+    last = config.num_target_layers - 1
+    if last in config.target_layer_ids:
+        raise OpdError(f"dflash_config.target_layer_ids {config.target_layer_ids} include {last}, the target's last "
+                       f"layer, which vLLM's DFlash path cannot capture (expected ids below {last})")
+
+
+def _int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
+    value = d.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OpdError(f"config field '{prefix}{name}' must be an integer, got {value!r}")
+    return value
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """RoPE base from either config generation; only plain (unscaled) RoPE is implemented."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise OpdError(f"config field 'rope_parameters.rope_type' is {rope_type!r}; only 'default' is supported")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise OpdError("config field 'rope_theta' is missing")
+    return float(theta)
+
+
+def _check_activation(hf: dict[str, Any]) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise OpdError(f"config field 'hidden_act' is {hf['hidden_act']!r}; the DFlash drafter uses 'silu'")
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading and writing a checkpoint directory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_checkpoint(directory: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor],
+                     dtype: torch.dtype) -> None:
+    """Write config.json (with `dtype`) + model.safetensors in the public layout; `tensors` is a state dict."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = config.to_hf_dict()
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def read_config(path: Path, target: Target) -> DFlashConfig:
+    """Parse config.json and check it describes a drafter for this very target."""
+    if not path.is_file():
+        raise OpdError(f"{path}: drafter config not found")
+    try:
+        config = DFlashConfig.from_hf_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as exc:
+        raise OpdError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except OpdError as exc:
+        raise OpdError(f"{path}: {exc}") from exc
+    expected = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_target_layers": target.num_layers,
+    }
+    for name, value in expected.items():
+        if getattr(config, name) != value:
+            raise OpdError(f"{path}: {name} is {getattr(config, name)} but the target has {value}")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < config.num_target_layers]
+    if bad or not config.target_layer_ids:
+        raise OpdError(
+            f"{path}: dflash_config.target_layer_ids {config.target_layer_ids} must be non-empty ids in "
+            f"[0, {config.num_target_layers})"
+        )
+    if config.target_layer_ids != target.layer_ids:
+        raise OpdError(
+            f"{path}: dflash_config.target_layer_ids {config.target_layer_ids} differ from the target's layer_ids "
+            f"{target.layer_ids}; load the target with the checkpoint's ids"
+        )
+    if config.block_size < 2:
+        raise OpdError(f"{path}: block_size must be >= 2, got {config.block_size}")
+    if not 0 <= config.mask_token_id < config.vocab_size:
+        raise OpdError(f"{path}: dflash_config.mask_token_id {config.mask_token_id} is outside the vocabulary")
+    return config
+
+
+def read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load model.safetensors, drop shared embedding/LM-head tensors, and check names and shapes exactly."""
+    if not path.is_file():
+        raise OpdError(f"{path}: drafter weights not found")
+    try:
+        loaded = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise OpdError(f"{path}: unreadable safetensors file ({exc})") from exc
+    tensors = {name: t for name, t in loaded.items() if not name.endswith(SHARED_TENSOR_SUFFIXES)}
+    missing = sorted(expected.keys() - tensors.keys())
+    if missing:
+        raise OpdError(f"{path}: missing tensor(s) {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    unexpected = sorted(tensors.keys() - expected.keys())
+    if unexpected:
+        raise OpdError(
+            f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else "")
+        )
+    for name, want in expected.items():
+        if tuple(tensors[name].shape) != tuple(want.shape):
+            raise OpdError(
+                f"{path}: tensor {name} has shape {list(tensors[name].shape)}, expected {list(want.shape)}"
+            )
+    return {name: t.to(dtype=expected[name].dtype) for name, t in tensors.items()}
