@@ -93,7 +93,7 @@ class DrafterSpec(_Section):
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A checkpoint's config.json, or None when absent or unreadable (check_paths reports missing dirs).
 
-    Read once per process while the file is unchanged (keyed by resolved path, mtime and size): a spec is
+    Read once per process while the file is unchanged (keyed by resolved path, inode, mtime and size): a spec is
     validated several times per actor, and the file may sit on a slow shared filesystem.
     """
     try:
@@ -101,12 +101,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         stat = resolved.stat()
     except (OSError, RuntimeError):
         return None
-    data = _read_json_once(resolved, stat.st_mtime_ns, stat.st_size)
+    data = _read_json_once(resolved, stat.st_ino, stat.st_mtime_ns, stat.st_size)
     return copy.deepcopy(data)  # callers get their own copy; the cached one stays as read
 
 
 @functools.lru_cache(maxsize=64)
-def _read_json_once(path: Path, mtime_ns: int, size: int) -> dict[str, Any] | None:
+def _read_json_once(path: Path, inode: int, mtime_ns: int, size: int) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
