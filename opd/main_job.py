@@ -133,7 +133,7 @@ def run_main(spec: ExperimentSpec) -> int:
     started = time.perf_counter()
     with open_run(spec):
         console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
-                      f"run directory {spec.run_dir}")
+                      f"run directory {spec.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
         before = held_out_eval(spec, spec.models.drafter_path)
         result = train(spec)
         try:
