@@ -21,6 +21,10 @@ from opd.spec import ExperimentSpec
 def check_inputs(spec: ExperimentSpec) -> None:
     """Raise OpdError naming the first unusable input: tokenizer, prompt files, target or warm drafter."""
     m = spec.models
+    no_gpu = [role for role in ("learner", "scorer", "rollout") if not getattr(spec.resources, role).num_gpus]
+    if m.device == "cuda" and spec.engine == "ray" and no_gpu:
+        raise OpdError(f"models.device: cuda but resources.{no_gpu[0]}.num_gpus is 0, so that actor sees no GPU "
+                       f"(expected auto, or GPUs for every role)")
     tokenizer = load_tokenizer(m.tokenizer)
     target = check_target(m.target_path, m.layer_ids or [])
     if len(tokenizer) > target.vocab_size:

@@ -77,6 +77,12 @@ def test_a_drafter_for_another_target_is_refused_up_front(micro_spec_file, micro
     assert f"tensor {name} has shape" in one_error_line(capsys)
 
 
+def test_cuda_for_a_role_without_gpus_is_refused_up_front(micro_spec_file, capsys, no_ray):
+    assert main(["train", str(micro_spec_file), "--set", "engine=ray", "--set", "models.device=cuda"]) == 2
+    assert one_error_line(capsys) == ("error: models.device: cuda but resources.learner.num_gpus is 0, so that actor "
+                                      "sees no GPU (expected auto, or GPUs for every role)")
+
+
 def _constructor_failed(last_line: str) -> ray.exceptions.ActorDiedError:
     """What `ray.get` raises for an actor whose constructor raised: Ray keeps only the traceback text."""
     traceback = f"Traceback (most recent call last):\n  File \"actors/rollout.py\", line 27, in __init__\n{last_line}"
