@@ -45,12 +45,15 @@ from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.replay import pack, score, student_hidden, teacher_mask
 from opd.spec import LossSpec
-from opd.weights import WeightSnapshot
+from opd.train.messages import WeightSnapshot
 
 VOCAB, K, N_FEATURES, STEP_SEQUENCES, GPU_BYTES = 151_936, 16, 5, 24, 141e9
-QWEN3 = {"4B": {"hidden": 2560, "layers": 36, "intermediate": 9728, "heads": 32},
-         "8B": {"hidden": 4096, "layers": 36, "intermediate": 12288, "heads": 32}}
-DRAFTER_LAYERS = 5
+# The shipped configs' drafters: width and MLP of the target, 5 layers (8 for the MoE target, whose dense
+# intermediate size the drafter takes), one target feature per drafter layer.
+QWEN3 = {"4B": {"hidden": 2560, "intermediate": 9728, "drafter_layers": 5},
+         "8B": {"hidden": 4096, "intermediate": 12288, "drafter_layers": 5},
+         "30B-A3B": {"hidden": 2048, "intermediate": 6144, "drafter_layers": 8}}
+DRAFTER_LAYERS = 5  # the Qwen3-4B drafter whose publish is timed
 GB = 1e9
 
 
@@ -222,17 +225,17 @@ def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, args) 
         h, first = shape["hidden"], next(iter(measured))
         rows, scale = (measured[h], 1.0) if h in measured else (measured[first], h / first)
         _, block_bytes = fit(rows, "learner_peak_new", "blocks")  # student activations per block, 1 layer
-        drafter_params = (DRAFTER_LAYERS * (4096 * h * 2 + 1024 * h * 2 + 3 * shape["intermediate"] * h)
-                          + N_FEATURES * h * h)
+        layers = features = shape["drafter_layers"]
+        drafter_params = layers * (4096 * h * 2 + 1024 * h * 2 + 3 * shape["intermediate"] * h) + features * h * h
         static = drafter_params * (2 + 2 + 8) + 2 * VOCAB * h * 2  # bf16 weights + grads, fp32 AdamW, embed + head
         for length in (2048, 4096):
             for tau in (3, 6):
                 blocks = length / tau
                 slots = blocks * (K - 1)
                 prefix = args.projection_prompt + length
-                new_seq = slots * h * 2 + prefix * N_FEATURES * h * 2
-                old_seq = slots * VOCAB * 4 + (prefix + blocks * (K - 2)) * N_FEATURES * h * 2
-                activations = block_bytes * scale * blocks * DRAFTER_LAYERS
+                new_seq = slots * h * 2 + prefix * features * h * 2
+                old_seq = slots * VOCAB * 4 + (prefix + blocks * (K - 2)) * features * h * 2
+                activations = block_bytes * scale * blocks * layers
                 new_gpu = static + new_seq + activations + chunk_bytes_per_slot * args.projection_chunk
                 old_gpu = static + STEP_SEQUENCES * old_seq + activations + args.old_loss_factor * slots * VOCAB * 4
                 out.append({"config": f"Qwen3-{name}", "tokens": length, "tau": tau,
@@ -286,7 +289,16 @@ def main() -> None:
     parser.add_argument("--projection-prompt", type=int, default=512)
     parser.add_argument("--projection-chunk", type=int, default=400, help="optim.loss_chunk_size projected")
     parser.add_argument("--json", default="bench/results/scale.json")
+    parser.add_argument("--project-only", action="store_true", help="re-project the measurements in --json")
     args = parser.parse_args()
+    if args.project_only:
+        result = json.loads(Path(args.json).read_text())
+        args.old_loss_factor = result["old_loss_bytes_per_teacher_byte"]
+        measured = {int(h): rows for h, rows in result["measured"].items()}
+        result["projected"] = project(measured, result["chunk_bytes_per_slot"], args)
+        print_tables(result)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        return
     torch.set_num_threads(2)
     measured: dict[int, list[dict]] = {}
     for i, hidden in enumerate(args.hidden):
