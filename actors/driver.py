@@ -33,11 +33,11 @@ from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
-from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.distributed import free_address
 from opd.tracking import end_run, run_status
-from opd.train.local import TrainResult, progress_columns
+from opd.train.messages import StepReport, TrainResult
+from opd.train.result import run_to
 
 MAX_RESTARTS = 3  # per rollout or scorer actor; one more death stops the run
 RESTART_TIMEOUT_S = 600.0  # a restarted actor rebuilds its models (a large target takes minutes to load)
@@ -294,21 +294,9 @@ def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:
         print(f"Ray dashboard (while the run is live): {url}", flush=True)
     error: BaseException | None = None
     try:
-        step = run.start()
-        result = TrainResult(steps=step, run_id=run.run_id)
-        with progress_bar(*progress_columns()) as bar:
-            task = bar.add_task("draft-opd (ray)", total=spec.steps, completed=step, loss=float("nan"),
-                                tau=float("nan"))
-            while step < spec.steps:
-                for report in run.train(step + 1):
-                    m, step = report["metrics"], report["step"]
-                    result.losses.append(m["loss"])
-                    result.checkpoint = report["checkpoint"] or result.checkpoint
-                    if report["evals"]:
-                        result.evals[step] = report["evals"]
-                    bar.update(task, completed=step, loss=m["loss"], tau=m["rollout_tau"])
-        result.steps = step
-        return result
+        result = TrainResult(steps=run.start(), run_id=run.run_id)
+        return run_to(spec, result, lambda until: [StepReport(**r) for r in run.train(until)],
+                      label="draft-opd (ray)")
     except BaseException as exc:
         error = exc
         raise

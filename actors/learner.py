@@ -1,4 +1,4 @@
-"""LearnerActor: owns the `LearnerSession` (drafter, optimizer, checkpoints, MLflow) and publishes weights.
+"""LearnerActor: owns the `TrainingSession` (drafter, optimizer, checkpoints, MLflow) and publishes weights.
 
 With `resources.learner.replicas` N > 1 it is learner rank 0 of N: it alone collects batches, tracks, evaluates,
 checkpoints and publishes, and sends each `LearnerRankActor` its shard of every step (opd/train/distributed.py).
@@ -15,11 +15,11 @@ from actors.metrics import Metrics
 from actors.queues import BatchQueue
 from opd.losses import StepNorm
 from opd.models.build import resolve_device
-from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
 from opd.train.distributed import Group, init_group
-from opd.train.ledger import StepBuffer, Ticket
-from opd.train.session import LearnerReplica, LearnerSession, ScoredItem
+from opd.train.ledger import StepBuffer
+from opd.train.messages import ScoredBatch, ScoredItem, Ticket
+from opd.train.session import LearnerRank, TrainingSession
 
 
 class RankPeers:
@@ -50,23 +50,20 @@ class LearnerActor:
         """`address` and `ranks` (the `LearnerRankActor`s 1..N-1) only with several learner ranks."""
         self.spec = ExperimentSpec.model_validate(spec)
         self.store, self.ledger, self.inbox, self.ranks = store, ledger, inbox, ranks or []
-        self.session = LearnerSession(self.spec, track=track, group=join_group(self.spec, address, 0),
+        self.session = TrainingSession(self.spec, track=track, group=join_group(self.spec, address, 0),
                                       peers=RankPeers(self.ranks) if self.ranks else None)
-        self.per_step = self.spec.optim.batch_size // self.spec.rollout.batch_size
-        self.buffer = StepBuffer(self.per_step)
+        self.buffer = StepBuffer(self.spec.batches_per_step)
         self.worker = ""  # the learner's id in the ledger, once started
         self.metrics = Metrics()
 
     def start(self) -> int:
-        """Resume from the last checkpoint (if any), publish the current weights and open the ledger at the first
-        batch this step needs; returns the step."""
-        resumed = self.session.start()
+        """Start the session (resume from the last checkpoint, or evaluate the warm drafter as step 0), publish the
+        current weights and open the ledger at the first batch this step needs; returns the step."""
+        self.session.start()
         checkpoint = None if self.session.resumed_from is None else str(self.session.resumed_from)
         ray.get([rank.start.remote(checkpoint) for rank in self.ranks])
-        if not resumed:
-            self.session.evaluate_and_log()
         self._publish()
-        ray.get(self.ledger.begin.remote(self.session.step * self.per_step))
+        ray.get(self.ledger.begin.remote(self.session.step * self.spec.batches_per_step))
         self.worker = ray.get(self.ledger.register.remote("learner"))
         return self.session.step
 
@@ -133,14 +130,14 @@ class LearnerActor:
 
 @ray.remote
 class LearnerRankActor:
-    """Learner rank r > 0: joins the group, then steps on the shards rank 0 sends (`LearnerReplica`)."""
+    """Learner rank r > 0: joins the group, then steps on the shards rank 0 sends (`LearnerRank`)."""
 
     def __init__(self, spec: dict, rank: int, address: str) -> None:
         spec = ExperimentSpec.model_validate(spec)
-        self.replica = LearnerReplica(spec, join_group(spec, address, rank))
+        self.rank = LearnerRank(spec, join_group(spec, address, rank))
 
     def start(self, checkpoint: str | None) -> None:
-        self.replica.start(checkpoint)
+        self.rank.start(checkpoint)
 
     def train_step(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> None:
-        self.replica.train_step(micro_batches, norm)
+        self.rank.train_step(micro_batches, norm)

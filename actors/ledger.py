@@ -10,7 +10,8 @@ import ray
 
 from actors.queues import BatchQueue, Lost
 from opd.spec import ExperimentSpec
-from opd.train.ledger import Ledger, Ticket
+from opd.train.ledger import Ledger
+from opd.train.messages import Ticket
 from opd.train.rollout import required_version
 
 

@@ -13,9 +13,8 @@ from opd.acceptance import AcceptanceStats
 from opd.data import train_prompts
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
-from opd.train.ledger import Ticket
+from opd.train.messages import Ticket, WeightSnapshot
 from opd.train.rollout import RolloutWorker
-from opd.weights import WeightSnapshot
 
 
 @ray.remote

@@ -9,7 +9,7 @@ from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
 from opd.models.build import build_target
 from opd.spec import ExperimentSpec
-from opd.train.local import Scorer
+from opd.train.scorer import Scorer
 
 
 @ray.remote

@@ -117,9 +117,7 @@ def run_local(spec: ExperimentSpec) -> dict:
     t0 = time.perf_counter()
     trainer = LocalTrainer(spec, track=False)
     s = trainer.session
-    s.start()
-    trainer.rollout.load_drafter(s.published.verified().state, s.published.version)
-    s.evaluate_and_log()  # the pre-training eval LocalTrainer.run does (the Ray learner does it in start())
+    trainer.start()  # resume or, fresh, the step-0 eval, as LocalTrainer.run and the Ray learner's start do
     t1 = time.perf_counter()
     reports = []
     while s.step < spec.steps:

@@ -1,7 +1,7 @@
 """`opd run` (what `make run` calls): Draft-OPD from the warm drafter, with τ before and after.
 
 1. Evaluate the warm drafter on the held-out prompts (greedy and sampled, with the autoregressive baseline).
-2. Train with the spec's engine (Ray by default) — rollout, replay scorer and learner actors.
+2. Train with the spec's engine (Ray by default) through the launcher, `opd.launch.train`.
 3. Evaluate the trained drafter the same way, print both as one table, plot held-out τ over training steps,
    and log the table and the plot to the run's MLflow run.
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from opd import launch
 from opd.data import eval_prompts
 from opd.eval import EvalRow, evaluate
 from opd.models.build import build_models
@@ -31,7 +32,7 @@ from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec
 from opd.tracking import end_run, ensure_store, run_status
 from opd.train.checkpoint import remove_partial_checkpoints
-from opd.train.local import TrainResult
+from opd.train.messages import TrainResult
 
 
 @contextlib.contextmanager
@@ -46,28 +47,10 @@ def open_run(spec: ExperimentSpec) -> Iterator[None]:
         yield
 
 
-def train(spec: ExperimentSpec) -> TrainResult:
-    """Train with the spec's engine; the MLflow run ends FINISHED, or FAILED / KILLED with the error that stopped
-    it (the Ray driver does the same for `engine: ray`)."""
-    if spec.engine == "ray":
-        from actors.driver import run_ray
-
-        return run_ray(spec)
-    from opd.train.local import LocalTrainer
-
-    trainer = LocalTrainer(spec)
-    try:
-        return trainer.run()
-    except BaseException as exc:
-        with contextlib.suppress(Exception):  # never mask the error that stopped the run
-            trainer.session.close(run_status(exc))
-        raise
-
-
 def run_train(spec: ExperimentSpec) -> int:
     """`opd train`: Draft-OPD training only, resuming from the run directory's last checkpoint."""
     with open_run(spec):
-        result = train(spec)
+        result = launch.train(spec)
     print(f"trained to step {result.steps}; checkpoint: {result.checkpoint}")
     print(f"MLflow run {result.run_id}: {mlflow_ui(spec)}")
     return 0
@@ -135,7 +118,7 @@ def run_main(spec: ExperimentSpec) -> int:
         console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
                       f"run directory {spec.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
         before = held_out_eval(spec, spec.models.drafter_path)
-        result = train(spec)
+        result = launch.train(spec)
         try:
             summary = _after_training(spec, console, before, result, started)
         except BaseException as exc:

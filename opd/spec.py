@@ -449,6 +449,12 @@ class ExperimentSpec(_Section):
         return self
 
     @property
+    def batches_per_step(self) -> int:
+        """Rollout batches per optimizer step (the validator keeps `optim.batch_size` a multiple of
+        `rollout.batch_size`): step s trains on batch indices s * batches_per_step .. (s + 1) * batches_per_step - 1."""
+        return self.optim.batch_size // self.rollout.batch_size
+
+    @property
     def run_dir(self) -> Path:
         """This run's directory (checkpoints, MLflow store, resolved spec)."""
         return Path(self.tracking.run_dir.format(name=self.name))

@@ -1,4 +1,5 @@
-"""Versioned draft-weight snapshots: what the learner publishes and rollout adopts.
+"""The checksum of versioned draft-weight snapshots (`WeightSnapshot`, opd/train/messages.py): what the learner
+publishes and rollout adopts.
 
 A snapshot carries its version and a checksum of every tensor, so a rollout actor can verify it received the
 complete weights of the version it expects before it swaps them in — a half-loaded or corrupted drafter must
@@ -13,12 +14,8 @@ tampering. The snapshot pickles zero-copy (`ZeroCopy`) through the object store.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 
 import torch
-
-from opd.errors import OpdError
-from opd.zero_copy import ZeroCopy
 
 
 def checksum(state: dict[str, torch.Tensor]) -> str:
@@ -29,24 +26,3 @@ def checksum(state: dict[str, torch.Tensor]) -> str:
         crc = zlib.crc32(f"{name}:{tuple(t.shape)}:{t.dtype}".encode(), crc)
         crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
     return f"crc32:{crc:08x}"
-
-
-@dataclass
-class WeightSnapshot(ZeroCopy):
-    version: int
-    state: dict[str, torch.Tensor]
-    checksum: str
-
-    @classmethod
-    def of(cls, state: dict[str, torch.Tensor], version: int) -> WeightSnapshot:
-        """A CPU copy (the optimizer keeps updating the live weights) and its checksum."""
-        cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-        return cls(version, cpu, checksum(cpu))
-
-    def verified(self, expected_version: int | None = None) -> WeightSnapshot:
-        """Self, after checking the version and that every tensor still hashes to the checksum."""
-        if expected_version is not None and self.version != expected_version:
-            raise OpdError(f"weight broadcast: got version {self.version}, expected {expected_version}")
-        if checksum(self.state) != self.checksum:
-            raise OpdError(f"weight broadcast v{self.version}: checksum mismatch (corrupted or incomplete weights)")
-        return self

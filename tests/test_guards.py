@@ -8,7 +8,7 @@ import torch
 from opd.errors import OpdError
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
-from opd.weights import WeightSnapshot
+from opd.train.messages import WeightSnapshot
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(micro_spec_file):
@@ -42,7 +42,7 @@ def test_tau_collapse_is_logged_and_stops_the_run_when_asked(micro_spec_file, mo
     def fake_evaluate(self, *, baseline=False):
         return [EvalRow("greedy", 4, next(taus), 0.0, [], [], 1.0, None, None, None)]
 
-    monkeypatch.setattr("opd.train.session.LearnerSession.evaluate", fake_evaluate)
+    monkeypatch.setattr("opd.train.session.TrainingSession.evaluate", fake_evaluate)
     spec = load_spec(micro_spec_file, ["eval.collapse_ratio=0.8", "eval.stop_on_collapse=true"])
     trainer = LocalTrainer(spec, track=False)
     with pytest.raises(OpdError, match=r"τ collapsed at step 4: 1.000 < 0.8 x best 3.000"):

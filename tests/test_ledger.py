@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from opd.train.ledger import Ledger, StepBuffer, Ticket, reconciles
+from opd.train.ledger import Ledger, StepBuffer, reconciles
+from opd.train.messages import Ticket
 
 
 def ledger(first: int = 0, per_step: int = 2, lag: int = 0) -> Ledger:

@@ -14,12 +14,9 @@ from actors.queues import BatchQueue, Lost
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec, load_spec
 from opd.train.flops import FlopCounter
-from opd.train.ledger import Ticket, reconciles
+from opd.train.ledger import reconciles
 from opd.train.local import LocalTrainer
-from opd.train.rollout import AnchorBatch
-from opd.replay import ScoredBatch
-from opd.train.session import ScoredItem
-from opd.weights import WeightSnapshot
+from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem, Ticket, WeightSnapshot
 
 
 @pytest.fixture(scope="module")

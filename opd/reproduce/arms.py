@@ -67,7 +67,7 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     spec.optim.warmup_ratio *= job.opd_steps / cap
     trainer = LocalTrainer(spec, track=False)
     session = trainer.session
-    trainer.start()
+    trainer.start(evaluate=False)  # the arm measures its own initial τ below
     evaluator = _Evaluator(spec, session.models, job.eval_prompts)
     initial = evaluator(session.drafter, spec.eval.sampling if budget_setter else None)
     curve = [(0.0, initial["greedy"])]

@@ -6,7 +6,6 @@ Shared by the single-process loop and the Ray `LearnerActor`, so both paths take
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -15,10 +14,12 @@ import torch
 from opd.errors import OpdError
 from opd.losses import StepNorm, acceptance_aware_loss
 from opd.models.drafter import DFlashDrafter
-from opd.replay import ScoredBatch, student_hidden
+from opd.replay import student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
-from opd.train.distributed import Group, ensure_group, gather, reduce_gradients, reduce_sum
+from opd.train.deepspeed import deepspeed_engine
+from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum
 from opd.train.flops import FlopCounter, drafter_matmul_params
+from opd.train.messages import ScoredBatch
 
 
 def lr_lambda(optim: OptimSpec, total_steps: int):
@@ -203,43 +204,3 @@ class Learner:
 def step_norm(micro_batches: list[ScoredBatch], spec: ExperimentSpec) -> StepNorm:
     """The step's loss denominators from its micro-batches' acceptance counts (small tensors; no forward)."""
     return StepNorm.of(((mb.accepted, mb.position_mask) for mb in micro_batches), spec.loss)
-
-
-class _Student(torch.nn.Module):
-    """The drafter's replay forward as a module, so DeepSpeed's engine runs it (its backward hooks need that)."""
-
-    def __init__(self, drafter: DFlashDrafter) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, batch: ScoredBatch) -> torch.Tensor:
-        return student_hidden(self.drafter, batch)
-
-
-def deepspeed_config(spec: ExperimentSpec, world: int) -> dict:
-    """The DeepSpeed config the spec implies: ZeRO stage, clipping, bf16 on GPU when the spec's dtype is bf16,
-    the torch AdamW accepted under ZeRO."""
-    o = spec.optim
-    return {"train_micro_batch_size_per_gpu": o.micro_batch_size,
-            "gradient_accumulation_steps": o.batch_size // (o.micro_batch_size * world),
-            "zero_optimization": {"stage": o.zero_stage}, "zero_allow_untested_optimizer": True,
-            "gradient_clipping": o.grad_clip,
-            "bf16": {"enabled": spec.models.dtype == "bfloat16" and torch.cuda.is_available()}}
-
-
-def deepspeed_engine(spec: ExperimentSpec, drafter: DFlashDrafter, optimizer, scheduler) -> tuple[object, Group]:
-    """`deepspeed.initialize` around the drafter with our AdamW and LR lambda as client optimizer/scheduler, in
-    the current learner process group (a one-rank group when there is none: DeepSpeed always wants one)."""
-    if spec.optim.zero_stage == 3:
-        raise OpdError("optim.zero_stage: 3 is not supported (ZeRO-3 partitions the drafter's weights, which "
-                       "evaluation, weight publishing and checkpoints read whole; expected 0, 1 or 2)")
-    try:
-        import deepspeed
-    except ImportError:
-        raise OpdError("optim.backend: deepspeed needs DeepSpeed, which is not installed "
-                       "(pip install -e .[gpu])") from None
-    group = ensure_group(drafter.fc.weight.device)
-    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; each learner rank drives its device 0
-    engine, *_ = deepspeed.initialize(model=_Student(drafter), optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(spec, group.world))
-    return engine, group

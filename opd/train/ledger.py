@@ -20,14 +20,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-
-class Ticket(NamedTuple):
-    """One production attempt of batch `index`; it travels through the queues beside the payload."""
-
-    index: int
-    attempt: int
+from opd.train.messages import Ticket
 
 
 @dataclass

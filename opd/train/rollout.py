@@ -6,8 +6,6 @@ with a seeded permutation), so a resumed run or a restarted actor re-produces ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from opd.anchors import redraft_at_random_anchors
@@ -19,20 +17,7 @@ from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.train.flops import FlopCounter, drafter_matmul_params, target_matmul_params
-
-
-@dataclass
-class AnchorBatch:
-    """Rollout output: token ids and small integers only, cheap to move between nodes."""
-
-    index: int  # rollout batch number (the data cursor)
-    draft_version: int
-    records: list[SequenceRecord]
-    flops: FlopCounter  # what producing it cost (target and drafter forwards)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r.response_ids) for r in self.records)
+from opd.train.messages import AnchorBatch
 
 
 def required_version(index: int, spec: ExperimentSpec) -> int:
@@ -41,7 +26,7 @@ def required_version(index: int, spec: ExperimentSpec) -> int:
     Versions are published every `broadcast_every` steps, so the requirement is rounded up to the next of them
     (published by step `step` because the spec keeps max_policy_lag >= broadcast_every - 1)."""
     r = spec.resources
-    step = index // (spec.optim.batch_size // spec.rollout.batch_size)
+    step = index // spec.batches_per_step
     return max(0, -(-(step - r.max_policy_lag) // r.broadcast_every) * r.broadcast_every)
 
 

@@ -1,4 +1,4 @@
-"""The learner's side of a run, shared by the local loop and the Ray `LearnerActor`.
+"""The training session: the learner's side of a run, shared by the local loop and the Ray `LearnerActor`.
 
 It owns the trainable drafter and optimizer (`Learner`), the held-out prompts, the MLflow run, checkpoints and
 the weight snapshot last published to rollout — so the two engines differ only in how batches reach it.
@@ -7,7 +7,7 @@ the weight snapshot last published to rollout — so the two engines differ only
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -21,24 +21,13 @@ from opd.losses import StepNorm
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
-from opd.replay import ScoredBatch
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
 from opd.train.checkpoint import check_same_training, latest_checkpoint, load_state, save_checkpoint, training_fields
 from opd.train.distributed import Group, shard
 from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics, step_norm
-from opd.train.rollout import AnchorBatch
-from opd.weights import WeightSnapshot
-
-
-@dataclass
-class ScoredItem:
-    """One rollout batch after teacher replay: what travels from scorer to learner."""
-
-    batch: AnchorBatch  # records, index, draft version, rollout FLOPs
-    micro_batches: list[ScoredBatch]
-    scorer_flops: float = 0.0
+from opd.train.messages import ScoredBatch, ScoredItem, StepReport, WeightSnapshot
 
 
 @dataclass
@@ -53,14 +42,6 @@ class Counters:
     trained_tokens: int = 0  # committed response tokens of the trained batches
     idle_s: float = 0.0  # learner time spent waiting for data
     busy_s: float = 0.0
-
-
-@dataclass
-class StepReport:
-    step: int
-    metrics: dict[str, float]
-    evals: list[EvalRow] = field(default_factory=list)
-    checkpoint: str | None = None
 
 
 class Peers(Protocol):
@@ -87,7 +68,7 @@ def restore_learner(learner: Learner, path: Path, target: Target) -> dict:
     return state
 
 
-class LearnerSession:
+class TrainingSession:
     """Learner rank 0 (the only one by default): with `peers`, each step's micro-batches are sharded over the
     ranks of `group` and this rank trains on the first shard."""
 
@@ -103,6 +84,7 @@ class LearnerSession:
         self.published = WeightSnapshot.of(self.learner.drafter.state_dict(), 0)
         self.track, self.tracker, self.run_id = track, None, None
         self.resumed_from: Path | None = None  # the checkpoint `start` restored, for the other ranks
+        self.start_evals: list[EvalRow] = []  # a fresh run's step-0 evaluation (the warm drafter)
 
     @property
     def step(self) -> int:
@@ -114,14 +96,18 @@ class LearnerSession:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
-    def start(self) -> bool:
-        """Resume from the newest checkpoint if there is one, open the MLflow run; True when resumed."""
+    def start(self, *, evaluate: bool = True) -> bool:
+        """Resume from the newest checkpoint if there is one and open the MLflow run; True when resumed. A fresh
+        run then evaluates the warm drafter as step 0 (`start_evals`) unless `evaluate` is False: both engines
+        start here, so this is the one place that evaluation happens."""
         path = self.resumed_from = latest_checkpoint(self.spec.run_dir)
         if path is not None:
             self._restore(path)
         if self.track:
             self.tracker = Tracker(self.spec, self.run_id)
             self.run_id = self.tracker.run_id
+        if path is None and evaluate:
+            self.start_evals = self.evaluate_and_log()
         return path is not None
 
     def close(self, status: str = "FINISHED") -> None:
@@ -242,7 +228,7 @@ class LearnerSession:
         return ratio is not None and best is not None and tau < ratio * best
 
 
-class LearnerReplica:
+class LearnerRank:
     """Learner rank r > 0: the same drafter and optimizer, stepping on its shard of each step. Rank 0 alone
     tracks, evaluates, checkpoints and publishes weights."""
 

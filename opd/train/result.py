@@ -1,0 +1,39 @@
+"""The one result loop: step reports from either engine, folded into a `TrainResult` under a progress bar.
+
+The local trainer (opd/train/local.py) and the Ray driver (actors/driver.py) differ only in `advance`, the call
+that takes the learner to a given step and returns that step's reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from rich.progress import TextColumn
+
+from opd.progress import progress_bar
+from opd.spec import ExperimentSpec
+from opd.train.messages import StepReport, TrainResult
+
+
+def progress_columns() -> tuple[TextColumn, TextColumn]:
+    return TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("τ {task.fields[tau]:.3f}")
+
+
+def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], Iterable[StepReport]], *,
+           until: int | None = None, label: str = "draft-opd") -> TrainResult:
+    """Advance one step at a time from `result.steps` to `until` (default `spec.steps`), recording each step's
+    loss, held-out evaluation and checkpoint in `result`."""
+    until = spec.steps if until is None else until
+    step = result.steps
+    with progress_bar(*progress_columns()) as bar:
+        task = bar.add_task(label, total=spec.steps, completed=step, loss=float("nan"), tau=float("nan"))
+        while step < until:
+            for report in advance(step + 1):
+                step = report.step
+                result.losses.append(report.metrics["loss"])
+                if report.evals:
+                    result.evals[step] = report.evals
+                result.checkpoint = report.checkpoint or result.checkpoint
+                bar.update(task, completed=step, loss=report.metrics["loss"], tau=report.metrics["rollout_tau"])
+    result.steps = step
+    return result
