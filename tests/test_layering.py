@@ -1,5 +1,5 @@
-"""The layering of DESIGN.md §2: actors/ → opd/, never back, except the launcher edge opd/launch.py → actors/;
-no Ray inside opd/ outside the launcher; no import cycles among opd/ and actors/ modules."""
+"""The layering the README states (Layout): actors/ → opd/, never back, except the launcher edge
+opd/launch.py → actors/; no Ray inside opd/ outside the launcher; no import cycles among opd/ and actors/."""
 
 from __future__ import annotations
 

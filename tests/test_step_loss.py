@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 
+from opd.anchors import redraft_at_random_anchors
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
@@ -160,6 +161,8 @@ def test_a_steps_gradient_does_not_depend_on_micro_batch_or_chunk_size(micro_spe
 def test_records_without_blocks_train_nothing_and_crash_nothing(models, records):
     target, drafter = models
     empty = SequenceRecord(key=0, prompt_ids=[1, 2], response_ids=[EOS], finish_reason="eos")
+    redrafted = redraft_at_random_anchors(target, drafter, empty, 5, torch.Generator().manual_seed(0))
+    assert redrafted.anchors == []  # the random-anchor path keeps it blockless
     for mode in ("draft_opd", "naive"):
         alone = score(target, [empty], block_size=K, mode=mode)
         assert alone.num_blocks == 0 and alone.teacher.shape[0] == 0
