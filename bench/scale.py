@@ -43,7 +43,7 @@ from opd.losses import acceptance_aware_loss, teacher_distribution
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
-from opd.replay import pack, score, student_hidden, teacher_mask
+from opd.replay import pack, packed_inputs, score, student_hidden
 from opd.spec import LossSpec
 from opd.train.messages import WeightSnapshot
 
@@ -92,13 +92,7 @@ def pickled_bytes(obj: object) -> int:
 
 def old_scorer(target: Target, recs: list) -> tuple[torch.Tensor, torch.Tensor]:
     """The replaced scorer: packed forward *with* the LM head, fp32 log-probs at every slot, features as a view."""
-    packed = [pack(r, K, "draft_opd") for r in recs]
-    length = max(len(p.ids) for p in packed)
-    ids = torch.zeros(len(packed), length, dtype=torch.long)
-    positions = torch.zeros_like(ids)
-    for b, p in enumerate(packed):
-        ids[b, : len(p.ids)], positions[b, : len(p.ids)] = torch.tensor(p.ids), torch.tensor(p.positions)
-    mask = torch.stack([teacher_mask(p, K, length) for p in packed])[:, None]
+    packed, ids, positions, mask = packed_inputs(recs, K, "draft_opd")
     with torch.no_grad():
         out = target(ids, attention_mask=mask, position_ids=positions)
         rows = torch.stack([out.logits[b, torch.tensor(s)] for b, p in enumerate(packed) for s in p.slot_index])

@@ -88,12 +88,9 @@ def teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor:
     return mask
 
 
-@torch.no_grad()
-def score(target: Target, records: list[SequenceRecord], *, block_size: int, mode: str = "draft_opd",
-          teacher_temperature: float = 1.0, teacher_topk: int | None = None) -> ScoredBatch:
-    """Teacher replay for a batch of records: one packed target forward (no LM head) for all their blocks.
-    `teacher_temperature` applies only with `teacher_topk` (top-k is taken here); the learner applies it
-    to the full-vocabulary teacher."""
+def packed_inputs(records: list[SequenceRecord], block_size: int,
+                  mode: str) -> tuple[list[_Packed], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The records' layouts and the padded target inputs: ids [B, L], positions [B, L], mask [B, 1, L, L]."""
     packed = [pack(r, block_size, mode) for r in records]
     length = max(len(p.ids) for p in packed)
     ids = torch.zeros(len(packed), length, dtype=torch.long)
@@ -102,6 +99,16 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
         ids[b, : len(p.ids)] = torch.tensor(p.ids)
         positions[b, : len(p.ids)] = torch.tensor(p.positions)
     mask = torch.stack([teacher_mask(p, block_size, length) for p in packed])[:, None]
+    return packed, ids, positions, mask
+
+
+@torch.no_grad()
+def score(target: Target, records: list[SequenceRecord], *, block_size: int, mode: str = "draft_opd",
+          teacher_temperature: float = 1.0, teacher_topk: int | None = None) -> ScoredBatch:
+    """Teacher replay for a batch of records: one packed target forward (no LM head) for all their blocks.
+    `teacher_temperature` applies only with `teacher_topk` (top-k is taken here); the learner applies it
+    to the full-vocabulary teacher."""
+    packed, ids, positions, mask = packed_inputs(records, block_size, mode)
     device = target.device
     hidden, features = target.hidden_states(ids.to(device), attention_mask=mask.to(device),
                                             position_ids=positions.to(device))

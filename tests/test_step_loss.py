@@ -19,7 +19,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.losses import StepNorm, acceptance_aware_loss, teacher_distribution
 from opd.memory import peak_cpu_bytes
 from opd.models.build import build_models
-from opd.replay import pack, score, student_hidden, teacher_mask
+from opd.replay import packed_inputs, score, student_hidden
 from opd.spec import LossSpec, load_spec
 from opd.tiny.micro import micro_drafter, micro_target
 from opd.train.learner import Learner
@@ -61,13 +61,7 @@ def records():
 
 def old_teacher(target, records, mode, temperature):
     """The replaced scorer: a packed forward with the LM head, full-vocabulary log-probs at every slot."""
-    packed = [pack(r, K, mode) for r in records]
-    length = max(len(p.ids) for p in packed)
-    ids = torch.zeros(len(packed), length, dtype=torch.long)
-    positions = torch.zeros_like(ids)
-    for b, p in enumerate(packed):
-        ids[b, : len(p.ids)], positions[b, : len(p.ids)] = torch.tensor(p.ids), torch.tensor(p.positions)
-    mask = torch.stack([teacher_mask(p, K, length) for p in packed])[:, None]
+    packed, ids, positions, mask = packed_inputs(records, K, mode)
     logits = target(ids, attention_mask=mask, position_ids=positions).logits
     rows = [logits[b, torch.tensor(s)] for b, p in enumerate(packed) for s in p.slot_index]
     return teacher_distribution(torch.stack(rows), temperature=temperature)
