@@ -20,6 +20,7 @@ import contextlib
 import copy
 import logging
 import os
+import sys
 import time
 
 import ray
@@ -52,8 +53,6 @@ def init_ray(spec: ExperimentSpec) -> None:
     CPU/GPU counts with a ValueError, so it is joined on purpose, with its own resources (the placement check
     still refuses a layout it cannot hold). RAY_ADDRESS=local always starts a private Ray.
     """
-    import sys
-
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")

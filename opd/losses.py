@@ -54,9 +54,12 @@ class TopKTeacher(ZeroCopy):
         return torch.log(-torch.expm1(head))  # log(1 - e^head) without cancellation; mass clamped >= 0
 
     def rows(self, rows: torch.Tensor) -> TopKTeacher:
-        """The selected flat slots (indices into N*(K-1)), as a [R, 1, k] teacher."""
-        return TopKTeacher(self.ids.flatten(0, 1)[rows, None], self.logprobs.flatten(0, 1)[rows, None],
-                           self.tail().flatten(0, 1)[rows, None])
+        """The selected flat slots (indices into N*(K-1)), as a [R, 1, k] teacher with its tail filled in
+        (derived for those rows only, so a chunked loss does not derive the whole tail once per chunk)."""
+        picked = TopKTeacher(self.ids.flatten(0, 1)[rows, None], self.logprobs.flatten(0, 1)[rows, None],
+                             None if self.tail_logprob is None else self.tail_logprob.flatten(0, 1)[rows, None])
+        picked.tail_logprob = picked.tail()
+        return picked
 
 
 @dataclass
