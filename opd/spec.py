@@ -207,6 +207,14 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=0)]  # 0 = off
 
 
+class RolloutSampling(_Section):
+    """A further target sampling setting for `rollout.mix`."""
+
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+
+
 class RolloutSpec(_Section):
     """Target-assisted speculative decoding that produces the training data."""
 
@@ -220,6 +228,9 @@ class RolloutSpec(_Section):
     # torch.compile need; same tokens as the default. Held-out eval uses it too. Memory: the caches hold
     # prompt + K x max_new_tokens slots per row (rejected slots stay as holes), K times the dynamic worst case.
     static_cache: bool = False
+    # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
+    # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.
+    mix: list[RolloutSampling] = Field(default_factory=list)
 
 
 class ReplaySpec(_Section):
@@ -241,6 +252,9 @@ class LossSpec(_Section):
     rejected_decay: bool = True
     first_rejected_only: bool = False
     accepted_decay: bool = False
+    # Weight of an expected-acceptance term added on the same slots: coef x -log sum_x q(x) p(x), the log of the
+    # probability that the target (at replay.teacher_temperature) accepts a token drafted from q. 0 = off.
+    acceptance_weight: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> LossSpec:
@@ -386,6 +400,9 @@ class SamplingSpec(_Section):
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
+    # argmax: point-mass drafts, as DFlash's reference code and the serving engines draft; sample: drafts sampled
+    # from the drafter's q with this setting's processing, verified with the full min(1, p/q) rule (lossless too).
+    draft: Literal["argmax", "sample"] = "argmax"
 
 
 class EvalSpec(_Section):

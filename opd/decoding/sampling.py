@@ -22,6 +22,7 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    sample_drafts: bool = False  # drafts sampled from the drafter's q (same processing) instead of its argmax
 
     @property
     def greedy(self) -> bool:
