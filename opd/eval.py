@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -19,29 +20,19 @@ from opd.data import Prompt, load_prompts, prompt_key
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.eval_row import EvalRow
+from opd.expected_acceptance import ExpectedAcceptance, point_mass_settings, record_drafts, teacher_acceptance
 from opd.models.build import Models, build_models
 from opd.progress import progress_bar
+from opd.replay import score
 from opd.spec import ExperimentSpec, SamplingSpec
-
-
-@dataclass
-class EvalRow:
-    sampling: str
-    prompts: int
-    tau: float
-    tau_token_weighted: float
-    survival: list[float]
-    first_rejection: list[float]
-    spec_tokens_per_s: float
-    ar_tokens_per_s: float | None
-    speedup: float | None
-    greedy_match: float | None  # share of responses identical to autoregressive decoding (greedy only)
 
 
 def evaluate(models: Models, prompts: list[Prompt], samplings: list[SamplingSpec], *, max_new_tokens: int,
              batch_size: int, seed: int = 0, baseline: bool = True, draft_version: int = 0,
-             static_cache: bool = False) -> list[EvalRow]:
-    """One row per sampling setting."""
+             static_cache: bool = False, diagnose: bool = False) -> list[EvalRow]:
+    """One row per sampling setting. `diagnose`: also replay each setting's records through the target and give
+    the expected acceptance of every point-mass setting on those states (`EvalRow.expected`)."""
     decoder = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id, draft_version=draft_version,
                                  static_cache=static_cache)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -50,19 +41,27 @@ def evaluate(models: Models, prompts: list[Prompt], samplings: list[SamplingSpec
         for setting in samplings:
             task = bar.add_task(f"eval {setting.name}", total=len(batches))
             rows.append(_evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, baseline,
-                                          lambda: bar.advance(task)))
+                                          lambda: bar.advance(task), samplings if diagnose else []))
     return rows
 
 
-def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, baseline, tick) -> EvalRow:
-    sampling = Sampling(setting.temperature, setting.top_k, setting.top_p)
+def sampling_of(setting: SamplingSpec) -> Sampling:
+    """The decoding rule of a named setting."""
+    return Sampling(setting.temperature, setting.top_k, setting.top_p, sample_drafts=setting.draft == "sample")
+
+
+def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, baseline, tick,
+                      diagnosed: list[SamplingSpec]) -> EvalRow:
+    sampling = sampling_of(setting)
     records, spec_time, ar_time, ar_tokens, matches = [], 0.0, 0.0, 0, 0
+    expected = _Expected(models, point_mass_settings(diagnosed))
     for batch in batches:
         ids, keys = [p.ids for p in batch], [prompt_key(p.id) for p in batch]
         t0 = time.perf_counter()
         out = decoder.generate(ids, sampling, max_new_tokens=max_new_tokens, seed=seed, keys=keys)
         spec_time += time.perf_counter() - t0
         records += out
+        expected.add(out)
         if baseline:
             t0 = time.perf_counter()
             ar = generate_autoregressive(models.target, ids, sampling, max_new_tokens=max_new_tokens,
@@ -78,7 +77,31 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
         sampling=setting.name, prompts=len(records), tau=stats.tau, tau_token_weighted=stats.tau_token_weighted,
         survival=stats.survival, first_rejection=stats.first_rejection, spec_tokens_per_s=spec_tps,
         ar_tokens_per_s=ar_tps, speedup=spec_tps / ar_tps if baseline else None,
-        greedy_match=matches / len(records) if baseline and sampling.greedy else None)
+        greedy_match=matches / len(records) if baseline and sampling.greedy else None, expected=expected.result())
+
+
+class _Expected:
+    """Expected acceptance of each point-mass setting on the states of one setting's records, batch by batch
+    (one packed target replay per decoded batch, so memory stays that of a batch)."""
+
+    def __init__(self, models: Models, settings: dict[str, Sampling]) -> None:
+        self.models, self.settings = models, settings
+        self.acceptance: dict[str, list] = {name: [] for name in settings}
+        self.blocks: list[int] = []
+
+    def add(self, records) -> None:
+        drafts, blocks = record_drafts(records)
+        if not self.settings or not len(drafts):
+            return
+        target = self.models.target
+        teacher = score(target, records, block_size=self.models.drafter.block_size).teacher
+        for name, a in teacher_acceptance(drafts, teacher, target.lm_head, self.settings).items():
+            self.acceptance[name].append(a)
+        self.blocks += blocks
+
+    def result(self) -> dict[str, ExpectedAcceptance]:
+        return {name: ExpectedAcceptance.of(torch.cat(parts), self.blocks)
+                for name, parts in self.acceptance.items() if parts}
 
 
 def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
@@ -106,6 +129,34 @@ def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
         hist.add_row(r.sampling, *(f"{x:.1%}" for x in r.first_rejection))
     console.print(survival)
     console.print(hist)
+    if any(r.expected for r in rows):
+        print_expected(rows, console)
+
+
+def print_expected(rows: list[EvalRow], console: Console) -> None:
+    """The diagnostic: on the states each setting's decoding visited, the exact expected τ and per-position
+    acceptance a_k of every point-mass setting. The diagonal predicts the measured τ above."""
+    names = list(next(r.expected for r in rows if r.expected))
+    table = Table(title="Expected τ from p and q (rows: whose decoding visited the states; columns: acceptance "
+                        "rule)")
+    table.add_column("states from")
+    table.add_column("measured τ tok-wt", justify="right")
+    for name in names:
+        table.add_column(f"expected τ {name}", justify="right")
+    for r in rows:
+        table.add_row(r.sampling, f"{r.tau_token_weighted:.3f}",
+                      *(f"{r.expected[n].tau_token_weighted:.3f}" if n in r.expected else "-" for n in names))
+    console.print(table)
+    drafted = len(rows[0].survival)
+    slots = Table(title="Expected acceptance a_k at drafted position k (given the drafted prefix)")
+    slots.add_column("states from")
+    slots.add_column("rule")
+    for k in range(1, drafted + 1):
+        slots.add_column(str(k), justify="right")
+    for r in rows:
+        for name, e in r.expected.items():
+            slots.add_row(r.sampling, name, *(f"{a:.2f}" for a in e.slot))
+    console.print(slots)
 
 
 def _opt(value: float | None, fmt: str) -> str:
@@ -118,7 +169,8 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
                            max_prompt_tokens=spec.data.max_prompt_tokens, skip_bad_lines=spec.data.skip_bad_lines,
                            limit=spec.eval.num_prompts)
     rows = evaluate(models, prompts.prompts, spec.eval.sampling, max_new_tokens=spec.eval.max_new_tokens,
-                    batch_size=spec.eval.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache)
+                    batch_size=spec.eval.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,
+                    diagnose=True)
     print_rows(rows)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ from rich.table import Table
 
 from opd import launch
 from opd.data import eval_prompts
-from opd.eval import EvalRow, evaluate
+from opd.eval import evaluate
+from opd.eval_row import EvalRow
 from opd.models.build import build_models
 from opd.preflight import check_inputs
 from opd.run_dir import RunDirLock

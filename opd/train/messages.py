@@ -10,8 +10,8 @@ account of them); the driver folds the StepReports into one `TrainResult` (opd/t
 Each is a plain dataclass (`Ticket` a NamedTuple: it is a heap key and a dict key in the ledger). The ones with
 large tensors (`ScoredBatch`, `WeightSnapshot`) pickle zero-copy (`ZeroCopy`). `SequenceRecord`, the
 per-sequence payload of an AnchorBatch, stays in opd/decoding/record.py: decoding produces it and sits below
-train, so it must not import from here. This module imports only from below train (decoding, losses, models via
-eval, zero_copy, weights) and train/flops.py, so replay.py can take `ScoredBatch` from it without a cycle.
+train, so it must not import from here. This module imports only from below train (decoding, losses, eval_row,
+zero_copy, weights) and train/flops.py, so replay.py can take `ScoredBatch` from it without a cycle.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from opd.decoding.record import SequenceRecord
 from opd.errors import OpdError
-from opd.eval import EvalRow
+from opd.eval_row import EvalRow
 from opd.losses import TopKTeacher
 from opd.train.flops import FlopCounter
 from opd.weights import checksum

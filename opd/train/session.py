@@ -16,7 +16,8 @@ import torch
 from opd.acceptance import AcceptanceStats
 from opd.data import eval_prompts
 from opd.errors import OpdError
-from opd.eval import EvalRow, evaluate
+from opd.eval import evaluate
+from opd.eval_row import EvalRow
 from opd.losses import StepNorm
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter

@@ -1,0 +1,25 @@
+"""What one held-out evaluation setting measured: `opd eval` prints it, training logs it, and it crosses the
+object store inside a StepReport (so it sits below opd/train and opd/eval.py alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opd.expected_acceptance import ExpectedAcceptance
+
+
+@dataclass
+class EvalRow:
+    sampling: str
+    prompts: int
+    tau: float
+    tau_token_weighted: float
+    survival: list[float]
+    first_rejection: list[float]
+    spec_tokens_per_s: float
+    ar_tokens_per_s: float | None
+    speedup: float | None
+    greedy_match: float | None  # share of responses identical to autoregressive decoding (greedy only)
+    # On the states this setting's decoding visited: the exact expected acceptance under every point-mass setting
+    # (opd/expected_acceptance.py), keyed by setting name; empty when not diagnosed.
+    expected: dict[str, ExpectedAcceptance] = field(default_factory=dict)

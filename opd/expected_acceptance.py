@@ -1,0 +1,107 @@
+"""Expected acceptance: what speculative decoding would accept, computed exactly from p and q without decoding.
+
+The drafter proposes point-mass drafts d = argmax q (DFlash's reference code and the serving engines do), and
+verification (opd/decoding/verify.py) accepts d at a slot with probability p_T(d), where p is the target's
+distribution at that slot given the drafted prefix, processed by the setting's temperature, top-k and top-p.
+So a drafted slot's exact acceptance probability is
+
+    a_k = 1[d_k = argmax p_k]   greedy,      a_k = p_T,k(d_k)   sampled,
+
+and a block's expected accepted length is sum_k prod_{j<=k} a_j. These need only the target's view of the
+drafted blocks, which teacher replay computes anyway, so the diagnostic sees, during training, the acceptance
+every serving setting would get on the same states: on the training rollouts (the scorer, every step) and on
+held-out states that each eval setting's own decoding visits (`opd eval`, periodic evals).
+
+It is a prediction of the empirical τ, not an estimate from few samples: on the states that decoding under a
+setting visited, its mean equals the mean acceptance that decoding realised (tests/test_expected_acceptance.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling, target_probs
+from opd.losses import TopKTeacher
+
+# Slots whose [slots, vocabulary] target logits are formed at once: ~0.16 GB in fp32 at Qwen3's 151,936 tokens.
+SLOTS_PER_CHUNK = 256
+
+
+def slot_acceptance(drafts: torch.Tensor, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """a_k [..., K-1] for drafts [..., K-1] and the target's logits [..., K-1, V] at those slots."""
+    if sampling.greedy:
+        return (drafts == logits.argmax(-1)).to(torch.float32)
+    return target_probs(logits, sampling).gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+
+
+def teacher_acceptance(drafts: torch.Tensor, teacher: torch.Tensor | TopKTeacher, head: torch.nn.Module | None,
+                       samplings: dict[str, Sampling], *, teacher_temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """a_k [N, K-1] per named setting, from replay's teacher: final-norm hidden states [N, K-1, H] and the LM
+    head (exact), or top-k log-probs (exact for greedy and for settings whose top_k is at most the teacher's k;
+    tokens outside the teacher's top-k count as probability 0). Computed `SLOTS_PER_CHUNK` slots at a time."""
+    n, k1 = drafts.shape
+    out = {name: torch.zeros(n, k1) for name in samplings}
+    rows = max(1, SLOTS_PER_CHUNK // k1)
+    for start in range(0, n, rows):
+        part = slice(start, start + rows)
+        logits = _teacher_logits(teacher, head, part, teacher_temperature)
+        for name, sampling in samplings.items():
+            out[name][part] = slot_acceptance(drafts[part].to(logits.device), logits, sampling).float().cpu()
+    return out
+
+
+@torch.no_grad()
+def _teacher_logits(teacher: torch.Tensor | TopKTeacher, head: torch.nn.Module | None, part: slice,
+                    temperature: float) -> torch.Tensor:
+    """Target logits (up to a per-slot constant, which no setting's processing sees) of blocks `part`."""
+    if isinstance(teacher, TopKTeacher):
+        ids, logprobs = teacher.ids[part], teacher.logprobs[part].float() * temperature
+        vocab = head.weight.shape[0] if head is not None else int(ids.max()) + 1
+        return torch.full((*ids.shape[:2], vocab), float("-inf"), device=ids.device).scatter(-1, ids, logprobs)
+    hidden = teacher[part].to(device=head.weight.device, dtype=head.weight.dtype)
+    return head(hidden)
+
+
+@dataclass
+class ExpectedAcceptance:
+    """One setting's expected acceptance over a set of drafted blocks."""
+
+    tau: float  # mean over responses of 1 + expected accepted length (as AcceptanceStats.tau)
+    tau_token_weighted: float  # 1 + mean expected accepted length over all blocks
+    slot: list[float]  # mean a_k at k = 1..K-1: agreement given the drafted prefix, whatever came before
+    survival: list[float]  # expected P(accepted >= k), comparable with AcceptanceStats.survival
+    blocks: int
+
+    @classmethod
+    def of(cls, acceptance: torch.Tensor, blocks_per_response: Sequence[int]) -> ExpectedAcceptance:
+        """From a_k [N, K-1] of N blocks, stacked response by response (`blocks_per_response` sums to N)."""
+        survival = acceptance.double().cumprod(-1)
+        expected = survival.sum(-1) + 1  # per block: 1 + expected accepted drafts
+        per_response = [part.mean().item() for part in expected.split(list(blocks_per_response)) if len(part)]
+        blocks = max(1, len(acceptance))
+        return cls(tau=sum(per_response) / max(1, len(per_response)),
+                   tau_token_weighted=float(expected.sum()) / blocks,
+                   slot=(acceptance.double().sum(0) / blocks).tolist(),
+                   survival=(survival.sum(0) / blocks).tolist(), blocks=len(acceptance))
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """MLflow metrics: `{prefix}tau` and the per-position a_k as `{prefix}slot_{k}`."""
+        out = {f"{prefix}tau": self.tau_token_weighted}
+        out.update({f"{prefix}slot_{k}": v for k, v in enumerate(self.slot, start=1)})
+        return out
+
+
+def record_drafts(records: Sequence[SequenceRecord]) -> tuple[torch.Tensor, list[int]]:
+    """Every drafted block of the records as [N, K-1] (replay's block order) and the blocks per record."""
+    blocks = [d for r in records for d in r.drafts]
+    width = len(blocks[0]) if blocks else 0
+    return torch.tensor(blocks, dtype=torch.long).reshape(len(blocks), width), [len(r.drafts) for r in records]
+
+
+def point_mass_settings(samplings: Sequence) -> dict[str, Sampling]:
+    """The named eval settings (`SamplingSpec`s) this diagnostic describes: those that draft point masses."""
+    return {s.name: Sampling(s.temperature, s.top_k, s.top_p) for s in samplings if s.draft == "argmax"}
