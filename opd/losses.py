@@ -221,10 +221,10 @@ def _bucket_logprobs(student: torch.Tensor, teacher: TopKTeacher) -> tuple[torch
     return torch.cat([student_top, student_tail], -1), torch.cat([teacher_top, teacher_tail], -1)
 
 
-def _slot_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher,
-                     forward: torch.Tensor) -> torch.Tensor:
-    """Per-row KL [R] between the student's logits [R, V] and the teacher's log-probs [R, V] (or top-k rows),
-    forward or reverse per row."""
+def _slot_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | TopKTeacher, forward: torch.Tensor,
+                     acceptance_weight: float = 0.0) -> torch.Tensor:
+    """Per-row loss [R] between the student's logits [R, V] and the teacher's log-probs [R, V] (or top-k rows):
+    KL, forward or reverse per row, plus `acceptance_weight` x the expected-acceptance term."""
     dtype = _compute_dtype(student_logits, teacher.logprobs if isinstance(teacher, TopKTeacher) else teacher)
     student = torch.log_softmax(student_logits.to(dtype), dim=-1)
     if isinstance(teacher, TopKTeacher):
@@ -232,7 +232,20 @@ def _slot_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | TopKT
     else:
         target = teacher.detach().to(dtype)
     fwd = forward.unsqueeze(-1)
-    return _kl(torch.where(fwd, target, student), torch.where(fwd, student, target))
+    kl = _kl(torch.where(fwd, target, student), torch.where(fwd, student, target))
+    if not acceptance_weight:
+        return kl
+    return kl + acceptance_weight * _rejection_surprisal(student, target)
+
+
+def _rejection_surprisal(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """-log sum_x q(x) p(x) per row: minus the log-probability that the target accepts a token drawn from q.
+
+    The diagnostic's acceptance p(argmax q) has no gradient; this is its smooth version (equal to it when q is a
+    point mass), and it pulls q's mass onto the tokens the target will accept rather than spreading it over p's
+    whole support as forward KL does. Over top-k buckets the tail counts as one token (exact when k = V).
+    """
+    return -torch.logsumexp(student + teacher, dim=-1)
 
 
 # ------------------------------------------------------------------------------------------------ chunked loss
@@ -306,7 +319,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
             target = teacher.flatten(0, 1)[index]
         else:
             target = _teacher_logprobs(head, teacher.flatten(0, 1)[index], teacher_temperature)
-        return _slot_divergence(x if head is None else head(x), target, w.forward[part])
+        return _slot_divergence(x if head is None else head(x), target, w.forward[part], cfg.acceptance_weight)
 
     loss, parts = _ChunkedLoss.apply(rows, divergence, w, chunk_size or max(1, len(w.rows)))
     return LossTerms(loss=loss, acc=parts[0], rej=parts[1], num_acc=w.num_acc, num_rej=w.num_rej)

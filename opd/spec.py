@@ -404,6 +404,12 @@ class SamplingSpec(_Section):
     # from the drafter's q with this setting's processing, verified with the full min(1, p/q) rule (lossless too).
     draft: Literal["argmax", "sample"] = "argmax"
 
+    @model_validator(mode="after")
+    def _check(self) -> SamplingSpec:
+        if self.draft == "sample" and self.temperature == 0:
+            _issues(["draft: sample at temperature 0 (expected argmax; greedy verification takes the argmax)"])
+        return self
+
 
 class EvalSpec(_Section):
     """Periodic held-out τ measurement (speculative decoding against the target)."""

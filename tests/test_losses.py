@@ -41,6 +41,11 @@ def kl(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     return sum((x * (torch.log(x) - torch.log(y)) for x, y in zip(a, b) if x > 0), torch.zeros((), dtype=torch.float64))
 
 
+def surprisal(q: list[torch.Tensor], p: list[torch.Tensor]) -> torch.Tensor:
+    """-log P(the target accepts a token drawn from q) = -log sum_v q_v p_v."""
+    return -torch.log(sum(x * y for x, y in zip(q, p)))
+
+
 def buckets(dist: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
     """The top-k bucket distribution: the listed tokens, then 1 - their sum."""
     top = [dist[i] for i in ids]
@@ -63,10 +68,12 @@ def reference_loss(student: torch.Tensor, teacher_logits: torch.Tensor, accepted
             if k <= r:
                 w = cfg.gamma ** (k - 1) if cfg.accepted_decay else 1.0
                 acc_num = acc_num + w * (kl(q, p) if cfg.kl_mode == "all_reverse" else kl(p, q))
+                acc_num = acc_num + w * cfg.acceptance_weight * surprisal(q, p)
                 acc_den += w
             elif not cfg.first_rejected_only or k == r + 1:
                 w = cfg.gamma ** (k - 1) if cfg.rejected_decay else 1.0
                 rej_num = rej_num + w * (kl(p, q) if cfg.kl_mode == "all_forward" else kl(q, p))
+                rej_num = rej_num + w * cfg.acceptance_weight * surprisal(q, p)
                 rej_den += w
     l_acc = acc_num / acc_den if acc_den else acc_num
     l_rej = rej_num / rej_den if rej_den else rej_num
@@ -99,6 +106,9 @@ VARIANTS = {
     "accepted_decay": {"accepted_decay": True},
     "unequal_lambdas": {"lambda_acc": 0.3, "lambda_rej": 1.7, "gamma": 0.6},
     "rejected_only": {"lambda_acc": 0.0},
+    "acceptance_term": {"acceptance_weight": 0.5},
+    "acceptance_term_forward_first_rejected": {"acceptance_weight": 2.0, "kl_mode": "all_forward",
+                                               "first_rejected_only": True},
 }
 
 

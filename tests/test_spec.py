@@ -35,8 +35,9 @@ def test_defaults_are_the_papers() -> None:
     assert (spec.sft.lr, spec.sft.epochs, spec.sft.gamma, spec.sft.anchors_per_seq, spec.sft.max_length) == (
         6e-4, 6, 7.0, 512, 3072)
     assert [s.model_dump() for s in spec.eval.sampling] == [
-        {"name": "greedy", "temperature": 0.0, "top_p": 1.0, "top_k": 0},
-        {"name": "sampled", "temperature": 0.6, "top_p": 0.95, "top_k": 20}]
+        {"name": "greedy", "temperature": 0.0, "top_p": 1.0, "top_k": 0, "draft": "argmax"},
+        {"name": "sampled", "temperature": 0.6, "top_p": 0.95, "top_k": 20, "draft": "argmax"}]
+    assert spec.rollout.mix == [] and spec.loss.acceptance_weight == 0.0
     assert spec.engine == "ray" and spec.models.tokenizer == "t"
 
 
@@ -93,10 +94,12 @@ def test_overrides_are_typed(tmp_path: Path) -> None:
 
 
 def test_errors_collect_every_problem_one_line_each() -> None:
-    bad = {**MINIMAL, "steps": 0, "optim": {"lr": -1, "lrr": 1}, "loss": {"gamma": 2}}
+    bad = {**MINIMAL, "steps": 0, "optim": {"lr": -1, "lrr": 1}, "loss": {"gamma": 2},
+           "eval": {"sampling": [{"name": "g", "draft": "sample"}]}}
     with pytest.raises(SpecError) as info:
         validate_spec(bad, check_paths=False)
-    assert sorted(m.split(":")[0] for m in info.value.messages) == ["loss.gamma", "optim.lr", "optim.lrr", "steps"]
+    assert sorted(m.split(":")[0] for m in info.value.messages) == [
+        "eval.sampling[0].draft", "loss.gamma", "optim.lr", "optim.lrr", "steps"]
     assert "did you mean 'lr'?" in str(info.value)
 
 

@@ -55,8 +55,38 @@ def test_train_logs_an_mlflow_run(micro_spec_file):
     run = mlflow.get_run(result.run_id)
     assert run.data.params["optim.lr"] == "0.001"
     assert {"loss", "rollout_tau", "eval_tau_greedy", "flops_total", "policy_lag"} <= set(run.data.metrics)
+    # the expected-acceptance diagnostic, on the rollouts and on held-out states of each eval setting
+    assert {"rollout_expected_greedy_tau", "rollout_expected_greedy_slot_1",
+            "eval_expected_greedy_on_greedy_tau"} <= set(run.data.metrics)
     history = mlflow.MlflowClient().get_metric_history(result.run_id, "loss")
     assert [m.step for m in history] == [1, 2]
+
+
+def test_rollout_mix_alternates_settings_by_batch(micro_spec_file):
+    """rollout.mix: batch i decodes with setting i mod (1 + len(mix)); the greedy batches are exactly what a
+    greedy-only rollout makes, the others are sampled (and differ)."""
+    from opd.decoding.sampling import Sampling
+    from opd.train.rollout import rollout_sampling
+
+    greedy = "rollout.temperature=0"
+    mixed = load_spec(micro_spec_file, [greedy, "rollout.mix=[{temperature: 0.6, top_p: 0.95, top_k: 20}]"])
+    assert [rollout_sampling(mixed, i) for i in range(3)] == [Sampling(), Sampling(0.6, 20, 0.95), Sampling()]
+    plain = LocalTrainer(load_spec(micro_spec_file, [greedy]), track=False).rollout
+    mix = LocalTrainer(mixed, track=False).rollout
+    responses = [[r.response_ids for r in w.run(i).records] for w in (plain, mix) for i in range(2)]
+    assert responses[0] == responses[2] and responses[1] != responses[3]
+
+
+def test_rollout_diagnostic_is_the_greedy_acceptance_it_recorded(micro_spec_file):
+    """On greedy rollouts the scorer's greedy expected acceptance is exactly what verification did: a_k = 1
+    up to each block's accepted count, 0 at the first rejection."""
+    both = "eval.sampling=[{name: greedy}, {name: sampled, temperature: 0.6}]"
+    trainer = LocalTrainer(load_spec(micro_spec_file, [both, "rollout.temperature=0"]), track=False)
+    item = trainer.scorer(trainer.rollout.run(0))
+    a = item.acceptance["greedy"]
+    accepted = torch.tensor([r for rec in item.batch.records for r in rec.accepted])
+    assert torch.equal(a.cumprod(-1).sum(-1).long(), accepted)
+    assert set(item.acceptance) == {"greedy", "sampled"} and a.shape[0] == len(accepted)
 
 
 def test_required_version_bounds_how_far_rollout_runs_ahead(micro_spec_file):

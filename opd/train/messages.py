@@ -89,6 +89,8 @@ class ScoredItem:
     batch: AnchorBatch  # records, index, draft version, rollout FLOPs
     micro_batches: list[ScoredBatch]  # the batch cut into `optim.micro_batch_size` sequences each
     scorer_flops: float = 0.0  # what the teacher replay cost
+    # Eval setting name -> expected acceptance a_k [N, K-1] of the drafted blocks (opd/expected_acceptance.py)
+    acceptance: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -30,6 +30,13 @@ def required_version(index: int, spec: ExperimentSpec) -> int:
     return max(0, -(-(step - r.max_policy_lag) // r.broadcast_every) * r.broadcast_every)
 
 
+def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
+    """How batch `index` is decoded: the rollout's own setting, or in turn each of `rollout.mix`."""
+    settings = [spec.rollout, *spec.rollout.mix]
+    s = settings[index % len(settings)]
+    return Sampling(s.temperature, s.top_k, s.top_p)
+
+
 class RolloutWorker:
     def __init__(self, spec: ExperimentSpec, target: Target, drafter: DFlashDrafter, eos_id: int,
                  prompts: list[Prompt], draft_version: int = 0) -> None:
@@ -59,11 +66,11 @@ class RolloutWorker:
         return out
 
     def run(self, index: int) -> AnchorBatch:
-        r = self.spec.rollout
         chosen = self.prompts_for(index)
         records = self.decoder.generate(
-            [p.ids for p, _ in chosen], Sampling(r.temperature, r.top_k, r.top_p), max_new_tokens=r.max_new_tokens,
-            seed=self.spec.seed * 7919 + index, keys=[prompt_key(p.id, e) for p, e in chosen])
+            [p.ids for p, _ in chosen], rollout_sampling(self.spec, index),
+            max_new_tokens=self.spec.rollout.max_new_tokens, seed=self.spec.seed * 7919 + index,
+            keys=[prompt_key(p.id, e) for p, e in chosen])
         flops = self._decode_flops(records)
         if self.spec.replay.anchors == "random":
             records = self._redraft(records, index, flops)

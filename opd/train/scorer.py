@@ -1,14 +1,19 @@
 """The scorer: teacher replay of whole rollout batches (`AnchorBatch` in, `ScoredItem` out).
 
-The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one.
+The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
+teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
+setting (opd/expected_acceptance.py): the LM head over the drafted slots, a few percent of the replay forward.
 """
 
 from __future__ import annotations
 
+import torch
+
+from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
 from opd.replay import score_micro_batches
 from opd.spec import ExperimentSpec
 from opd.train.flops import target_matmul_params
-from opd.train.messages import AnchorBatch, ScoredItem
+from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
 
 
 class Scorer:
@@ -21,4 +26,21 @@ class Scorer:
     def __call__(self, batch: AnchorBatch) -> ScoredItem:
         micro = score_micro_batches(self.target, batch, self.spec)
         tokens = sum(int(m.context_valid.shape[0] * m.features.shape[1]) for m in micro)
-        return ScoredItem(batch, micro, scorer_flops=2.0 * self.params * tokens)
+        return ScoredItem(batch, micro, scorer_flops=2.0 * self.params * tokens,
+                          acceptance=self.expected_acceptance(batch, micro))
+
+    def expected_acceptance(self, batch: AnchorBatch, micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
+        """a_k [N, K-1] of the batch's drafted blocks per eval setting. Naive rollouts score the committed
+        tokens, not the drafts, so they have none."""
+        settings = point_mass_settings(self.spec.eval.sampling)
+        if self.spec.rollout.mode == "naive" or not settings:
+            return {}
+        size, parts = self.spec.optim.micro_batch_size, {name: [] for name in settings}
+        for i, mb in enumerate(micro):
+            drafts, _ = record_drafts(batch.records[i * size : (i + 1) * size])
+            if len(drafts):
+                found = teacher_acceptance(drafts, mb.teacher, self.target.lm_head, settings,
+                                           teacher_temperature=self.spec.replay.teacher_temperature)
+                for name, a in found.items():
+                    parts[name].append(a)
+        return {name: torch.cat(a) for name, a in parts.items() if a}

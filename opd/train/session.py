@@ -18,6 +18,7 @@ from opd.data import eval_prompts
 from opd.errors import OpdError
 from opd.eval import evaluate
 from opd.eval_row import EvalRow
+from opd.expected_acceptance import ExpectedAcceptance
 from opd.losses import StepNorm
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
@@ -188,6 +189,7 @@ class TrainingSession:
         out.update({f"accept_ge_{k}": v for k, v in enumerate(stats.survival, start=1)})
         out.update({f"first_reject_{k}": v for k, v in enumerate(stats.first_rejection[:-1], start=1)})
         out["first_reject_full_accept"] = stats.first_rejection[-1]
+        out.update(_expected_metrics(items))
         flops = self.flops
         flops.drafter_train = self.learner.flops.drafter_train
         out.update({f"flops_{k}": v for k, v in flops.as_dict().items()})
@@ -209,7 +211,7 @@ class TrainingSession:
         models = Models(self.models.target, self.drafter, self.models.tokenizer)
         return evaluate(models, self.eval_prompts, e.sampling, max_new_tokens=e.max_new_tokens,
                         batch_size=e.batch_size, seed=self.spec.seed, baseline=baseline, draft_version=self.step,
-                        static_cache=self.spec.rollout.static_cache)
+                        static_cache=self.spec.rollout.static_cache, diagnose=True)
 
     def evaluate_and_log(self) -> list[EvalRow]:
         rows = self.evaluate()
@@ -217,7 +219,10 @@ class TrainingSession:
         self.eval_history[self.step] = {f"eval_tau_{r.sampling}": r.tau for r in rows}
         collapsed = self._collapsed(rows[0].tau, best)
         if self.tracker:
-            self.tracker.log({**self.eval_history[self.step], "tau_collapse": float(collapsed)}, self.step)
+            expected = {k: v for r in rows for rule, e in r.expected.items()
+                        for k, v in e.metrics(f"eval_expected_{rule}_on_{r.sampling}_").items()}
+            self.tracker.log({**self.eval_history[self.step], **expected, "tau_collapse": float(collapsed)},
+                             self.step)
         if collapsed and self.spec.eval.stop_on_collapse:
             raise OpdError(f"held-out τ collapsed at step {self.step}: {rows[0].tau:.3f} < "
                            f"{self.spec.eval.collapse_ratio} x best {best:.3f} (eval.collapse_ratio; the last "
@@ -227,6 +232,17 @@ class TrainingSession:
     def _collapsed(self, tau: float, best: float | None) -> bool:
         ratio = self.spec.eval.collapse_ratio
         return ratio is not None and best is not None and tau < ratio * best
+
+
+def _expected_metrics(items: list[ScoredItem]) -> dict[str, float]:
+    """The step's rollout diagnostic: expected τ and a_k per eval setting, over all its drafted blocks."""
+    names = [name for name in items[0].acceptance if all(name in it.acceptance for it in items)]
+    blocks = [len(r.drafts) for it in items for r in it.batch.records]
+    out: dict[str, float] = {}
+    for name in names:
+        found = ExpectedAcceptance.of(torch.cat([it.acceptance[name] for it in items]), blocks)
+        out.update(found.metrics(f"rollout_expected_{name}_"))
+    return out
 
 
 class LearnerRank:
