@@ -8,7 +8,8 @@ checked up front. Defaults are the Draft-OPD paper's settings (16-token blocks, 
 
 Loading (`load_spec`):
 - YAML in; a file may name `base: other.yaml` (relative to that file). Mappings deep-merge, the child wins,
-  lists and scalars are replaced; chains are allowed and cycles are reported.
+  lists and scalars are replaced; chains are allowed and cycles are reported. `base: [a.yaml, b.yaml]` merges
+  them in order, so a preset (configs/presets/) can be layered on any experiment.
 - `--set a.b=c` overrides are applied after inheritance; the value is parsed as YAML, so `optim.lr=1e-4`,
   `loss.rejected_decay=false` and `resources.rollout.replicas=2` arrive typed.
 - Relative model and data paths are kept as written and resolved against the current working directory when
@@ -593,14 +594,16 @@ def _resolve_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise SpecError([f"{path}: base cycle {cycle} (expected a chain that ends)"])
     data = _read_yaml(path)
     base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str) or not base:
-        raise SpecError([f"{path}: base: got {base!r} (expected the path of another YAML spec)"])
-    base_path = Path(os.path.normpath(path.parent / base))
-    if not base_path.exists():
-        raise SpecError([f"{path}: base: {base_path} not found (expected a YAML spec, relative to this file)"])
-    return _deep_merge(_resolve_file(base_path, (*chain, real)), data)
+    bases = [base] if isinstance(base, str) else base or []
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise SpecError([f"{path}: base: got {base!r} (expected the path of another YAML spec, or a list of them)"])
+    merged: dict[str, Any] = {}
+    for name in bases:
+        base_path = Path(os.path.normpath(path.parent / name))
+        if not base_path.exists():
+            raise SpecError([f"{path}: base: {base_path} not found (expected a YAML spec, relative to this file)"])
+        merged = _deep_merge(merged, _resolve_file(base_path, (*chain, real)))
+    return _deep_merge(merged, data)
 
 
 def _apply_override(data: dict[str, Any], item: str) -> str | None:

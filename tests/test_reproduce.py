@@ -57,6 +57,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     spec_file.write_text(json.dumps({
         "experiment": str(micro_spec_file), "set": SETS, "seeds": [0, 1], "opd_steps": 2, "eval_points": 1,
         "eval_prompts": 2, "workers": 1, "out_dir": str(tmp_path / "out"),
+        "families": {"again": load_spec(micro_spec_file).data.eval_prompts},
         "arms": [{"name": "draft-opd"}, {"name": "no-decay", "set": ["loss.rejected_decay=false"]}]}))
     spec = load_reproduce_spec(spec_file)
     results = run_jobs(spec, tmp_path / "out")
@@ -72,6 +73,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     for run in runs:
         arm, seed = run.info.run_name.rsplit("-seed", 1)
         assert run.data.metrics["final_tau_greedy"] == by_name[(arm, int(seed))].final["greedy"]
+        assert run.data.metrics["final_tau_again_greedy"] == run.data.metrics["final_tau_heldout_greedy"]
         assert run.data.params["loss.rejected_decay"] == ("false" if arm == "no-decay" else "true")
     saved = sorted(p.name for p in (tmp_path / "out" / "arms").iterdir())
     assert saved == ["draft-opd-seed0.json", "draft-opd-seed1.json", "no-decay-seed0.json", "no-decay-seed1.json"]
@@ -87,6 +89,8 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     assert len(client.search_runs([runs[0].info.experiment_id])) == 4  # loaded arms are not logged again
     report = write_report(spec, again, tmp_path / "out", minutes=1.0).read_text()
     assert "### All arms" in report and "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
+    assert "| arm | heldout greedy | again greedy |" in report and "worst vs warm" in report
+    assert "| arm | greedy rule on greedy states |" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
 
 

@@ -85,6 +85,17 @@ def test_base_chain_merges_deeply_and_child_wins(tmp_path: Path) -> None:
     assert (spec.models.drafter.block_size, spec.models.drafter.num_layers) == (4, 2)
 
 
+def test_a_list_of_bases_layers_a_preset_on_an_experiment(tmp_path: Path) -> None:
+    write(tmp_path / "exp.yaml", {**MINIMAL, "loss": {"gamma": 0.5}, "optim": {"lr": 1e-3}})
+    write(tmp_path / "preset.yaml", {"loss": {"kl_mode": "all_forward", "gamma": 0.7}})
+    write(tmp_path / "run.yaml", {"base": ["exp.yaml", "preset.yaml"], "optim": {"lr": 2e-3}})
+    spec = load_spec(tmp_path / "run.yaml", check_paths=False)
+    assert (spec.loss.kl_mode, spec.loss.gamma, spec.optim.lr, spec.steps) == ("all_forward", 0.7, 2e-3, 10)
+    write(tmp_path / "bad.yaml", {"base": ["exp.yaml", 3]})
+    with pytest.raises(SpecError, match=r"bad\.yaml: base: got \['exp\.yaml', 3\]"):
+        load_spec(tmp_path / "bad.yaml", check_paths=False)
+
+
 def test_overrides_are_typed(tmp_path: Path) -> None:
     spec = load_spec(TINY, ["optim.lr=1e-4", "loss.rejected_decay=false", "resources.rollout.replicas=2",
                             "optim.betas=[0.8, 0.99]", "name=x", "models.drafter_path="], check_paths=False)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from opd.data import eval_prompts
+from opd.data import eval_prompts, load_prompts
 from opd.errors import OpdError
 from opd.eval import evaluate
+from opd.eval_row import EvalRow
 from opd.models.build import Models, build_models
 from opd.reproduce.spec import ArmJob, ArmResult
 from opd.spec import ExperimentSpec, SamplingSpec, load_spec
@@ -26,21 +28,40 @@ from opd.train.sft import SftExample, train_sft
 
 
 class _Evaluator:
-    """Held-out τ of the drafter being trained (greedy for the curve, every setting at the end)."""
+    """Held-out τ of the drafter being trained: greedy on the main family for the curve; at the start and the
+    end every setting on every family, with the expected-acceptance diagnostic."""
 
-    def __init__(self, spec: ExperimentSpec, models: Models, num_prompts: int) -> None:
+    def __init__(self, spec: ExperimentSpec, models: Models, job: ArmJob) -> None:
         self.spec, self.models = spec, models
-        self.prompts = eval_prompts(spec.data, models.tokenizer, num_prompts)
+        n, d = job.eval_prompts, spec.data
+        self.prompts = eval_prompts(d, models.tokenizer, n)
+        self.families = {"heldout": self.prompts, **{
+            name: load_prompts(path, models.tokenizer, max_prompt_tokens=d.max_prompt_tokens, limit=n).prompts
+            for name, path in job.families.items()}}
 
     def __call__(self, drafter, samplings: list[SamplingSpec] | None = None) -> dict[str, float]:
+        rows = self._rows(drafter, self.prompts, samplings or [SamplingSpec(name="greedy")], diagnose=False)
+        return {r.sampling: r.tau for r in rows}
+
+    def every_family(self, drafter) -> dict[str, list[dict]]:
+        """family -> EvalRow dicts for every eval setting, diagnosed."""
+        return {name: [asdict(r) for r in self._rows(drafter, prompts, self.spec.eval.sampling, diagnose=True)]
+                for name, prompts in self.families.items()}
+
+    def _rows(self, drafter, prompts, samplings, *, diagnose: bool) -> list[EvalRow]:
         was_training = drafter.training
         drafter.eval()
         e = self.spec.eval
-        rows = evaluate(Models(self.models.target, drafter, self.models.tokenizer), self.prompts,
-                        samplings or [SamplingSpec(name="greedy")], max_new_tokens=e.max_new_tokens,
-                        batch_size=e.batch_size, seed=self.spec.seed, baseline=False)
+        rows = evaluate(Models(self.models.target, drafter, self.models.tokenizer), prompts, samplings,
+                        max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, seed=self.spec.seed,
+                        baseline=False, diagnose=diagnose)
         drafter.train(was_training)
-        return {r.sampling: r.tau for r in rows}
+        return rows
+
+
+def _tau(rows: dict[str, list[dict]]) -> dict[str, float]:
+    """The main family's τ per setting."""
+    return {r["sampling"]: r["tau"] for r in rows["heldout"]}
 
 
 def arm_spec(job: ArmJob, steps: int) -> ExperimentSpec:
@@ -68,8 +89,9 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     trainer = LocalTrainer(spec, track=False)
     session = trainer.session
     trainer.start(evaluate=False)  # the arm measures its own initial τ below
-    evaluator = _Evaluator(spec, session.models, job.eval_prompts)
-    initial = evaluator(session.drafter, spec.eval.sampling if budget_setter else None)
+    evaluator = _Evaluator(spec, session.models, job)
+    initial_rows = evaluator.every_family(session.drafter) if budget_setter else {}
+    initial = _tau(initial_rows) if budget_setter else evaluator(session.drafter)
     curve = [(0.0, initial["greedy"])]
     mark_steps = {round(job.opd_steps * (i + 1) / job.eval_points) for i in range(job.eval_points)}
     marks = list(job.marks or [])
@@ -84,10 +106,10 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
         if (budget_setter and session.step >= job.opd_steps) or (not budget_setter and not marks) or \
                 session.step >= cap:
             break
-    final = evaluator(session.drafter, spec.eval.sampling)
-    return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, final,
+    final_rows = evaluator.every_family(session.drafter)
+    return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, _tau(final_rows),
                      _first_rejection_halves(records_by_step, session.drafter.block_size),
-                     initial if budget_setter else {})
+                     initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows)
 
 
 def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) -> dict[str, list[float]]:
@@ -107,7 +129,7 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
     models = build_models(spec)
     examples = [SftExample(d["prompt_ids"], d["response_ids"])
                 for d in map(json.loads, Path(job.sft_data).read_text().splitlines())]
-    evaluator = _Evaluator(spec, models, job.eval_prompts)
+    evaluator = _Evaluator(spec, models, job)
     curve = [(0.0, evaluator(models.drafter)["greedy"])]
     marks = list(job.marks)
     steps = 0
@@ -122,5 +144,5 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
     flops = train_sft(spec, models, examples, on_step=on_step)
     if marks:
         raise OpdError(f"arm {job.arm.name}: SFT data ran out before the FLOP budget; raise sft.epochs")
-    final = evaluator(models.drafter, spec.eval.sampling)
-    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, final)
+    final_rows = evaluator.every_family(models.drafter)
+    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, _tau(final_rows), final_rows=final_rows)

@@ -46,7 +46,9 @@ def track(job: ArmJob, result: ArmResult, out: Path) -> None:
     tracker = Tracker(experiment)
     for i, (flops, tau) in enumerate(result.curve):
         tracker.log({"heldout_tau_greedy": tau, "flops_total": flops}, i)
-    tracker.log({**{f"final_tau_{k}": v for k, v in result.final.items()}, "steps": result.steps,
+    families = {f"final_tau_{family}_{row['sampling']}": row["tau"]
+                for family, rows in result.final_rows.items() for row in rows}
+    tracker.log({**{f"final_tau_{k}": v for k, v in result.final.items()}, **families, "steps": result.steps,
                  "minutes": result.minutes}, len(result.curve) - 1)
     tracker.close()
 
@@ -60,7 +62,7 @@ def run_jobs(spec: ReproduceSpec, out: Path) -> list[ArmResult]:
 
     def job(arm: ArmSpec, seed: int, marks: list[float] | None) -> ArmJob:
         return ArmJob(arm, seed, spec.experiment, spec.set, str(out / "work" / f"{arm.name}-seed{seed}"),
-                      spec.opd_steps, spec.eval_points, spec.eval_prompts, marks, sft_data)
+                      spec.opd_steps, spec.eval_points, spec.eval_prompts, marks, sft_data, spec.families)
 
     def done(arm: str, seed: int) -> ArmResult | None:
         path = saved / f"{arm}-seed{seed}.json"

@@ -94,6 +94,88 @@ def _histogram_table(results: list[ArmResult]) -> list[str]:
     return lines + [""]
 
 
+def _cells(rows: list[dict]) -> dict[str, dict]:
+    return {r["sampling"]: r for r in rows}
+
+
+def _by_arm(results: list[ArmResult]) -> dict[str, dict[int, ArmResult]]:
+    out: dict[str, dict[int, ArmResult]] = {}
+    for r in results:
+        if r.final_rows:
+            out.setdefault(r.arm, {})[r.seed] = r
+    return out
+
+
+def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
+    """Every arm on every prompt family and setting: τ, its ratio to continued SFT (paired by seed) and to the
+    warm drafter, the numbers issue 17's goals are stated in."""
+    by_arm = _by_arm(results)
+    warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+    if not warm_runs:
+        return []
+    cols = [(f, s) for f, rows in warm_runs[0].initial_rows.items() for s in _cells(rows)]
+
+    def tau(rows_of: dict[str, list[dict]], f: str, s: str) -> float:
+        return _cells(rows_of[f])[s]["tau"]
+
+    warm = {c: statistics.fmean(tau(r.initial_rows, *c) for r in warm_runs) for c in cols}
+    sft = by_arm.get("sft", {})
+    head = " | ".join(f"{f} {s}" for f, s in cols)
+    lines = ["### Every prompt family and setting (held-out τ, mean ± std over seeds)", "",
+             f"| arm | {head} |", "|---|" + "---|" * len(cols),
+             "| warm drafter | " + " | ".join(f"{warm[c]:.3f}" for c in cols) + " |"]
+    ratios = ["", "### The same, relative (mean ± std over seeds): vs continued SFT paired by seed; vs the warm "
+              "drafter; worst: the lowest ratio to the warm drafter over all columns", "",
+              f"| arm | {' | '.join(f'vs SFT {f} {s}' for f, s in cols)} | worst vs warm |",
+              "|---|" + "---|" * (len(cols) + 1)]
+    for arm in [a for a in arms if a in by_arm]:
+        runs = by_arm[arm]
+        lines.append(f"| {arm} | " + " | ".join(_fmt(_mean_std([tau(r.final_rows, *c) for r in runs.values()]))
+                                                for c in cols) + " |")
+        if arm == "sft":
+            continue
+        paired = [_fmt(_mean_std([tau(runs[s].final_rows, *c) / tau(sft[s].final_rows, *c) - 1
+                                  for s in runs if s in sft]), pct=True) if sft else "" for c in cols]
+        worst = min(statistics.fmean(tau(r.final_rows, *c) for r in runs.values()) / warm[c] - 1 for c in cols)
+        ratios.append(f"| {arm} | " + " | ".join(paired) + f" | {worst:+.1%} |")
+    return lines + ratios + [""]
+
+
+def _diagnostic_tables(results: list[ArmResult], arms: list[str], family: str = "heldout") -> list[str]:
+    """The expected-acceptance diagnostic on one family: every (states, rule) pair, then a_k per position for
+    the sampled rule. Rule on the other setting's states vs its own separates 'which states' from 'the loss'."""
+    by_arm = _by_arm(results)
+    warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+    if not warm_runs:
+        return []
+    first = _cells(warm_runs[0].initial_rows[family])
+    pairs = [(states, rule) for states, row in first.items() for rule in row["expected"]]
+    sampled = [rule for _, rule in pairs if rule != "greedy"][:1]
+
+    def mean(runs: list[dict[str, list[dict]]], states: str, rule: str, key: str):
+        values = [_cells(r[family])[states]["expected"][rule][key] for r in runs]
+        return ([statistics.fmean(v[i] for v in values) for i in range(len(values[0]))]
+                if isinstance(values[0], list) else statistics.fmean(values))
+
+    table = {"warm drafter": [r.initial_rows for r in warm_runs]}
+    table.update({a: [r.final_rows for r in by_arm[a].values()] for a in arms if a in by_arm})
+    head = " | ".join(f"{rule} rule on {states} states" for states, rule in pairs)
+    lines = [f"### Expected τ from p and q on the {family} prompts (token-weighted, mean over seeds)", "",
+             "Rows: arm; columns: whose decoding visited the states, and which acceptance rule is applied "
+             "to the drafts there (opd/expected_acceptance.py).", "", f"| arm | {head} |", "|---|" + "---|" * len(pairs)]
+    for arm, runs in table.items():
+        lines.append(f"| {arm} | " + " | ".join(f"{mean(runs, s, r, 'tau_token_weighted'):.3f}" for s, r in pairs)
+                     + " |")
+    for rule in sampled:
+        for states in first:
+            k = len(first[states]["expected"][rule]["slot"])
+            lines += ["", f"Expected acceptance a_k of the {rule} rule on {states} states, per drafted position:",
+                      "", "| arm | " + " | ".join(str(i) for i in range(1, k + 1)) + " |", "|---|" + "---|" * k]
+            lines += [f"| {arm} | " + " | ".join(f"{a:.3f}" for a in mean(runs, states, rule, "slot")) + " |"
+                      for arm, runs in table.items()]
+    return lines + [""]
+
+
 def _plot_curves(results: list[ArmResult], path: Path) -> None:
     """Held-out greedy τ against training FLOPs: mean over seeds with a ±std band (Figure 1)."""
     import matplotlib
@@ -159,6 +241,8 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
              f"{spec.eval_prompts} prompts (per-response mean, bonus token included). {machine}; "
              f"{minutes:.1f} min wall."), ""]
     lines += _table("All arms", [a.name for a in spec.arms], summary, warm)
+    lines += _families_tables(results, [a.name for a in spec.arms])
+    lines += _diagnostic_tables(results, [a.name for a in spec.arms])
     for title, arms in TABLES:
         lines += _table(title, arms, summary, warm)
     lines += _histogram_table(results)

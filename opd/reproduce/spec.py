@@ -33,6 +33,9 @@ class ReproduceSpec(BaseModel):
     opd_steps: int = Field(ge=2)  # the full method's steps; their FLOPs are every arm's budget
     eval_points: int = Field(4, ge=1)  # held-out τ measured at this many evenly spaced marks
     eval_prompts: int = Field(64, ge=1)
+    # Further held-out prompt families (name -> jsonl), measured with every eval setting at the start and the end
+    # (the experiment's data.eval_prompts is "heldout"): does a result hold on prompts nothing was tuned on?
+    families: dict[str, str] = Field(default_factory=dict)
     sft_data: str | None = None  # the warm drafter's SFT data (jsonl); None: regenerate it with the spec's sft:
     workers: int = Field(2, ge=1)
     out_dir: str = "runs/reproduce"
@@ -58,6 +61,11 @@ def load_reproduce_spec(path: str | Path, overrides: list[str] | None = None) ->
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise OpdError(f"{path}: {where}: {err['msg']}") from None
+    if "heldout" in spec.families:
+        raise OpdError(f"{path}: families: 'heldout' is the experiment's data.eval_prompts (expected other names)")
+    missing = [f"{name}: {file}" for name, file in spec.families.items() if not Path(file).is_file()]
+    if missing:
+        raise OpdError(f"{path}: families: {missing[0]} does not exist (expected a prompts jsonl)")
     names = [a.name for a in spec.arms]
     if BUDGET_ARM not in names or len(set(names)) != len(names):
         raise OpdError(f"{path}: arms: expected unique names including {BUDGET_ARM!r} (it sets the FLOP budget)")
@@ -77,6 +85,7 @@ class ArmJob:
     eval_prompts: int
     marks: list[float] | None = None  # FLOPs at which to measure τ; the last is the budget (None: set it)
     sft_data: str | None = None
+    families: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,4 +99,8 @@ class ArmResult:
     first_rejection: dict[str, list[float]] = field(default_factory=dict)  # "first_half"/"second_half"
     initial: dict[str, float] = field(default_factory=dict)  # the warm drafter, every setting (full arm only)
     minutes: float = 0.0
+    # family -> EvalRow dicts (every setting, with the expected-acceptance diagnostic), at the end and, for the
+    # full arm, for the warm drafter
+    final_rows: dict[str, list[dict]] = field(default_factory=dict)
+    initial_rows: dict[str, list[dict]] = field(default_factory=dict)
 
