@@ -2,10 +2,12 @@
 
 One step per batch: the drafter drafts K−1 tokens after each row's anchor from its cached target context, the
 target verifies the K-token block [anchor, drafts] in one forward, `verify` decides how many drafts each row
-keeps, and both caches advance. Rows accept different amounts, so neither cache is cropped per row: the K new
-slots of a row are kept and the rejected ones become masked *holes* (the target gets a 2-D attention mask with
-zeros there and explicit position ids; the drafter cache has a `valid` flag). A row's output therefore depends
-only on its own tokens and its own keyed random numbers, never on its neighbours' acceptance.
+keeps, and both caches advance. Drafts are the drafter's argmax or, with `Sampling.sample_drafts` (T > 0),
+samples from its q, which verification then needs too. Rows accept different amounts, so neither cache is
+cropped per row: the K new slots of a row are kept and the rejected ones become masked *holes* (the target gets
+a 2-D attention mask with zeros there and explicit position ids; the drafter cache has a `valid` flag). A row's
+output therefore depends only on its own tokens and its own keyed random numbers, never on its neighbours'
+acceptance.
 
 With `static_cache=True` every tensor keeps one shape for the whole batch, which CUDA graphs and
 torch.compile(mode="reduce-overhead") need: the target KV cache is an HF `StaticCache` and the drafter cache is
@@ -27,7 +29,7 @@ from transformers.cache_utils import StaticCache
 from opd.decoding.batch import left_pad
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
-from opd.decoding.verify import next_token, verify
+from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 
@@ -92,7 +94,7 @@ class SpeculativeDecoder:
     def _step(self, s: _State, records: list[SequenceRecord], sampling: Sampling, seed: int,
               max_new_tokens: int) -> None:
         clock = [time.perf_counter()]
-        drafts, _ = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
+        drafts, draft_probs = self._draft(s, sampling, seed)
         clock.append(time.perf_counter())
         k = drafts.shape[1] + 1
         block = torch.cat([s.anchor[:, None], drafts], 1)
@@ -101,7 +103,11 @@ class SpeculativeDecoder:
                           past_key_values=s.target_cache, use_cache=True)
         clock.append(time.perf_counter())
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
-        verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
+        if draft_probs is None:
+            verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
+        else:
+            verdict = verify_sampled(drafts, draft_probs, out.logits, sampling, seed=seed, keys=s.keys,
+                                     start=s.response_len)
         kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
         clock.append(time.perf_counter())
         self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept)
@@ -118,6 +124,15 @@ class SpeculativeDecoder:
         self.timings["verify"] += clock[2] - clock[1]
         self.timings["bookkeeping"] += (clock[3] - clock[2]) + (clock[5] - clock[4])
         self.timings["steps"] += 1
+
+    def _draft(self, s: _State, sampling: Sampling, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's drafts [B, K−1] and, when they were sampled, the q [B, K−1, V] they were sampled from
+        (None for the argmax drafts, whose logits verification does not need)."""
+        drafts, logits = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
+        if not sampling.sample_drafts or sampling.greedy:
+            return drafts, None
+        # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
+        return sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
 
     def _block_mask(self, s: _State, k: int) -> torch.Tensor:
         """The target's 2-D mask for verifying a K-token block: every kept slot so far plus the block itself."""
