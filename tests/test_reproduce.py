@@ -91,6 +91,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     assert "### All arms" in report and "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
     assert "| arm | heldout greedy | again greedy |" in report and "worst vs warm" in report
     assert "| arm | greedy rule on greedy states |" in report
+    assert "### Expected τ on each arm's own training rollouts" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
 
 

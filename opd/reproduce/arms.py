@@ -109,7 +109,8 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     final_rows = evaluator.every_family(session.drafter)
     return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, _tau(final_rows),
                      _first_rejection_halves(records_by_step, session.drafter.block_size),
-                     initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows)
+                     initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows,
+                     rollout_expected=_rollout_expected(records_by_step))
 
 
 def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) -> dict[str, list[float]]:
@@ -120,6 +121,13 @@ def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) ->
     for name, part in (("first_half", metrics[:half]), ("second_half", metrics[half:])):
         out[name] = [sum(m[k] for m in part) / max(1, len(part)) for k in keys]
     return out
+
+
+def _rollout_expected(metrics: list[dict[str, float]]) -> dict[str, list[float]]:
+    """The diagnostic on the training rollouts: each rule's expected τ per step (`rollout_expected_<rule>_tau`)."""
+    prefix, suffix = "rollout_expected_", "_tau"
+    rules = [k[len(prefix):-len(suffix)] for k in metrics[0] if k.startswith(prefix) and k.endswith(suffix)]
+    return {rule: [m[f"{prefix}{rule}{suffix}"] for m in metrics] for rule in rules}
 
 
 def _run_sft_arm(job: ArmJob) -> ArmResult:

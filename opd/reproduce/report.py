@@ -176,6 +176,28 @@ def _diagnostic_tables(results: list[ArmResult], arms: list[str], family: str = 
     return lines + [""]
 
 
+def _rollout_table(results: list[ArmResult], arms: list[str], window: int = 5) -> list[str]:
+    """The diagnostic on each arm's own training rollouts: every rule's expected τ over the first and the last
+    `window` steps (mean over seeds). Where the rollouts are greedy, the sampled rule on them says whether the
+    loss alone moves sampled acceptance on the states it trains on."""
+    by_arm = {a: [r for r in results if r.arm == a and r.rollout_expected] for a in arms}
+    by_arm = {a: runs for a, runs in by_arm.items() if runs}
+    if not by_arm:
+        return []
+    rules = list(next(iter(by_arm.values()))[0].rollout_expected)
+    head = " | ".join(f"{rule} rule: first {window} → last {window} steps" for rule in rules)
+    lines = ["### Expected τ on each arm's own training rollouts (mean over seeds)", "", f"| arm | {head} |",
+             "|---|" + "---|" * len(rules)]
+    for arm, runs in by_arm.items():
+        cells = []
+        for rule in rules:
+            first = statistics.fmean(statistics.fmean(r.rollout_expected[rule][:window]) for r in runs)
+            last = statistics.fmean(statistics.fmean(r.rollout_expected[rule][-window:]) for r in runs)
+            cells.append(f"{first:.3f} → {last:.3f}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _plot_curves(results: list[ArmResult], path: Path) -> None:
     """Held-out greedy τ against training FLOPs: mean over seeds with a ±std band (Figure 1)."""
     import matplotlib
@@ -243,6 +265,7 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
     lines += _table("All arms", [a.name for a in spec.arms], summary, warm)
     lines += _families_tables(results, [a.name for a in spec.arms])
     lines += _diagnostic_tables(results, [a.name for a in spec.arms])
+    lines += _rollout_table(results, [a.name for a in spec.arms])
     for title, arms in TABLES:
         lines += _table(title, arms, summary, warm)
     lines += _histogram_table(results)

@@ -103,4 +103,6 @@ class ArmResult:
     # full arm, for the warm drafter
     final_rows: dict[str, list[dict]] = field(default_factory=dict)
     initial_rows: dict[str, list[dict]] = field(default_factory=dict)
+    # rule -> per training step, the expected τ of that rule on the step's rollout states (opd arms)
+    rollout_expected: dict[str, list[float]] = field(default_factory=dict)
 
