@@ -167,7 +167,7 @@ def _diagnostic_tables(results: list[ArmResult], arms: list[str], family: str = 
         lines.append(f"| {arm} | " + " | ".join(f"{mean(runs, s, r, 'tau_token_weighted'):.3f}" for s, r in pairs)
                      + " |")
     for rule in sampled:
-        for states in first:
+        for states in [s for s in first if rule in first[s]["expected"]]:
             k = len(first[states]["expected"][rule]["slot"])
             lines += ["", f"Expected acceptance a_k of the {rule} rule on {states} states, per drafted position:",
                       "", "| arm | " + " | ".join(str(i) for i in range(1, k + 1)) + " |", "|---|" + "---|" * k]
