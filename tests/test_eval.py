@@ -34,6 +34,10 @@ def test_opd_eval_prints_the_table_and_writes_json(micro_spec_file, tmp_path, ca
     assert greedy["greedy_match"] == 1.0  # speculative greedy == autoregressive greedy, token for token
     assert 1.0 <= greedy["tau"] <= 4.0 and greedy["speedup"] > 0
     assert len(greedy["survival"]) == 3 and sum(greedy["first_rejection"]) == pytest.approx(1.0)
+    # the diagnostic: both rules on both settings' states; on greedy states the greedy rule is what happened
+    assert "Expected τ from p and q" in printed
+    assert set(greedy["expected"]) == set(rows[1]["expected"]) == {"greedy", "sampled"}
+    assert greedy["expected"]["greedy"]["tau"] == pytest.approx(greedy["tau"])
 
 
 def test_opd_eval_missing_drafter_is_one_line(micro_spec_file, capsys):
