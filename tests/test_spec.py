@@ -14,7 +14,9 @@ from opd.spec import (ExperimentSpec, SpecError, check_paths, default_target_lay
                       validate_spec)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "reproduce")  # not experiments
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")
+                 if p.parent.name not in ("reproduce", "presets"))  # reproduce specs and presets are not experiments
+PRESETS = sorted((ROOT / "configs" / "presets").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"
 MINIMAL = {"steps": 10, "models": {"target_path": "t"}, "data": {"train_prompts": "a", "eval_prompts": "b"}}
 
@@ -83,6 +85,20 @@ def test_base_chain_merges_deeply_and_child_wins(tmp_path: Path) -> None:
     assert (spec.optim.lr, spec.optim.batch_size) == (2e-3, 16)
     assert spec.models.drafter_path is None and spec.models.target_path == "t"
     assert (spec.models.drafter.block_size, spec.models.drafter.num_layers) == (4, 2)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_layers_onto_every_experiment(preset: Path, tmp_path: Path) -> None:
+    """A preset holds only its recipe's fields, so `base: [experiment, preset]` works for every shipped
+    experiment and changes nothing but those fields."""
+    raw = yaml.safe_load(preset.read_text())
+    assert "base" not in raw and set(raw) <= {"rollout", "replay", "loss"}
+    for experiment in [TINY, *sorted((ROOT / "configs").glob("qwen3-*.yaml"))]:
+        write(tmp_path / "run.yaml", {"base": [str(experiment), str(preset)]})
+        layered = flatten(load_spec(tmp_path / "run.yaml", check_paths=False))
+        plain = flatten(load_spec(experiment, check_paths=False))
+        changed = {k.split(".")[0] for k in {*plain, *layered} if plain.get(k) != layered.get(k)}
+        assert changed == set(raw), experiment
 
 
 def test_a_list_of_bases_layers_a_preset_on_an_experiment(tmp_path: Path) -> None:
