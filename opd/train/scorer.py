@@ -2,7 +2,8 @@
 
 The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
 teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
-setting (opd/expected_acceptance.py): the LM head over the drafted slots, a few percent of the replay forward.
+setting (opd/expected_acceptance.py): the LM head over the drafted slots, ~5% of the replay forward's FLOPs at
+Qwen3-8B shapes (2048-token response, τ 6).
 """
 
 from __future__ import annotations
