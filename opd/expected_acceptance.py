@@ -35,6 +35,12 @@ def slot_acceptance(drafts: torch.Tensor, logits: torch.Tensor, sampling: Sampli
     """a_k [..., K-1] for drafts [..., K-1] and the target's logits [..., K-1, V] at those slots."""
     if sampling.greedy:
         return (drafts == logits.argmax(-1)).to(torch.float32)
+    if 0 < sampling.top_k < logits.shape[-1]:
+        # Top-k gives every other token probability 0, so the top-k logits decide p_T(d): no [slots, V] softmax
+        # and sort for top-p (1.2 GB and most of the time at Qwen3's vocabulary for 256 slots; bench/scale.py).
+        top, ids = logits.topk(sampling.top_k, dim=-1)
+        probs = target_probs(top, Sampling(sampling.temperature, 0, sampling.top_p))
+        return (probs * (ids == drafts.unsqueeze(-1))).sum(-1)
     return target_probs(logits, sampling).gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
 
 
@@ -89,7 +95,7 @@ class ExpectedAcceptance:
                    survival=(survival.sum(0) / blocks).tolist(), blocks=len(acceptance))
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        """MLflow metrics: `{prefix}tau` and the per-position a_k as `{prefix}slot_{k}`."""
+        """MLflow metrics: `{prefix}tau` (token-weighted, like `rollout_tau`) and a_k as `{prefix}slot_{k}`."""
         out = {f"{prefix}tau": self.tau_token_weighted}
         out.update({f"{prefix}slot_{k}": v for k, v in enumerate(self.slot, start=1)})
         return out
@@ -104,4 +110,4 @@ def record_drafts(records: Sequence[SequenceRecord]) -> tuple[torch.Tensor, list
 
 def point_mass_settings(samplings: Sequence) -> dict[str, Sampling]:
     """The named eval settings (`SamplingSpec`s) this diagnostic describes: those that draft point masses."""
-    return {s.name: Sampling(s.temperature, s.top_k, s.top_p) for s in samplings if s.draft == "argmax"}
+    return {s.name: Sampling.of(s) for s in samplings if s.draft == "argmax"}

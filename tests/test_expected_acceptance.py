@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opd.data import Prompt, load_prompts
-from opd.decoding.sampling import Sampling
+from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.eval import evaluate
 from opd.expected_acceptance import ExpectedAcceptance, record_drafts, slot_acceptance, teacher_acceptance
@@ -122,6 +122,20 @@ def test_processing_decides_acceptance():
     assert slot_acceptance(drafts, logits, Sampling(1.0, top_k=2)).item() == 0.0
     assert slot_acceptance(torch.tensor([[0]]), logits, Sampling(0.0)).item() == 1.0
     assert slot_acceptance(drafts, logits, Sampling(0.0)).item() == 0.0
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.6, top_k=20, top_p=0.95), Sampling(1.3, top_k=5),
+                                      Sampling(0.6, top_p=0.9), Sampling(0.6, top_k=64, top_p=0.5)])
+def test_acceptance_is_the_processed_target_probability_of_the_draft(sampling):
+    """The top-k shortcut (softmax and top-p over the k largest logits only) equals gathering the draft's
+    probability from the full processed distribution that verification samples from."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 3, 64, generator=gen, dtype=torch.float64) * 3
+    drafts = torch.where(torch.rand(40, 3, generator=gen) < 0.5, logits.argmax(-1),
+                         torch.randint(0, 64, (40, 3), generator=gen))
+    reference = target_probs(logits, sampling).gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    assert slot_acceptance(drafts, logits, sampling) == pytest.approx(reference, abs=1e-6)  # fp32 sums
+    assert (reference > 0).any() and (reference == 0).any()
 
 
 @pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(0.6, top_k=4), Sampling(0.6, top_p=0.9)])
