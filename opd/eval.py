@@ -45,14 +45,9 @@ def evaluate(models: Models, prompts: list[Prompt], samplings: list[SamplingSpec
     return rows
 
 
-def sampling_of(setting: SamplingSpec) -> Sampling:
-    """The decoding rule of a named setting."""
-    return Sampling(setting.temperature, setting.top_k, setting.top_p, sample_drafts=setting.draft == "sample")
-
-
 def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, baseline, tick,
                       diagnosed: list[SamplingSpec]) -> EvalRow:
-    sampling = sampling_of(setting)
+    sampling = Sampling.of(setting, sample_drafts=setting.draft == "sample")
     records, spec_time, ar_time, ar_tokens, matches = [], 0.0, 0.0, 0, 0
     # The diagnostic reads argmax q off the recorded drafts, so only point-mass decoding's states are diagnosed.
     expected = _Expected(models, point_mass_settings(diagnosed) if setting.draft == "argmax" else {})

@@ -24,6 +24,11 @@ class Sampling:
     top_p: float = 1.0
     sample_drafts: bool = False  # drafts sampled from the drafter's q (same processing) instead of its argmax
 
+    @classmethod
+    def of(cls, setting, *, sample_drafts: bool = False) -> Sampling:
+        """From a spec's temperature / top_k / top_p fields (`SamplingSpec`, `RolloutSpec`, `RolloutSampling`)."""
+        return cls(setting.temperature, setting.top_k, setting.top_p, sample_drafts)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

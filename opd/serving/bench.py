@@ -91,7 +91,7 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
     e = spec.eval
     prompts = eval_prompts(spec.data, load_tokenizer(spec.models.tokenizer), e.num_prompts)
     setting = e.sampling[0]
-    sampling = Sampling(setting.temperature, setting.top_k, setting.top_p)
+    sampling = Sampling.of(setting)
     rows: list[ServeRow] = []
     with progress_bar() as bar:
         for name, config in engines.items():

@@ -34,7 +34,7 @@ def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
     """How batch `index` is decoded: the rollout's own setting, or in turn each of `rollout.mix`."""
     settings = [spec.rollout, *spec.rollout.mix]
     s = settings[index % len(settings)]
-    return Sampling(s.temperature, s.top_k, s.top_p)
+    return Sampling.of(s)
 
 
 class RolloutWorker:

@@ -34,14 +34,10 @@ class Scorer:
         """a_k [N, K-1] of the batch's drafted blocks per eval setting. Naive rollouts score the committed
         tokens, not the drafts, so they have none."""
         settings = point_mass_settings(self.spec.eval.sampling)
-        if self.spec.rollout.mode == "naive" or not settings:
+        drafts, _ = record_drafts(batch.records)  # every block in replay's order: micro-batch by micro-batch
+        if self.spec.rollout.mode == "naive" or not settings or not len(drafts):
             return {}
-        size, parts = self.spec.optim.micro_batch_size, {name: [] for name in settings}
-        for i, mb in enumerate(micro):
-            drafts, _ = record_drafts(batch.records[i * size : (i + 1) * size])
-            if len(drafts):
-                found = teacher_acceptance(drafts, mb.teacher, self.target.lm_head, settings,
-                                           teacher_temperature=self.spec.replay.teacher_temperature)
-                for name, a in found.items():
-                    parts[name].append(a)
-        return {name: torch.cat(a) for name, a in parts.items() if a}
+        parts = [teacher_acceptance(d, mb.teacher, self.target.lm_head, settings,
+                                    teacher_temperature=self.spec.replay.teacher_temperature)
+                 for d, mb in zip(drafts.split([mb.num_blocks for mb in micro]), micro)]
+        return {name: torch.cat([part[name] for part in parts]) for name in settings}

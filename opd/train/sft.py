@@ -41,7 +41,7 @@ class SftExample:
 def response_sampling(spec: ExperimentSpec) -> Sampling:
     """sft.response_temperature when set, else the rollout's sampling (both data engines use this rule)."""
     r, temperature = spec.rollout, spec.sft.response_temperature
-    return Sampling(r.temperature, r.top_k, r.top_p) if temperature is None else Sampling(temperature, 0, 1.0)
+    return Sampling.of(r) if temperature is None else Sampling(temperature, 0, 1.0)
 
 
 def append_responses(prompts: list[Prompt], cache: Path, generate: Callable[[list[Prompt]], list[list[int]]],
