@@ -100,6 +100,10 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     ("experiment: x.yaml\nopd_steps: 1\narms: [{name: draft-opd}, {name: sft}]", "opd_steps"),
     ("experiment: x.yaml\nopd_steps: 4\narms: [{name: draft-opd}, {name: sft, kind: dpo}]", "arms.1.kind"),
     ("experiment: [", "not valid YAML"),
+    ("experiment: x.yaml\nopd_steps: 4\nfamilies: {x: nope.jsonl}\narms: [{name: draft-opd}, {name: o}]",
+     "families: x: nope.jsonl does not exist"),
+    ("experiment: x.yaml\nopd_steps: 4\nfamilies: {heldout: a.jsonl}\narms: [{name: draft-opd}, {name: o}]",
+     "'heldout' is the experiment's data.eval_prompts"),
 ])
 def test_a_bad_reproduce_spec_is_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "r.yaml"
