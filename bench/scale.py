@@ -11,7 +11,10 @@ features (n = 5, as the shipped drafters), and a one-layer DFlash drafter. Synth
 - bytes the scorer ships per sequence: the new `ScoredBatch` pickled (protocol 5: in-band + out-of-band
   buffers), and the replaced path's tensors from the same packed forward (fp32 [N, 15, V] log-probs and the
   packed row's whole feature storage, which a view pickled);
-- scorer and learner peak memory per micro-batch (one sequence; `opd.memory.peak_cpu_bytes`). The replaced
+- scorer and learner peak memory per micro-batch (one sequence; `opd.memory.peak_cpu_bytes`); the scorer also
+  with the expected-acceptance diagnostic it computes for the default eval settings (greedy and T=0.6 / top-p
+  0.95 / top-k 20: the LM head over the drafted slots, `opd/train/scorer.py`), whose [N, K-1] results it also
+  ships (counted in the bytes). The replaced
   learner is the unchunked loss on [N, 15, V] logits; the new one the chunked loss from hidden states. The
   bench uses `--chunk` 128 slots so that every length spans several chunks;
 - once: the object store's rate for the new `ScoredBatch` against default torch pickling of the same tensors,
@@ -39,12 +42,13 @@ from replay import synthetic_record  # bench/replay.py, beside this script
 from rich.console import Console
 from rich.table import Table
 
+from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
 from opd.losses import acceptance_aware_loss, teacher_distribution
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.replay import pack, packed_inputs, score, student_hidden
-from opd.spec import LossSpec
+from opd.spec import EvalSpec, LossSpec
 from opd.train.messages import WeightSnapshot
 
 VOCAB, K, N_FEATURES, STEP_SEQUENCES, GPU_BYTES = 151_936, 16, 5, 24, 141e9
@@ -55,6 +59,7 @@ QWEN3 = {"4B": {"hidden": 2560, "intermediate": 9728, "drafter_layers": 5},
          "30B-A3B": {"hidden": 2048, "intermediate": 6144, "drafter_layers": 8}}
 DRAFTER_LAYERS = 5  # the Qwen3-4B drafter whose publish is timed
 GB = 1e9
+DIAGNOSTIC_BYTES_PER_SLOT = 4 * len(point_mass_settings(EvalSpec().sampling))  # fp32 a_k per default setting
 
 
 def build(hidden: int, seed: int = 0) -> tuple[Target, DFlashDrafter]:
@@ -105,8 +110,16 @@ def measure_length(target: Target, drafter: DFlashDrafter, length: int, args) ->
     scored = {}
     row["scorer_peak_new"] = peak_cpu_bytes(lambda: scored.setdefault("b", score(target, recs, block_size=K)))
     batch = scored["b"]
+    drafts, _ = record_drafts(recs)
+    settings = point_mass_settings(EvalSpec().sampling)
+
+    def scorer_with_diagnostic() -> None:
+        replayed = score(target, recs, block_size=K)
+        scored["a"] = teacher_acceptance(drafts, replayed.teacher, target.lm_head, settings)
+
+    row["scorer_peak_diagnostic"] = peak_cpu_bytes(scorer_with_diagnostic)
     row["packed_tokens"] = len(pack(recs[0], K, "draft_opd").ids)
-    row["shipped_new"] = pickled_bytes(as_bf16(score(target, recs, block_size=K)))
+    row["shipped_new"] = pickled_bytes(as_bf16(score(target, recs, block_size=K))) + pickled_bytes(scored["a"])
     cfg = LossSpec()
 
     def new_learner() -> None:
@@ -227,7 +240,7 @@ def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, args) 
                 blocks = length / tau
                 slots = blocks * (K - 1)
                 prefix = args.projection_prompt + length
-                new_seq = slots * h * 2 + prefix * features * h * 2
+                new_seq = slots * h * 2 + prefix * features * h * 2 + slots * DIAGNOSTIC_BYTES_PER_SLOT
                 old_seq = slots * VOCAB * 4 + (prefix + blocks * (K - 2)) * features * h * 2
                 activations = block_bytes * scale * blocks * layers
                 new_gpu = static + new_seq + activations + chunk_bytes_per_slot * args.projection_chunk
@@ -243,7 +256,7 @@ def print_tables(result: dict) -> None:
     console = Console()
     t = Table(title="measured on this CPU, one sequence per micro-batch (MB)")
     for c in ("hidden", "response", "blocks", "shipped old", "shipped new", "scorer peak old", "scorer peak new",
-              "learner peak old", "learner peak new"):
+              "+ diagnostic", "learner peak old", "learner peak new"):
         t.add_column(c, justify="right")
     mb = 1e6
     for h, rows in result["measured"].items():
@@ -251,7 +264,8 @@ def print_tables(result: dict) -> None:
             def cell(key: str) -> str:
                 return f"{r[key] / mb:,.0f}" if key in r else "—"
             t.add_row(str(h), str(r["length"]), str(r["blocks"]), cell("shipped_old"), cell("shipped_new"),
-                      cell("scorer_peak_old"), cell("scorer_peak_new"), cell("learner_peak_old"),
+                      cell("scorer_peak_old"), cell("scorer_peak_new"), cell("scorer_peak_diagnostic"),
+                      cell("learner_peak_old"),
                       cell("learner_peak_new"))
     console.print(t)
     o = result["once"]
