@@ -9,6 +9,9 @@ Only blocks whose K−1 drafted slots all land on committed response tokens are 
 the response has nothing to be verified against, and the record format (which replay reads) makes every slot of
 a block exist, so such a slot would be scored as a rejection although nothing rejected it. A response too short
 for any whole block keeps the blocks its rollout verified.
+
+Sized for a long response: the target runs without its LM head (only its features are read), and the drafts are
+argmax'd a chunk of slots at a time (`opd/lm_head.py`), so no [T, V] or [slots, V] tensor is formed whole.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from opd.decoding.record import SequenceRecord
+from opd.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 
@@ -33,7 +37,7 @@ def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: Se
         return record
     pick = torch.randperm(candidates, generator=generator)[: min(num_anchors, candidates)].sort().values.tolist()
     committed = torch.tensor([record.prompt_ids + response], device=target.device)
-    features = target(committed).features
+    _, features = target.hidden_states(committed)  # the decoder alone: no [T, V] logits
     prompt_len = len(record.prompt_ids)
     block_ids = torch.full((1, len(pick), k1 + 1), drafter.mask_token_id, dtype=torch.long, device=target.device)
     block_ids[0, :, 0] = torch.tensor([response[a] for a in pick])
@@ -41,7 +45,7 @@ def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: Se
     context = drafter.project_context(features.to(drafter.fc.weight.dtype))
     valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
     hidden = drafter.forward_blocks(context, valid, block_ids, anchor_positions)
-    drafts = drafter.logits(hidden[0, :, 1:]).argmax(-1).tolist()
+    drafts = argmax(drafter.lm_head, hidden[0, :, 1:], SLOTS_PER_CHUNK).tolist()
     accepted = [_matching_prefix(d, response[a + 1 : a + 1 + k1]) for a, d in zip(pick, drafts)]
     return replace(record, anchors=pick, drafts=drafts, accepted=accepted)
 

@@ -14,7 +14,7 @@ plain sum over slots, and micro-batch size, chunk size and the number of learner
 Memory: at Qwen3's 151,936-token vocabulary one [slots, V] fp32 tensor is 0.6 MB per slot, so the loss never
 holds all slots' logits. It takes hidden states (the student's, and the target's final-norm states from replay),
 forms logits through the shared frozen LM head one chunk of slots at a time, and computes each chunk's gradient
-w.r.t. the hidden states right away (`_ChunkedLoss`): transient memory is set by the chunk, not the response.
+w.r.t. the hidden states right away (`opd/lm_head.py`): transient memory is set by the chunk, not the response.
 
 Numerics: log-softmax in fp32 at least (fp64 when the inputs are fp64). Only member slots are computed, so
 padding (garbage or NaN) never touches the maths, and an empty set gives 0 with zero (not NaN) gradients.
@@ -23,11 +23,12 @@ padding (garbage or NaN) never touches the maths, and an empty set gives 0 with 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from opd.lm_head import SLOTS_PER_CHUNK, apply_head, chunked_loss, map_slots
 from opd.spec import LossSpec
 from opd.zero_copy import ZeroCopy
 
@@ -91,6 +92,18 @@ def teacher_distribution(teacher_logits: torch.Tensor, *, temperature: float = 1
         top, ids = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
         tail = logprobs.scatter(-1, ids, -math.inf).logsumexp(dim=-1)
         return TopKTeacher(ids=ids, logprobs=top, tail_logprob=tail)
+
+
+def topk_teacher(head: torch.nn.Module, hidden: torch.Tensor, *, temperature: float, topk: int,
+                 chunk: int = SLOTS_PER_CHUNK) -> TopKTeacher:
+    """`teacher_distribution(head(hidden), topk=...)` for final-norm hidden states [N, K-1, H], with the exact
+    tail, formed `chunk` slots at a time: no [slots, V] tensor whole."""
+
+    def top(logits: torch.Tensor, _: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = teacher_distribution(logits, temperature=temperature, topk=topk)
+        return t.ids, t.logprobs, t.tail_logprob
+
+    return TopKTeacher(*map_slots(head, hidden, top, chunk))
 
 
 # ------------------------------------------------------------------------------------------------ position sets
@@ -248,44 +261,7 @@ def _rejection_surprisal(student: torch.Tensor, teacher: torch.Tensor) -> torch.
     return -torch.logsumexp(student + teacher, dim=-1)
 
 
-# ------------------------------------------------------------------------------------------------ chunked loss
-
-
-ChunkFn = Callable[[torch.Tensor, slice], torch.Tensor]  # (student rows [C, ...], which rows) -> KL per row [C]
-
-
-class _ChunkedLoss(torch.autograd.Function):
-    """sum_r coef_r KL_r over rows processed `chunk` at a time. Each chunk's gradient w.r.t. its input rows is
-    taken right away, so only one chunk's vocabulary-sized tensors are ever alive; backward just hands back the
-    stored row gradients. Returns the loss and [L_acc part, L_rej part] (sum_r share_r KL_r over each set); only
-    the loss is differentiable."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, fn: ChunkFn, w: SlotWeights, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = torch.zeros_like(rows) if ctx.needs_input_grad[0] else None
-        parts = torch.zeros(2, dtype=torch.float64, device=rows.device)
-        total = torch.zeros((), dtype=torch.float64, device=rows.device)
-        dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32  # the KL's compute dtype
-        for start in range(0, rows.shape[0], chunk):
-            part = slice(start, start + chunk)
-            x = rows[part].detach().requires_grad_(grad is not None)
-            with torch.enable_grad():
-                kl = fn(x, part)
-                loss, dtype = (w.coef[part].to(kl.device, kl.dtype) * kl).sum(), kl.dtype
-            if grad is not None:
-                (grad[part],) = torch.autograd.grad(loss, x)
-            total += loss.detach().to(torch.float64)
-            shared = w.share[part].to(kl.device) * kl.detach().to(torch.float64)
-            acc = w.accepted[part]
-            parts += torch.stack([shared[acc].sum(), shared[~acc].sum()])
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(parts)
-        return total.to(dtype), parts
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_parts: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None
+# ------------------------------------------------------------------------------------------------ the losses
 
 
 def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTeacher, accepted: torch.Tensor,
@@ -311,7 +287,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
     w = slot_weights(accepted, valid, cfg, norm)
     rows = student.flatten(0, 1)[w.rows]
 
-    def divergence(x: torch.Tensor, part: slice) -> torch.Tensor:
+    def divergence(student_logits: torch.Tensor, part: slice) -> torch.Tensor:
         index = w.rows[part]
         if isinstance(teacher, TopKTeacher):
             target = teacher.rows(index)
@@ -319,28 +295,47 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
             target = teacher.flatten(0, 1)[index]
         else:
             target = _teacher_logprobs(head, teacher.flatten(0, 1)[index], teacher_temperature)
-        return _slot_divergence(x if head is None else head(x), target, w.forward[part], cfg.acceptance_weight)
+        return _slot_divergence(student_logits, target, w.forward[part], cfg.acceptance_weight)
 
-    loss, parts = _ChunkedLoss.apply(rows, divergence, w, chunk_size or max(1, len(w.rows)))
-    return LossTerms(loss=loss, acc=parts[0], rej=parts[1], num_acc=w.num_acc, num_rej=w.num_rej)
+    loss, kl = chunked_loss(head, rows, divergence, w.coef, chunk_size or len(w.rows))
+    shared = w.share * kl
+    return LossTerms(loss=loss, acc=shared[w.accepted].sum(), rej=shared[~w.accepted].sum(), num_acc=w.num_acc,
+                     num_rej=w.num_rej)
 
 
 def _teacher_logprobs(head: torch.nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
     """Exact teacher log-probs from the target's final-norm hidden states: the same LM head the target ran."""
     with torch.no_grad():
-        return teacher_distribution(head(hidden.to(head.weight.dtype)), temperature=temperature)
+        return teacher_distribution(apply_head(head, hidden), temperature=temperature)
 
 
-def sft_loss(student_logits: torch.Tensor, labels: torch.Tensor, *, gamma: float,
-             position_mask: torch.Tensor | None = None) -> torch.Tensor:
+def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, position_mask: torch.Tensor | None = None,
+             head: torch.nn.Module | None = None, chunk_size: int | None = None,
+             log_weight_sum: float | None = None) -> torch.Tensor:
     """DFlash SFT: cross-entropy against the data tokens, weighted exp(-(k-1)/gamma), mean over valid positions.
 
+    Without `head`: student logits [N, K-1, V]. With `head` (the shared frozen LM head): the drafter's final
+    hidden states [N, K-1, H], whose logits are formed `chunk_size` slots at a time (default: all at once).
+    `log_weight_sum`: log of the weights' sum over the whole step (`sft_log_weight_sum` of every micro-batch's
+    mask, log-added), so micro-batches' losses sum to the step's mean; default: this batch is the step.
     Labels at masked positions are never read, so padding may hold any id.
     """
-    valid = _valid_positions(student_logits.shape[:2], position_mask, student_logits.device)
+    valid = _valid_positions(student.shape[:2], position_mask, student.device)
+    if log_weight_sum is None:
+        log_weight_sum = sft_log_weight_sum(valid, gamma)
     rows = valid.flatten().nonzero().squeeze(-1)
-    logprobs = torch.log_softmax(student_logits.flatten(0, 1)[rows].to(_compute_dtype(student_logits)), dim=-1)
-    targets = labels.to(student_logits.device).flatten()[rows].unsqueeze(-1)
-    nll = -logprobs.gather(-1, targets).squeeze(-1)
-    offsets = (rows % student_logits.shape[1]).to(nll.dtype)  # k - 1
-    return (torch.softmax(offsets * (-1.0 / gamma), dim=0) * nll).sum()
+    offsets = (rows % student.shape[1]).to(torch.float64)  # k - 1
+    coef = torch.exp(offsets * (-1.0 / gamma) - log_weight_sum)
+    targets = labels.to(student.device).flatten()[rows]
+
+    def cross_entropy(student_logits: torch.Tensor, part: slice) -> torch.Tensor:
+        logprobs = torch.log_softmax(student_logits.to(_compute_dtype(student_logits)), dim=-1)
+        return -logprobs.gather(-1, targets[part, None]).squeeze(-1)
+
+    loss, _ = chunked_loss(head, student.flatten(0, 1)[rows], cross_entropy, coef, chunk_size or len(rows))
+    return loss
+
+
+def sft_log_weight_sum(position_mask: torch.Tensor, gamma: float) -> float:
+    """log sum over valid positions [N, K-1] of exp(-(k-1)/gamma): an SFT step's denominator (-inf if empty)."""
+    return _log_weight_sum(position_mask.bool(), -1.0 / gamma)

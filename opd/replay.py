@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from opd.decoding.record import SequenceRecord
-from opd.losses import TopKTeacher, teacher_distribution
+from opd.losses import TopKTeacher, topk_teacher
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.train.messages import ScoredBatch
@@ -116,8 +116,7 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
     rows = torch.arange(len(packed), device=device)[:, None, None]
     slots = hidden[rows, batch.pop("slot_index").to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]
     teacher = (slots.cpu().contiguous() if teacher_topk is None else
-               _to_cpu(teacher_distribution(target.lm_head(slots), temperature=teacher_temperature,
-                                            topk=teacher_topk)))
+               _to_cpu(topk_teacher(target.lm_head, slots, temperature=teacher_temperature, topk=teacher_topk)))
     prefix = batch["context_valid"].shape[1]
     return ScoredBatch(features=features[:, :prefix].cpu().contiguous(), teacher=teacher, **batch)
 

@@ -1,0 +1,99 @@
+"""The frozen, shared LM head applied over many slots a chunk at a time: no [slots, V] tensor is formed whole.
+
+At Qwen3's 151,936-token vocabulary one slot's logits are 0.6 MB in fp32, so a 2048-token response's drafted
+slots (or a sequence's positions) would need gigabytes at once. Every place that turns hidden states into
+something vocabulary-sized (the losses, SFT, random-anchor drafts, top-k teachers, the acceptance diagnostic)
+goes through here: it forms the logits of `chunk` rows, reduces them with the caller's function (an argmax, top-k
+log-probs, a per-row loss) and drops them before the next chunk.
+
+`map_slots` is for reductions without gradient. `chunked_loss` is sum_r coef_r loss_r with the gradient w.r.t. the
+hidden rows: each chunk's gradient is taken right away, so only one chunk's vocabulary-sized tensors (and their
+autograd graph) are alive at a time; backward hands back the stored row gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+# Slots whose [slots, vocabulary] logits a reduction without gradient forms at once (argmax, top-k, the
+# acceptance diagnostic): ~0.16 GB in fp32 at Qwen3's 151,936 tokens. Losses take optim.loss_chunk_size instead.
+SLOTS_PER_CHUNK = 256
+
+# (logits [C, V] of rows `part`, part) -> one result per row, [C, ...] (or a tuple of them)
+Reduce = Callable[[torch.Tensor, slice], torch.Tensor | tuple[torch.Tensor, ...]]
+RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]  # (logits [C, V] of rows `part`, part) -> loss per row [C]
+
+
+def apply_head(head: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's logits of hidden rows (cast to the head's dtype); `head` None means the rows already are
+    logits (tests, and losses handed logits)."""
+    return hidden if head is None else head(hidden.to(head.weight.dtype))
+
+
+def chunks(rows: int, chunk: int) -> Iterator[slice]:
+    """Consecutive slices of at most `chunk` rows covering 0..rows."""
+    for start in range(0, rows, max(1, chunk)):
+        yield slice(start, start + chunk)
+
+
+@torch.no_grad()
+def map_slots(head: nn.Module | None, hidden: torch.Tensor, reduce: Reduce,
+              chunk: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`reduce` of the logits of every slot of hidden [..., H], `chunk` slots at a time, reshaped back to the
+    leading dims: [..., *per_row] (a tuple when `reduce` returns one). `part` indexes the flattened slots."""
+    lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
+    outs = [reduce(apply_head(head, flat[part]), part) for part in chunks(flat.shape[0], chunk)]
+    if not outs:  # no slot: reduce an empty chunk so the result still has its trailing shape and dtype
+        outs = [reduce(apply_head(head, flat[:0]), slice(0, 0))]
+    if isinstance(outs[0], tuple):
+        return tuple(_cat([o[i] for o in outs], lead) for i in range(len(outs[0])))
+    return _cat(outs, lead)
+
+
+def _cat(parts: list[torch.Tensor], lead: torch.Size) -> torch.Tensor:
+    out = torch.cat(parts)
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def argmax(head: nn.Module | None, hidden: torch.Tensor, chunk: int) -> torch.Tensor:
+    """argmax token [...] of each slot of hidden [..., H] (the point-mass draft)."""
+    return map_slots(head, hidden, lambda lg, _: lg.argmax(-1), chunk)
+
+
+def chunked_loss(head: nn.Module | None, rows: torch.Tensor, row_loss: RowLoss, coef: torch.Tensor,
+                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_r coef_r loss_r, differentiable w.r.t. hidden rows [R, H]; every loss_r detached, [R] float64).
+
+    `row_loss` sees the logits of one chunk of rows; `coef` [R] are fixed weights (float64). The loss has the
+    row losses' compute dtype (fp32 for bf16 rows)."""
+    return _ChunkedLoss.apply(rows, head, row_loss, coef, chunk)
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, head: nn.Module | None, row_loss: RowLoss, coef: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = torch.zeros_like(rows) if ctx.needs_input_grad[0] else None
+        per_row = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+        total = torch.zeros((), dtype=torch.float64, device=rows.device)
+        dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32  # used when there is no row
+        for part in chunks(rows.shape[0], chunk):
+            x = rows[part].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                values = row_loss(apply_head(head, x), part)
+                loss, dtype = (coef[part].to(values.device, values.dtype) * values).sum(), values.dtype
+            if grad is not None:
+                (grad[part],) = torch.autograd.grad(loss, x)
+            total += loss.detach().to(torch.float64)
+            per_row[part] = values.detach().to(torch.float64)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(per_row)
+        return total.to(dtype), per_row
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_rows: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None, None
