@@ -275,11 +275,21 @@ class SftSpec(_Section):
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
     schedule: Literal["cosine", "constant"] = "cosine"
     batch_size: int = Field(16, ge=1)
+    # Sequences per forward; their gradients accumulate into one step (the same gradient at any size), so memory
+    # is set by this, not batch_size: at Qwen3 shapes one 2048-token sequence with 512 anchors is ~8K block tokens.
+    micro_batch_size: int = Field(1, ge=1)
     response_max_new_tokens: int = Field(2048, ge=1)
     # Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling).
     # Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode.
     response_temperature: Temperature | None = None
     max_flops: float | None = Field(None, gt=0)  # matched-compute continued-SFT budget
+
+    @model_validator(mode="after")
+    def _check(self) -> SftSpec:
+        if self.batch_size % self.micro_batch_size:
+            _issues([f"micro_batch_size: {self.micro_batch_size} does not divide batch_size {self.batch_size} "
+                     "(expected a divisor)"])
+        return self
 
 
 Beta = Annotated[float, Field(ge=0, lt=1)]

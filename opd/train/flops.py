@@ -1,8 +1,26 @@
 """FLOP accounting, so arms (Draft-OPD, continued SFT, ablations) are compared at matched training compute.
 
-The usual dense estimate: a forward costs 2·P·tokens and a forward+backward 6·P·tokens, where P counts the
-weights a token passes through (the LM head included, the embedding lookup excluded). Attention's
-sequence-length term is left out on purpose: it is small at these lengths and the same for every arm.
+The matched-compute baselines are budgeted from these totals, so they count every token each model actually
+processes, with the weights that token actually passes through. The convention:
+
+- A forward costs 2 x (weights a token passes through) per token; a training forward + backward costs 6x for
+  trainable weights (activation and weight gradients) and 4x for the frozen shared LM head (activation gradient
+  only). Embedding lookups and attention's sequence-length term are left out: small at these lengths, and alike
+  for every arm. A mixture-of-experts target is counted as dense (all experts), an overestimate for every arm.
+- Only real tokens count, not padding: a batch's padding is an artefact of how it was batched (micro-batch size,
+  the longest row), not of the method.
+- Target (`TargetParams`): every token its decoder runs passes through the body (decoder layers); only the
+  positions whose logits are formed pass through the LM head.
+  - rollout: prefill and every verification block (K tokens), logits at all of them;
+  - teacher replay: the packed sequence, i.e. the committed prefix plus every drafted block's K-2 appended tokens
+    (`len(opd.replay.pack(record, K, mode).ids)`), decoder only; the LM head at every scored slot (N x (K-1)),
+    whether the scorer (top-k) or the learner (full vocabulary) forms those logits;
+  - SFT and random-anchor redrafting: the sequence through the decoder only (features, no logits).
+- Drafter (`DrafterParams`): every context position passes through `fc` and each layer's K and V projections;
+  every block token (K per block, anchor included) through the decoder layers; every drafted slot whose logits are
+  formed (K-1 per block, or the loss's slots in training) through the LM head.
+- Monitoring is not training compute: held-out evaluation and the scorer's expected-acceptance diagnostic are
+  not counted.
 """
 
 from __future__ import annotations
@@ -12,37 +30,69 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 
-def target_matmul_params(model: nn.Module) -> int:
-    """Weights a target token passes through: everything but the input embedding, the LM head included
-    (even when it is tied to the embedding)."""
-    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    body = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
-    return body + head.numel()
+def _numel(modules: list[nn.Module]) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters())
 
 
-def drafter_matmul_params(drafter: nn.Module) -> int:
-    """The drafter's own weights plus the shared LM head it applies to every drafted slot."""
-    return sum(p.numel() for p in drafter.parameters()) + drafter.lm_head.weight.numel()
+@dataclass(frozen=True)
+class TargetParams:
+    """The target's weights per token: `body` for every token the decoder runs, `head` per formed logit row."""
+
+    body: int
+    head: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> TargetParams:
+        """Everything but the input embedding and the LM head is body; the head counts even when tied."""
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        body = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
+        return cls(body, head.numel())
+
+    def forward(self, tokens: int, logits: int = 0) -> float:
+        """FLOPs of a forward over `tokens` tokens forming `logits` rows of logits."""
+        return 2.0 * (self.body * tokens + self.head * logits)
+
+
+@dataclass(frozen=True)
+class DrafterParams:
+    """The drafter's weights per token: `context` per context position (fc, every layer's K/V projections),
+    `block` per block token (the decoder layers), `head` per drafted slot (the shared frozen LM head)."""
+
+    context: int
+    block: int
+    head: int
+    block_size: int
+
+    @classmethod
+    def of(cls, drafter: nn.Module) -> DrafterParams:
+        kv = [m for layer in drafter.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        return cls(context=_numel([drafter.fc, drafter.hidden_norm, *kv]),
+                   block=_numel([*drafter.layers, drafter.norm]), head=drafter.lm_head.weight.numel(),
+                   block_size=drafter.block_size)
+
+    def forward(self, *, context: int, blocks: int, slots: int) -> float:
+        """FLOPs of a forward over `context` context positions, `blocks` blocks of K tokens, `slots` logit rows."""
+        return 2.0 * (self._trainable(context, blocks) + self.head * slots)
+
+    def train(self, *, context: int, blocks: int, slots: int) -> float:
+        """The same forward plus its backward: 6x the trainable weights, 4x the frozen LM head."""
+        return 6.0 * self._trainable(context, blocks) + 4.0 * self.head * slots
+
+    def _trainable(self, context: int, blocks: int) -> int:
+        return self.context * context + self.block * blocks * self.block_size
 
 
 @dataclass
 class FlopCounter:
-    target_forward: float = 0.0  # rollout prefill/verification and teacher replay
+    """FLOPs spent so far, by model and role; callers add `TargetParams`/`DrafterParams` costs to a field."""
+
+    target_forward: float = 0.0  # rollout prefill/verification, teacher replay (its LM head included), SFT features
     drafter_forward: float = 0.0  # drafting in rollout (and random-anchor redrafting)
-    drafter_train: float = 0.0  # student forward + backward in the learner
+    drafter_train: float = 0.0  # student forward + backward in the learner (or SFT)
 
     @property
     def total(self) -> float:
         return self.target_forward + self.drafter_forward + self.drafter_train
-
-    def add_target(self, params: int, tokens: int) -> None:
-        self.target_forward += 2.0 * params * tokens
-
-    def add_drafter(self, params: int, tokens: int, *, train: bool) -> None:
-        if train:
-            self.drafter_train += 6.0 * params * tokens
-        else:
-            self.drafter_forward += 2.0 * params * tokens
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}

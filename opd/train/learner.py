@@ -18,7 +18,7 @@ from opd.replay import student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine
 from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum
-from opd.train.flops import FlopCounter, drafter_matmul_params
+from opd.train.flops import DrafterParams, FlopCounter
 from opd.train.messages import ScoredBatch
 
 
@@ -77,7 +77,7 @@ class Learner:
         self.step = 0  # optimizer steps taken (or skipped as non-finite)
         self.nonfinite_in_a_row = 0
         self.flops = FlopCounter()
-        self._params = drafter_matmul_params(drafter)
+        self._params = DrafterParams.of(drafter)
 
     @property
     def partitioned(self) -> bool:
@@ -91,9 +91,9 @@ class Learner:
         norm = norm or step_norm(micro_batches, self.spec)
         self.optimizer.zero_grad(set_to_none=True)
         sums = reduce_sum(self._accumulate(micro_batches, norm), self.group)
-        loss, acc, rej, tokens = sums.tolist()
+        loss, acc, rej, train_flops = sums.tolist()
         num_acc, num_rej = norm.num_acc, norm.num_rej
-        self.flops.add_drafter(self._params, int(tokens), train=True)
+        self.flops.drafter_train += train_flops
         lr = self.scheduler.get_last_lr()[0]
         grad_norm, skipped = (self._deepspeed_step if self.engine else self._torch_step)(math.isfinite(loss))
         if skipped:
@@ -108,7 +108,7 @@ class Learner:
 
     def _accumulate(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> torch.Tensor:
         """Backward of each micro-batch's share of the step loss, one micro-batch on the device at a time; returns
-        this rank's sums of (loss, L_acc, L_rej, trained drafter tokens) in float64, for the all-reduce."""
+        this rank's sums of (loss, L_acc, L_rej, the student's training FLOPs) in float64, for the all-reduce."""
         sums = torch.zeros(4, dtype=torch.float64)
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self._device)
@@ -126,7 +126,8 @@ class Learner:
             else:  # DeepSpeed averages over ranks, so scale back up by the world size
                 self.engine.backward(terms.loss * self.group.world, scale_wrt_gas=False)
             sums += torch.tensor([terms.loss.item(), terms.acc.item(), terms.rej.item(),
-                                  batch.num_blocks * self.drafter.block_size], dtype=torch.float64)
+                                  self._params.train(context=int(batch.context_valid.sum()), blocks=batch.num_blocks,
+                                                     slots=terms.num_acc + terms.num_rej)], dtype=torch.float64)
             del batch, hidden, terms  # free this micro-batch's device copy before the next arrives
         return sums.to(self._device)
 

@@ -16,7 +16,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
-from opd.train.flops import FlopCounter, drafter_matmul_params, target_matmul_params
+from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch
 
 
@@ -43,7 +43,7 @@ class RolloutWorker:
         self.spec, self.prompts = spec, prompts
         self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
                                           static_cache=spec.rollout.static_cache)
-        self._target_params, self._drafter_params = target_matmul_params(target.model), drafter_matmul_params(drafter)
+        self._target_params, self._drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
         self._perms: dict[int, list[int]] = {}
 
     @property
@@ -81,14 +81,19 @@ class RolloutWorker:
         per_seq = self.spec.replay.random_anchors_per_seq
         target, drafter = self.decoder.target, self.decoder.drafter
         out = [redraft_at_random_anchors(target, drafter, rec, per_seq or len(rec.anchors), gen) for rec in records]
-        for rec in out:
-            flops.add_target(self._target_params, len(rec.prompt_ids) + len(rec.response_ids))
-            flops.add_drafter(self._drafter_params, len(rec.anchors) * drafter.block_size, train=False)
+        for rec in (new for new, old in zip(out, records) if new is not old):  # kept records cost nothing
+            # the target's decoder over the committed text (features only), one drafter block per anchor
+            committed = len(rec.prompt_ids) + len(rec.response_ids)
+            flops.target_forward += self._target_params.forward(committed)
+            flops.drafter_forward += self._drafter_params.forward(
+                context=committed, blocks=len(rec.anchors), slots=len(rec.anchors) * (drafter.block_size - 1))
         return out
 
     def _decode_flops(self, records: list[SequenceRecord]) -> FlopCounter:
         flops, k = FlopCounter(), self.decoder.drafter.block_size
-        for rec in records:
-            flops.add_target(self._target_params, len(rec.prompt_ids) + k * rec.num_steps)
-            flops.add_drafter(self._drafter_params, k * rec.num_steps, train=False)
+        for rec in records:  # logits at every prefill and verified position; the drafter's cache takes them all
+            seen = len(rec.prompt_ids) + k * rec.num_steps
+            flops.target_forward += self._target_params.forward(seen, logits=seen)
+            flops.drafter_forward += self._drafter_params.forward(context=seen, blocks=rec.num_steps,
+                                                                  slots=(k - 1) * rec.num_steps)
         return flops

@@ -3,7 +3,7 @@
 The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
 teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
 setting (opd/expected_acceptance.py): the LM head over the drafted slots, ~5% of the replay forward's FLOPs at
-Qwen3-8B shapes (2048-token response, τ 6).
+Qwen3-8B shapes (2048-token response, τ 6). It is monitoring, so `scorer_flops` leaves it out.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
-from opd.replay import score_micro_batches
+from opd.decoding.record import SequenceRecord
+from opd.replay import pack, score_micro_batches
 from opd.spec import ExperimentSpec
-from opd.train.flops import target_matmul_params
+from opd.train.flops import TargetParams
 from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
 
 
@@ -22,13 +23,19 @@ class Scorer:
 
     def __init__(self, spec: ExperimentSpec, target) -> None:
         self.spec, self.target = spec, target
-        self.params = target_matmul_params(target.model)
+        self.params = TargetParams.of(target.model)
 
     def __call__(self, batch: AnchorBatch) -> ScoredItem:
         micro = score_micro_batches(self.target, batch, self.spec)
-        tokens = sum(int(m.context_valid.shape[0] * m.features.shape[1]) for m in micro)
-        return ScoredItem(batch, micro, scorer_flops=2.0 * self.params * tokens,
+        return ScoredItem(batch, micro, scorer_flops=self.replay_flops(batch.records, micro),
                           acceptance=self.expected_acceptance(batch, micro))
+
+    def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
+        """The teacher's FLOPs (opd/train/flops.py): every packed token (the committed prefix and every drafted
+        block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner)."""
+        block_size, mode = self.spec.models.drafter.block_size, self.spec.rollout.mode
+        tokens = sum(len(pack(r, block_size, mode).ids) for r in records)
+        return self.params.forward(tokens, logits=sum(int(m.position_mask.sum()) for m in micro))
 
     def expected_acceptance(self, batch: AnchorBatch, micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
         """a_k [N, K-1] of the batch's drafted blocks per eval setting. Naive rollouts score the committed

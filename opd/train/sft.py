@@ -21,14 +21,14 @@ import torch
 from opd.data import Prompt, prompt_key, train_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
-from opd.losses import sft_loss
+from opd.losses import sft_log_weight_sum, sft_loss
 from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.progress import progress_bar
-from opd.spec import ExperimentSpec, OptimSpec
+from opd.spec import ExperimentSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
-from opd.train.flops import FlopCounter, drafter_matmul_params, target_matmul_params
+from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.learner import build_optimizer
 
 
@@ -76,35 +76,97 @@ def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Promp
     return append_responses(prompts, cache, generate, batch_size, "sft data")
 
 
-def sft_step_loss(target: Target, drafter: DFlashDrafter, examples: list[SftExample], *, anchors_per_seq: int,
-                  gamma: float, max_length: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
-    """SFT loss for a batch and the number of drafted slots it trained on."""
+@dataclass
+class SftBatch:
+    """One micro-batch laid out for the target and the drafter: sequences [B, T], anchors [B, M], labels."""
+
+    ids: torch.Tensor  # [B, T] long, right-padded
+    valid: torch.Tensor  # [B, T] bool: a real token
+    anchor_pos: torch.Tensor  # [B, M] long
+    block_valid: torch.Tensor  # [B, M] bool: a real anchor
+    labels: torch.Tensor  # [B, M, K-1] long: the data token slot k predicts
+    label_ok: torch.Tensor  # [B, M, K-1] bool: slot k lands on a real token of a real block
+
+    def to(self, device: torch.device) -> SftBatch:
+        return SftBatch(*(t.to(device) for t in vars(self).values()))
+
+    @property
+    def position_mask(self) -> torch.Tensor:
+        """[N, K-1] of the N real blocks: the slots the loss trains on."""
+        return self.label_ok[self.block_valid]
+
+
+@dataclass
+class SftStep:
+    """What one SFT step trained on and what it cost in tokens (opd/train/flops.py turns these into FLOPs)."""
+
+    loss: float
+    tokens: int  # real sequence tokens: the target's forward and the drafter's context positions
+    blocks: int  # drafted blocks: block_size drafter tokens each
+    slots: int  # trained slots: the LM head's rows
+
+
+def sft_micro_batches(examples: list[SftExample], *, anchors_per_seq: int, max_length: int, block_size: int,
+                      micro_batch_size: int, generator: torch.Generator) -> list[SftBatch]:
+    """The batch's anchors (drawn example by example, so the micro-batch size never changes them), laid out
+    `micro_batch_size` examples at a time."""
     seqs = [(e.prompt_ids + e.response_ids)[:max_length] for e in examples]
-    width, k = max(len(s) for s in seqs), drafter.block_size
+    anchors = [_random_anchors(len(e.prompt_ids), len(s), anchors_per_seq, generator) for e, s in zip(examples, seqs)]
+    return [_layout(seqs[i : i + micro_batch_size], anchors[i : i + micro_batch_size], block_size)
+            for i in range(0, len(seqs), micro_batch_size)]
+
+
+def _layout(seqs: list[list[int]], anchors: list[list[int]], k: int) -> SftBatch:
+    width, m = max(len(s) for s in seqs), max(1, max(len(a) for a in anchors))
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     valid = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)], valid[b, : len(s)] = torch.tensor(s), True
-    anchors = [_random_anchors(len(e.prompt_ids), len(s), anchors_per_seq, generator) for e, s in zip(examples, seqs)]
-    m = max(1, max(len(a) for a in anchors))
     anchor_pos = torch.zeros(len(seqs), m, dtype=torch.long)
     block_valid = torch.zeros(len(seqs), m, dtype=torch.bool)
-    for b, a in enumerate(anchors):
+    for b, (s, a) in enumerate(zip(seqs, anchors)):
+        ids[b, : len(s)], valid[b, : len(s)] = torch.tensor(s), True
         anchor_pos[b, : len(a)], block_valid[b, : len(a)] = torch.tensor(a, dtype=torch.long), True
-    device = target.device
-    ids, valid, anchor_pos, block_valid = ids.to(device), valid.to(device), anchor_pos.to(device), block_valid.to(device)
-    features = target(ids, attention_mask=valid.long()).features
-    offsets = torch.arange(k, device=device)
-    label_pos = anchor_pos[..., None] + offsets[1:]  # [B, M, K-1]
-    labels = ids.gather(1, label_pos.clamp_max(width - 1).flatten(1)).view_as(label_pos)
-    label_ok = valid.gather(1, label_pos.clamp_max(width - 1).flatten(1)).view_as(label_pos) & (label_pos < width)
-    block_ids = torch.full((*anchor_pos.shape, k), drafter.mask_token_id, dtype=torch.long, device=device)
-    block_ids[..., 0] = ids.gather(1, anchor_pos)
+    label_pos = anchor_pos[..., None] + torch.arange(1, k)  # [B, M, K-1]
+    inside = label_pos.clamp_max(width - 1).flatten(1)
+    labels = ids.gather(1, inside).view_as(label_pos)
+    label_ok = valid.gather(1, inside).view_as(label_pos) & (label_pos < width) & block_valid[..., None]
+    return SftBatch(ids, valid, anchor_pos, block_valid, labels, label_ok)
+
+
+def sft_batch_loss(target: Target, drafter: DFlashDrafter, batch: SftBatch, *, gamma: float, chunk_size: int,
+                   log_weight_sum: float | None = None) -> torch.Tensor:
+    """This micro-batch's share of the SFT loss (the step's mean when `log_weight_sum` is the step's).
+
+    Features come from the target's decoder alone (no [B, T, V] logits) and the drafter's logits are formed
+    `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary."""
+    batch = batch.to(target.device)
+    _, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
+    block_ids = torch.full((*batch.anchor_pos.shape, drafter.block_size), drafter.mask_token_id, dtype=torch.long,
+                           device=batch.ids.device)
+    block_ids[..., 0] = batch.ids.gather(1, batch.anchor_pos)
     context = drafter.project_context(features.to(drafter.fc.weight.dtype))
-    hidden = drafter.forward_blocks(context, valid, block_ids, anchor_pos)
-    logits = drafter.logits(hidden[block_valid][:, 1:])
-    mask = label_ok[block_valid]
-    return sft_loss(logits, labels[block_valid], gamma=gamma, position_mask=mask), int(mask.sum())
+    hidden = drafter.forward_blocks(context, batch.valid, block_ids, batch.anchor_pos)
+    return sft_loss(hidden[batch.block_valid][:, 1:], batch.labels[batch.block_valid], gamma=gamma,
+                    position_mask=batch.position_mask, head=drafter.lm_head, chunk_size=chunk_size,
+                    log_weight_sum=log_weight_sum)
+
+
+def sft_backward(target: Target, drafter: DFlashDrafter, examples: list[SftExample], sft: SftSpec, *,
+                 chunk_size: int, generator: torch.Generator) -> SftStep:
+    """Accumulate one SFT step's gradient micro-batch by micro-batch: each backward is that micro-batch's exact
+    share of the step's weighted mean, so `sft.micro_batch_size` never changes the gradient."""
+    micro = sft_micro_batches(examples, anchors_per_seq=sft.anchors_per_seq, max_length=sft.max_length,
+                              block_size=drafter.block_size, micro_batch_size=sft.micro_batch_size,
+                              generator=generator)
+    log_norm = float(torch.logsumexp(torch.tensor([sft_log_weight_sum(b.position_mask, sft.gamma) for b in micro],
+                                                  dtype=torch.float64), dim=0))
+    loss = 0.0
+    for batch in micro:
+        part = sft_batch_loss(target, drafter, batch, gamma=sft.gamma, chunk_size=chunk_size, log_weight_sum=log_norm)
+        part.backward()
+        loss += part.item()
+    return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
+                   blocks=sum(int(b.block_valid.sum()) for b in micro),
+                   slots=sum(int(b.label_ok.sum()) for b in micro))
 
 
 def _random_anchors(prompt_len: int, length: int, count: int, generator: torch.Generator) -> list[int]:
@@ -146,7 +208,7 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
-    target_params, drafter_params = target_matmul_params(models.target.model), drafter_matmul_params(models.drafter)
+    target_params, drafter_params = TargetParams.of(models.target.model), DrafterParams.of(models.drafter)
     models.drafter.train()
     with progress_bar() as bar:
         task = bar.add_task("sft", total=steps)
@@ -155,19 +217,17 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
                 order = torch.randperm(len(examples), generator=generator).tolist()
             j = (step % steps_per_epoch) * s.batch_size
             batch = [examples[i] for i in order[j : j + s.batch_size]]
-            loss, slots = sft_step_loss(models.target, models.drafter, batch, anchors_per_seq=s.anchors_per_seq,
-                                        gamma=s.gamma, max_length=s.max_length, generator=generator)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            done = sft_backward(models.target, models.drafter, batch, s, chunk_size=spec.optim.loss_chunk_size,
+                                generator=generator)
             torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), spec.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
-            flops.add_target(target_params, sum(len(e.prompt_ids) + len(e.response_ids) for e in batch))
-            flops.add_drafter(drafter_params, slots * models.drafter.block_size // (models.drafter.block_size - 1),
-                              train=True)
-            bar.update(task, completed=step + 1, description=f"sft loss {loss.item():.3f}")
+            flops.target_forward += target_params.forward(done.tokens)  # features only: no LM head
+            flops.drafter_train += drafter_params.train(context=done.tokens, blocks=done.blocks, slots=done.slots)
+            bar.update(task, completed=step + 1, description=f"sft loss {done.loss:.3f}")
             if tracker:
-                tracker.log({"sft_loss": loss.item(), "lr": scheduler.get_last_lr()[0], "flops_total": flops.total},
+                tracker.log({"sft_loss": done.loss, "lr": scheduler.get_last_lr()[0], "flops_total": flops.total},
                             step + 1)
             if on_step:
                 on_step(flops)
