@@ -338,16 +338,23 @@ class RoleSpec(_Section):
     num_cpus: float = Field(1, ge=0)
 
 
-_ROLES = ("rollout", "scorer", "learner")
+_ROLES = ("rollout", "scorer", "learner", "evaluator")
 
 
 class ResourcesSpec(_Section):
-    """Actor placement and the asynchronous pipeline's bounds."""
+    """Actor placement and the asynchronous pipeline's bounds.
+
+    `evaluator` is the one actor (a target and a drafter copy, like a rollout replica) that decodes the held-out
+    prompts on published weights, off the learner's critical path. It is a role of its own because it must not
+    take a rollout replica's or the scorer's GPU from under them, and its resources are fit-checked like the
+    others'. By default it reserves nothing and time-shares the machine (the tiny CPU runs); on a GPU cluster whose
+    rollout decodes on GPUs it must have one (the Qwen3 configs give it a whole GPU)."""
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     rollout: RoleSpec = Field(default_factory=RoleSpec)
     scorer: RoleSpec = Field(default_factory=RoleSpec)
     learner: RoleSpec = Field(default_factory=RoleSpec)
+    evaluator: RoleSpec = Field(default_factory=lambda: RoleSpec(num_cpus=0))
     queue_size: int = Field(4, ge=1)  # bounded queues: producers block, nothing is dropped
     max_policy_lag: int = Field(1, ge=0)  # older batches are counted and discarded
     broadcast_every: int = Field(1, ge=1)  # learner steps between weight publications
@@ -359,6 +366,11 @@ class ResourcesSpec(_Section):
                   "place a fraction above 1)"
                   for name, role in roles.items() if role.num_gpus > 1 and role.num_gpus % 1]
         issues += _fit(roles, "num_gpus", self.cluster.num_gpus)
+        if self.evaluator.replicas != 1:
+            issues.append(f"evaluator.replicas: {self.evaluator.replicas} (expected 1; one actor evaluates)")
+        if self.rollout.num_gpus and not self.evaluator.num_gpus:
+            issues.append("evaluator.num_gpus: 0 while rollout decodes on GPUs, so held-out eval would decode on a "
+                          f"CPU (expected a GPU, e.g. {_num(self.rollout.num_gpus)} like a rollout replica)")
         if self.max_policy_lag < self.broadcast_every - 1:
             issues.append(f"max_policy_lag: {self.max_policy_lag} with broadcast_every {self.broadcast_every} would "
                           f"discard every batch between broadcasts (expected at least {self.broadcast_every - 1})")
@@ -377,7 +389,7 @@ def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
               f"but the cluster declares {_num(available)} (a role that can never be placed)"
               for name, role in roles.items() if need[name] > available]
     if not issues and sum(need.values()) > available:
-        parts = " + ".join(f"{name} {_num(n)}" for name, n in need.items())
+        parts = " + ".join(f"{name} {_num(n)}" for name, n in need.items() if n)
         issues.append(f"cluster.{attr}: the roles need {parts} = {_num(sum(need.values()))} {unit}, but the cluster "
                       f"declares {_num(available)} (expected the sum to fit; all roles run at once)")
     return issues

@@ -38,9 +38,12 @@ MALFORMED = [
     ("block size 1", on_tiny("models: {drafter: {block_size: 1}}"), [], {}, "models.drafter.block_size: got 1"),
     ("role beyond cluster", on_tiny("resources: {cluster: {num_gpus: 4}, learner: {replicas: 2, num_gpus: 4}}"), [],
      {}, "resources.learner: 2 replicas x 4 GPUs = 8 GPUs, but the cluster declares 4"),
-    ("roles beyond cluster", on_tiny("resources: {cluster: {num_gpus: 2}, rollout: {num_gpus: 1}, "
-                                     "scorer: {num_gpus: 1}, learner: {num_gpus: 1}}"), [], {},
-     "resources.cluster.num_gpus: the roles need rollout 1 + scorer 1 + learner 1 = 3 GPUs"),
+    ("roles beyond cluster", on_tiny("resources: {cluster: {num_gpus: 3}, rollout: {num_gpus: 1}, "
+                                     "scorer: {num_gpus: 1}, learner: {num_gpus: 1}, "
+                                     "evaluator: {num_gpus: 1, num_cpus: 0}}"), [], {},
+     "resources.cluster.num_gpus: the roles need rollout 1 + scorer 1 + learner 1 + evaluator 1 = 4 GPUs"),
+    ("evaluator on cpu", on_tiny("resources: {cluster: {num_gpus: 2}, rollout: {num_gpus: 1}}"), [], {},
+     "resources.evaluator.num_gpus: 0 while rollout decodes on GPUs"),
     ("cpus beyond cluster", on_tiny("resources: {rollout: {replicas: 3, num_cpus: 1}}"), [], {},
      "resources.rollout: 3 replicas x 1 CPUs = 3 CPUs, but the cluster declares 2"),
     ("fractional gpus above 1", on_tiny("resources: {cluster: {num_gpus: 8}, scorer: {num_gpus: 1.5}}"), [], {},
