@@ -36,13 +36,14 @@ def test_a_corrupted_or_mislabelled_snapshot_is_refused():
 
 def test_tau_collapse_is_logged_and_stops_the_run_when_asked(micro_spec_file, monkeypatch):
     from opd.eval_row import EvalRow
+    from opd.train.evaluator import EvalResult
 
     taus = iter([3.0, 2.9, 1.0])  # steps 0, 2, 4: the last one falls below 0.8 x the best (3.0)
 
-    def fake_evaluate(self, *, baseline=False):
-        return [EvalRow("greedy", 4, next(taus), 0.0, [], [], 1.0, None, None, None)]
+    def fake_evaluate(self, snapshot):
+        return EvalResult(snapshot.version, [EvalRow("greedy", 4, next(taus), 0.0, [], [], 1.0, None, None, None)])
 
-    monkeypatch.setattr("opd.train.session.TrainingSession.evaluate", fake_evaluate)
+    monkeypatch.setattr("opd.train.evaluator.Evaluator.__call__", fake_evaluate)
     spec = load_spec(micro_spec_file, ["eval.collapse_ratio=0.8", "eval.stop_on_collapse=true"])
     trainer = LocalTrainer(spec, track=False)
     with pytest.raises(OpdError, match=r"τ collapsed at step 4: 1.000 < 0.8 x best 3.000"):

@@ -19,7 +19,7 @@ def test_learner_lowers_the_loss_on_a_fixed_batch(micro_spec_file):
 
 def test_a_step_changes_only_the_drafter(micro_spec_file):
     trainer = LocalTrainer(load_spec(micro_spec_file))
-    target = trainer.session.models.target
+    target = trainer.models.target
     target_before = {k: v.clone() for k, v in target.model.state_dict().items()}
     drafter_before = {k: v.clone() for k, v in trainer.learner.drafter.state_dict().items()}
     trainer.train_step()

@@ -10,6 +10,7 @@ import torch
 from opd.data import load_tokenizer, mask_token_id
 from opd.errors import OpdError
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.shared_head import SharedHead, load_shared_head
 from opd.models.target import Target, load_target
 from opd.spec import ExperimentSpec
 
@@ -25,6 +26,16 @@ class Models:
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
+
+
+@dataclass
+class LearnerModels:
+    """What a learner holds: the trainable drafter on the target's shared embedding and LM head (`head`: a
+    `SharedHead` read from the target's files, or the `Target` itself where one process holds both)."""
+
+    head: SharedHead | Target
+    drafter: DFlashDrafter
+    tokenizer: object
 
 
 def resolve_device(device: str) -> str:
@@ -43,28 +54,56 @@ def build_target(spec: ExperimentSpec) -> Target:
                        layer_ids=m.layer_ids or [], device=resolve_device(m.device))
 
 
+def build_shared_head(spec: ExperimentSpec) -> SharedHead:
+    """The target's embedding and LM head alone (what a learner needs), read from its files."""
+    m = spec.models
+    return load_shared_head(m.target_path, dtype=DTYPES[m.dtype], layer_ids=m.layer_ids or [],
+                            device=resolve_device(m.device))
+
+
 def build_models(spec: ExperimentSpec, drafter_path: str | None = None, *, seed: int | None = None) -> Models:
     """The frozen target, its tokenizer and a drafter: loaded from `drafter_path` (default: the spec's warm
     drafter) or, when the path is "random" or no drafter is configured, freshly initialised from `seed`."""
+    _check_drafter_path(spec, drafter_path)
+    tokenizer = load_tokenizer(spec.models.tokenizer)
+    target = build_target(spec)
+    return Models(target, build_drafter(spec, target, tokenizer, drafter_path, seed=seed), tokenizer)
+
+
+def build_learner_models(spec: ExperimentSpec) -> LearnerModels:
+    """The spec's warm (or random) drafter on the target's embedding and LM head, without the target."""
+    _check_drafter_path(spec, None)
+    tokenizer = load_tokenizer(spec.models.tokenizer)
+    head = build_shared_head(spec)
+    return LearnerModels(head, build_drafter(spec, head, tokenizer), tokenizer)
+
+
+def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, drafter_path: str | None = None, *,
+                  seed: int | None = None) -> DFlashDrafter:
+    """A drafter sharing `base`'s embedding and LM head: from `drafter_path` (default: the spec's warm drafter), or
+    random from `seed` when the path is "random" or no drafter is configured."""
     m = spec.models
     path = drafter_path or m.drafter_path
-    if path not in (None, "random") and not (Path(path) / "config.json").is_file():
-        raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash drafter directory or 'random')")
-    tokenizer = load_tokenizer(m.tokenizer)
-    target = build_target(spec)
-    if len(tokenizer) > target.vocab_size:
+    if len(tokenizer) > base.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
-                       f"{target.vocab_size} (expected a tokenizer that fits the target)")
+                       f"{base.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
-        return Models(target, random_drafter(spec, target, tokenizer, spec.seed if seed is None else seed), tokenizer)
-    drafter = DFlashDrafter.from_pretrained(path, target).to(target.device)
+        return random_drafter(spec, base, tokenizer, spec.seed if seed is None else seed)
+    drafter = DFlashDrafter.from_pretrained(path, base).to(base.device)
     if drafter.block_size != m.drafter.block_size:
         raise OpdError(f"drafter {path}: block_size {drafter.block_size} but models.drafter.block_size is "
                        f"{m.drafter.block_size} (expected them to agree)")
-    return Models(target, drafter, tokenizer)
+    return drafter
 
 
-def random_drafter(spec: ExperimentSpec, target: Target, tokenizer, seed: int) -> DFlashDrafter:
+def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
+    """Before any weights load: a named drafter directory must exist."""
+    path = drafter_path or spec.models.drafter_path
+    if path not in (None, "random") and not (Path(path) / "config.json").is_file():
+        raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash drafter directory or 'random')")
+
+
+def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> DFlashDrafter:
     config = DFlashConfig.for_target(target.config, num_layers=spec.models.drafter.num_layers,
                                      block_size=spec.models.drafter.block_size,
                                      mask_token_id=mask_token_id(tokenizer, spec.models.drafter.mask_token_id),

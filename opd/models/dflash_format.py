@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -21,14 +21,21 @@ from safetensors.torch import load_file, save_file
 from opd.errors import OpdError
 from opd.spec import default_target_layer_ids
 
-if TYPE_CHECKING:
-    from opd.models.target import Target
-
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 # Tensors a checkpoint may carry but that we always take from the target.
 SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
+
+
+class TargetShape(Protocol):
+    """The target facts a drafter checkpoint is checked against: a loaded `Target`, the learner's `SharedHead`
+    (opd/models/shared_head.py) or the preflight's reading of config.json all have them."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layer_ids: list[int]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -252,7 +259,7 @@ def write_checkpoint(directory: str | Path, config: DFlashConfig, tensors: dict[
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def read_config(path: Path, target: Target) -> DFlashConfig:
+def read_config(path: Path, target: TargetShape) -> DFlashConfig:
     """Parse config.json and check it describes a drafter for this very target."""
     if not path.is_file():
         raise OpdError(f"{path}: drafter config not found")

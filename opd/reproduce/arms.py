@@ -89,7 +89,7 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     trainer = LocalTrainer(spec, track=False)
     session = trainer.session
     trainer.start(evaluate=False)  # the arm measures its own initial τ below
-    evaluator = _Evaluator(spec, session.models, job)
+    evaluator = _Evaluator(spec, trainer.models, job)
     initial_rows = evaluator.every_family(session.drafter) if budget_setter else {}
     initial = _tau(initial_rows) if budget_setter else evaluator(session.drafter)
     curve = [(0.0, initial["greedy"])]

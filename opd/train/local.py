@@ -4,14 +4,18 @@ It is the reference the Ray path is tested against (with `max_policy_lag: 0` the
 easiest place to debug. Checkpoints carry everything needed to resume to the same state as an uninterrupted run.
 One step: `RolloutWorker.run` (opd/train/rollout.py) drafts `spec.batches_per_step` AnchorBatches, `Scorer`
 (opd/train/scorer.py) replays each through the target, `TrainingSession.train_step` (opd/train/session.py) takes
-the optimizer step, and the rollout's drafter copy adopts the newly published `WeightSnapshot`.
+the optimizer step, and the rollout's drafter copy adopts the newly published `WeightSnapshot`. One target serves
+rollout, scorer, the session's shared embedding and LM head, and the `Evaluator` (opd/train/evaluator.py), which
+evaluates inline on a drafter copy of its own, as the Ray engine's evaluator actor does.
 """
 
 from __future__ import annotations
 
 from opd.data import train_prompts
+from opd.models.build import LearnerModels, Models, build_models
 from opd.models.drafter import DFlashDrafter
 from opd.spec import ExperimentSpec
+from opd.train.evaluator import Evaluator, InlineEvaluations
 from opd.train.messages import StepReport, TrainResult
 from opd.train.result import run_to
 from opd.train.rollout import RolloutWorker
@@ -31,10 +35,12 @@ class LocalTrainer:
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
         self.spec = spec
-        self.session = TrainingSession(spec, track=track)
-        m = self.session.models
+        m = self.models = build_models(spec)  # the target, the warm drafter (trained) and the tokenizer
+        evaluator = Evaluator(spec, Models(m.target, copy_drafter(m.drafter), m.tokenizer))
+        self.session = TrainingSession(spec, track=track, models=LearnerModels(m.target, m.drafter, m.tokenizer),
+                                       evals=InlineEvaluations(evaluator))
         prompts = train_prompts(spec.data, m.tokenizer)
-        self.rollout = RolloutWorker(spec, m.target, copy_drafter(self.session.drafter), m.eos_id, prompts)
+        self.rollout = RolloutWorker(spec, m.target, copy_drafter(m.drafter), m.eos_id, prompts)
         self.scorer = Scorer(spec, m.target)
         self.per_step = spec.batches_per_step
 

@@ -99,7 +99,8 @@ class StepReport:
 
     step: int  # the step just taken (1-based: the learner's step count after it)
     metrics: dict[str, float]  # losses, grad norm, lr, rollout τ and acceptance, policy lag, FLOPs, ...
-    evals: list[EvalRow] = field(default_factory=list)  # held-out rows, when this step evaluated
+    # held-out rows that came back from the evaluator during this step, by the step whose weights they evaluated
+    evals: dict[int, list[EvalRow]] = field(default_factory=dict)
     checkpoint: str | None = None  # the checkpoint directory, when this step wrote one
 
 

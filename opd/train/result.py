@@ -22,7 +22,7 @@ def progress_columns() -> tuple[TextColumn, TextColumn]:
 def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], Iterable[StepReport]], *,
            until: int | None = None, label: str = "draft-opd") -> TrainResult:
     """Advance one step at a time from `result.steps` to `until` (default `spec.steps`), recording each step's
-    loss, held-out evaluation and checkpoint in `result`."""
+    loss and checkpoint, and the held-out evaluations that came back, under the steps they evaluated, in `result`."""
     until = spec.steps if until is None else until
     step = result.steps
     with progress_bar(*progress_columns()) as bar:
@@ -31,8 +31,7 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
             for report in advance(step + 1):
                 step = report.step
                 result.losses.append(report.metrics["loss"])
-                if report.evals:
-                    result.evals[step] = report.evals
+                result.evals.update(report.evals)
                 result.checkpoint = report.checkpoint or result.checkpoint
                 bar.update(task, completed=step, loss=report.metrics["loss"], tau=report.metrics["rollout_tau"])
     result.steps = step

@@ -1,7 +1,10 @@
 """The training session: the learner's side of a run, shared by the local loop and the Ray `LearnerActor`.
 
-It owns the trainable drafter and optimizer (`Learner`), the held-out prompts, the MLflow run, checkpoints and
-the weight snapshot last published to rollout — so the two engines differ only in how batches reach it.
+It owns the trainable drafter and optimizer (`Learner`) on the target's embedding and LM head only (never the
+target), the MLflow run, checkpoints and the weight snapshot last published to rollout — so the two engines differ
+only in how batches reach it. Held-out evaluation is not done here: the session hands a snapshot of the weights to
+its `Evaluations` (opd/train/evaluator.py) and logs each result at the step it evaluated when it comes back
+(inline with `engine: local`; a step or more later with `engine: ray`, whose evaluator is an actor of its own).
 """
 
 from __future__ import annotations
@@ -14,19 +17,18 @@ from typing import Protocol
 import torch
 
 from opd.acceptance import AcceptanceStats
-from opd.data import eval_prompts
 from opd.errors import OpdError
-from opd.eval import evaluate
 from opd.eval_row import EvalRow
 from opd.expected_acceptance import ExpectedAcceptance
 from opd.losses import StepNorm
-from opd.models.build import Models, build_models
+from opd.models.build import LearnerModels, build_learner_models
+from opd.models.dflash_format import TargetShape
 from opd.models.drafter import DFlashDrafter
-from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
 from opd.train.checkpoint import check_same_training, latest_checkpoint, load_state, save_checkpoint, training_fields
 from opd.train.distributed import Group, shard
+from opd.train.evaluator import EvalResult, Evaluations
 from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics, step_norm
 from opd.train.messages import ScoredBatch, ScoredItem, StepReport, WeightSnapshot
@@ -61,24 +63,25 @@ def checkpoint_due(spec: ExperimentSpec, step: int) -> bool:
     return step % spec.tracking.checkpoint_every == 0 or step == spec.steps
 
 
-def restore_learner(learner: Learner, path: Path, target: Target) -> dict:
+def restore_learner(learner: Learner, path: Path, head: TargetShape) -> dict:
     """Load checkpoint `path`'s drafter weights and optimizer state into `learner` (every learner rank resumes
-    from the same checkpoint); returns the whole saved state."""
+    from the same checkpoint); `head` is what the drafter shares of the target. Returns the whole saved state."""
     state = load_state(path)
-    learner.drafter.load_state_dict(DFlashDrafter.from_pretrained(path, target).state_dict())
+    learner.drafter.load_state_dict(DFlashDrafter.from_pretrained(path, head).state_dict())
     learner.load_state_dict(state["learner"])
     return state
 
 
 class TrainingSession:
     """Learner rank 0 (the only one by default): with `peers`, each step's micro-batches are sharded over the
-    ranks of `group` and this rank trains on the first shard."""
+    ranks of `group` and this rank trains on the first shard. `models` defaults to the warm drafter on the target's
+    embedding and LM head read from its files; `evals` is where held-out evaluation happens (None: nowhere)."""
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True, group: Group | None = None,
-                 peers: Peers | None = None) -> None:
-        self.spec, self.peers = spec, peers
-        self.models = build_models(spec)
-        self.eval_prompts = eval_prompts(spec.data, self.models.tokenizer, spec.eval.num_prompts)
+                 peers: Peers | None = None, models: LearnerModels | None = None,
+                 evals: Evaluations | None = None) -> None:
+        self.spec, self.peers, self.evals = spec, peers, evals
+        self.models = models or build_learner_models(spec)
         self.learner = Learner(spec, self.models.drafter, group)
         self.flops = FlopCounter()  # rollout + scorer + learner, everything this run has spent
         self.counters = Counters()
@@ -100,16 +103,18 @@ class TrainingSession:
 
     def start(self, *, evaluate: bool = True) -> bool:
         """Resume from the newest checkpoint if there is one and open the MLflow run; True when resumed. A fresh
-        run then evaluates the warm drafter as step 0 (`start_evals`) unless `evaluate` is False: both engines
-        start here, so this is the one place that evaluation happens."""
+        run then hands the warm drafter to the evaluator as step 0 unless `evaluate` is False: both engines start
+        here. `start_evals` holds its rows when they are back already (inline evaluation); otherwise they come
+        with a later step's report."""
         path = self.resumed_from = latest_checkpoint(self.spec.run_dir)
         if path is not None:
             self._restore(path)
         if self.track:
             self.tracker = Tracker(self.spec, self.run_id)
             self.run_id = self.tracker.run_id
-        if path is None and evaluate:
-            self.start_evals = self.evaluate_and_log()
+        if path is None and evaluate and self.evals:
+            self.evals.submit(self.published)
+            self.start_evals = self.collect_evals().get(0, [])
         return path is not None
 
     def close(self, status: str = "FINISHED") -> None:
@@ -119,7 +124,7 @@ class TrainingSession:
 
     def _restore(self, path: Path) -> None:
         check_same_training(path, load_state(path).get("spec"), self.spec)
-        state = restore_learner(self.learner, path, self.models.target)
+        state = restore_learner(self.learner, path, self.models.head)
         published = state["published"]  # re-summed: checkpoints before CRC-32 hold another kind of checksum
         self.published = WeightSnapshot.of(published["state"], published["version"])
         self.flops = FlopCounter(**{k: v for k, v in state["flops"].items() if k != "total"})
@@ -196,38 +201,47 @@ class TrainingSession:
         return out
 
     def _periodic(self, report: StepReport, learner_state: dict | None) -> None:
+        """Log the step, hand an eval due now to the evaluator, log the evals that came back (the last step waits
+        for all of them, so the run ends with its final eval logged and checkpointed), then checkpoint."""
         if self.tracker:
             self.tracker.log(report.metrics, self.step)
-        every = self.spec.eval.every
-        if (every and self.step % every == 0) or self.step == self.spec.steps:
-            report.evals = self.evaluate_and_log()
+        every, last = self.spec.eval.every, self.step == self.spec.steps
+        if self.evals and ((every and self.step % every == 0) or last):
+            self.evals.submit(self._snapshot())
+        report.evals = self.collect_evals(wait=last)
         if checkpoint_due(self.spec, self.step):
             report.checkpoint = self.checkpoint(learner_state)
 
     # -- evaluation --------------------------------------------------------------------------------------------
 
-    def evaluate(self, *, baseline: bool = False) -> list[EvalRow]:
-        e = self.spec.eval
-        models = Models(self.models.target, self.drafter, self.models.tokenizer)
-        return evaluate(models, self.eval_prompts, e.sampling, max_new_tokens=e.max_new_tokens,
-                        batch_size=e.batch_size, seed=self.spec.seed, baseline=baseline, draft_version=self.step,
-                        static_cache=self.spec.rollout.static_cache, diagnose=True)
+    def _snapshot(self) -> WeightSnapshot:
+        """This step's weights as published (the last publication when it is this step's)."""
+        if self.published.version == self.step:
+            return self.published
+        return WeightSnapshot.of(self.drafter.state_dict(), self.step)
 
-    def evaluate_and_log(self) -> list[EvalRow]:
-        rows = self.evaluate()
+    def collect_evals(self, *, wait: bool = False) -> dict[int, list[EvalRow]]:
+        """Log the evaluations that have come back, each at the step it evaluated; step -> rows. With
+        `eval.stop_on_collapse` a collapsed τ stops the run here: with an evaluator actor that is when the result
+        arrives, a step or more after the step it evaluated."""
+        done = self.evals.finished(wait) if self.evals else []
+        for result in done:
+            self._log_eval(result)
+        return {result.step: result.rows for result in done}
+
+    def _log_eval(self, result: EvalResult) -> None:
+        rows, step = result.rows, result.step
         best = max((h[f"eval_tau_{rows[0].sampling}"] for h in self.eval_history.values()), default=None)
-        self.eval_history[self.step] = {f"eval_tau_{r.sampling}": r.tau for r in rows}
+        self.eval_history[step] = {f"eval_tau_{r.sampling}": r.tau for r in rows}
         collapsed = self._collapsed(rows[0].tau, best)
         if self.tracker:
             expected = {k: v for r in rows for rule, e in r.expected.items()
                         for k, v in e.metrics(f"eval_expected_{rule}_on_{r.sampling}_").items()}
-            self.tracker.log({**self.eval_history[self.step], **expected, "tau_collapse": float(collapsed)},
-                             self.step)
+            self.tracker.log({**self.eval_history[step], **expected, "tau_collapse": float(collapsed)}, step)
         if collapsed and self.spec.eval.stop_on_collapse:
-            raise OpdError(f"held-out τ collapsed at step {self.step}: {rows[0].tau:.3f} < "
+            raise OpdError(f"held-out τ collapsed at step {step}: {rows[0].tau:.3f} < "
                            f"{self.spec.eval.collapse_ratio} x best {best:.3f} (eval.collapse_ratio; the last "
                            f"good checkpoint is in {self.spec.run_dir / 'checkpoints'})")
-        return rows
 
     def _collapsed(self, tau: float, best: float | None) -> bool:
         ratio = self.spec.eval.collapse_ratio
@@ -246,19 +260,19 @@ def _expected_metrics(items: list[ScoredItem]) -> dict[str, float]:
 
 
 class LearnerRank:
-    """Learner rank r > 0: the same drafter and optimizer, stepping on its shard of each step. Rank 0 alone
-    tracks, evaluates, checkpoints and publishes weights."""
+    """Learner rank r > 0: the same drafter and optimizer (on the target's embedding and LM head, not the
+    target), stepping on its shard of each step. Rank 0 alone tracks, evaluates, checkpoints and publishes."""
 
     def __init__(self, spec: ExperimentSpec, group: Group) -> None:
         self.spec = spec
-        models = build_models(spec)
-        self.target = models.target
+        models = build_learner_models(spec)
+        self.head = models.head
         self.learner = Learner(spec, models.drafter, group)
 
     def start(self, checkpoint: str | None) -> None:
         """Resume from the checkpoint rank 0 restored (None: a fresh run)."""
         if checkpoint is not None:
-            restore_learner(self.learner, Path(checkpoint), self.target)
+            restore_learner(self.learner, Path(checkpoint), self.head)
 
     def train_step(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> None:
         self.learner.train_step(micro_batches, norm)

@@ -1,0 +1,128 @@
+"""What a learner needs of the target: its embedding, its LM head and a few config facts, never its decoder.
+
+The drafter borrows the target's embedding (for block tokens) and LM head (for drafted logits and the teacher's
+exact distribution from shipped hidden states); everything else of the target lives in the rollout and scorer
+actors. Loading the whole target into the learner would cost its full size in GPU memory for nothing: ~8 GB at
+Qwen3-4B, ~61 GB at Qwen3-30B-A3B. `load_shared_head` reads exactly those two tensors from the target's
+safetensors files (one file, or shards listed in model.safetensors.index.json); with `tie_word_embeddings` the
+LM head is the embedding itself. A `SharedHead` stands in for a `Target` wherever a drafter is built
+(`DFlashDrafter.from_pretrained`, `read_config`, `DFlashConfig.for_target`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from opd.errors import OpdError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class SharedHead:
+    """The target's frozen embedding and LM head, with the facts a drafter is checked against."""
+
+    def __init__(self, config: Any, embed_tokens: nn.Embedding, lm_head: nn.Linear, layer_ids: list[int]) -> None:
+        self.config = config
+        self.embed_tokens, self.lm_head = embed_tokens.requires_grad_(False), lm_head.requires_grad_(False)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        _check_layer_ids(self.layer_ids, self.num_layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+
+def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], device: str = "cpu") -> SharedHead:
+    """Read the embedding and LM head of the HF causal LM directory `path`, and nothing else of its weights."""
+    config = _config(path)
+    _check_layer_ids(layer_ids, int(config.num_hidden_layers))  # before reading any weights
+    embed_names, head_names, head_bias = _parameter_names(config)
+    files = _weight_files(Path(path))
+    embed_weight = _read(files, embed_names, path, "input embedding")
+    embed = nn.Embedding(*embed_weight.shape, device="meta")
+    embed.weight = nn.Parameter(embed_weight.to(device=device, dtype=dtype), requires_grad=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head_weight = embed.weight if tied else nn.Parameter(
+        _read(files, head_names, path, "LM head").to(device=device, dtype=dtype), requires_grad=False)
+    head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=head_bias, device="meta")
+    head.weight = head_weight
+    if head_bias:
+        bias = _read(files, [n.removesuffix("weight") + "bias" for n in head_names], path, "LM head bias")
+        head.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+    return SharedHead(config, embed, head, layer_ids)
+
+
+def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
+        raise OpdError(f"target layer_ids {layer_ids}: expected non-empty ids in [0, {num_layers})")
+
+
+def _config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise OpdError(f"target model: {path}/config.json not found (expected a local HF model directory)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
+
+
+def _parameter_names(config: Any) -> tuple[list[str], list[str], bool]:
+    """The checkpoint names of the embedding and LM head weights (every alias a tied model has), and whether the
+    head has a bias, from the model class's skeleton on the meta device (no memory, any HF architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    named = list(model.named_parameters(remove_duplicate=False))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed_names = [n for n, p in named if p is embed.weight]
+    head_names = [n for n, p in named if p is head.weight]
+    return embed_names, head_names, getattr(head, "bias", None) is not None
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: the index's weight map, or the one file's header."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise OpdError(f"{index}: not a safetensors index (expected a 'weight_map' object)") from exc
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        raise OpdError(f"target model {directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _read(files: dict[str, Path], names: list[str], path: str, what: str) -> torch.Tensor:
+    """The first of `names` the checkpoint holds, read alone from its file (memory-mapped, no other tensor)."""
+    name = next((n for n in names if n in files), None)
+    if name is None:
+        raise OpdError(f"target model {path}: no {what} tensor (expected one of {', '.join(names)})")
+    with _open(files[name]) as f:
+        return f.get_tensor(name)
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise OpdError(f"{file}: unreadable safetensors file ({exc})") from exc

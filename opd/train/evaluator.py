@@ -1,0 +1,81 @@
+"""Held-out evaluation of published weights, off the learner's critical path.
+
+An `Evaluator` owns a target, a drafter copy and the held-out prompts, and decodes them with whatever weights it
+is handed: a `WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or a
+drafter directory (`opd run`'s before/after table, with the autoregressive baseline for the speedup). The learner
+never decodes: it hands snapshots over through `Evaluations` and logs the results when they come back.
+`engine: local` evaluates inline (`InlineEvaluations`, the same object in the same process); `engine: ray` runs it
+in its own actor (actors/evaluator.py), so the learner steps on while the evaluator decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from opd.data import eval_prompts
+from opd.eval import evaluate
+from opd.eval_row import EvalRow
+from opd.models.build import Models, build_drafter, build_models
+from opd.spec import ExperimentSpec
+from opd.train.messages import WeightSnapshot
+
+
+@dataclass
+class EvalResult:
+    """Evaluator → learner: held-out rows for the weights published at learner step `step`."""
+
+    step: int
+    rows: list[EvalRow]
+
+
+class Evaluator:
+    """Decodes the spec's held-out prompts with given drafter weights against the frozen target."""
+
+    def __init__(self, spec: ExperimentSpec, models: Models | None = None) -> None:
+        """`models`: a target and a drafter of its own to load weights into (default: built from the spec)."""
+        self.spec = spec
+        self.models = models or build_models(spec)
+        self.prompts = eval_prompts(spec.data, self.models.tokenizer, spec.eval.num_prompts)
+
+    def __call__(self, snapshot: WeightSnapshot) -> EvalResult:
+        """The periodic eval of published weights: every eval setting, with the expected-acceptance diagnostic."""
+        self.models.drafter.load_state_dict(snapshot.verified().state)
+        return EvalResult(snapshot.version, self._rows(self.models, baseline=False, diagnose=True,
+                                                       version=snapshot.version))
+
+    def checkpoint(self, drafter_path: str | None) -> list[EvalRow]:
+        """A drafter directory (None: the spec's warm drafter), with the autoregressive baseline's speedup."""
+        m = self.models
+        drafter = build_drafter(self.spec, m.target, m.tokenizer, drafter_path)
+        return self._rows(Models(m.target, drafter, m.tokenizer), baseline=True, diagnose=False, version=0)
+
+    def _rows(self, models: Models, *, baseline: bool, diagnose: bool, version: int) -> list[EvalRow]:
+        e = self.spec.eval
+        return evaluate(models, self.prompts, e.sampling, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
+                        seed=self.spec.seed, baseline=baseline, draft_version=version,
+                        static_cache=self.spec.rollout.static_cache, diagnose=diagnose)
+
+
+class Evaluations(Protocol):
+    """How the learner reaches its evaluator: hand a snapshot over, later collect what has finished."""
+
+    def submit(self, snapshot: WeightSnapshot) -> None:
+        """Start evaluating `snapshot`; returns without waiting for the result (where the engine allows)."""
+
+    def finished(self, wait: bool = False) -> list[EvalResult]:
+        """The results finished since the last call, in submission order; `wait`: all of them, blocking."""
+
+
+class InlineEvaluations:
+    """`engine: local`: each snapshot is evaluated at once, in this process."""
+
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator, self.done = evaluator, []
+
+    def submit(self, snapshot: WeightSnapshot) -> None:
+        self.done.append(self.evaluator(snapshot))
+
+    def finished(self, wait: bool = False) -> list[EvalResult]:
+        done, self.done = self.done, []
+        return done
