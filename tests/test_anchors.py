@@ -66,3 +66,21 @@ def test_a_response_shorter_than_a_block_keeps_its_verified_blocks(models):
                            accepted=[0])
     redrafted = redraft_at_random_anchors(target, drafter, short, 4, torch.Generator().manual_seed(0))
     assert (redrafted.anchors, redrafted.drafts, redrafted.accepted) == ([0], [[3, 3, 3]], [0])
+
+
+def test_chunked_drafts_equal_the_full_logits_drafts(models, records, monkeypatch):
+    """Features from the decoder alone and drafts argmax'd 2 slots at a time give what the full forward (its
+    [T, V] logits) and all blocks' logits at once gave."""
+    target, drafter = models
+    monkeypatch.setattr("opd.anchors.SLOTS_PER_CHUNK", 2)
+    for record in records:
+        redrafted = redraft_at_random_anchors(target, drafter, record, 6, torch.Generator().manual_seed(4))
+        committed = torch.tensor([record.prompt_ids + record.response_ids])
+        features = target(committed).features
+        block_ids = torch.full((1, len(redrafted.anchors), K), MASK, dtype=torch.long)
+        block_ids[0, :, 0] = torch.tensor([record.response_ids[a] for a in redrafted.anchors])
+        anchor_positions = torch.tensor([[len(record.prompt_ids) + a for a in redrafted.anchors]])
+        context = drafter.project_context(features)
+        hidden = drafter.forward_blocks(context, torch.ones(context.shape[:2], dtype=torch.bool), block_ids,
+                                        anchor_positions)
+        assert len(redrafted.drafts) > 1 and redrafted.drafts == drafter.logits(hidden[0, :, 1:]).argmax(-1).tolist()

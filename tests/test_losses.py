@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from opd.losses import TopKTeacher, acceptance_aware_loss, sft_loss, teacher_distribution
+from opd.lm_head import argmax
+from opd.losses import (TopKTeacher, acceptance_aware_loss, sft_log_weight_sum, sft_loss, teacher_distribution,
+                        topk_teacher)
 from opd.spec import LossSpec
 
 N, DRAFTED, V = 4, 5, 11  # blocks, K-1, vocabulary
@@ -260,3 +262,52 @@ def test_sft_loss_matches_the_weighted_ce_reference_and_ignores_padding() -> Non
     torch.testing.assert_close(grad, expected_grad)
     unmasked = sft_loss(student, labels, gamma=2.0)
     torch.testing.assert_close(unmasked, reference_sft(student, labels, 2.0, torch.ones_like(mask)))
+
+
+# ------------------------------------------------------------------------------------------------ the LM head helper
+
+
+def head_and_hidden(seed: int, rows: int = N) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A float64 LM head [V, H=6] and hidden states [rows, DRAFTED, 6]."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(6, V, bias=False).double().requires_grad_(False)
+    head.weight.copy_(torch.randn(V, 6, generator=gen, dtype=torch.float64))
+    return head, torch.randn(rows, DRAFTED, 6, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_map_slots_equals_the_whole_tensor(chunk: int) -> None:
+    head, hidden = head_and_hidden(40)
+    assert torch.equal(argmax(head, hidden, chunk), head(hidden).argmax(-1))
+    whole = teacher_distribution(head(hidden), temperature=0.7, topk=3)
+    chunked = topk_teacher(head, hidden, temperature=0.7, topk=3, chunk=chunk)
+    assert torch.equal(chunked.ids, whole.ids) and chunked.ids.shape == (N, DRAFTED, 3)
+    torch.testing.assert_close(chunked.logprobs, whole.logprobs, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(chunked.tail_logprob, whole.tail_logprob, rtol=1e-12, atol=1e-14)
+    assert argmax(head, hidden[:0], chunk).shape == (0, DRAFTED)  # no slot: still the right shape
+
+
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_chunked_hidden_state_sft_loss_equals_the_logits_loss(chunk: int | None) -> None:
+    head, hidden = head_and_hidden(41)
+    hidden.requires_grad_()
+    labels = torch.randint(0, V, (N, DRAFTED), generator=torch.Generator().manual_seed(42))
+    mask = torch.rand(N, DRAFTED, generator=torch.Generator().manual_seed(43)) > 0.3
+    expected = sft_loss(head(hidden), labels, gamma=2.0, position_mask=mask)
+    loss = sft_loss(hidden, labels, gamma=2.0, position_mask=mask, head=head, chunk_size=chunk)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    (grad,), (expected_grad,) = torch.autograd.grad(loss, hidden), torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
+
+
+def test_sft_parts_with_the_steps_weight_sum_add_up_to_the_whole_loss() -> None:
+    student, mask = logits(44), torch.rand(N, DRAFTED, generator=torch.Generator().manual_seed(45)) > 0.3
+    labels = torch.randint(0, V, (N, DRAFTED), generator=torch.Generator().manual_seed(46))
+    whole = sft_loss(student, labels, gamma=3.0, position_mask=mask)
+    halves = [slice(0, 1), slice(1, N)]
+    log_sum = math.log(sum(math.exp(sft_log_weight_sum(mask[h], 3.0)) for h in halves))
+    parts = [sft_loss(student[h], labels[h], gamma=3.0, position_mask=mask[h], log_weight_sum=log_sum)
+             for h in halves]
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(sft_loss(student[halves[1]], labels[halves[1]], gamma=3.0,
+                                       position_mask=mask[halves[1]]), parts[1])  # its own mean is another number
