@@ -3,19 +3,21 @@
 One step per batch: the drafter drafts K−1 tokens after each row's anchor from its cached target context, the
 target verifies the K-token block [anchor, drafts] in one forward, `verify` decides how many drafts each row
 keeps, and both caches advance. Drafts are the drafter's argmax or, with `Sampling.sample_drafts` (T > 0),
-samples from its q, which verification then needs too. Rows accept different amounts, so neither cache is
-cropped per row: the K new slots of a row are kept and the rejected ones become masked *holes* (the target gets
-a 2-D attention mask with zeros there and explicit position ids; the drafter cache has a `valid` flag). A row's
-output therefore depends only on its own tokens and its own keyed random numbers, never on its neighbours'
-acceptance.
+samples from its q, which verification then needs too. Rows accept different amounts, so each row's kept slots
+are packed to the left of both caches after every step (`compaction.py`): prompts are right-padded, row b uses
+its first used[b] columns (prompt + committed tokens, the pending anchor excepted) and its free columns are
+masked (the target gets a 2-D attention mask and explicit position ids; the drafter cache has a `valid` flag).
+The caches are as long as the longest row's text, not K columns per step. A row's output depends only on its
+own tokens and its own keyed random numbers, never on its neighbours' acceptance.
 
-With `static_cache=True` every tensor keeps one shape for the whole batch, which CUDA graphs and
-torch.compile(mode="reduce-overhead") need: the target KV cache is an HF `StaticCache` and the drafter cache is
-preallocated, both sized prompt width + K x (max_new_tokens - 1) (prefill commits one token and every step at
-least one more, so no row needs more than max_new_tokens - 1 steps); the 2-D attention mask spans that whole
-length (unwritten slots are zeros), and finished rows stay in the batch, their outputs ignored. Each step writes
-the same K slots of every row: the cache's own write counter advances by K, which is the `cache_position` that
-transformers 5 no longer takes as an argument.
+`static_cache=True` is EXPERIMENTAL and off by default: it keeps one shape for the whole batch, which CUDA graphs
+and torch.compile(mode="reduce-overhead") would need, but nothing here compiles or captures a graph, so today
+it only costs memory. The target KV cache is an HF `StaticCache` and the drafter cache is preallocated, both
+sized prompt width + K x (max_new_tokens - 1) (prefill commits one token and every step at least one more, so
+no row needs more than max_new_tokens - 1 steps); the block's rejected slots stay as masked holes, the 2-D
+attention mask spans that whole length (unwritten slots are zeros), and finished rows stay in the batch, their
+outputs ignored. Each step writes the same K slots of every row: the cache's own write counter advances by K,
+which is the `cache_position` that transformers 5 no longer takes as an argument.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from collections import defaultdict
 import torch
 from transformers.cache_utils import StaticCache
 
-from opd.decoding.batch import left_pad
+from opd.decoding.batch import right_pad
+from opd.decoding.compaction import compact, crop, row_mask
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
@@ -71,7 +74,8 @@ class SpeculativeDecoder:
                  max_new_tokens: int) -> _State:
         t0 = time.perf_counter()
         device = self.target.device
-        ids, mask = left_pad(prompts, pad_id=self.eos_id, device=device)
+        ids, mask = right_pad(prompts, pad_id=self.eos_id, device=device)
+        used = mask.sum(-1)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         capacity = ids.shape[1] + self.drafter.block_size * (max_new_tokens - 1) if self.static_cache else None
         target_cache, full_mask = None, mask
@@ -81,13 +85,15 @@ class SpeculativeDecoder:
         out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
                           use_cache=True)
         keys_t = torch.tensor(keys, device=device)
-        first = next_token(out.logits[:, -1], sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
+        last = out.logits[torch.arange(len(prompts), device=device), used - 1]
+        first = next_token(last, sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
         draft_cache = self.drafter.new_cache(len(prompts), capacity)
         self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool())
         self.timings["verify"] += time.perf_counter() - t0
         return _State(rows=torch.arange(len(prompts), device=device), keys=keys_t,
-                      target_cache=out.past_key_values, target_mask=full_mask, filled=ids.shape[1],
-                      draft_cache=draft_cache, anchor=first, anchor_pos=positions[:, -1] + 1,
+                      target_cache=out.past_key_values, target_mask=full_mask if self.static_cache else None,
+                      filled=ids.shape[1], used=used,
+                      draft_cache=draft_cache, anchor=first, anchor_pos=used.clone(),
                       response_len=torch.ones(len(prompts), dtype=torch.long, device=device),
                       live=torch.ones(len(prompts), dtype=torch.bool, device=device))
 
@@ -113,7 +119,7 @@ class SpeculativeDecoder:
         self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept)
         clock.append(time.perf_counter())
         s.target_cache = out.past_key_values
-        self._keep_slots(s, kept)
+        self._keep_slots(s, kept, verdict.accepted + 1)
         self._record(s, records, drafts, verdict.accepted, verdict.bonus)
         s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
         s.response_len = s.response_len + verdict.accepted + 1
@@ -135,19 +141,22 @@ class SpeculativeDecoder:
         return sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
 
     def _block_mask(self, s: _State, k: int) -> torch.Tensor:
-        """The target's 2-D mask for verifying a K-token block: every kept slot so far plus the block itself."""
+        """The target's 2-D mask for verifying a K-token block: every row's used columns plus the block itself
+        (appended after the cache's last column)."""
         if not self.static_cache:
-            return torch.cat([s.target_mask, s.target_mask.new_ones(len(s.rows), k)], 1)
+            used = row_mask(s.used, s.target_cache.get_seq_length())
+            return torch.cat([used, used.new_ones(len(s.rows), k)], 1)
         s.target_mask[:, s.filled : s.filled + k] = 1
         return s.target_mask
 
-    def _keep_slots(self, s: _State, kept: torch.Tensor) -> None:
-        """The block's K slots stay in the cache; the rejected ones become masked holes."""
+    def _keep_slots(self, s: _State, kept: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep each row's anchor and accepted drafts (`kept` [B, K], `count` of them per row): packed to the
+        left of both caches, or, in a static cache, left in place with the rejected slots as masked holes."""
         if self.static_cache:
             s.target_mask[:, s.filled : s.filled + len(kept[0])] = kept.long()
-        else:
-            s.target_mask = torch.cat([s.target_mask, kept.long()], 1)
-        s.filled += len(kept[0])
+            s.filled += len(kept[0])
+            return
+        s.used = compact(s.target_cache, s.draft_cache, s.used, count, len(kept[0]))
 
     def _record(self, s: _State, records: list[SequenceRecord], drafts: torch.Tensor, accepted: torch.Tensor,
                 bonus: torch.Tensor) -> None:
@@ -177,6 +186,8 @@ class SpeculativeDecoder:
             return
         keep = torch.tensor(sorted(set(range(len(s.rows))) - set(done)), dtype=torch.long, device=s.rows.device)
         s.select(keep)
+        if len(keep):
+            crop(s.target_cache, s.draft_cache, s.used)
 
 
 def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
@@ -194,18 +205,18 @@ def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
 
 class _State:
     """Per-batch tensors of the rows in the batch; `rows` maps them back to the caller's prompt order, `live`
-    says which still decode (all of them unless a static cache keeps finished rows), `filled` counts the target
-    cache slots written."""
+    says which still decode (all of them unless a static cache keeps finished rows), `used` counts each row's
+    packed cache columns (growing caches), `filled` the slots written and `target_mask` the mask (static)."""
 
-    def __init__(self, *, rows, keys, target_cache, target_mask, filled, draft_cache, anchor, anchor_pos,
+    def __init__(self, *, rows, keys, target_cache, target_mask, filled, used, draft_cache, anchor, anchor_pos,
                  response_len, live) -> None:
         self.rows, self.keys, self.live = rows, keys, live
-        self.target_cache, self.target_mask, self.filled = target_cache, target_mask, filled
+        self.target_cache, self.target_mask, self.filled, self.used = target_cache, target_mask, filled, used
         self.draft_cache = draft_cache
         self.anchor, self.anchor_pos, self.response_len = anchor, anchor_pos, response_len
 
     def select(self, keep: torch.Tensor) -> None:
-        for name in ("rows", "keys", "live", "target_mask", "anchor", "anchor_pos", "response_len"):
+        for name in ("rows", "keys", "live", "used", "anchor", "anchor_pos", "response_len"):
             setattr(self, name, getattr(self, name)[keep])
         if len(keep):
             self.target_cache.batch_select_indices(keep)

@@ -1,0 +1,77 @@
+"""Keeping the rollout caches as long as the text, not as long as the drafts.
+
+Each verify step appends a K-slot block to every row of the target's KV cache and of the drafter's context
+cache, but a row keeps only its anchor and its accepted drafts (accepted + 1 of the K). Left in place, the
+rejected slots are masked holes and the caches grow by K per step while the text grows by τ, K/τ times faster.
+
+So each row's entries are packed to the left: row b uses columns [0, used[b]) (prompt, then committed tokens in
+order) and everything to its right is free. After a step, the block's slots move from the end of the cache to
+columns used[b] .. used[b] + K − 1, and the cache is cropped to the longest row. Only the K new slots are copied
+(the caches' own concatenation already copies the rest), the relative order of a row's entries never changes,
+and every cached key carries its own rotary position, so attention over a row is the same set of keys as before:
+the tokens stay identical. A row's free columns are masked by `row_mask`, so rows never see each other's data.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from opd.errors import OpdError
+from opd.models.drafter import DrafterCache
+
+
+def row_mask(used: torch.Tensor, width: int) -> torch.Tensor:
+    """0/1 mask [B, width]: row b's first used[b] columns hold its entries, the rest are free."""
+    return (torch.arange(width, device=used.device)[None, :] < used[:, None]).long()
+
+
+def pack_block(x: torch.Tensor, dim: int, used: torch.Tensor, block: int, width: int) -> torch.Tensor:
+    """Move the last `block` entries of x along `dim` (batch first) to columns used[b].., then crop to `width`.
+
+    A row's slots past its new length land in its free columns, which its mask hides and the next block
+    overwrites. The block is copied out first, so a destination that overlaps it reads the old values.
+    """
+    start = x.shape[dim] - block
+    source = x.narrow(dim, start, block).clone()
+    columns = used[:, None] + torch.arange(block, device=used.device)  # [B, block]
+    shape = [len(used)] + [1] * (x.dim() - 1)
+    shape[dim] = block
+    x.scatter_(dim, columns.view(shape).expand_as(source), source)
+    return x.narrow(dim, 0, width)
+
+
+def compact(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor, kept: torch.Tensor,
+            block: int) -> torch.Tensor:
+    """Pack the block both caches just appended (row b keeps its first kept[b] slots); returns the new `used`."""
+    new_used = used + kept
+    width = int(new_used.max())
+    for layer in _dynamic_layers(target_cache):
+        layer.keys = pack_block(layer.keys, 2, used, block, width)
+        layer.values = pack_block(layer.values, 2, used, block, width)
+    draft_cache.keys = [pack_block(k, 2, used, block, width) for k in draft_cache.keys]
+    draft_cache.values = [pack_block(v, 2, used, block, width) for v in draft_cache.values]
+    draft_cache.positions = pack_block(draft_cache.positions, 1, used, block, width)
+    draft_cache.valid = row_mask(new_used, width).bool()
+    return new_used
+
+
+def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> None:
+    """After rows left the batch, drop the columns no remaining row uses."""
+    width = int(used.max())
+    for layer in _dynamic_layers(target_cache):
+        layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+    draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]
+    draft_cache.values = [v[:, :, :width] for v in draft_cache.values]
+    draft_cache.positions, draft_cache.valid = draft_cache.positions[:, :width], draft_cache.valid[:, :width]
+
+
+def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:
+    """The target cache's layers, which must be plain growing full-attention ones: a sliding-window layer
+    counts its tokens by column and would be corrupted by moving them."""
+    bad = {type(layer).__name__ for layer in cache.layers
+           if not isinstance(layer, DynamicLayer) or layer.is_sliding}
+    if bad:
+        raise OpdError(f"speculative decoding packs the target's KV cache per row; {sorted(bad)} cache layers "
+                       "are not supported (full-attention DynamicLayer only)")
+    return list(cache.layers)
