@@ -1,9 +1,10 @@
 """Packed replay: the target's and the drafter's view of every recorded block, in one forward each.
 
-Teacher: the committed sequence followed by every drafted block, packed into one row with a 4-D mask. Block m
-sees the committed prefix up to and including its anchor and itself causally, so the target's state at slot k
-predicts d_m,k given (c_m, d_m,<k) — rejected slots included, which is the whole point of Draft-OPD. One forward
-replaces M per-anchor forwards that would each recompute the shared prefix.
+Teacher: the committed sequence followed by every drafted block, packed into one row. Block m sees the committed
+prefix up to and including its anchor and itself causally, so the target's state at slot k predicts d_m,k given
+(c_m, d_m,<k) — rejected slots included, which is the whole point of Draft-OPD. One forward replaces M per-anchor
+forwards that would each recompute the shared prefix. The attention is block-sparse (a `PackedRows` layout,
+`opd/models/packed_attention.py`): no [L, L] mask is formed, L being ~23K at a 2048-token response and τ 1.4.
 
 What the scorer ships is sized for Qwen3's 151,936-token vocabulary: not log-probs ([M, K-1, V] fp32, ~3 GB per
 2048-token sequence) but the target's final-norm hidden states at the drafted slots ([N, K-1, H] in the target's
@@ -27,6 +28,7 @@ import torch
 from opd.decoding.record import SequenceRecord
 from opd.losses import TopKTeacher, topk_teacher
 from opd.models.drafter import DFlashDrafter
+from opd.models.packed_attention import CHUNK_ROWS, PackedRow, PackedRows
 from opd.models.target import Target
 from opd.train.messages import ScoredBatch
 
@@ -73,24 +75,16 @@ def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k
     return _Packed(committed, list(range(n)), n, slot_index, anchors, available, exists)
 
 
-def teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor:
-    """[length, length] bool: causal over the prefix; block m sees prefix ≤ its anchor and itself causally."""
-    mask = torch.zeros(length, length, dtype=torch.bool)
-    mask[: p.prefix_len, : p.prefix_len] = torch.ones(p.prefix_len, p.prefix_len, dtype=torch.bool).tril()
-    span = block_size - 2
-    for m, anchor in enumerate(p.anchors if p.prefix_len < len(p.ids) else []):
-        start = p.prefix_len + m * span
-        rows = slice(start, start + span)
-        mask[rows, : anchor + 1] = True
-        mask[rows, start : start + span] = torch.ones(span, span, dtype=torch.bool).tril()
-    for i in range(len(p.ids), length):  # padding rows attend to themselves so no row is all-masked
-        mask[i, i] = True
-    return mask
+def attention_layout(p: _Packed, block_size: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
+    """Where each row of `p` looks: causal over the prefix; block m sees prefix <= its anchor and itself causally."""
+    anchors = p.anchors if p.prefix_len < len(p.ids) else []  # naive mode scores inside the prefix: no blocks
+    return PackedRow.of(p.prefix_len, anchors, block_size - 2, chunk_rows)
 
 
-def packed_inputs(records: list[SequenceRecord], block_size: int,
-                  mode: str) -> tuple[list[_Packed], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The records' layouts and the padded target inputs: ids [B, L], positions [B, L], mask [B, 1, L, L]."""
+def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
+                  chunk_rows: int = CHUNK_ROWS) -> tuple[list[_Packed], torch.Tensor, torch.Tensor, PackedRows]:
+    """The records' layouts and the padded target inputs: ids [B, L], positions [B, L] and the attention layout
+    (block-sparse: no [L, L] mask is formed; `chunk_rows` block rows per attention call)."""
     packed = [pack(r, block_size, mode) for r in records]
     length = max(len(p.ids) for p in packed)
     ids = torch.zeros(len(packed), length, dtype=torch.long)
@@ -98,8 +92,8 @@ def packed_inputs(records: list[SequenceRecord], block_size: int,
     for b, p in enumerate(packed):
         ids[b, : len(p.ids)] = torch.tensor(p.ids)
         positions[b, : len(p.ids)] = torch.tensor(p.positions)
-    mask = torch.stack([teacher_mask(p, block_size, length) for p in packed])[:, None]
-    return packed, ids, positions, mask
+    layout = PackedRows(tuple(attention_layout(p, block_size, chunk_rows) for p in packed), length)
+    return packed, ids, positions, layout
 
 
 @torch.no_grad()
@@ -108,9 +102,9 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
     """Teacher replay for a batch of records: one packed target forward (no LM head) for all their blocks.
     `teacher_temperature` applies only with `teacher_topk` (top-k is taken here); the learner applies it
     to the full-vocabulary teacher."""
-    packed, ids, positions, mask = packed_inputs(records, block_size, mode)
+    packed, ids, positions, layout = packed_inputs(records, block_size, mode)
     device = target.device
-    hidden, features = target.hidden_states(ids.to(device), attention_mask=mask.to(device),
+    hidden, features = target.hidden_states(ids.to(device), attention_mask=layout.to(device),
                                             position_ids=positions.to(device))
     batch = _layout(packed, records, block_size)
     rows = torch.arange(len(packed), device=device)[:, None, None]

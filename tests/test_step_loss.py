@@ -61,8 +61,8 @@ def records():
 
 def old_teacher(target, records, mode, temperature):
     """The replaced scorer: a packed forward with the LM head, full-vocabulary log-probs at every slot."""
-    packed, ids, positions, mask = packed_inputs(records, K, mode)
-    logits = target(ids, attention_mask=mask, position_ids=positions).logits
+    packed, ids, positions, layout = packed_inputs(records, K, mode)
+    logits = target(ids, attention_mask=layout, position_ids=positions).logits
     rows = [logits[b, torch.tensor(s)] for b, p in enumerate(packed) for s in p.slot_index]
     return teacher_distribution(torch.stack(rows), temperature=temperature)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opd.errors import OpdError
+from opd.models.packed_attention import PackedRow, PackedRows
 from opd.models.target import Target, load_target
 from opd.spec import default_target_layer_ids
 from opd.tiny.micro import micro_target
@@ -87,17 +88,21 @@ def test_4d_custom_mask_equals_separate_forwards(attn_implementation, mask_kind)
         assert (got[n_prefix:] - getattr(separate_block, name)[0, -n_block:]).abs().max() < TOL, name
 
 
-def test_a_flash_attention_target_replays_4d_masks_on_sdpa_and_keeps_flash_for_decoding():
-    """flash-attn has no custom masks: packed replay must fall back to sdpa for that call only. The config is
-    labelled flash_attention_2 by hand (no flash-attn on CPU), so any call that did not fall back would fail."""
+def test_a_flash_attention_target_replays_packed_rows_and_refuses_dense_4d_masks():
+    """flash-attn has no custom masks: packed replay passes a `PackedRows` layout, which the registered attention
+    wrappers run themselves, so the config stays flash_attention_2 throughout (labelled by hand: no flash-attn on
+    a CPU, so any call that reached it would fail). A dense 4-D mask under flash is one error line."""
     target = micro_target(layer_ids=[1, 3])
     prefix, block, anchor = _replay_case()
     ids, mask, positions, _ = _replay_inputs(prefix, block, anchor)
     expected = target(ids, attention_mask=mask, position_ids=positions).logits
+    layout = PackedRows((PackedRow.of(len(prefix), [anchor], len(block)),), ids.shape[1])
     target.model.config._attn_implementation = "flash_attention_2"
-    got = target(ids, attention_mask=mask, position_ids=positions).logits
+    got = target(ids, attention_mask=layout, position_ids=positions).logits
     assert (got - expected).abs().max() < TOL
     assert target.model.config._attn_implementation == "flash_attention_2"
+    with pytest.raises(OpdError, match="dense 4-D mask needs sdpa or eager"):
+        target(ids, attention_mask=mask, position_ids=positions)
 
 
 def test_4d_mask_is_not_ignored():

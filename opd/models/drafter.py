@@ -27,6 +27,7 @@ from torch import nn
 
 from opd.models.dflash_format import (CONFIG_FILE, WEIGHTS_FILE, DFlashConfig, read_config, read_tensors,
                                       write_checkpoint)
+from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
 from opd.models.target import Target
 
 
@@ -114,16 +115,18 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: torch.Tensor | BlockChunks,
     ) -> torch.Tensor:
-        """x: block hidden [B,S,H]; mask: bool [B,1,S,C+S] over keys [context (C); block (S)]."""
+        """x: block hidden [B,S,H]; mask: bool [B,1,S,C+S] over keys [context (C); block (S)] (one block per row,
+        decoding), or the `BlockChunks` of many blocks per row (training: no [S, C+S] mask is formed)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        k = torch.cat([context_kv[0], k], dim=2)
-        v = torch.cat([context_kv[1], v], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if isinstance(mask, BlockChunks):
+            out = mask.attend(q, k, v, context_kv, scale)
+        else:
+            keys, values = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
+            out = grouped_sdpa(q, keys, values, mask, scale)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.num_heads * self.head_dim))
 
 
@@ -143,7 +146,7 @@ class DFlashDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: torch.Tensor | BlockChunks,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -255,7 +258,7 @@ class DFlashDrafter(nn.Module):
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
+        mask: torch.Tensor | BlockChunks,
     ) -> torch.Tensor:
         """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers."""
         cos, sin = self._rope(block_positions)
@@ -272,21 +275,23 @@ class DFlashDrafter(nn.Module):
         context_valid: torch.Tensor,
         block_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
+        chunk_rows: int = CHUNK_ROWS,
     ) -> torch.Tensor:
         """All M blocks per sequence in one forward; returns final normed hidden [B,M,K,H].
 
         context [B,T,H] is `project_context(features)` with context index == sequence position; block m
         (block_ids[b,m] = [anchor, MASK, ...]) sits at positions anchor_positions[b,m] + 0..K-1 and sees context
         positions p < anchor_positions[b,m] where context_valid, plus its own K positions. Blocks never see each
-        other, so this equals M separate `draft` calls.
+        other, so this equals M separate `draft` calls. Attention runs `chunk_rows` block rows at a time against
+        the context they can see (`BlockChunks`), so no [M*K, T+M*K] mask is formed.
         """
         batch, num_blocks, block_size = block_ids.shape
         offsets = torch.arange(block_size, device=block_ids.device)
         block_positions = (anchor_positions[:, :, None] + offsets).reshape(batch, -1)
         context_positions = torch.arange(context.shape[1], device=context.device).expand(batch, -1)
-        mask = _block_mask(context_positions, context_valid, anchor_positions, block_size)
+        chunks = BlockChunks.of(context_valid, anchor_positions, block_size, chunk_rows)
         hidden = self._run_blocks(
-            block_ids.reshape(batch, -1), block_positions, self._context_kv(context, context_positions), mask
+            block_ids.reshape(batch, -1), block_positions, self._context_kv(context, context_positions), chunks
         )
         return hidden.view(batch, num_blocks, block_size, hidden.shape[-1])
 
@@ -342,7 +347,7 @@ class DFlashDrafter(nn.Module):
         )
         block_ids[:, 0] = anchor_ids
         block_positions = anchor_positions[:, None] + offsets
-        mask = _block_mask(cache.positions, cache.valid, anchor_positions[:, None], block_size)
+        mask = _block_mask(cache.positions, cache.valid, anchor_positions, block_size)
         hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), mask)
         logits = self.logits(hidden[:, 1:])
         return logits.argmax(dim=-1), logits
@@ -379,13 +384,9 @@ def _write(cache: DrafterCache, context_kv: list[tuple[torch.Tensor, torch.Tenso
 def _block_mask(
     context_positions: torch.Tensor, context_valid: torch.Tensor, anchor_positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """Bool mask [B,1,M*K,C+M*K]: block m sees valid context before its anchor and all of its own block.
-
-    context_positions/valid: [B,C]; anchor_positions: [B,M].
-    """
-    batch, num_blocks = anchor_positions.shape
-    sees_context = context_valid.bool()[:, None, :] & (context_positions[:, None, :] < anchor_positions[:, :, None])
-    sees_context = sees_context.repeat_interleave(block_size, dim=1)
-    block_of = torch.arange(num_blocks * block_size, device=anchor_positions.device) // block_size
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
+    """Bool mask [B,1,K,C+K] for one block per row (decoding): the block sees valid cached context before its
+    anchor and all of itself. context_positions/valid: [B,C]; anchor_positions: [B]."""
+    sees_context = context_valid.bool() & (context_positions < anchor_positions[:, None])
+    sees_context = sees_context[:, None, :].expand(-1, block_size, -1)
+    sees_block = sees_context.new_ones(len(anchor_positions), block_size, block_size)
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
+from opd.models.packed_attention import PackedRows
 
 
 @dataclass
@@ -83,22 +82,23 @@ class Target(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | PackedRows | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         use_cache: bool = False,
     ) -> TargetOutput:
-        """Run the target; `attention_mask` is a 2-D padding mask or a 4-D custom mask [B,1,T,S].
+        """Run the target; `attention_mask` is a 2-D padding mask, a 4-D custom mask [B,1,T,S] (sdpa, eager), or
+        the `PackedRows` layout of packed replay (any implementation, no [T,T] mask formed).
 
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
-        (sdpa) or as an additive mask (eager), which is what packed replay relies on.
+        (sdpa) or as an additive mask (eager).
         """
         out, features = self._run(self.model, input_ids, attention_mask, position_ids,
                                   use_cache=use_cache, **{self._cache_arg: past_key_values})
         return TargetOutput(logits=out.logits, features=features, past_key_values=getattr(out, self._cache_arg))
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+    def hidden_states(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | PackedRows | None = None,
                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(final-norm hidden states [B,T,H], features [B,T,n*H]) from the decoder alone, without the LM head:
         replay needs the target's distribution only at drafted slots, and `lm_head` of these states gives it
@@ -106,14 +106,13 @@ class Target(nn.Module):
         out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, use_cache=False)
         return out.last_hidden_state, features
 
-    def _run(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    def _run(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | PackedRows | None,
              position_ids: torch.Tensor | None, **kwargs: Any) -> tuple[Any, torch.Tensor]:
         """`module`'s output and the features its hooks captured."""
         mask = self._prepare_mask(attention_mask)
         self._captured = {}
         try:
-            with self._attention_for(mask):
-                out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
+            out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._captured = None
@@ -149,24 +148,19 @@ class Target(nn.Module):
 
         return hook
 
-    @contextmanager
-    def _attention_for(self, mask: torch.Tensor | None) -> Iterator[None]:
-        """flash-attn takes no custom 4-D mask, so the calls that need one (packed replay) run on sdpa, while
-        decoding keeps flash-attn. HF reads `config._attn_implementation` on every forward."""
+    def _prepare_mask(self, mask: torch.Tensor | PackedRows | None) -> Any:
+        """A `PackedRows` goes to every layer as HF's per-layer-type mask dict, which the decoder forwards unchanged
+        to the attention functions `opd.models.packed_attention` wraps. A dense 4-D mask reaches sdpa as is and
+        eager as an additive mask; flash-attn has no custom masks."""
         config = self.model.config
-        if mask is None or mask.dim() != 4 or config._attn_implementation != "flash_attention_2":
-            yield
-            return
-        config._attn_implementation = "sdpa"
-        try:
-            yield
-        finally:
-            config._attn_implementation = "flash_attention_2"
-
-    def _prepare_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        if isinstance(mask, PackedRows):
+            return {kind: mask for kind in set(getattr(config, "layer_types", None) or ["full_attention"])}
         if mask is None or mask.dim() != 4:
             return mask
-        implementation = self.model.config._attn_implementation
+        implementation = config._attn_implementation
+        if implementation == "flash_attention_2":
+            raise OpdError("target attention_mask: a dense 4-D mask needs sdpa or eager; packed replay passes a "
+                           "PackedRows layout, which every implementation runs")
         if implementation == "eager" and mask.dtype == torch.bool:
             additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
             return additive.masked_fill_(~mask, torch.finfo(self.dtype).min)

@@ -1,0 +1,226 @@
+"""Attention over packed blocks without dense masks: the teacher's packed replay rows and the student's blocks.
+
+Packed replay lays one sequence out as a committed prefix of P tokens followed by M drafted blocks of `span`
+tokens; block m sees the prefix up to its anchor and itself causally. As a dense [L, L] mask that is 529M
+elements at a 2048-token response and τ 1.4 (L ≈ 23K), and SDPA turns it into a bias per layer. Here the prefix
+runs as plain causal attention, and the blocks run a chunk of blocks at a time against [the prefix up to the
+chunk's last anchor; the chunk's own blocks], with a small bool mask built on the device from anchor and offset
+vectors. A chunk holds about `CHUNK_ROWS` query rows, so the transient memory of a call is linear in L, and no
+compute is spent on keys that no query of the chunk sees. The student (`BlockChunks`) is the same idea on the
+drafter's own attention: block m sees valid context positions before its anchor and its whole own block.
+
+GQA: masked calls fold each key/value head's G query heads into the query axis ([B, kv, G·S, d]), so keys and
+values are never copied, on every SDPA kernel and torch version (SDPA's `enable_gqa` with a mask drops CUDA to
+the math kernel); the unmasked causal prefix uses `enable_gqa`, which the flash kernels take.
+
+The teacher is a Hugging Face model. Its decoder forwards a dict mask {layer type: X} unchanged to every layer's
+attention function, looked up by name from `config._attn_implementation` in HF's `AttentionInterface`. Importing
+this module registers, under the existing names ("sdpa", "eager", "flash_attention_2"), wrappers that run the
+packed path when X is a `PackedRows` and otherwise call the original function unchanged. So a flash-attention
+target replays packed rows without its shared config ever being switched (actors run two threads on one model).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opd.errors import OpdError
+
+CHUNK_ROWS = 1024  # block query rows per attention call: bounds its mask at CHUNK_ROWS x (prefix + CHUNK_ROWS)
+_GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+    """SDPA with a bool mask [B|1, 1, S, T] for q [B, H, S, d] and k, v [B, kv, T, d], H = G·kv: query head h
+    uses key head h // G (HF's repeat_kv order), computed without copying keys or values."""
+    batch, heads, rows, dim = q.shape
+    groups = heads // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    folded = q.reshape(batch, k.shape[1], groups * rows, dim)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
+    return out.view(batch, heads, rows, dim)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Plain causal attention (no mask tensor at all, so flash kernels apply) with GQA."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not _GQA_KWARG:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    extra = {"enable_gqa": True} if groups > 1 and _GQA_KWARG else {}
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
+
+
+# ------------------------------------------------------------------------------------------------ teacher
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One packed row: causal over rows [0, prefix_len); then one block of `span` rows per anchor, block m seeing
+    prefix rows <= anchors[m] and itself causally; rows after the last block are padding (output zero).
+    `chunks` are (first block, end block, prefix keys seen) per attention call, planned on the CPU."""
+
+    prefix_len: int
+    span: int
+    anchors: torch.Tensor  # [M] long, on the model's device
+    chunks: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, prefix_len: int, anchors: list[int], span: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
+        if span <= 0 or not anchors:
+            return cls(prefix_len, max(span, 1), torch.zeros(0, dtype=torch.long), ())
+        if min(anchors) < 0 or max(anchors) >= prefix_len:
+            raise OpdError(f"packed row: anchors must lie in the prefix [0, {prefix_len}), got {min(anchors)}.."
+                           f"{max(anchors)}")
+        per = max(1, chunk_rows // span)
+        chunks = tuple((m, min(m + per, len(anchors)), max(anchors[m : m + per]) + 1)
+                       for m in range(0, len(anchors), per))
+        return cls(prefix_len, span, torch.tensor(anchors, dtype=torch.long), chunks)
+
+    @property
+    def length(self) -> int:
+        """Rows used: prefix plus blocks."""
+        return self.prefix_len + len(self.anchors) * self.span
+
+    def to(self, device: torch.device | str) -> PackedRow:
+        return PackedRow(self.prefix_len, self.span, self.anchors.to(device), self.chunks)
+
+    def chunk_mask(self, first: int, end: int, keys: int) -> torch.Tensor:
+        """Bool [rows, keys + rows] for blocks first..end-1 over [prefix keys 0..keys-1; their own rows]."""
+        device = self.anchors.device
+        rows = torch.arange((end - first) * self.span, device=device)
+        block, offset = rows // self.span, rows % self.span
+        sees_prefix = torch.arange(keys, device=device)[None, :] <= self.anchors[first:end][block][:, None]
+        sees_own = (block[:, None] == block[None, :]) & (offset[None, :] <= offset[:, None])
+        return torch.cat([sees_prefix, sees_own], dim=1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               scale: float | None) -> None:
+        """Fill out [1, H, L, d] from q [1, H, L, d] and k, v [1, kv, L, d] of this row."""
+        p = self.prefix_len
+        out[:, :, :p] = causal_sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], scale)
+        for first, end, keys in self.chunks:
+            r0, r1 = p + first * self.span, p + end * self.span
+            keys_k = torch.cat([k[:, :, :keys], k[:, :, r0:r1]], dim=2)
+            keys_v = torch.cat([v[:, :, :keys], v[:, :, r0:r1]], dim=2)
+            mask = self.chunk_mask(first, end, keys)[None, None]
+            out[:, :, r0:r1] = grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, mask, scale)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The attention layout of a padded batch of packed rows, each `length` long: what the target takes in place
+    of a [B, 1, L, L] mask."""
+
+    rows: tuple[PackedRow, ...]
+    length: int
+
+    def __post_init__(self) -> None:
+        too_long = [r.length for r in self.rows if r.length > self.length]
+        if too_long:
+            raise OpdError(f"packed rows: a row needs {max(too_long)} positions, the batch is {self.length} long")
+
+    def to(self, device: torch.device | str) -> PackedRows:
+        return PackedRows(tuple(r.to(device) for r in self.rows), self.length)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float | None) -> torch.Tensor:
+        """HF's attention contract: q [B, H, L, d], k/v [B, kv, L, d] -> [B, L, H, d]."""
+        if query.shape[0] != len(self.rows) or query.shape[2] != self.length:
+            raise OpdError(f"packed rows: layout is {len(self.rows)} x {self.length}, queries are "
+                           f"{query.shape[0]} x {query.shape[2]}")
+        out = query.new_zeros(query.shape)
+        for b, row in enumerate(self.rows):
+            row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1], scale)
+        return out.transpose(1, 2).contiguous()
+
+
+def _packed_or(original: Callable[..., Any]) -> Callable[..., Any]:
+    """An HF attention function that runs `PackedRows` itself and hands every other mask to `original`."""
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if not isinstance(attention_mask, PackedRows):
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        if kwargs.get("sliding_window") is not None:
+            raise OpdError("packed replay: sliding-window attention layers are not supported")
+        return attention_mask.attend(query, key, value, kwargs.get("scaling")), None
+
+    attention.packed_original = original
+    return attention
+
+
+def _model_eager(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """HF's "eager" is each model file's own `eager_attention_forward` (the default `get_interface` falls back
+    to), so the wrapper calls the one beside the attention module's class."""
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
+
+
+def _register() -> None:
+    """Wrap the attention functions the targets use, once per process."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in ("sdpa", "eager", "flash_attention_2"):
+        current = ALL_ATTENTION_FUNCTIONS.get(name, _model_eager if name == "eager" else None)
+        if current is not None and not hasattr(current, "packed_original"):
+            AttentionInterface.register(name, _packed_or(current))
+
+
+_register()
+
+
+# ------------------------------------------------------------------------------------------------ student
+
+
+@dataclass(frozen=True)
+class BlockChunks:
+    """The drafter's training attention: M blocks of K rows per batch row, block m seeing the valid context
+    positions before anchors[b, m] and its whole own block (DFlash blocks are bidirectional), run a chunk of
+    blocks at a time. Context index == position (`forward_blocks`' contract)."""
+
+    context_valid: torch.Tensor  # [B, C] bool
+    anchors: torch.Tensor  # [B, M]
+    block_size: int
+    chunks: tuple[tuple[int, int, int], ...]  # (first block, end block, context keys seen)
+
+    @classmethod
+    def of(cls, context_valid: torch.Tensor, anchors: torch.Tensor, block_size: int,
+           chunk_rows: int = CHUNK_ROWS) -> BlockChunks:
+        """Plan the chunks; reads the anchors' per-block maximum once (one host sync per forward)."""
+        per, num_blocks, context = max(1, chunk_rows // block_size), anchors.shape[1], context_valid.shape[1]
+        ends = anchors.amax(0).tolist() if anchors.numel() else []
+        chunks = tuple((m, min(m + per, num_blocks), min(context, max(ends[m : m + per])))
+                       for m in range(0, num_blocks, per))
+        return cls(context_valid.bool(), anchors, block_size, chunks)
+
+    def chunk_mask(self, first: int, end: int, keys: int) -> torch.Tensor:
+        """Bool [B, 1, rows, keys + rows] for blocks first..end-1 over [context 0..keys-1; their own rows]."""
+        device = self.anchors.device
+        block = torch.arange((end - first) * self.block_size, device=device) // self.block_size
+        anchors = self.anchors[:, first:end][:, block]  # [B, rows]
+        sees_context = self.context_valid[:, None, :keys] & (
+            torch.arange(keys, device=device)[None, None, :] < anchors[:, :, None])
+        sees_own = (block[:, None] == block[None, :]).expand(len(anchors), -1, -1)
+        return torch.cat([sees_context, sees_own], dim=2)[:, None]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               context_kv: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+        """q [B, H, M*K, d], block k/v [B, kv, M*K, d], context k/v [B, kv, C, d] -> [B, H, M*K, d]."""
+        outs = []
+        for first, end, keys in self.chunks:
+            r0, r1 = first * self.block_size, end * self.block_size
+            keys_k = torch.cat([context_kv[0][:, :, :keys], k[:, :, r0:r1]], dim=2)
+            keys_v = torch.cat([context_kv[1][:, :, :keys], v[:, :, r0:r1]], dim=2)
+            outs.append(grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, self.chunk_mask(first, end, keys), scale))
+        return torch.cat(outs, dim=2) if outs else torch.zeros_like(q)
