@@ -35,7 +35,9 @@ def _load(args: argparse.Namespace) -> ExperimentSpec:
 
 def _validate(args: argparse.Namespace) -> int:
     """With path checks, also everything `opd train` checks before it starts (opd/preflight.py): a spec that
-    validates does not then fail on its inputs."""
+    validates does not then fail on its inputs. Derived fields are printed resolved (opd/resolved.py)."""
+    from opd.resolved import resolved_yaml
+
     spec = _load(args)
     if not args.no_path_check:
         from opd.preflight import check_inputs
@@ -44,7 +46,7 @@ def _validate(args: argparse.Namespace) -> int:
         if problem := writable_problem(spec.run_dir):
             raise OpdError(problem)
         check_inputs(spec)
-    sys.stdout.write(spec.to_yaml())
+    sys.stdout.write(resolved_yaml(spec))
     return 0
 
 

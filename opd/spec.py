@@ -225,9 +225,11 @@ class RolloutSpec(_Section):
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
-    # Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept): what CUDA graphs and
-    # torch.compile need; same tokens as the default. Held-out eval uses it too. Memory: the caches hold
-    # prompt + K x max_new_tokens slots per row (rejected slots stay as holes), K times the dynamic worst case.
+    # EXPERIMENTAL, keep off. Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept)
+    # is what CUDA graphs and torch.compile would need, but nothing compiles or captures a graph yet, so it only
+    # costs memory and time: same tokens, caches of prompt + K x (max_new_tokens - 1) slots per row (rejected
+    # slots stay as holes) against prompt + committed tokens on the default path, which compacts them.
+    # Held-out eval uses it too.
     static_cache: bool = False
     # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
     # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.
@@ -629,7 +631,10 @@ def _resolve_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def _apply_override(data: dict[str, Any], item: str) -> str | None:
-    """Apply one `a.b=c` in place; return a problem line instead when it is malformed."""
+    """Apply one `a.b=c` in place; return a problem line instead when it is malformed.
+
+    A numeric segment indexes a list (`eval.sampling.0.temperature=0.6`); a list the config does not set is
+    first filled with the spec's default, so its items can be addressed as they will be validated."""
     key, sep, raw = item.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
@@ -638,14 +643,64 @@ def _apply_override(data: dict[str, Any], item: str) -> str | None:
         value = yaml.load(raw, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         return f"--set {item!r}: {_yaml_problem(exc)}"
-    node = data
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            where = ".".join(parts[: depth + 1])
-            return f"--set {item!r}: {where} is a {type(child).__name__}, not a section (expected a mapping)"
-        node = child
-    node[parts[-1]] = value
+    node: dict[str, Any] | list[Any] = data
+    try:
+        for depth, part in enumerate(parts[:-1]):
+            node = _child(node, parts[: depth + 1], indexed=parts[depth + 1].isdigit())
+        node[_slot(node, parts)] = value
+    except ValueError as exc:
+        return f"--set {item!r}: {exc}"
+    return None
+
+
+def _child(node: dict[str, Any] | list[Any], path: list[str], indexed: bool) -> dict[str, Any] | list[Any]:
+    """The section or list at `path` (its last segment read from `node`); a missing one is created: the spec's
+    default list when the next segment is an index, else an empty section."""
+    if isinstance(node, dict) and path[-1] not in node and not path[-1].isdigit():
+        default = _default_list(path)
+        if indexed and default is None:
+            raise ValueError(f"{'.'.join(path)} is not a list (an index needs a list field; set the whole value "
+                             f"instead, e.g. --set {'.'.join(path)}=[...])")
+        node[path[-1]] = {} if default is None else default
+    child = node[_slot(node, path)]
+    if not isinstance(child, (dict, list)):
+        raise ValueError(f"{'.'.join(path)} is a {type(child).__name__}, not a section (expected a mapping or "
+                         "a list)")
+    return child
+
+
+def _slot(node: dict[str, Any] | list[Any], path: list[str]) -> str | int:
+    """The key or list index that the last segment of `path` names in `node`."""
+    where, part = ".".join(path[:-1]) or "the spec", path[-1]
+    if isinstance(node, dict):
+        if part.isdigit():
+            raise ValueError(f"{where} is a mapping, not a list (index {part} needs a list field)")
+        return part
+    indices = f"0..{len(node) - 1}" if node else "none: the list is empty"
+    if not part.isdigit():
+        raise ValueError(f"{where} is a list (expected an item index, {indices}; got {part!r})")
+    if int(part) >= len(node):
+        raise ValueError(f"{where}.{part}: index out of range ({where} has {len(node)} items; indices {indices})")
+    return int(part)
+
+
+def _default_list(path: list[str]) -> list[Any] | None:
+    """The spec's default for the list field at `path` (as plain data), None for anything else."""
+    model: type[BaseModel] = ExperimentSpec
+    for depth, part in enumerate(path):
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        if depth == len(path) - 1:
+            default = field.get_default(call_default_factory=True)
+            if not isinstance(default, (list, tuple)):  # a tuple default (optim.betas) is a list in YAML
+                return None
+            return [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in default]
+        nested = [t for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                  if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from opd.cli import main
+from opd.resolved import STATIC_CACHE_NOTE
 from opd.spec import ExperimentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,12 +131,39 @@ def test_every_error_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert sorted(line.split(":")[1].strip() for line in lines) == ["loss.gamma", "optim.lr", "steps"]
 
 
-def test_validate_tiny_prints_yaml_that_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+def test_validate_tiny_prints_yaml_that_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The printed spec is a valid spec, and validating it prints it again unchanged."""
     assert main(["validate", TINY, "--no-path-check", "--set", "optim.lr=1e-4"]) == 0
     out, err = capsys.readouterr()
     spec = ExperimentSpec.model_validate(yaml.safe_load(out))
     assert err == "" and spec.name == "tiny" and spec.optim.lr == 1e-4
-    assert spec.to_yaml() == out
+    (tmp_path / "printed.yaml").write_text(out)
+    assert main(["validate", str(tmp_path / "printed.yaml"), "--no-path-check"]) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_validate_prints_derived_fields_resolved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fields whose null means 'derive it' print what a run uses; nulls that mean 'off' stay null."""
+    config = tmp_path / "spec.yaml"
+    config.write_text(on_tiny("name: derived\nmodels: {tokenizer_path: null}\ntracking: {uri: null}\n"))
+    assert main(["validate", str(config), "--no-path-check"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    models = printed["models"]
+    assert models["tokenizer_path"] == models["target_path"] == "opd/assets/tiny/target"
+    assert models["target_num_layers"] == 6  # the tiny target's config.json
+    assert models["drafter"]["target_layer_ids"] == [1, 3]  # DFlash's default for 2 drafter layers over 6
+    assert models["drafter"]["mask_token_id"] == 2  # '<|mask|>' in the tiny tokenizer.json
+    assert printed["tracking"]["run_dir"] == "runs/derived"
+    assert printed["tracking"]["uri"] == (os.environ.get("MLFLOW_TRACKING_URI")
+                                          or f"sqlite:///{Path('runs/derived/mlflow.db').resolve()}")
+    assert printed["replay"]["teacher_topk"] is None and printed["sft"]["max_flops"] is None
+
+
+def test_validate_labels_the_static_cache_experimental(capsys: pytest.CaptureFixture[str]) -> None:
+    for value in ("false", "true"):
+        assert main(["validate", TINY, "--no-path-check", "--set", f"rollout.static_cache={value}"]) == 0
+        line = next(row for row in capsys.readouterr().out.splitlines() if "static_cache" in row)
+        assert line == f"  static_cache: {value}  # {STATIC_CACHE_NOTE}" and "experimental" in line
 
 
 def test_console_script_lists_commands_without_heavy_imports() -> None:

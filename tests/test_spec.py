@@ -120,6 +120,35 @@ def test_overrides_are_typed(tmp_path: Path) -> None:
     assert spec.name == "x" and spec.models.drafter_path is None
 
 
+def test_overrides_address_list_items(tmp_path: Path) -> None:
+    """An index reaches into a list the config sets, or into the spec's default list; other items are kept."""
+    default = load_spec(TINY, check_paths=False).eval.sampling
+    spec = load_spec(TINY, ["eval.sampling.0.temperature=0.6", "eval.sampling.1.top_k=5", "optim.betas.1=0.95"],
+                     check_paths=False)
+    assert [s.temperature for s in spec.eval.sampling] == [0.6, default[1].temperature]
+    assert [s.top_k for s in spec.eval.sampling] == [default[0].top_k, 5]
+    assert [s.name for s in spec.eval.sampling] == [s.name for s in default] and spec.optim.betas[1] == 0.95
+    config = write(tmp_path / "mix.yaml", f"base: {TINY}\nrollout: {{mix: [{{temperature: 0.6}}, {{top_k: 3}}]}}\n")
+    mixed = load_spec(config, ["rollout.mix.1.temperature=0.9"], check_paths=False).rollout.mix
+    assert [(m.temperature, m.top_k) for m in mixed] == [(0.6, 0), (0.9, 3)]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("eval.sampling.2.temperature=0.6", "eval.sampling.2: index out of range (eval.sampling has 2 items; "
+                                        "indices 0..1)"),
+    ("rollout.mix.0.temperature=0.6", "rollout.mix.0: index out of range (rollout.mix has 0 items; indices none"),
+    ("eval.sampling.first.temperature=0.6", "eval.sampling is a list (expected an item index, 0..1; got 'first')"),
+    ("optim.0=1", "optim is a mapping, not a list (index 0 needs a list field)"),
+    ("optim.lr.0=1", "optim.lr is a float, not a section"),
+    ("models.drafter.target_layer_ids.0=1", "models.drafter.target_layer_ids is not a list"),
+])
+def test_a_bad_list_override_is_one_line(override: str, expected: str) -> None:
+    with pytest.raises(SpecError) as err:
+        load_spec(TINY, [override], check_paths=False)
+    assert str(err.value).startswith(f"--set {override!r}: {expected}")
+    assert len(str(err.value).splitlines()) == 1
+
+
 def test_errors_collect_every_problem_one_line_each() -> None:
     bad = {**MINIMAL, "steps": 0, "optim": {"lr": -1, "lrr": 1}, "loss": {"gamma": 2},
            "eval": {"sampling": [{"name": "g", "draft": "sample"}]}}
