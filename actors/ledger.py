@@ -1,5 +1,9 @@
 """LedgerActor: hosts the run's `Ledger` (which batch is where; opd/train/ledger.py), and `receive`, the one way
-a consumer takes a batch out of a queue."""
+a consumer takes a batch out of a queue.
+
+`wait_claimable` blocks until a worker could claim a batch: every change to the ledger (a batch given up and
+waiting for re-production, above all) wakes it, so a waiting rollout actor never polls.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 import ray
 
 from actors.queues import BatchQueue, Lost
+from actors.signal import Signal
 from opd.spec import ExperimentSpec
 from opd.train.ledger import Ledger
 from opd.train.messages import Ticket
@@ -22,24 +27,41 @@ class LedgerActor:
     def __init__(self, spec: dict) -> None:
         self.spec = ExperimentSpec.model_validate(spec)
         self.ledger: Ledger | None = None
+        self.changed = Signal()
 
     def begin(self, first_index: int) -> None:
         self.ledger = Ledger(first_index, partial(required_version, spec=self.spec))
+        self.changed.fire()
 
     def register(self, name: str) -> str:
-        return self.ledger.register(name)
+        worker = self.ledger.register(name)
+        self.changed.fire()
+        return worker
 
     def claim(self, worker: str, version: int) -> Ticket | None:
-        return self.ledger.claim(worker, version)
+        ticket = self.ledger.claim(worker, version)
+        if ticket is not None:  # another index is next now
+            self.changed.fire()
+        return ticket
+
+    async def wait_claimable(self, worker: str, version: int, timeout_s: float) -> bool:
+        """Block until `worker` could claim a batch with draft version `version` (True), or `timeout_s` passes.
+        It claims nothing: the caller may be woken by a newer version first and claim with that."""
+        return await self.changed.wait_for(
+            lambda: self.ledger is not None and self.ledger.claimable(worker, version), timeout_s)
 
     def handoff(self, ticket: Ticket, worker: str) -> bool:
-        return self.ledger.handoff(ticket, worker)
+        taken = self.ledger.handoff(ticket, worker)
+        self.changed.fire()
+        return taken
 
     def lost(self, ticket: Ticket) -> None:
         self.ledger.lost(ticket)
+        self.changed.fire()
 
     def stale(self, ticket: Ticket) -> None:
         self.ledger.stale(ticket)
+        self.changed.fire()
 
     def trained(self, tickets: list[Ticket]) -> None:
         self.ledger.trained(tickets)

@@ -16,6 +16,8 @@ from opd.spec import ExperimentSpec
 from opd.train.messages import Ticket, WeightSnapshot
 from opd.train.rollout import RolloutWorker
 
+WAIT_S = 5.0  # longest one blocking wait on the ledger or weight store; then the loop checks again
+
 
 @ray.remote
 class RolloutActor:
@@ -55,7 +57,9 @@ class RolloutActor:
 
     def _claim(self, worker: str) -> Ticket:
         """The next batch to produce, with the newest weights swapped in. The ledger hands out nothing the newest
-        version may not draft (max_policy_lag), so this waits while rollout is as far ahead as it may be."""
+        version may not draft (max_policy_lag), so this waits while rollout is as far ahead as it may be: blocked
+        on both actors at once until a newer version is published, the ledger has a batch this version may draft
+        (one given up, to re-produce), or the run stops."""
         while True:
             version, wrapped, _ = ray.get(self.store.latest.remote())
             ticket = ray.get(self.ledger.claim.remote(worker, version))
@@ -63,7 +67,8 @@ class RolloutActor:
                 break
             if self._stopped():
                 raise Stopped
-            time.sleep(0.02)
+            ray.wait([self.store.wait_newer.remote(version, WAIT_S),
+                      self.ledger.wait_claimable.remote(worker, version, WAIT_S)], num_returns=1)
         if version != self.worker.draft_version:
             snapshot: WeightSnapshot = ray.get(wrapped[0])
             self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights

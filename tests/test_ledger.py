@@ -103,3 +103,50 @@ def test_the_step_buffer_releases_a_step_only_complete_fresh_and_in_index_order(
     buf.add(Ticket(0, 1), "a")
     assert buf.take(0, is_stale) == ([(Ticket(0, 1), "a"), (Ticket(1, 0), "b")], [])
     assert buf.take(1, is_stale) == (None, [])
+
+
+def test_claimable_says_exactly_what_claim_would_do():
+    """A waiting rollout blocks on `claimable`, so it must agree with `claim` in every state, hand-checked."""
+    led = ledger(per_step=2, lag=0)
+    w = led.register("rollout-0")
+    assert not led.claimable(w, version=-1)  # batch 0 needs version 0
+    assert led.claimable(w, version=0) and led.claim(w, version=0) == Ticket(0, 0)
+    led.claim(w, version=0)
+    assert not led.claimable(w, version=0) and led.claim(w, version=0) is None  # batch 2 needs version 1
+    led.stale(Ticket(0, 0))  # a given-up batch 0 is claimable again at version 0
+    assert led.claimable(w, version=0) and led.claim(w, version=0) == Ticket(0, 1)
+    w2 = led.register("rollout-0")
+    assert not led.claimable(w, version=9) and led.claim(w, version=9) is None  # a replaced incarnation
+    assert led.claimable(w2, version=1)
+
+
+def test_a_signal_wakes_a_waiter_when_its_predicate_turns_true_and_times_out_otherwise():
+    import asyncio
+    import time
+
+    from actors.signal import Signal
+
+    async def scenario() -> tuple[bool, float, bool, float, bool]:
+        signal, state = Signal(), {"ready": False}
+
+        async def flip() -> None:
+            await asyncio.sleep(0.05)
+            signal.fire()  # a change that does not satisfy the waiter: it keeps waiting
+            await asyncio.sleep(0.05)
+            state["ready"] = True
+            signal.fire()
+
+        t0 = time.perf_counter()
+        task = asyncio.create_task(flip())
+        woken = await signal.wait_for(lambda: state["ready"], timeout_s=5.0)
+        woke_after = time.perf_counter() - t0
+        await task
+        t1 = time.perf_counter()
+        timed_out = await signal.wait_for(lambda: False, timeout_s=0.2)
+        waited = time.perf_counter() - t1
+        return woken, woke_after, timed_out, waited, await signal.wait_for(lambda: True, timeout_s=0.0)
+
+    woken, woke_after, timed_out, waited, at_once = asyncio.run(scenario())
+    assert woken and 0.09 <= woke_after < 2.0  # woken by the second fire, not by the timeout
+    assert not timed_out and 0.19 <= waited < 2.0
+    assert at_once

@@ -63,12 +63,17 @@ class Ledger:
                 self.counts.orphaned += 1
         return f"{name}#{n}"
 
+    def claimable(self, worker: str, version: int) -> bool:
+        """Whether `claim(worker, version)` would hand out a batch now (a waiting worker blocks on this)."""
+        index = self.redo[0] if self.redo else self.next
+        return self._live(worker) and self.required(index) <= version
+
     def claim(self, worker: str, version: int) -> Ticket | None:
         """The lowest index waiting for re-production, else the next new one; None while drafting it would need
         a newer version than `version` (or the worker is a replaced incarnation)."""
-        index = self.redo[0] if self.redo else self.next
-        if not self._live(worker) or self.required(index) > version:
+        if not self.claimable(worker, version):
             return None
+        index = self.redo[0] if self.redo else self.next
         if self.redo:
             heapq.heappop(self.redo)
             self.counts.reproduced += 1
