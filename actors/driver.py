@@ -25,7 +25,7 @@ import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
@@ -34,6 +34,7 @@ from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
+from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.distributed import free_address
 from opd.tracking import end_run, run_status
@@ -114,6 +115,37 @@ def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
 
 
+def on_driver_node() -> NodeAffinitySchedulingStrategy:
+    """Where the control actors (weight store, ledger, queues) live: this driver's node, strictly. They have no
+    restart, so on a worker node that dies they would take the run with them; the driver's node (the head, under
+    `ray job submit`) lives as long as the run does. They take no CPU, so a head started with num-cpus 0 holds
+    them."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+@ray.remote(num_cpus=0)
+def _lock_holder(run_dir: str) -> str | None:
+    return lock_holder(run_dir)
+
+
+def resolve_for(spec: ExperimentSpec, learner_pg, track: bool) -> ExperimentSpec:
+    """The spec every actor gets (opd/run_dir.py `for_actors`), checked against where the roles were placed: the
+    alive nodes (an autoscaler may just have added some) and the learner's node. On several nodes, the learner's
+    node must see the run directory this driver locked (shared storage), else its checkpoints would be lost."""
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    learner_node = ray.util.placement_group_table(learner_pg)["bundles_to_node_id"][0]
+    elsewhere = learner_node != ray.get_runtime_context().get_node_id()
+    spec = for_actors(spec, nodes=nodes, learner_elsewhere=elsewhere, tracked=track)
+    if elsewhere and (mine := lock_holder(spec.run_dir)) is not None:
+        strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=0)
+        theirs = ray.get(_lock_holder.options(scheduling_strategy=strategy).remote(str(spec.run_dir)))
+        if theirs != mine:
+            raise OpdError(f"tracking.run_dir: the learner's node does not see {spec.run_dir} as this driver does "
+                           f"(its lock file says {theirs!r}, here {mine!r}); expected a path on storage every node "
+                           f"mounts")
+    return spec
+
+
 class _Named:
     """A named actor in constructor arguments: pickled as its name, unpickled as the live handle. A handle passed
     to an actor with `max_restarts` is a reference Ray must keep for its restarts, which it reports as a red
@@ -149,12 +181,19 @@ class RayRun:
         # Ray's token-auth notice at every local start is noise in the run's output (auth stays as Ray sets it).
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         init_ray(spec)
-        r, as_dict = spec.resources, spec.model_dump(mode="json")
         self.learner_pg, self.rollout_pg = place(spec)
-        self.store = WeightStore.options(name="weights").remote()
-        self.ledger = LedgerActor.options(name="ledger").remote(as_dict)
-        self.anchors = BatchQueue("anchors", r.queue_size)
-        self.scored = BatchQueue("scored", r.queue_size)
+        try:
+            self.spec = spec = resolve_for(spec, self.learner_pg, track)
+        except BaseException:
+            for pg in (self.learner_pg, self.rollout_pg):
+                remove_placement_group(pg)
+            raise
+        r, as_dict = spec.resources, spec.model_dump(mode="json")
+        pin = on_driver_node()
+        self.store = WeightStore.options(name="weights", scheduling_strategy=pin).remote()
+        self.ledger = LedgerActor.options(name="ledger", scheduling_strategy=pin).remote(as_dict)
+        self.anchors = BatchQueue("anchors", r.queue_size, pin)
+        self.scored = BatchQueue("scored", r.queue_size, pin)
         n = r.learner.replicas
         address = learner_address(self.learner_pg) if n > 1 else None
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)

@@ -33,9 +33,13 @@ class Lost(Exception):
 
 
 class BatchQueue:
-    def __init__(self, name: str, maxsize: int) -> None:
+    def __init__(self, name: str, maxsize: int, scheduling_strategy: Any = None) -> None:
+        """`scheduling_strategy` places the queue's actor (the driver pins it to its own node)."""
         self.name = name
-        self.queue = Queue(maxsize=maxsize, actor_options={"name": f"queue-{name}", "num_cpus": 0})
+        options = {"name": f"queue-{name}", "num_cpus": 0}
+        if scheduling_strategy is not None:
+            options["scheduling_strategy"] = scheduling_strategy
+        self.queue = Queue(maxsize=maxsize, actor_options=options)
 
     def put(self, item: Any, ticket: Ticket, stopped: Callable[[], bool] = lambda: False) -> float:
         """Enqueue one attempt of a batch (blocking while full); returns the seconds spent blocked."""

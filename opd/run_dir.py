@@ -1,8 +1,13 @@
-"""The run directory: made writable and locked by one run at a time, before any model loads.
+"""The run directory: made writable and locked by one run at a time, before any model loads, and resolved to one
+absolute path that every actor of the run uses.
 
 Two runs in one directory would overwrite each other's checkpoints and write two MLflow runs into one store, so
 a run holds an exclusive `flock` on `RUN_DIR/.lock` for as long as its process lives. The kernel drops the lock
 when the process exits, however it exits, so a killed run never leaves a stale lock behind.
+
+On a Ray cluster every worker has a working directory of its own (on another node, its own copy of the job's),
+so a relative run dir resolved inside an actor names another directory than the one the driver locked: the
+learner's checkpoints would land where no resume looks. `for_actors` resolves it once, in the driver.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import socket
 from pathlib import Path
 
 from opd.errors import OpdError
+from opd.spec import ExperimentSpec
+from opd.tracking import sqlite_path
 
 LOCK_FILE = ".lock"
 
@@ -68,3 +75,32 @@ def writable_problem(run_dir: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return unwritable(run_dir, f"{existing} does not allow writes")
     return None
+
+
+def lock_holder(run_dir: Path) -> str | None:
+    """What the lock file of `run_dir` says (`pid N on host`), or None without one: read on another node, it shows
+    whether that node sees the driver's directory."""
+    try:
+        return (Path(run_dir) / LOCK_FILE).read_text(errors="replace").strip() or None
+    except OSError:
+        return None
+
+
+def for_actors(spec: ExperimentSpec, *, nodes: int = 1, learner_elsewhere: bool = False,
+               tracked: bool = True) -> ExperimentSpec:
+    """The spec the driver hands every actor: `tracking.run_dir` as the absolute path it names here, and the MLflow
+    URI fixed here too (a sqlite default is a path as well). With `nodes` > 1 alive Ray nodes a relative run dir is
+    refused; with the learner on another node than this driver (`learner_elsewhere`), so is a tracked run's sqlite
+    store: the driver and the learner would write one sqlite file from two hosts, which its locking does not
+    survive on network storage. An MLflow server is then the one process that writes the store."""
+    if nodes > 1 and not Path(spec.tracking.run_dir).is_absolute():
+        raise OpdError(f"tracking.run_dir: {spec.tracking.run_dir!r} is relative, but the Ray cluster has {nodes} "
+                       f"nodes, each with its own working directory; expected an absolute path on storage every "
+                       f"node mounts (e.g. /mnt/runs/{{name}})")
+    uri = spec.tracking_uri
+    if tracked and learner_elsewhere and (db := sqlite_path(uri)):
+        raise OpdError(f"tracking.uri: the sqlite store {db} would be written from two hosts (this driver and the "
+                       f"learner's node); expected an MLflow server URI (tracking.uri=http://HOST:5000 or "
+                       f"MLFLOW_TRACKING_URI, see cluster/mlflow.yaml)")
+    run_dir = str(Path(os.path.abspath(spec.run_dir))).replace("{", "{{").replace("}", "}}")
+    return spec.model_copy(update={"tracking": spec.tracking.model_copy(update={"run_dir": run_dir, "uri": uri})})

@@ -403,10 +403,13 @@ def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
 class TrackingSpec(_Section):
     """MLflow run and run-directory layout."""
 
-    uri: str | None = None  # None = sqlite:///<run_dir>/mlflow.db
+    uri: str | None = None  # None = $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
     experiment: str = "draft-opd"
-    run_dir: str = "runs/{name}"  # {name} = the spec's name
+    # {name} = the spec's name. A relative path is resolved in the driver's working directory and handed to every
+    # actor as that absolute path; on a multi-node cluster it must be absolute, on storage every node mounts.
+    run_dir: str = "runs/{name}"
     checkpoint_every: int = Field(100, ge=1)
+    keep_last: int | None = Field(None, ge=1)  # keep the newest N checkpoints (None: all); ~4 GB each at Qwen3-4B
     log_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
@@ -509,8 +512,10 @@ class ExperimentSpec(_Section):
 
     @property
     def tracking_uri(self) -> str:
-        """MLflow tracking URI: the spec's, else a sqlite store inside the run directory."""
-        return self.tracking.uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+        """MLflow tracking URI: the spec's, else MLflow's own MLFLOW_TRACKING_URI (a cluster's runtime env names
+        its server there), else a sqlite store inside the run directory."""
+        return (self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+                or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}")
 
     def to_yaml(self) -> str:
         """The fully resolved spec as YAML; loading it back gives an equal spec."""

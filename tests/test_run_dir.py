@@ -66,3 +66,83 @@ def test_a_checkpoint_is_written_under_a_temporary_name_of_its_own(micro_assets,
     path = save_checkpoint(tmp_path, 2, DFlashDrafter.__new__(DFlashDrafter), {"step": 2})
     assert str(os.getpid()) in written[0].name and (tmp_path / "checkpoints" / "step-0000002.tmp").is_dir()
     assert latest_checkpoint(tmp_path) == path
+
+
+def test_the_driver_resolves_one_absolute_run_dir_and_mlflow_uri_for_every_actor(micro_spec_file, tmp_path,
+                                                                                  monkeypatch):
+    """An actor's working directory is not the driver's (on another node, another copy of the job's): the spec it
+    gets must name the driver's directory absolutely, and the sqlite store inside it."""
+    from opd.run_dir import for_actors
+
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(micro_spec_file, ["tracking.run_dir=out/{name}-x"])
+    resolved = for_actors(spec)
+    assert resolved.tracking.run_dir == str(tmp_path / "out" / "micro-x") == str(resolved.run_dir)
+    assert resolved.tracking_uri == f"sqlite:///{tmp_path / 'out' / 'micro-x' / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path / "..")  # another process's working directory: the resolved spec does not move
+    assert resolved.run_dir == tmp_path / "out" / "micro-x" and resolved.tracking_uri.endswith("micro-x/mlflow.db")
+    odd = for_actors(load_spec(micro_spec_file, [f"tracking.run_dir={tmp_path}/{{{{x}}}}"]))  # braces survive
+    assert odd.run_dir == tmp_path / "{x}"
+
+
+def test_a_relative_run_dir_on_several_nodes_is_one_line(micro_spec_file, tmp_path):
+    from opd.errors import OpdError
+    from opd.run_dir import for_actors
+
+    spec = load_spec(micro_spec_file, ["tracking.run_dir=runs/{name}"])
+    for_actors(spec, nodes=1)  # one node: the driver's directory is the learner's
+    with pytest.raises(OpdError) as refused:
+        for_actors(spec, nodes=2)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("tracking.run_dir: 'runs/{name}' is relative")
+    assert "2 nodes" in message and "expected an absolute path on storage every node mounts" in message
+    assert for_actors(load_spec(micro_spec_file), nodes=2).run_dir == tmp_path / "runs" / "micro"
+
+
+def test_a_sqlite_store_written_from_two_hosts_is_refused(micro_spec_file, monkeypatch):
+    from opd.errors import OpdError
+    from opd.run_dir import for_actors
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = load_spec(micro_spec_file)
+    with pytest.raises(OpdError, match=r"^tracking\.uri: the sqlite store .*mlflow\.db would be written from two "
+                                       r"hosts .*expected an MLflow server URI"):
+        for_actors(spec, nodes=2, learner_elsewhere=True)
+    for_actors(spec, nodes=2, learner_elsewhere=True, tracked=False)  # nothing logs: nothing to refuse
+    for_actors(spec, nodes=2, learner_elsewhere=False)  # the learner beside the driver: one host
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")  # a server writes the store alone
+    assert for_actors(spec, nodes=2, learner_elsewhere=True).tracking.uri == "http://mlflow:5000"
+
+
+def _fake_saves(monkeypatch):
+    from opd.models.drafter import DFlashDrafter
+
+    monkeypatch.setattr(DFlashDrafter, "save_pretrained", lambda self, d: d.mkdir(parents=True))
+    return DFlashDrafter.__new__(DFlashDrafter)
+
+
+def test_keep_last_prunes_all_but_the_newest_checkpoints_after_each_save(tmp_path, monkeypatch):
+    from opd.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
+
+    drafter = _fake_saves(monkeypatch)
+    (checkpoint_dir(tmp_path) / "step-0000009.tmp-other-1").mkdir(parents=True)  # another writer, mid-write
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, drafter, {"step": step}, keep_last=2)
+        expected = [f"step-{s:07d}" for s in range(max(1, step - 1), step + 1)]
+        assert sorted(p.name for p in checkpoint_dir(tmp_path).glob("step-???????")) == expected
+    assert latest_checkpoint(tmp_path).name == "step-0000005"
+    assert (checkpoint_dir(tmp_path) / "step-0000009.tmp-other-1").is_dir()
+    for step in (6, 7):
+        save_checkpoint(tmp_path, step, drafter, {"step": step})  # keep_last None: keep everything
+    assert len(list(checkpoint_dir(tmp_path).glob("step-???????"))) == 4
+
+
+def test_keep_last_never_deletes_the_checkpoint_the_run_resumed_from(tmp_path, monkeypatch):
+    from opd.train.checkpoint import checkpoint_dir, save_checkpoint
+
+    drafter = _fake_saves(monkeypatch)
+    resumed = save_checkpoint(tmp_path, 3, drafter, {"step": 3})
+    for step in (4, 5, 6):
+        save_checkpoint(tmp_path, step, drafter, {"step": step}, keep_last=1, resumed_from=resumed)
+    assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step-0000003", "step-0000006"]
+

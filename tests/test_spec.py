@@ -236,6 +236,24 @@ def test_run_dir_and_default_tracking_uri() -> None:
     assert load_spec(TINY, ["tracking.uri=http://mlflow:5000"], check_paths=False).tracking_uri == "http://mlflow:5000"
 
 
+def test_tracking_uri_falls_back_to_mlflows_environment_variable(monkeypatch) -> None:
+    """A cluster's runtime env names its MLflow server once, for every spec; the spec's own tracking.uri wins."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://opd-mlflow:5000")
+    assert load_spec(TINY, check_paths=False).tracking_uri == "http://opd-mlflow:5000"
+    assert load_spec(TINY, ["tracking.uri=http://other:5000"], check_paths=False).tracking_uri == "http://other:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert load_spec(TINY, check_paths=False).tracking_uri.startswith("sqlite:///")
+
+
+def test_qwen3_configs_keep_their_run_dir_on_shared_storage_and_prune_checkpoints() -> None:
+    for path in sorted((ROOT / "configs").glob("qwen3-*.yaml")):
+        spec = load_spec(path, check_paths=False)
+        assert spec.run_dir == Path(f"/mnt/runs/{spec.name}") and spec.tracking.keep_last == 3, path.name
+    assert load_spec(TINY, check_paths=False).tracking.keep_last is None  # the tiny default keeps every one
+    with pytest.raises(SpecError, match=r"tracking\.keep_last"):
+        load_spec(TINY, ["tracking.keep_last=0"], check_paths=False)
+
+
 def test_flatten_gives_mlflow_params() -> None:
     params = flatten(load_spec(TINY, check_paths=False))
     assert params["optim.lr"] == "0.0001" and params["loss.rejected_decay"] == "true"

@@ -29,7 +29,10 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict) -> Path:
+def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict, *, keep_last: int | None = None,
+                    resumed_from: Path | None = None) -> Path:
+    """Write step `step`'s checkpoint; then, with `keep_last`, delete all but the newest `keep_last` (see
+    `prune_checkpoints`)."""
     final = checkpoint_dir(run_dir) / f"step-{step:07d}"
     tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -37,14 +40,33 @@ def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dic
     torch.save(state, tmp / STATE_FILE)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    if keep_last is not None:
+        prune_checkpoints(run_dir, keep_last, resumed_from)
     return final
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Every complete checkpoint, oldest first."""
+    root = checkpoint_dir(run_dir)
+    return sorted(p for p in root.glob("step-*") if ".tmp" not in p.name and (p / STATE_FILE).exists())
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint, or None for a fresh run."""
-    root = checkpoint_dir(run_dir)
-    done = sorted(p for p in root.glob("step-*") if ".tmp" not in p.name and (p / STATE_FILE).exists())
+    done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, resumed_from: Path | None = None) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep_last` (at Qwen3-4B each is about 4 GB); returns
+    them. Called only after a save succeeded, so the newest is never at risk. The one this run resumed from is
+    kept until the next resume (keep_last + 1 then): it is the last state known to load and to have trained on,
+    and learner ranks may still be reading it."""
+    keep = {Path(resumed_from).resolve()} if resumed_from is not None else set()
+    old = [p for p in complete_checkpoints(run_dir)[:-keep_last] if p.resolve() not in keep]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:

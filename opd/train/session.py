@@ -139,7 +139,8 @@ class TrainingSession:
                  "flops": self.flops.as_dict(), "counters": vars(self.counters), "eval_history": self.eval_history,
                  "mlflow_run_id": self.run_id, "torch_rng": torch.get_rng_state(),
                  "spec": training_fields(self.spec)}
-        return str(save_checkpoint(self.spec.run_dir, self.step, self.drafter, state))
+        return str(save_checkpoint(self.spec.run_dir, self.step, self.drafter, state,
+                                   keep_last=self.spec.tracking.keep_last, resumed_from=self.resumed_from))
 
     # -- training ----------------------------------------------------------------------------------------------
 
