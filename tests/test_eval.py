@@ -44,3 +44,52 @@ def test_opd_eval_missing_drafter_is_one_line(micro_spec_file, capsys):
     assert main(["eval", str(micro_spec_file), "--draft", "/nonexistent/drafter"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "/nonexistent/drafter" in err[0]
+
+
+def test_the_evaluator_decodes_the_weights_it_is_handed(micro_spec_file):
+    """The periodic eval runs on a snapshot, in a drafter copy of the evaluator's own: its rows are those of the
+    snapshot's weights (here a drafter other than the copy it started with), at the snapshot's step; a corrupted
+    snapshot is refused; `checkpoint` is `opd run`'s before/after evaluation of a drafter directory."""
+    import torch
+
+    from opd.errors import OpdError
+    from opd.eval import evaluate
+    from opd.models.build import Models, build_models
+    from opd.spec import load_spec
+    from opd.train.evaluator import Evaluator
+    from opd.train.messages import WeightSnapshot
+
+    both = "eval.sampling=[{name: greedy}, {name: sampled, temperature: 1.0}]"
+    spec = load_spec(micro_spec_file, [both])
+    evaluator = Evaluator(spec)
+    other = build_models(spec, "random", seed=5)
+    with torch.no_grad():  # weights large enough to draft other tokens than the warm drafter does
+        for param in other.drafter.parameters():
+            if param.dim() > 1:
+                param.normal_(std=1.0)
+    result = evaluator(WeightSnapshot.of(other.drafter.state_dict(), 7))
+    e = spec.eval
+
+    def direct(models: Models, **kwargs) -> list:
+        return evaluate(models, evaluator.prompts, e.sampling, max_new_tokens=e.max_new_tokens,
+                        batch_size=e.batch_size, seed=spec.seed, **kwargs)
+
+    expected = direct(other, baseline=False, diagnose=True)
+    warm = direct(build_models(spec), baseline=False, diagnose=True)
+
+    def sampled_rule(rows) -> float:  # p_T(argmax q) on greedy states: continuous in the drafter's weights
+        return rows[0].expected["sampled"].tau_token_weighted
+
+    assert result.step == 7 and sampled_rule(result.rows) == sampled_rule(expected) != sampled_rule(warm)
+    assert [r.tau for r in result.rows] == [r.tau for r in expected]
+    corrupted = WeightSnapshot.of(other.drafter.state_dict(), 8)
+    next(iter(corrupted.state.values())).add_(1.0)
+    with pytest.raises(OpdError, match="checksum mismatch"):
+        evaluator(corrupted)
+    rows = evaluator.checkpoint(spec.models.drafter_path)
+    reference = direct(build_models(spec), baseline=True)
+    assert [(r.tau, r.greedy_match, r.survival) for r in rows] == \
+        [(r.tau, r.greedy_match, r.survival) for r in reference]
+    assert rows[0].speedup is not None and rows[0].greedy_match == 1.0
+    assert torch.equal(next(iter(evaluator.models.drafter.state_dict().values())),
+                       next(iter(other.drafter.state_dict().values())))  # checkpoint() left the copy alone

@@ -118,3 +118,54 @@ def test_a_run_dir_refuses_to_resume_a_different_experiment(micro_spec_file, tmp
         changed.run()
     longer = LocalTrainer(load_spec(micro_spec_file, [*run, "steps=5", "eval.num_prompts=2"]), track=False).run()
     assert longer.steps == 5 and len(longer.losses) == 3
+
+
+class LateEvaluations:
+    """An evaluator that decodes each snapshot only at the learner's next step, after its weights have moved on,
+    as the Ray evaluator actor may; the last step waits for everything. It keeps the weights it evaluated."""
+
+    def __init__(self, evaluator) -> None:
+        self.evaluator, self.fresh, self.queued, self.evaluated = evaluator, [], [], {}
+
+    def submit(self, snapshot) -> None:
+        self.fresh.append(snapshot)
+
+    def finished(self, wait: bool = False) -> list:
+        due, self.queued = (self.queued + self.fresh, []) if wait else (self.queued, self.fresh)
+        self.fresh = []
+        results = []
+        for snapshot in due:
+            results.append(self.evaluator(snapshot))
+            drafter = self.evaluator.models.drafter  # the copy it decoded with
+            self.evaluated[results[-1].step] = {k: v.clone() for k, v in drafter.state_dict().items()}
+        return results
+
+
+def test_an_eval_that_comes_back_late_is_of_its_step_and_logged_at_it(micro_spec_file):
+    """Held-out eval off the learner's path: results reach the learner a step later, yet they evaluate the
+    weights of the step they name (not the newer ones), as the inline run does, and MLflow has them there."""
+    import mlflow
+
+    spec = load_spec(micro_spec_file)  # 4 steps, eval every 2: steps 0, 2, 4
+    inline = LocalTrainer(spec, track=False).run()
+    late = LocalTrainer(load_spec(micro_spec_file, [f"tracking.run_dir={spec.run_dir}-late"]))
+    evals = late.session.evals = LateEvaluations(late.session.evals.evaluator)
+    late.start()
+    weights = {0: {k: v.clone() for k, v in late.session.drafter.state_dict().items()}}
+    reports = []
+    for _ in range(spec.steps):
+        reports.append(late.train_step())
+        weights[late.session.step] = {k: v.clone() for k, v in late.session.drafter.state_dict().items()}
+    late.session.close()
+    assert [sorted(r.evals) for r in reports] == [[0], [], [2], [4]]  # step 4 is the last: it waits
+    assert late.session.start_evals == []  # step 0's rows came with step 1's report
+    for step, state in evals.evaluated.items():
+        assert all(torch.equal(state[k], v) for k, v in weights[step].items()), step
+        if step < spec.steps:  # evaluated after the learner had moved on
+            assert not all(torch.equal(state[k], v) for k, v in weights[step + 1].items()), step
+    got = {step: rows for r in reports for step, rows in r.evals.items()}
+    assert {s: [r.tau for r in rows] for s, rows in got.items()} == \
+        {s: [r.tau for r in rows] for s, rows in inline.evals.items()}
+    mlflow.set_tracking_uri(late.spec.tracking_uri)
+    history = mlflow.MlflowClient().get_metric_history(late.session.run_id, "eval_tau_greedy")
+    assert sorted((m.step, m.value) for m in history) == [(s, rows[0].tau) for s, rows in sorted(got.items())]
