@@ -1,7 +1,7 @@
 """The replay data path at Qwen3's real vocabulary and hidden sizes, on a CPU: the replaced path beside the new one.
 
     python bench/scale.py [--hidden 2560 4096] [--lengths 128 256 512] [--old-max-length 128]
-                          [--json bench/results/scale.json]
+                          [--json bench/results/scale.json] [--sft-only]
 
 Random-weight Qwen3 targets with the real vocabulary (151,936) and hidden size (2560 = 4B, 4096 = 8B), one
 decoder layer (MLP width = hidden, so a CPU can run it) whose output is read five times as the drafter's
@@ -20,6 +20,11 @@ features (n = 5, as the shipped drafters), and a one-layer DFlash drafter. Synth
 - once: the object store's rate for the new `ScoredBatch` against default torch pickling of the same tensors,
   and a weight publish + landing at Qwen3-4B drafter size (5 layers, ~1 GB bf16): copy + checksum + put, then
   get + verify — blake2b and torch pickling (replaced) against CRC-32 and zero-copy (new).
+
+Also the SFT step at Qwen3-4B's vocabulary and width (`measure_sft`; `--sft-only` runs just that): one
+sequence per micro-batch, the new step (decoder features, chunked hidden-state loss) at the real response length
+and `--sft-anchors` anchors, the replaced one (full target forward, all slots' logits at once) at
+`--sft-old-length`, both projected to 512 anchors at 2048 tokens.
 
 The CPU runs fp32 (its bf16 matmuls are 8x slower); shipped float tensors are cast to bf16 before they are
 measured, as on the GPU. Then every figure is projected to the shipped configs (4B and 8B, 2048 and 4096
@@ -43,13 +48,14 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
-from opd.losses import acceptance_aware_loss, teacher_distribution
+from opd.losses import acceptance_aware_loss, sft_loss, teacher_distribution
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.replay import pack, packed_inputs, score, student_hidden
 from opd.spec import EvalSpec, LossSpec
 from opd.train.messages import WeightSnapshot
+from opd.train.sft import SftBatch, SftExample, sft_batch_loss, sft_micro_batches
 
 VOCAB, K, N_FEATURES, STEP_SEQUENCES, GPU_BYTES = 151_936, 16, 5, 24, 141e9
 # The shipped configs' drafters: width and MLP of the target, 5 layers (8 for the MoE target, whose dense
@@ -284,6 +290,72 @@ def print_tables(result: dict) -> None:
     console.print(p)
 
 
+# ------------------------------------------------------------------------------------------------ SFT at Qwen3-4B
+
+
+def old_sft_step(target: Target, drafter: DFlashDrafter, batch: SftBatch, gamma: float) -> None:
+    """The replaced SFT step: the target's full forward ([T, V] logits made only to read the features) and the
+    drafter's logits at every slot at once, unchunked."""
+    features = target(batch.ids, attention_mask=batch.valid.long()).features
+    block_ids = torch.full((*batch.anchor_pos.shape, K), drafter.mask_token_id, dtype=torch.long)
+    block_ids[..., 0] = batch.ids.gather(1, batch.anchor_pos)
+    hidden = drafter.forward_blocks(drafter.project_context(features), batch.valid, block_ids, batch.anchor_pos)
+    logits = drafter.logits(hidden[batch.block_valid][:, 1:])
+    sft_loss(logits, batch.labels[batch.block_valid], gamma=gamma, position_mask=batch.position_mask).backward()
+
+
+def sft_point(target: Target, drafter: DFlashDrafter, response: int, anchors: int, args, *, old: bool) -> dict:
+    """Peak memory and seconds of one SFT micro-batch (one sequence) with `anchors` random anchors."""
+    example = SftExample(list(range(1, args.prompt + 1)), [(7 * i) % (VOCAB - 2) + 1 for i in range(response)])
+    (batch,) = sft_micro_batches([example], anchors_per_seq=anchors, max_length=args.prompt + response + 1,
+                                 block_size=K, micro_batch_size=1, generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    if old:
+        peak = peak_cpu_bytes(lambda: old_sft_step(target, drafter, batch, gamma=7.0))
+    else:
+        peak = peak_cpu_bytes(lambda: sft_batch_loss(target, drafter, batch, gamma=7.0,
+                                                     chunk_size=args.sft_chunk).backward())
+    drafter.zero_grad(set_to_none=True)
+    gc.collect()
+    return {"response": response, "anchors": anchors, "peak": peak, "seconds": time.perf_counter() - started}
+
+
+def measure_sft(args) -> dict:
+    """The SFT step at Qwen3-4B's vocabulary and width (one target layer read as 5 features, a one-layer drafter,
+    fp32 on this CPU): the new step at the real response length and a few anchor counts, the replaced one at a
+    shorter response (its [T, V] logits and all-slot logits cost minutes here), each projected to the shipped
+    512 anchors and 2048 tokens by a linear fit in anchors."""
+    target, drafter = build(QWEN3["4B"]["hidden"])
+    new = [sft_point(target, drafter, args.sft_length, a, args, old=False) for a in args.sft_anchors]
+    old = [sft_point(target, drafter, args.sft_old_length, a, args, old=True) for a in args.sft_anchors]
+    del target, drafter
+    gc.collect()
+    (a_new, b_new), (a_old, b_old) = fit(new, "peak", "anchors"), fit(old, "peak", "anchors")
+    full = args.sft_project_anchors
+    chunk_growth = (args.projection_chunk - args.sft_chunk) * args.sft_chunk_bytes_per_slot
+    target_logits = (args.sft_length - args.sft_old_length) * VOCAB * 4  # the replaced target's [T, V] fp32
+    return {"new": new, "old": old, "per_anchor_new": b_new, "per_anchor_old": b_old,
+            "projected_new": a_new + b_new * full + chunk_growth, "projected_old": a_old + b_old * full + target_logits}
+
+
+def print_sft(sft: dict, args) -> None:
+    t = Table(title=f"SFT micro-batch (one sequence, {args.prompt}-token prompt) at Qwen3-4B's vocabulary and "
+                    f"width, fp32 on this CPU: measured")
+    for c in ("step", "response", "anchors", "slots", "peak MB", "seconds"):
+        t.add_column(c, justify="right")
+    for name in ("old", "new"):
+        for r in sft[name]:
+            t.add_row(name, str(r["response"]), str(r["anchors"]), str(r["anchors"] * (K - 1)),
+                      f"{r['peak'] / 1e6:,.0f}", f"{r['seconds']:.0f}")
+    Console().print(t)
+    Console().print(f"projected to {args.sft_project_anchors} anchors, {args.sft_length}-token response, loss chunk "
+                    f"{args.projection_chunk}: old {sft['projected_old'] / GB:,.1f} GB "
+                    f"({sft['per_anchor_old'] / 1e6:,.1f} MB per anchor), new {sft['projected_new'] / GB:,.1f} GB "
+                    f"({sft['per_anchor_new'] / 1e6:,.1f} MB per anchor); per sequence, so the old step's default "
+                    f"16-sequence batch is 16x that, the new one's micro-batch is one sequence. The student's dense "
+                    f"block-mask attention grows faster than linearly in anchors and is outside the fit.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[2560, 4096])
@@ -298,7 +370,25 @@ def main() -> None:
     parser.add_argument("--projection-chunk", type=int, default=400, help="optim.loss_chunk_size projected")
     parser.add_argument("--json", default="bench/results/scale.json")
     parser.add_argument("--project-only", action="store_true", help="re-project the measurements in --json")
+    parser.add_argument("--sft-length", type=int, default=2048, help="SFT: the new step's response length")
+    parser.add_argument("--sft-old-length", type=int, default=256, help="SFT: the replaced step's response length")
+    parser.add_argument("--sft-anchors", type=int, nargs="+", default=[8, 24], help="SFT: anchors measured")
+    parser.add_argument("--sft-chunk", type=int, default=64, help="SFT: loss chunk (slots) measured here")
+    parser.add_argument("--sft-project-anchors", type=int, default=512, help="SFT: sft.anchors_per_seq projected")
+    parser.add_argument("--sft-only", action="store_true",
+                        help="measure only the SFT step (the loss chunk's bytes per slot read from --json)")
+    parser.add_argument("--sft-json", default="bench/results/scale-sft.json", help="where --sft-only writes")
     args = parser.parse_args()
+    if args.sft_only:
+        stored = Path(args.json)
+        measured = json.loads(stored.read_text()) if stored.exists() else {}
+        args.sft_chunk_bytes_per_slot = measured.get("chunk_bytes_per_slot", 8 * VOCAB * 4)
+        torch.set_num_threads(2)
+        sft = measure_sft(args)
+        print_sft(sft, args)
+        Path(args.sft_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.sft_json).write_text(json.dumps({"args": vars(args), **sft}, indent=1, default=str))
+        return
     if args.project_only:
         result = json.loads(Path(args.json).read_text())
         args.old_loss_factor = result["old_loss_bytes_per_teacher_byte"]
@@ -327,7 +417,10 @@ def main() -> None:
     result = {"args": vars(args), "measured": measured, "once": once,
               "chunk_bytes_per_slot": base / args.chunk, "old_loss_bytes_per_teacher_byte": args.old_loss_factor}
     result["projected"] = project(measured, result["chunk_bytes_per_slot"], args)
+    args.sft_chunk_bytes_per_slot = result["chunk_bytes_per_slot"]
+    result["sft"] = measure_sft(args)
     print_tables(result)
+    print_sft(result["sft"], args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     Console().print(f"wrote {args.json}")

@@ -6,6 +6,12 @@
    y_a+1 .. y_a+K−1, cross-entropy weighted exp(−(k−1)/γ_sft) (DFlash's recipe).
 
 Run again from a warm drafter with `sft.max_flops`, it is "continued SFT" at matched training compute.
+
+Sized for Qwen3 as Draft-OPD's learner is: the target runs without its LM head (only its features are read), the
+drafter's logits are formed `optim.loss_chunk_size` slots at a time (opd/lm_head.py), and a step runs
+`sft.micro_batch_size` sequences per forward, accumulating gradients; anchors and the loss's denominator are the
+whole step's, so neither the chunk nor the micro-batch size changes the gradient. At the defaults one
+2048-token sequence with 512 anchors is 7,680 slots: 4.7 GB of fp32 logits if formed at once.
 """
 
 from __future__ import annotations
