@@ -409,7 +409,7 @@ class TrackingSpec(_Section):
     # actor as that absolute path; on a multi-node cluster it must be absolute, on storage every node mounts.
     run_dir: str = "runs/{name}"
     checkpoint_every: int = Field(100, ge=1)
-    keep_last: int | None = Field(None, ge=1)  # keep the newest N checkpoints (None: all); ~4 GB each at Qwen3-4B
+    keep_last: int | None = Field(None, ge=1)  # keep the newest N checkpoints (None: all); GBs each at Qwen3 sizes
     log_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
