@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
 
@@ -139,10 +140,11 @@ class PackedRows:
         if query.shape[0] != len(self.rows) or query.shape[2] != self.length:
             raise OpdError(f"packed rows: layout is {len(self.rows)} x {self.length}, queries are "
                            f"{query.shape[0]} x {query.shape[2]}")
-        out = query.new_zeros(query.shape)
+        batch, heads, length, dim = query.shape
+        out = query.new_zeros(batch, length, heads, dim)  # written through a [B, H, L, d] view: no final copy
         for b, row in enumerate(self.rows):
-            row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1], scale)
-        return out.transpose(1, 2).contiguous()
+            row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1].transpose(1, 2), scale)
+        return out
 
 
 def _packed_or(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -216,11 +218,23 @@ class BlockChunks:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                context_kv: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-        """q [B, H, M*K, d], block k/v [B, kv, M*K, d], context k/v [B, kv, C, d] -> [B, H, M*K, d]."""
+        """q [B, H, M*K, d], block k/v [B, kv, M*K, d], context k/v [B, kv, C, d] -> [B, H, M*K, d].
+
+        With autograd on, each chunk is checkpointed: backward keeps only its output and recomputes the chunk's
+        keys and mask, so what training holds stays linear in the blocks instead of chunks x context."""
         outs = []
         for first, end, keys in self.chunks:
-            r0, r1 = first * self.block_size, end * self.block_size
-            keys_k = torch.cat([context_kv[0][:, :, :keys], k[:, :, r0:r1]], dim=2)
-            keys_v = torch.cat([context_kv[1][:, :, :keys], v[:, :, r0:r1]], dim=2)
-            outs.append(grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, self.chunk_mask(first, end, keys), scale))
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(self._chunk, q, k, v, *context_kv, first, end, keys, scale,
+                                       use_reentrant=False))
+            else:
+                outs.append(self._chunk(q, k, v, *context_kv, first, end, keys, scale))
         return torch.cat(outs, dim=2) if outs else torch.zeros_like(q)
+
+    def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_k: torch.Tensor,
+               context_v: torch.Tensor, first: int, end: int, keys: int, scale: float) -> torch.Tensor:
+        """Blocks first..end-1 against [context 0..keys-1; their own rows]."""
+        r0, r1 = first * self.block_size, end * self.block_size
+        keys_k = torch.cat([context_k[:, :, :keys], k[:, :, r0:r1]], dim=2)
+        keys_v = torch.cat([context_v[:, :, :keys], v[:, :, r0:r1]], dim=2)
+        return grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, self.chunk_mask(first, end, keys), scale)
