@@ -26,6 +26,11 @@ sequence per micro-batch, the new step (decoder features, chunked hidden-state l
 and `--sft-anchors` anchors, the replaced one (full target forward, all slots' logits at once) at
 `--sft-old-length`, both projected to 512 anchors at 2048 tokens.
 
+Also the attention at real lengths (`measure_attention`; `--attention-only` runs just that): one sequence's
+attention in one Qwen3-4B layer (32 query / 8 key-value heads of 128, fp32), the teacher's packed replay (no grad)
+and the student's blocks (with grad), block-sparse against the replaced dense masks where the packed length is at
+most `--attention-old-max`, at 2048 and 4096-token responses and τ 1.5 and 6 (`--attention-points`), measured.
+
 The CPU runs fp32 (its bf16 matmuls are 8x slower); shipped float tensors are cast to bf16 before they are
 measured, as on the GPU. Then every figure is projected to the shipped configs (4B and 8B, 2048 and 4096
 tokens, τ 3 and 6, 512-token prompts, 24 sequences per step) from the formulas printed beside the measurements.
@@ -39,18 +44,23 @@ import gc
 import hashlib
 import json
 import pickle
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from replay import synthetic_record  # bench/replay.py, beside this script
 from rich.console import Console
 from rich.table import Table
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
 from opd.losses import acceptance_aware_loss, sft_loss, teacher_distribution
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.packed_attention import BlockChunks
 from opd.models.target import Target
 from opd.replay import pack, packed_inputs, score, student_hidden
 from opd.spec import EvalSpec, LossSpec
@@ -103,9 +113,9 @@ def pickled_bytes(obj: object) -> int:
 
 def old_scorer(target: Target, recs: list) -> tuple[torch.Tensor, torch.Tensor]:
     """The replaced scorer: packed forward *with* the LM head, fp32 log-probs at every slot, features as a view."""
-    packed, ids, positions, mask = packed_inputs(recs, K, "draft_opd")
+    packed, ids, positions, layout = packed_inputs(recs, K, "draft_opd")
     with torch.no_grad():
-        out = target(ids, attention_mask=mask, position_ids=positions)
+        out = target(ids, attention_mask=layout, position_ids=positions)
         rows = torch.stack([out.logits[b, torch.tensor(s)] for b, p in enumerate(packed) for s in p.slot_index])
         return teacher_distribution(rows), out.features
 
@@ -217,6 +227,126 @@ def publish_times(ray, sink_cls) -> dict:
     t2 = time.perf_counter()
     out |= {"publish_new_s": t1 - t0, "land_new_s": t2 - t1}
     return out
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # one Qwen3-4B attention layer
+
+
+def dense_references() -> tuple:
+    """The replaced dense masks, kept as tests/test_packed_attention.py's naive reference."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.test_packed_attention import dense_block_mask, dense_teacher_masks
+
+    return dense_teacher_masks, dense_block_mask
+
+
+def heads(rows: int, count: int, g: torch.Generator, grad: bool = False) -> torch.Tensor:
+    """Random [1, count, rows, 128] fp32 queries, keys or values, as a layer's projections make them."""
+    return torch.randn(1, count, rows, HEAD_DIM, generator=g).requires_grad_(grad)
+
+
+def old_teacher_attention(packed: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The replaced teacher attention: the [1, 1, L, L] bool mask from its Python loop over blocks, then HF's sdpa
+    with it (which repeats K/V per query head when a mask is given)."""
+    mask = dense_references()[0](packed, K, q.shape[2])
+    stub = SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True, training=False)
+    return sdpa_attention_forward(stub, q, k, v, mask, scaling=HEAD_DIM**-0.5)[0]
+
+
+def old_student_attention(valid: torch.Tensor, anchors: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The replaced DFlashAttention: the dense [1, 1, M*K, C+M*K] block mask, K/V repeated per query head."""
+    mask = dense_references()[1](valid, anchors, K)
+    groups = HEADS // KV_HEADS
+    keys = torch.cat([context[0], k], dim=2).repeat_interleave(groups, 1)
+    values = torch.cat([context[1], v], dim=2).repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=HEAD_DIM**-0.5)
+
+
+def timed_peak(fn) -> tuple[int, float]:
+    """(peak bytes above the start, seconds) of one call."""
+    seconds = []
+
+    def run() -> None:
+        started = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - started)
+
+    return peak_cpu_bytes(run), seconds[0]
+
+
+def attention_point(response: int, tau: float, args) -> dict:
+    """One sequence (`--projection-prompt`-token prompt): the teacher's packed replay attention (no grad, as the
+    scorer) and the student's block attention (with grad, as the learner: what backward keeps counts),
+    block-sparse, and dense as replaced where the packed length is at most `--attention-old-max`."""
+    g = torch.Generator().manual_seed(response)
+    recs = [synthetic_record(0, response, args.projection_prompt, VOCAB - 1, K, 1 - 1 / tau, g)]
+    packed, ids, _, layout = packed_inputs(recs, K, "draft_opd")
+    p, length = packed[0], ids.shape[1]
+    rows, context = len(p.anchors) * K, p.prefix_len
+    row = {"response": response, "tau": tau, "blocks": len(p.anchors), "packed_len": length, "student_rows": rows,
+           "context": context, "old": length <= args.attention_old_max}
+    q, k, v = heads(length, HEADS, g), heads(length, KV_HEADS, g), heads(length, KV_HEADS, g)
+    with torch.no_grad():
+        row["teacher_peak_new"], row["teacher_s_new"] = timed_peak(lambda: layout.attend(q, k, v, HEAD_DIM**-0.5))
+        if row["old"]:
+            row["teacher_peak_old"], row["teacher_s_old"] = timed_peak(lambda: old_teacher_attention(packed, q, k, v))
+    del q, k, v
+    gc.collect()
+    q, k, v = heads(rows, HEADS, g, True), heads(rows, KV_HEADS, g, True), heads(rows, KV_HEADS, g, True)
+    ctx = (heads(context, KV_HEADS, g, True), heads(context, KV_HEADS, g, True))
+    valid, anchors = torch.ones(1, context, dtype=torch.bool), torch.tensor([p.anchors])
+    chunks = BlockChunks.of(valid, anchors, K)
+    row["student_peak_new"], row["student_s_new"] = timed_peak(lambda: chunks.attend(q, k, v, ctx, HEAD_DIM**-0.5))
+    if row["old"]:
+        row["student_peak_old"], row["student_s_old"] = timed_peak(
+            lambda: old_student_attention(valid, anchors, q, k, v, ctx))
+    gc.collect()
+    Console().print(f"attention: response {response}, τ {tau}: measured")
+    return row
+
+
+def measure_attention(args) -> list[dict]:
+    points = [tuple(float(x) for x in point.split(":")) for point in args.attention_points]
+    return [attention_point(int(response), tau, args) for response, tau in points]
+
+
+def print_attention(rows: list[dict]) -> None:
+    t = Table(title="attention at real lengths, one Qwen3-4B layer (32/8 heads of 128), fp32 on this CPU, one "
+                    "sequence: measured. Peak MB (per 1K rows), seconds; old = dense masks, — = not run")
+    for c in ("response", "τ", "blocks", "packed L", "teacher old", "teacher new", "s old", "s new", "student rows",
+              "student old", "student new", "s old", "s new"):
+        t.add_column(c, justify="right")
+    for r in sorted(rows, key=lambda r: (r["response"], -r["tau"])):
+        def peak(key: str, per: str) -> str:
+            return f"{r[key] / 1e6:,.0f} ({r[key] / r[per] / 1e3:.1f})" if key in r else "—"
+
+        def secs(key: str) -> str:
+            return f"{r[key]:.0f}" if key in r else "—"
+
+        t.add_row(str(r["response"]), f"{r['tau']:g}", str(r["blocks"]), f"{r['packed_len']:,}",
+                  peak("teacher_peak_old", "packed_len"), peak("teacher_peak_new", "packed_len"),
+                  secs("teacher_s_old"), secs("teacher_s_new"), f"{r['student_rows']:,}",
+                  peak("student_peak_old", "student_rows"), peak("student_peak_new", "student_rows"),
+                  secs("student_s_old"), secs("student_s_new"))
+    Console(width=200).print(t)
+
+
+def run_attention_only(args) -> None:
+    """Measure `--attention-points` and merge them into --json's attention rows (same response and τ replaced)."""
+    torch.set_num_threads(2)
+    stored = Path(args.json)
+    result = json.loads(stored.read_text()) if stored.exists() else {}
+    fresh = measure_attention(args)
+    keep = [r for r in result.get("attention", []) if (r["response"], r["tau"]) not in
+            {(f["response"], f["tau"]) for f in fresh}]
+    result["attention"] = keep + fresh
+    print_attention(result["attention"])
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps(result, indent=1, default=str))
 
 
 # ------------------------------------------------------------------------------------------------ projection
@@ -370,6 +500,12 @@ def main() -> None:
     parser.add_argument("--projection-chunk", type=int, default=400, help="optim.loss_chunk_size projected")
     parser.add_argument("--json", default="bench/results/scale.json")
     parser.add_argument("--project-only", action="store_true", help="re-project the measurements in --json")
+    parser.add_argument("--attention-points", nargs="+", default=["2048:6", "2048:1.5", "4096:6", "4096:1.5"],
+                        help="attention: response:τ points measured")
+    parser.add_argument("--attention-old-max", type=int, default=16_000,
+                        help="attention: the dense path only up to this packed length")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="measure only the attention points; merge them into --json")
     parser.add_argument("--sft-length", type=int, default=2048, help="SFT: the new step's response length")
     parser.add_argument("--sft-old-length", type=int, default=256, help="SFT: the replaced step's response length")
     parser.add_argument("--sft-anchors", type=int, nargs="+", default=[8, 24], help="SFT: anchors measured")
@@ -379,6 +515,9 @@ def main() -> None:
                         help="measure only the SFT step (the loss chunk's bytes per slot read from --json)")
     parser.add_argument("--sft-json", default="bench/results/scale-sft.json", help="where --sft-only writes")
     args = parser.parse_args()
+    if args.attention_only:
+        run_attention_only(args)
+        return
     if args.sft_only:
         stored = Path(args.json)
         measured = json.loads(stored.read_text()) if stored.exists() else {}
@@ -417,9 +556,11 @@ def main() -> None:
     result = {"args": vars(args), "measured": measured, "once": once,
               "chunk_bytes_per_slot": base / args.chunk, "old_loss_bytes_per_teacher_byte": args.old_loss_factor}
     result["projected"] = project(measured, result["chunk_bytes_per_slot"], args)
+    result["attention"] = measure_attention(args)
     args.sft_chunk_bytes_per_slot = result["chunk_bytes_per_slot"]
     result["sft"] = measure_sft(args)
     print_tables(result)
+    print_attention(result["attention"])
     print_sft(result["sft"], args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
