@@ -101,6 +101,6 @@ def for_actors(spec: ExperimentSpec, *, nodes: int = 1, learner_elsewhere: bool 
     if tracked and learner_elsewhere and (db := sqlite_path(uri)):
         raise OpdError(f"tracking.uri: the sqlite store {db} would be written from two hosts (this driver and the "
                        f"learner's node); expected an MLflow server URI (tracking.uri=http://HOST:5000 or "
-                       f"MLFLOW_TRACKING_URI, see cluster/mlflow.yaml)")
+                       f"OPD_TRACKING_URI, see cluster/mlflow.yaml)")
     run_dir = str(Path(os.path.abspath(spec.run_dir))).replace("{", "{{").replace("}", "}}")
     return spec.model_copy(update={"tracking": spec.tracking.model_copy(update={"run_dir": run_dir, "uri": uri})})

@@ -403,7 +403,7 @@ def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
 class TrackingSpec(_Section):
     """MLflow run and run-directory layout."""
 
-    uri: str | None = None  # None = $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
+    uri: str | None = None  # None = $OPD_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
     experiment: str = "draft-opd"
     # {name} = the spec's name. A relative path is resolved in the driver's working directory and handed to every
     # actor as that absolute path; on a multi-node cluster it must be absolute, on storage every node mounts.
@@ -512,9 +512,10 @@ class ExperimentSpec(_Section):
 
     @property
     def tracking_uri(self) -> str:
-        """MLflow tracking URI: the spec's, else MLflow's own MLFLOW_TRACKING_URI (a cluster's runtime env names
-        its server there), else a sqlite store inside the run directory."""
-        return (self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+        """MLflow tracking URI: the spec's, else OPD_TRACKING_URI (a cluster's pods name its server there), else a
+        sqlite store inside the run directory. Not MLflow's own MLFLOW_TRACKING_URI: `mlflow.set_tracking_uri`
+        rewrites that one for the whole process, which would silently move every later spec's store."""
+        return (self.tracking.uri or os.environ.get("OPD_TRACKING_URI")
                 or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}")
 
     def to_yaml(self) -> str:

@@ -154,7 +154,7 @@ def test_validate_prints_derived_fields_resolved(tmp_path: Path, capsys: pytest.
     assert models["drafter"]["target_layer_ids"] == [1, 3]  # DFlash's default for 2 drafter layers over 6
     assert models["drafter"]["mask_token_id"] == 2  # '<|mask|>' in the tiny tokenizer.json
     assert printed["tracking"]["run_dir"] == "runs/derived"
-    assert printed["tracking"]["uri"] == (os.environ.get("MLFLOW_TRACKING_URI")
+    assert printed["tracking"]["uri"] == (os.environ.get("OPD_TRACKING_URI")
                                           or f"sqlite:///{Path('runs/derived/mlflow.db').resolve()}")
     assert printed["replay"]["teacher_topk"] is None and printed["sft"]["max_flops"] is None
 

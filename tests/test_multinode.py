@@ -66,7 +66,7 @@ def test_a_relative_run_dir_is_refused_on_two_nodes_in_one_line(two_nodes, micro
 
 def test_a_sqlite_store_the_learner_would_write_from_another_node_is_refused(two_nodes, micro_spec_file,
                                                                             monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("OPD_TRACKING_URI", raising=False)
     with pytest.raises(OpdError, match=r"^tracking\.uri: the sqlite store \S+/mlflow\.db would be written from two "
                                        r"hosts \(this driver and the learner's node\); expected an MLflow server"):
         RayRun(ray_spec(micro_spec_file), track=True)

@@ -103,14 +103,14 @@ def test_a_sqlite_store_written_from_two_hosts_is_refused(micro_spec_file, monke
     from opd.errors import OpdError
     from opd.run_dir import for_actors
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("OPD_TRACKING_URI", raising=False)
     spec = load_spec(micro_spec_file)
     with pytest.raises(OpdError, match=r"^tracking\.uri: the sqlite store .*mlflow\.db would be written from two "
                                        r"hosts .*expected an MLflow server URI"):
         for_actors(spec, nodes=2, learner_elsewhere=True)
     for_actors(spec, nodes=2, learner_elsewhere=True, tracked=False)  # nothing logs: nothing to refuse
     for_actors(spec, nodes=2, learner_elsewhere=False)  # the learner beside the driver: one host
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")  # a server writes the store alone
+    monkeypatch.setenv("OPD_TRACKING_URI", "http://mlflow:5000")  # a server writes the store alone
     assert for_actors(spec, nodes=2, learner_elsewhere=True).tracking.uri == "http://mlflow:5000"
 
 

@@ -236,13 +236,15 @@ def test_run_dir_and_default_tracking_uri() -> None:
     assert load_spec(TINY, ["tracking.uri=http://mlflow:5000"], check_paths=False).tracking_uri == "http://mlflow:5000"
 
 
-def test_tracking_uri_falls_back_to_mlflows_environment_variable(monkeypatch) -> None:
-    """A cluster's runtime env names its MLflow server once, for every spec; the spec's own tracking.uri wins."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://opd-mlflow:5000")
+def test_tracking_uri_falls_back_to_opd_tracking_uri_never_to_mlflows_variable(monkeypatch) -> None:
+    """A cluster's pods name its MLflow server once, for every spec; the spec's own tracking.uri wins. MLflow's
+    MLFLOW_TRACKING_URI is ignored: `mlflow.set_tracking_uri` rewrites it for the whole process."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///somewhere-else.db")
+    monkeypatch.delenv("OPD_TRACKING_URI", raising=False)
+    assert load_spec(TINY, check_paths=False).tracking_uri == f"sqlite:///{Path('runs/tiny/mlflow.db').resolve()}"
+    monkeypatch.setenv("OPD_TRACKING_URI", "http://opd-mlflow:5000")
     assert load_spec(TINY, check_paths=False).tracking_uri == "http://opd-mlflow:5000"
     assert load_spec(TINY, ["tracking.uri=http://other:5000"], check_paths=False).tracking_uri == "http://other:5000"
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    assert load_spec(TINY, check_paths=False).tracking_uri.startswith("sqlite:///")
 
 
 def test_qwen3_configs_keep_their_run_dir_on_shared_storage_and_prune_checkpoints() -> None:
