@@ -12,7 +12,7 @@ import torch
 from opd.errors import OpdError
 from opd.models.drafter import DFlashDrafter
 from opd.replay import student_hidden
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.distributed import Group, ensure_group
 from opd.train.messages import ScoredBatch
 
@@ -28,15 +28,25 @@ class _Student(torch.nn.Module):
         return student_hidden(self.drafter, batch)
 
 
+def zero_keeps_masters(optim: OptimSpec) -> bool:
+    """Whether DeepSpeed keeps the fp32 master weights: ZeRO 1-2 step the client AdamW on fp32 partitions whatever
+    the drafter's dtype. At stage 0 the client optimizer keeps them (opd/train/master_weights.py)."""
+    return optim.backend == "deepspeed" and optim.zero_stage > 0
+
+
 def deepspeed_config(spec: ExperimentSpec, world: int) -> dict:
-    """The DeepSpeed config the spec implies: ZeRO stage, clipping, bf16 on GPU when the spec's dtype is bf16,
-    the torch AdamW accepted under ZeRO."""
+    """The DeepSpeed config the spec implies: ZeRO stage, clipping, the torch AdamW accepted under ZeRO.
+
+    A bf16 drafter under ZeRO 1-2 turns on DeepSpeed's bf16 mode on any device (fp32 master partitions, bf16
+    gradient reduction, non-finite steps skipped). At stage 0 it stays off: its bf16 wrapper rescales the
+    gradients (AdamW's first update is 0.73x the torch learner's on the micro drafter), so the client optimizer
+    steps fp32 masters itself and the engine only reduces and clips."""
     o = spec.optim
     return {"train_micro_batch_size_per_gpu": o.micro_batch_size,
             "gradient_accumulation_steps": o.batch_size // (o.micro_batch_size * world),
             "zero_optimization": {"stage": o.zero_stage}, "zero_allow_untested_optimizer": True,
             "gradient_clipping": o.grad_clip,
-            "bf16": {"enabled": spec.models.dtype == "bfloat16" and torch.cuda.is_available()}}
+            "bf16": {"enabled": spec.models.dtype == "bfloat16" and zero_keeps_masters(o)}}
 
 
 def deepspeed_engine(spec: ExperimentSpec, drafter: DFlashDrafter, optimizer, scheduler) -> tuple[object, Group]:

@@ -16,9 +16,10 @@ from opd.losses import StepNorm, acceptance_aware_loss
 from opd.models.drafter import DFlashDrafter
 from opd.replay import student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
-from opd.train.deepspeed import deepspeed_engine
+from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
 from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum
 from opd.train.flops import DrafterParams, FlopCounter
+from opd.train.master_weights import adamw
 from opd.train.messages import ScoredBatch
 
 
@@ -37,9 +38,12 @@ def lr_lambda(optim: OptimSpec, total_steps: int):
     return factor
 
 
-def build_optimizer(drafter: DFlashDrafter, optim: OptimSpec, total_steps: int, lr: float | None = None):
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr or optim.lr, betas=tuple(optim.betas),
-                            weight_decay=optim.weight_decay)
+def build_optimizer(drafter: DFlashDrafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
+                    masters: bool = True):
+    """AdamW and its schedule. A bf16/fp16 drafter's AdamW steps fp32 master weights (opd/train/master_weights.py)
+    unless `masters` is False: DeepSpeed ZeRO, which keeps fp32 partitions of them itself."""
+    opt = adamw(drafter.parameters(), masters=masters, lr=lr or optim.lr, betas=tuple(optim.betas),
+                weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 
 
@@ -70,7 +74,8 @@ class Learner:
     def __init__(self, spec: ExperimentSpec, drafter: DFlashDrafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
         self.drafter.train()
-        self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps)
+        self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
+                                                         masters=not zero_keeps_masters(spec.optim))
         self.group, self.engine = group or Group(), None
         if spec.optim.backend == "deepspeed":
             self.engine, self.group = deepspeed_engine(spec, drafter, self.optimizer, self.scheduler)
@@ -81,7 +86,7 @@ class Learner:
 
     @property
     def partitioned(self) -> bool:
-        """True when DeepSpeed wraps the optimizer (ZeRO, bf16): its state is then per rank."""
+        """True when DeepSpeed wraps the optimizer (ZeRO 1-2): its state is then per rank."""
         return self.engine is not None and self.engine.optimizer is not self.optimizer
 
     def train_step(self, micro_batches: list[ScoredBatch], norm: StepNorm | None = None) -> StepMetrics:
@@ -150,7 +155,7 @@ class Learner:
 
     def _deepspeed_step(self, loss_finite: bool) -> tuple[float, bool]:
         """The engine's step (reduction already done at the boundary backward; clipping, AdamW and the schedule
-        inside). A wrapped optimizer (ZeRO, bf16) skips non-finite gradients itself; for the plain AdamW the
+        inside). A wrapped optimizer (ZeRO 1-2) skips non-finite gradients itself; for the plain AdamW the
         reduced gradients are checked here, as on the torch path."""
         if self.partitioned:
             self.engine.step()
