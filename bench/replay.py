@@ -5,8 +5,8 @@
 Synthetic speculative-decoding records (random tokens, a ~40-token prompt, anchors a_{m+1} = a_m + r_m + 1 with
 r_m in 0..K-1 drawn as K-1 Bernoulli acceptances that stop at the first rejection) are replayed two ways:
 
-- packed: `opd.replay.score` (one packed target forward for every block of the batch) + `student_logits` (one
-  block-masked drafter forward);
+- packed: `opd.replay.score` (one packed target forward for every block of the batch, block-sparse attention) +
+  `student_hidden` (one drafter forward over all blocks, attention a chunk of blocks at a time);
 - naive: the per-anchor reference loop of tests/test_replay.py, one anchor at a time: a plain causal target
   forward on prompt + response[:a+1] + draft[:K-2] (teacher log-probs at the K-1 slots), then a fresh drafter
   cache extended with that forward's features at positions < a and one single-block `draft`. The features are
