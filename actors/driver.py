@@ -27,6 +27,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from actors.evaluator import NAME as EVALUATOR, EvaluatorActor, EvaluatorPlacement
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
@@ -34,6 +35,7 @@ from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
+from opd.eval_row import EvalRow
 from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.distributed import free_address
@@ -199,8 +201,11 @@ class RayRun:
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
         self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
             as_dict, i, address) for i in range(1, n)]
+        self.evaluator_placement = EvaluatorPlacement(spec)  # held-out eval, off the learner's critical path
+        self.evaluator = EvaluatorActor.options(**self.evaluator_placement.options()).remote(as_dict)
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
-            as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)])
+            as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
+            _Named(EVALUATOR))
         self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, n + i, r.scorer, f"scorer-{i}")).remote(
             as_dict, f"scorer-{i}", store, ledger, anchors, scored) for i in range(r.scorer.replicas)]
         self.rollouts = [RolloutActor.options(**_on(self.rollout_pg, i, r.rollout, f"rollout-{i}")).remote(
@@ -248,12 +253,14 @@ class RayRun:
             with contextlib.suppress(Exception):
                 end_run(self.spec, self.run_id, status)
         finally:
-            for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, self.store, self.ledger]:
+            for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, self.evaluator, self.store,
+                          self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
                 q.shutdown()
             for pg in (self.learner_pg, self.rollout_pg):
                 remove_placement_group(pg)
+            self.evaluator_placement.remove()
 
 
 def relaunch(ref, name: str, actor):
@@ -323,6 +330,22 @@ def _first_line(exc: BaseException) -> str:
     Ray's banner naming the task and process)."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
     return lines[-1] if _init_failed(exc) else lines[0]
+
+
+def evaluate_in_actor(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
+    """`opd run`'s before/after held-out table for a drafter directory (None: the warm drafter), decoded by an
+    evaluator actor on the cluster's GPUs (`resources.evaluator`), not in this driver process."""
+    init_ray(spec)
+    placement = EvaluatorPlacement(spec)
+    actor = EvaluatorActor.options(**placement.options(f"{EVALUATOR}-checkpoint")).remote(
+        spec.model_dump(mode="json"))
+    try:
+        return ray.get(actor.checkpoint.remote(drafter_path))
+    except ray.exceptions.RayError as exc:
+        raise failure("the evaluator", exc) from None
+    finally:
+        ray.kill(actor)
+        placement.remove()
 
 
 def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:

@@ -1,7 +1,10 @@
 """LearnerActor: owns the `TrainingSession` (drafter, optimizer, checkpoints, MLflow) and publishes weights.
 
-With `resources.learner.replicas` N > 1 it is learner rank 0 of N: it alone collects batches, tracks, evaluates,
-checkpoints and publishes, and sends each `LearnerRankActor` its shard of every step (opd/train/distributed.py).
+It holds the drafter on the target's embedding and LM head only, never the target. Held-out evaluation runs in
+the `EvaluatorActor` (actors/evaluator.py): the session hands it snapshots without waiting and logs the results
+to MLflow, at the steps they evaluated, when they come back. With `resources.learner.replicas` N > 1 it is
+learner rank 0 of N: it alone collects batches, tracks, hands out evaluations, checkpoints and publishes, and
+sends each `LearnerRankActor` its shard of every step (opd/train/distributed.py).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import time
 
 import ray
 
+from actors.evaluator import ActorEvaluations
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue
@@ -46,19 +50,21 @@ def join_group(spec: ExperimentSpec, address: str | None, rank: int) -> Group | 
 @ray.remote
 class LearnerActor:
     def __init__(self, spec: dict, store, ledger, inbox: BatchQueue, track: bool = True, address: str | None = None,
-                 ranks: list | None = None) -> None:
-        """`address` and `ranks` (the `LearnerRankActor`s 1..N-1) only with several learner ranks."""
+                 ranks: list | None = None, evaluator=None) -> None:
+        """`address` and `ranks` (the `LearnerRankActor`s 1..N-1) only with several learner ranks; `evaluator`: the
+        `EvaluatorActor` (None: no held-out evaluation)."""
         self.spec = ExperimentSpec.model_validate(spec)
         self.store, self.ledger, self.inbox, self.ranks = store, ledger, inbox, ranks or []
         self.session = TrainingSession(self.spec, track=track, group=join_group(self.spec, address, 0),
-                                      peers=RankPeers(self.ranks) if self.ranks else None)
+                                      peers=RankPeers(self.ranks) if self.ranks else None,
+                                      evals=ActorEvaluations(evaluator) if evaluator is not None else None)
         self.buffer = StepBuffer(self.spec.batches_per_step)
         self.worker = ""  # the learner's id in the ledger, once started
         self.metrics = Metrics()
 
     def start(self) -> int:
-        """Start the session (resume from the last checkpoint, or evaluate the warm drafter as step 0), publish the
-        current weights and open the ledger at the first batch this step needs; returns the step."""
+        """Start the session (resume from the last checkpoint, or hand the warm drafter to the evaluator as step 0),
+        publish the current weights and open the ledger at the first batch this step needs; returns the step."""
         self.session.start()
         checkpoint = None if self.session.resumed_from is None else str(self.session.resumed_from)
         ray.get([rank.start.remote(checkpoint) for rank in self.ranks])

@@ -1,15 +1,16 @@
 """The launcher: a validated spec in, a `TrainResult` out, on the spec's engine.
 
-`opd train` and `opd run` (opd/main_job.py) both train through `train` here. It is the only module of opd/ that
-imports actors/ (tests/test_layering.py checks it): `engine: local` runs `LocalTrainer` (opd/train/local.py) in
-this process, `engine: ray` runs the actor system (actors/driver.py). Both fold their step reports into the
-result with the same loop (opd/train/result.py).
+`opd train` and `opd run` (opd/main_job.py) both train through `train` here, and `opd run` evaluates before and
+after through `held_out_eval`. It is the only module of opd/ that imports actors/ (tests/test_layering.py checks
+it): `engine: local` runs `LocalTrainer` (opd/train/local.py) in this process, `engine: ray` runs the actor system
+(actors/driver.py). Both fold their step reports into the result with the same loop (opd/train/result.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from opd.eval_row import EvalRow
 from opd.spec import ExperimentSpec
 from opd.tracking import run_status
 from opd.train.messages import TrainResult
@@ -31,3 +32,16 @@ def train(spec: ExperimentSpec) -> TrainResult:
         with contextlib.suppress(Exception):  # never mask the error that stopped the run
             trainer.session.close(run_status(exc))
         raise
+
+
+def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
+    """`opd run`'s before/after table for a drafter directory (None: the warm drafter), with the autoregressive
+    baseline: in this process for `engine: local`, in an evaluator actor on the cluster for `engine: ray` (the
+    driver is often a CPU pod)."""
+    if spec.engine == "ray":
+        from actors.driver import evaluate_in_actor
+
+        return evaluate_in_actor(spec, drafter_path)
+    from opd.train.evaluator import Evaluator
+
+    return Evaluator(spec).checkpoint(drafter_path)

@@ -1,6 +1,7 @@
 """`opd run` (what `make run` calls): Draft-OPD from the warm drafter, with τ before and after.
 
-1. Evaluate the warm drafter on the held-out prompts (greedy and sampled, with the autoregressive baseline).
+1. Evaluate the warm drafter on the held-out prompts (greedy and sampled, with the autoregressive baseline), where
+   the engine evaluates (`opd.launch.held_out_eval`): this process, or an evaluator actor on the Ray cluster.
 2. Train with the spec's engine (Ray by default) through the launcher, `opd.launch.train`.
 3. Evaluate the trained drafter the same way, print both as one table, plot held-out τ over training steps,
    and log the table and the plot to the run's MLflow run.
@@ -24,10 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opd import launch
-from opd.data import eval_prompts
-from opd.eval import evaluate
 from opd.eval_row import EvalRow
-from opd.models.build import build_models
 from opd.preflight import check_inputs
 from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec
@@ -73,14 +71,6 @@ def mlflow_ui(spec: ExperimentSpec) -> str:
     return f"{command('mlflow')} ui --backend-store-uri {shlex.quote(spec.tracking_uri)}"
 
 
-def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
-    models = build_models(spec, drafter_path)
-    prompts = eval_prompts(spec.data, models.tokenizer, spec.eval.num_prompts)
-    e = spec.eval
-    return evaluate(models, prompts, e.sampling, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                    seed=spec.seed, baseline=True, static_cache=spec.rollout.static_cache)
-
-
 def comparison_table(before: list[EvalRow], after: list[EvalRow]) -> Table:
     table = Table(title="Held-out τ and speedup: warm drafter → Draft-OPD")
     for column in ("sampling", "τ before", "τ after", "Δτ", "speedup before", "speedup after"):
@@ -118,7 +108,7 @@ def run_main(spec: ExperimentSpec) -> int:
     with open_run(spec):
         console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
                       f"run directory {spec.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
-        before = held_out_eval(spec, spec.models.drafter_path)
+        before = launch.held_out_eval(spec, spec.models.drafter_path)
         result = launch.train(spec)
         try:
             summary = _after_training(spec, console, before, result, started)
@@ -137,8 +127,8 @@ def _after_training(spec: ExperimentSpec, console: Console, before: list[EvalRow
                     started: float) -> dict:
     """Evaluate the trained drafter, print the table, write the plot and summary, and log them to MLflow."""
     run_dir = spec.run_dir
-    after = held_out_eval(spec, result.checkpoint)
-    evals = {**result.evals, 0: before}  # step 0 is the warm drafter, measured by the driver
+    after = launch.held_out_eval(spec, result.checkpoint)
+    evals = {**result.evals, 0: before}  # step 0 is the warm drafter, measured before training
     history = {step: {f"eval_tau_{r.sampling}": r.tau for r in rows} for step, rows in sorted(evals.items())}
     plot = run_dir / "tau_over_steps.png"
     plot_tau(history, plot)

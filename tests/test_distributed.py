@@ -39,6 +39,7 @@ def _rank_main(rank: int, spec_json: str, address: str, steps: list[list], out: 
     torch.save({"losses": losses, "state": learner.drafter.state_dict()}, f"{out}/rank{rank}.pt")
 
 
+@pytest.mark.slow  # two spawned rank processes: ~50 s on a shared 2-core CPU
 def test_two_gloo_ranks_take_the_single_learner_steps(micro_spec_file, tmp_path):
     spec = load_spec(micro_spec_file, ["optim.micro_batch_size=1", "optim.grad_clip=0.01"])  # norms are ~0.02: clipping acts
     steps = _scored_steps(spec)
@@ -66,6 +67,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow  # a Ray run with two learner processes: ~100 s on a shared 2-core CPU
 def test_ray_run_with_two_learner_ranks_equals_local(ray_cluster, micro_spec_file, tmp_path):
     """learner.replicas 2: each rank trains on one of the step's two micro-batches; the losses are the local
     single-process run's."""

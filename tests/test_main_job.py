@@ -40,7 +40,12 @@ def test_main_job_local(micro_spec_file, capsys):
 
 
 @pytest.mark.slow
-def test_main_job_ray(micro_spec_file, capsys):
+def test_main_job_ray(micro_spec_file, capsys, monkeypatch):
+    """Before/after evals run in an evaluator actor, not in this driver process (where they would fail here)."""
+    def not_here(*args, **kwargs):
+        raise AssertionError("opd run evaluated in the driver process")
+
+    monkeypatch.setattr("opd.train.evaluator.Evaluator.__init__", not_here)
     sets = SETS + ["engine=ray"]
     assert main(["run", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 0
     check_outputs(load_spec(micro_spec_file, sets), capsys.readouterr().out)

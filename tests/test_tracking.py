@@ -60,6 +60,7 @@ else:  # as MLflow itself creates a store, and this project did before it built 
 """
 
 
+@pytest.mark.slow  # a child process that imports MLflow and is killed mid-creation: 8-16 s each on a shared CPU
 @pytest.mark.parametrize("creator", ["tracker", "mlflow"])
 def test_a_store_killed_mid_creation_does_not_break_the_rerun(micro_spec_file, creator):
     """Issue 16, item 4: MLflow builds its tables one migration at a time; killed in between, it left a half-built
