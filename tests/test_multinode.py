@@ -103,6 +103,7 @@ def test_waiting_for_weights_or_work_blocks_until_the_change(two_nodes, micro_sp
     """What a waiting rollout blocks on (actors/rollout.py `_claim`): woken by a publish, by a batch given back to
     the ledger, or by the stop; otherwise it times out. Each wake must come well before the timeout."""
     store, ledger = WeightStore.remote(), LedgerActor.remote(ray_spec(micro_spec_file).model_dump(mode="json"))
+    ray.get([store.__ray_ready__.remote(), ledger.__ray_ready__.remote()])  # started: only the wait is timed
 
     def woken_after(ref, act) -> float:
         time.sleep(0.3)
