@@ -22,8 +22,9 @@ from opd.eval_row import EvalRow
 from opd.expected_acceptance import ExpectedAcceptance
 from opd.losses import StepNorm
 from opd.models.build import LearnerModels, build_learner_models
-from opd.models.dflash_format import TargetShape
 from opd.models.drafter import DFlashDrafter
+from opd.models.shared_head import SharedHead
+from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.tracking import Tracker
 from opd.train.checkpoint import check_same_training, latest_checkpoint, load_state, save_checkpoint, training_fields
@@ -63,7 +64,7 @@ def checkpoint_due(spec: ExperimentSpec, step: int) -> bool:
     return step % spec.tracking.checkpoint_every == 0 or step == spec.steps
 
 
-def restore_learner(learner: Learner, path: Path, head: TargetShape) -> dict:
+def restore_learner(learner: Learner, path: Path, head: SharedHead | Target) -> dict:
     """Load checkpoint `path`'s drafter weights and optimizer state into `learner` (every learner rank resumes
     from the same checkpoint); `head` is what the drafter shares of the target. Returns the whole saved state."""
     state = load_state(path)
