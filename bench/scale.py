@@ -1,7 +1,7 @@
 """The replay data path at Qwen3's real vocabulary and hidden sizes, on a CPU: the replaced path beside the new one.
 
     python bench/scale.py [--hidden 2560 4096] [--lengths 128 256 512] [--old-max-length 128]
-                          [--json bench/results/scale.json] [--sft-only]
+                          [--json bench/results/scale.json] [--sft-only] [--attention-only] [--project-only]
 
 Random-weight Qwen3 targets with the real vocabulary (151,936) and hidden size (2560 = 4B, 4096 = 8B), one
 decoder layer (MLP width = hidden, so a CPU can run it) whose output is read five times as the drafter's
@@ -32,9 +32,12 @@ and the student's blocks (with grad), block-sparse against the replaced dense ma
 most `--attention-old-max`, at 2048 and 4096-token responses and τ 1.5 and 6 (`--attention-points`), measured.
 
 The CPU runs fp32 (its bf16 matmuls are 8x slower); shipped float tensors are cast to bf16 before they are
-measured, as on the GPU. Then every figure is projected to the shipped configs (4B and 8B, 2048 and 4096
-tokens, τ 3 and 6, 512-token prompts, 24 sequences per step) from the formulas printed beside the measurements.
-Writes bench/results/scale.json. No assertions: numbers depend on the machine.
+measured, as on the GPU. Then each role's GPU memory is projected for the shipped configs (configs/qwen3-4b.yaml,
+qwen3-8b.yaml, qwen3-30b-a3b.yaml: their prompt cap, batch sizes, loss chunk, eval lengths and drafter layers;
+the targets' shapes from Qwen3's public configs) at 2048 and 4096-token responses and τ 6, 3 and 1.5 (`project`):
+the learner, the scorer, a rollout actor and the evaluator, each part marked measured (per row or slot, from the
+runs above) or formula. `--project-only [--markdown]` re-projects stored measurements (attention from
+`--attention-json`). Writes bench/results/scale.json. No assertions: numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import json
 import pickle
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,16 +67,87 @@ from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.packed_attention import BlockChunks
 from opd.models.target import Target
 from opd.replay import pack, packed_inputs, score, student_hidden
-from opd.spec import EvalSpec, LossSpec
+from opd.spec import EvalSpec, LossSpec, load_spec
 from opd.train.messages import WeightSnapshot
 from opd.train.sft import SftBatch, SftExample, sft_batch_loss, sft_micro_batches
 
-VOCAB, K, N_FEATURES, STEP_SEQUENCES, GPU_BYTES = 151_936, 16, 5, 24, 141e9
-# The shipped configs' drafters: width and MLP of the target, 5 layers (8 for the MoE target, whose dense
-# intermediate size the drafter takes), one target feature per drafter layer.
-QWEN3 = {"4B": {"hidden": 2560, "intermediate": 9728, "drafter_layers": 5},
-         "8B": {"hidden": 4096, "intermediate": 12288, "drafter_layers": 5},
-         "30B-A3B": {"hidden": 2048, "intermediate": 6144, "drafter_layers": 8}}
+VOCAB, K, N_FEATURES, GPU_BYTES = 151_936, 16, 5, 141e9
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """A Qwen3 target's shape, from its public config.json (hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, head_dim, tie_word_embeddings; for the MoE num_experts,
+    num_experts_per_tok, moe_intermediate_size, every layer sparse). The DFlash drafter takes the target's width,
+    heads and dense intermediate size (the MoE's unused `intermediate_size`), so one shape sizes both."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_heads: int = 8
+    tied: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    heads: int = 32
+    head_dim: int = 128
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        return 2 * self.hidden * (self.q_dim + self.kv_dim) + 2 * self.head_dim  # q, k, v, o and the q/k norms
+
+    def target_params(self) -> int:
+        h = self.hidden
+        mlp = self.experts * (3 * h * self.expert_intermediate + h) if self.experts else 3 * h * self.intermediate
+        return self.layers * (self.attention_params() + mlp + 2 * h) + VOCAB * h * (1 if self.tied else 2) + h
+
+    def drafter_params(self, layers: int, features: int) -> int:
+        """Decoder layers (dense MLP), the fc over `features` concatenated target features, two norms."""
+        h = self.hidden
+        return layers * (self.attention_params() + 3 * h * self.intermediate + 2 * h) + features * h * h + 2 * h
+
+    def head_bytes(self) -> int:
+        """The learner's embedding + LM head in bf16 (one tensor when tied)."""
+        return VOCAB * self.hidden * 2 * (1 if self.tied else 2)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_dim * 2
+
+    def mlp_row_bytes(self) -> int:
+        """A no-grad MLP's bf16 transient per token: gate, up and their product (MoE: for each of the token's
+        experts, an upper bound, plus the fp32 router logits and softmax)."""
+        if self.experts:
+            return self.experts_per_token * 3 * self.expert_intermediate * 2 + 2 * self.experts * 4
+        return 3 * self.intermediate * 2
+
+    def scorer_row_bytes(self, features: int) -> int:
+        """One packed row of the scorer's no-grad forward, beside the measured attention: residual, normed input and
+        layer output, the q/k/v projections, the MLP, and the feature hooks' copies, bf16."""
+        return 2 * (3 * self.hidden + self.q_dim + 2 * self.kv_dim + features * self.hidden) + self.mlp_row_bytes()
+
+    def student_row_bytes(self) -> int:
+        """What autograd keeps per student row in one drafter layer beside the measured attention, bf16: two RMSNorms
+        (input, fp32 intermediate), the shared q/k/v input, q/k norms, v, o_proj's input, the MLP's input, gate,
+        up, SiLU and product."""
+        return 2 * (8 * self.hidden + 4 * self.q_dim + 4 * self.kv_dim + 4 * self.intermediate)
+
+    def context_row_bytes(self) -> int:
+        """Per context token per drafter layer, with grad: the projected context and its norm, k (projection, norm,
+        rotation) and v, bf16."""
+        return 2 * (2 * self.hidden + 5 * self.kv_dim)
+
+
+QWEN3 = {"Qwen3-4B": Qwen3Shape(hidden=2560, intermediate=9728, layers=36, tied=True),
+         "Qwen3-8B": Qwen3Shape(hidden=4096, intermediate=12288, layers=36),
+         "Qwen3-30B-A3B": Qwen3Shape(hidden=2048, intermediate=6144, layers=48, kv_heads=4, experts=128,
+                                     experts_per_token=8, expert_intermediate=768)}
 DRAFTER_LAYERS = 5  # the Qwen3-4B drafter whose publish is timed
 GB = 1e9
 DIAGNOSTIC_BYTES_PER_SLOT = 4 * len(point_mass_settings(EvalSpec().sampling))  # fp32 a_k per default setting
@@ -352,6 +427,11 @@ def run_attention_only(args) -> None:
 # ------------------------------------------------------------------------------------------------ projection
 
 
+CONFIGS = {"Qwen3-4B": "configs/qwen3-4b.yaml", "Qwen3-8B": "configs/qwen3-8b.yaml",
+           "Qwen3-30B-A3B": "configs/qwen3-30b-a3b.yaml"}
+POINTS = [(tokens, tau) for tokens in (2048, 4096) for tau in (6, 3, 1.5)]
+
+
 def fit(rows: list[dict], key: str, per: str) -> tuple[float, float]:
     """Least-squares (intercept, slope) of rows[key] against rows[per] (two or more measured lengths)."""
     pts = [(r[per], r[key]) for r in rows if key in r]
@@ -361,34 +441,159 @@ def fit(rows: list[dict], key: str, per: str) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, args) -> list[dict]:
-    """Per shipped config: bytes per step scorer -> learner, and the learner's GPU memory, old and new."""
+def config_fields(path: str) -> dict:
+    """The shipped config's sizes the projection uses (the spec's defaults where the config leaves a field out)."""
+    s = load_spec(path, check_paths=False)
+    return {"prompt": s.data.max_prompt_tokens, "rollout_rows": s.rollout.batch_size, "micro": s.optim.micro_batch_size,
+            "step_sequences": s.optim.batch_size, "chunk": s.optim.loss_chunk_size, "eval_rows": s.eval.batch_size,
+            "eval_tokens": s.eval.max_new_tokens, "drafter_layers": s.models.drafter.num_layers,
+            "features": len(s.models.drafter.target_layer_ids or range(s.models.drafter.num_layers)),
+            "block": s.models.drafter.block_size}
+
+
+def learner_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, student: tuple[float, float], chunk_bytes: float,
+                 seq_bytes: float) -> dict:
+    """The learner's GPU bytes at the step's peak, by part. Measured: the student's attention per row (real lengths)
+    and the loss chunk per slot; the rest by formula."""
+    blocks, layers = tokens / tau, c["drafter_layers"]
+    rows, context = blocks * c["block"], c["prompt"] + tokens
+    attention = student[0] + student[1] * rows  # one layer, fp32 on the CPU, with grad
+    per_layer = attention + rows * q.student_row_bytes() + context * q.context_row_bytes()
+    return {"drafter_state": q.drafter_params(layers, c["features"]) * 20, "head": q.head_bytes(),
+            "scored": c["micro"] * seq_bytes, "activations": c["micro"] * layers * per_layer,
+            "loss_chunk": chunk_bytes * c["chunk"]}
+
+
+def scorer_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, teacher: tuple[float, float], diagnostic: float,
+                seq_bytes: float) -> dict:
+    """The scorer's GPU bytes: bf16 target weights, one packed sequence's no-grad forward (attention measured per
+    row, the layer's projections, MLP, residual and feature hooks by formula), the diagnostic's LM-head chunk
+    (measured) and the rollout batch's scored tensors it holds until shipped."""
+    length = packed_length(c, tokens, tau)
+    forward = teacher[0] + teacher[1] * length + length * q.scorer_row_bytes(c["features"])
+    return {"weights": q.target_params() * 2, "forward": c["micro"] * forward, "diagnostic": diagnostic,
+            "shipped": c["rollout_rows"] * seq_bytes}
+
+
+def decoder_role(q: Qwen3Shape, c: dict, rows: int, tokens: int) -> dict:
+    """A rollout or evaluator actor: bf16 target + drafter copy, the compacted caches (prompt + committed tokens,
+    plus one block's verify slots in the target's) and the prefill's transient (bf16 logits at every prompt token,
+    the feature hooks, the MLP). All by formula."""
+    layers, prompt = c["drafter_layers"], c["prompt"]
+    return {"weights": (q.target_params() + q.drafter_params(layers, c["features"])) * 2,
+            "target_kv": rows * (prompt + tokens + c["block"]) * q.kv_bytes_per_token(),
+            "drafter_kv": rows * (prompt + tokens) * layers * 2 * q.kv_dim * 2,
+            "prefill": rows * prompt * (VOCAB * 2 + c["features"] * q.hidden * 2 + q.mlp_row_bytes())}
+
+
+def packed_length(c: dict, tokens: int, tau: float) -> float:
+    """Replay's packed row: prompt + response, plus K-2 extra slots per drafted block (τ tokens per block)."""
+    return c["prompt"] + tokens + tokens / tau * (c["block"] - 2)
+
+
+def sequence_bytes(q: Qwen3Shape, c: dict, tokens: int, tau: float) -> float:
+    """What the scorer ships per sequence: bf16 final-norm hidden at the drafted slots, bf16 prefix features, the
+    diagnostic's fp32 results per slot."""
+    slots = tokens / tau * (c["block"] - 1)
+    return slots * q.hidden * 2 + (c["prompt"] + tokens) * c["features"] * q.hidden * 2 + \
+        slots * DIAGNOSTIC_BYTES_PER_SLOT
+
+
+def previous_learner(measured: dict[int, list[dict]], q: Qwen3Shape, c: dict, tokens: int, tau: float,
+                     chunk_bytes: float, seq_bytes: float) -> float:
+    """The projection this replaces, for comparison: 12 bytes per drafter parameter (bf16 weights and grads, fp32
+    AdamW, no masters), an untied embedding + head, activations from the linear fit at ≤ 512 tokens."""
+    first = next(iter(measured))
+    rows, scale = (measured[q.hidden], 1.0) if q.hidden in measured else (measured[first], q.hidden / first)
+    _, block_bytes = fit(rows, "learner_peak_new", "blocks")
+    layers = c["drafter_layers"]
+    old_params = layers * (4096 * q.hidden * 2 + 1024 * q.hidden * 2 + 3 * q.intermediate * q.hidden) + \
+        c["features"] * q.hidden * q.hidden
+    return old_params * 12 + 2 * VOCAB * q.hidden * 2 + seq_bytes + block_bytes * scale * tokens / tau * layers + \
+        chunk_bytes * c["chunk"]
+
+
+def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, attention: list[dict]) -> list[dict]:
+    """Per shipped config and (tokens, τ): each role's GPU bytes by part, totals and whether it fits one H200."""
+    teacher, student = fit(attention, "teacher_peak_new", "packed_len"), fit(attention, "student_peak_new",
+                                                                            "student_rows")
+    diagnostic = max(r["scorer_peak_diagnostic"] - r["scorer_peak_new"] for rows in measured.values() for r in rows)
     out = []
-    for name, shape in QWEN3.items():
-        h, first = shape["hidden"], next(iter(measured))
-        rows, scale = (measured[h], 1.0) if h in measured else (measured[first], h / first)
-        _, block_bytes = fit(rows, "learner_peak_new", "blocks")  # student activations per block, 1 layer
-        layers = features = shape["drafter_layers"]
-        drafter_params = layers * (4096 * h * 2 + 1024 * h * 2 + 3 * shape["intermediate"] * h) + features * h * h
-        static = drafter_params * (2 + 2 + 8) + 2 * VOCAB * h * 2  # bf16 weights + grads, fp32 AdamW, embed + head
-        for length in (2048, 4096):
-            for tau in (3, 6):
-                blocks = length / tau
-                slots = blocks * (K - 1)
-                prefix = args.projection_prompt + length
-                new_seq = slots * h * 2 + prefix * features * h * 2 + slots * DIAGNOSTIC_BYTES_PER_SLOT
-                old_seq = slots * VOCAB * 4 + (prefix + blocks * (K - 2)) * features * h * 2
-                activations = block_bytes * scale * blocks * layers
-                new_gpu = static + new_seq + activations + chunk_bytes_per_slot * args.projection_chunk
-                old_gpu = static + STEP_SEQUENCES * old_seq + activations + args.old_loss_factor * slots * VOCAB * 4
-                out.append({"config": f"Qwen3-{name}", "tokens": length, "tau": tau,
-                            "step_gb_old": STEP_SEQUENCES * old_seq / GB, "step_gb_new": STEP_SEQUENCES * new_seq / GB,
-                            "learner_gb_old": old_gpu / GB, "learner_gb_new": new_gpu / GB,
-                            "fits_old": old_gpu < GPU_BYTES, "fits_new": new_gpu < GPU_BYTES})
+    for name, path in CONFIGS.items():
+        q, c = QWEN3[name], config_fields(path)
+        for tokens, tau in POINTS:
+            seq = sequence_bytes(q, c, tokens, tau)
+            roles = {"learner": learner_role(q, c, tokens, tau, student, chunk_bytes_per_slot, seq),
+                     "scorer": scorer_role(q, c, tokens, tau, teacher, diagnostic, seq),
+                     "rollout": decoder_role(q, c, c["rollout_rows"], tokens),
+                     "evaluator": decoder_role(q, c, c["eval_rows"], c["eval_tokens"])}
+            row = {"config": name, "tokens": tokens, "tau": tau, "prompt": c["prompt"],
+                   "packed_len": packed_length(c, tokens, tau), "step_gb": c["step_sequences"] * seq / GB,
+                   "learner_gb_old": previous_learner(measured, q, c, tokens, tau, chunk_bytes_per_slot, seq) / GB,
+                   "parts": {role: {k: v / GB for k, v in parts.items()} for role, parts in roles.items()}}
+            row |= {f"{role}_gb": sum(parts.values()) / GB for role, parts in roles.items()}
+            row["fits"] = {role: row[f"{role}_gb"] * GB < GPU_BYTES for role in roles}
+            out.append(row)
     return out
 
 
-def print_tables(result: dict) -> None:
+ROLES = ("learner", "scorer", "rollout", "evaluator")
+
+
+def projection_rows(projected: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The per-role table, as header and cells (shared by the console and --markdown)."""
+    header = ["config", "tokens", "τ", "packed L", "scorer→learner GB/step", "learner (previous)", "learner",
+              "scorer", "rollout", "evaluator", f"fits one H200 ({GPU_BYTES / GB:.0f} GB)"]
+
+    def fits(r: dict) -> str:
+        over = [role for role in ROLES if not r["fits"][role]]
+        return "yes, every role" if not over else "NO: " + ", ".join(over) + " over"
+
+    cells = [[r["config"], str(r["tokens"]), f"{r['tau']:g}", f"{r['packed_len']:,.0f}", f"{r['step_gb']:,.1f}",
+              f"{r['learner_gb_old']:,.0f}", *(f"{r[f'{role}_gb']:,.0f}" for role in ROLES), fits(r)]
+             for r in projected]
+    return header, cells
+
+
+def parts_rows(projected: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Each role's parts (GB) at each config's hardest point (4096 tokens, τ 1.5)."""
+    header = ["config", "role", "parts (GB; m = measured per row/slot, f = formula)", "total GB"]
+    label = {"drafter_state": "f drafter 20 B/param", "head": "f embed+head", "scored": "f scored micro-batch",
+             "activations": "m+f student", "loss_chunk": "m loss chunk", "weights": "f weights",
+             "forward": "m+f packed forward", "diagnostic": "m diagnostic", "shipped": "f scored batch",
+             "target_kv": "f target KV", "drafter_kv": "f drafter KV", "prefill": "f prefill"}
+    cells = []
+    for r in projected:
+        if (r["tokens"], r["tau"]) != (4096, 1.5):
+            continue
+        for role in ROLES:
+            parts = ", ".join(f"{label[k]} {v:,.1f}" for k, v in r["parts"][role].items())
+            cells.append([r["config"], role, parts, f"{r[f'{role}_gb']:,.1f}"])
+    return header, cells
+
+
+def markdown(header: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+
+
+def print_projection(projected: list[dict], as_markdown: bool) -> None:
+    title = (f"projected GPU GB per role at each shipped config's prompt cap ({projected[0]['prompt']} tokens), "
+             f"H200 {GPU_BYTES / GB:.0f} GB")
+    for header, cells in (projection_rows(projected), parts_rows(projected)):
+        if as_markdown:
+            print(markdown(header, cells) + "\n")
+            continue
+        t = Table(title=title)
+        for c in header:
+            t.add_column(c, justify="right")
+        for row in cells:
+            t.add_row(*row)
+        Console(width=220).print(t)
+        title = "the parts at 4096 tokens, τ 1.5"
+
+
+def print_tables(result: dict, as_markdown: bool = False) -> None:
     console = Console()
     t = Table(title="measured on this CPU, one sequence per micro-batch (MB)")
     for c in ("hidden", "response", "blocks", "shipped old", "shipped new", "scorer peak old", "scorer peak new",
@@ -410,14 +615,7 @@ def print_tables(result: dict) -> None:
                   f"({o['zero_copy_gb_per_s'] / o['torch_pickle_gb_per_s']:.0f}x)")
     console.print(f"weight publish, {o['drafter_gb']:.2f} GB Qwen3-4B drafter: publish {o['publish_old_s']:.2f} s -> "
                   f"{o['publish_new_s']:.2f} s, landing + verify {o['land_old_s']:.2f} s -> {o['land_new_s']:.2f} s")
-    p = Table(title=f"projected: {STEP_SEQUENCES} sequences per step, {result['args']['projection_prompt']}-token "
-                    f"prompts, loss chunk {result['args']['projection_chunk']} slots, H200 141 GB")
-    for c in ("config", "tokens", "τ", "scorer→learner GB/step old", "new", "learner GPU GB old", "new"):
-        p.add_column(c, justify="right")
-    for r in result["projected"]:
-        p.add_row(r["config"], str(r["tokens"]), str(r["tau"]), f"{r['step_gb_old']:,.1f}", f"{r['step_gb_new']:,.2f}",
-                  f"{r['learner_gb_old']:,.0f}" + ("" if r["fits_old"] else " OOM"), f"{r['learner_gb_new']:,.1f}")
-    console.print(p)
+    print_projection(result["projected"], as_markdown)
 
 
 # ------------------------------------------------------------------------------------------------ SFT at Qwen3-4B
@@ -455,7 +653,7 @@ def measure_sft(args) -> dict:
     fp32 on this CPU): the new step at the real response length and a few anchor counts, the replaced one at a
     shorter response (its [T, V] logits and all-slot logits cost minutes here), each projected to the shipped
     512 anchors and 2048 tokens by a linear fit in anchors."""
-    target, drafter = build(QWEN3["4B"]["hidden"])
+    target, drafter = build(QWEN3["Qwen3-4B"].hidden)
     new = [sft_point(target, drafter, args.sft_length, a, args, old=False) for a in args.sft_anchors]
     old = [sft_point(target, drafter, args.sft_old_length, a, args, old=True) for a in args.sft_anchors]
     del target, drafter
@@ -499,7 +697,10 @@ def main() -> None:
     parser.add_argument("--projection-prompt", type=int, default=512)
     parser.add_argument("--projection-chunk", type=int, default=400, help="optim.loss_chunk_size projected")
     parser.add_argument("--json", default="bench/results/scale.json")
-    parser.add_argument("--project-only", action="store_true", help="re-project the measurements in --json")
+    parser.add_argument("--project-only", action="store_true",
+                        help="re-project the measurements in --json (attention from --attention-json if it has none)")
+    parser.add_argument("--attention-json", default="bench/results/scale-attention.json")
+    parser.add_argument("--markdown", action="store_true", help="print the projection as markdown tables")
     parser.add_argument("--attention-points", nargs="+", default=["2048:6", "2048:1.5", "4096:6", "4096:1.5"],
                         help="attention: response:τ points measured")
     parser.add_argument("--attention-old-max", type=int, default=16_000,
@@ -530,10 +731,10 @@ def main() -> None:
         return
     if args.project_only:
         result = json.loads(Path(args.json).read_text())
-        args.old_loss_factor = result["old_loss_bytes_per_teacher_byte"]
         measured = {int(h): rows for h, rows in result["measured"].items()}
-        result["projected"] = project(measured, result["chunk_bytes_per_slot"], args)
-        print_tables(result)
+        attention = result.get("attention") or json.loads(Path(args.attention_json).read_text())["attention"]
+        result["projected"] = project(measured, result["chunk_bytes_per_slot"], attention)
+        print_tables(result, args.markdown)
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         return
     torch.set_num_threads(2)
@@ -550,16 +751,12 @@ def main() -> None:
     first = measured[args.hidden[0]]
     # The loss's transient per chunk slot: the new learner's flat part, per slot of the measured chunk.
     base, _ = fit(first, "learner_peak_new", "blocks")
-    old_rows = [r for r in first if "learner_peak_old" in r]
-    args.old_loss_factor = (sum((r["learner_peak_old"] - r["learner_peak_new"]) / (r["blocks"] * (K - 1) * VOCAB * 4)
-                                for r in old_rows) / len(old_rows))
-    result = {"args": vars(args), "measured": measured, "once": once,
-              "chunk_bytes_per_slot": base / args.chunk, "old_loss_bytes_per_teacher_byte": args.old_loss_factor}
-    result["projected"] = project(measured, result["chunk_bytes_per_slot"], args)
+    result = {"args": vars(args), "measured": measured, "once": once, "chunk_bytes_per_slot": base / args.chunk}
     result["attention"] = measure_attention(args)
+    result["projected"] = project(measured, result["chunk_bytes_per_slot"], result["attention"])
     args.sft_chunk_bytes_per_slot = result["chunk_bytes_per_slot"]
     result["sft"] = measure_sft(args)
-    print_tables(result)
+    print_tables(result, args.markdown)
     print_attention(result["attention"])
     print_sft(result["sft"], args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
