@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.acceptance import AcceptanceStats
-from opd.data import load_prompts
+from opd.data import eval_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
@@ -66,8 +66,7 @@ def main() -> None:
         if name != "random" and not (path and Path(path, "config.json").exists()):
             continue
         models = build_models(spec, path)
-        prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=spec.data.max_prompt_tokens,
-                               limit=args.prompts).prompts
+        prompts = eval_prompts(spec.data, models.tokenizer, args.prompts)
         for batch in (1, 8):
             rows.append({"drafter": name, **bench(models, prompts, batch, args.max_new_tokens)})
     table = Table(title=f"Decoding, tiny target, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens",

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from opd.data import load_prompts
+from opd.data import eval_prompts
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.build import build_models
@@ -79,9 +79,7 @@ def main() -> None:
     torch.manual_seed(0)
     spec = load_spec(args.config, check_paths=False)
     models = build_models(spec, spec.models.drafter_path)
-    prompts = [p.ids for p in load_prompts(spec.data.eval_prompts, models.tokenizer,
-                                           max_prompt_tokens=spec.data.max_prompt_tokens,
-                                           limit=args.prompts).prompts]
+    prompts = [p.ids for p in eval_prompts(spec.data, models.tokenizer, args.prompts)]
     eos_id = models.drafter.mask_token_id if args.ignore_eos else models.eos_id
     for n in map(int, args.max_new_tokens.split(",")):
         for static in (False, True) if args.static else (False,):

@@ -45,8 +45,12 @@ def _validate(args: argparse.Namespace) -> int:
 
         if problem := writable_problem(spec.run_dir):
             raise OpdError(problem)
-        check_inputs(spec)
+        first = check_inputs(spec)
     sys.stdout.write(resolved_yaml(spec))
+    if not args.no_path_check:  # what the target sees, as YAML comments so the output stays a loadable spec
+        sys.stdout.write(f"# the first training prompt as the target sees it (data.render: {spec.data.render}, "
+                         f"{len(first.ids)} tokens; the target writes on from the end of the last line):\n")
+        sys.stdout.write("".join(f"#   {line}\n" for line in first.text.split("\n")))
     return 0
 
 

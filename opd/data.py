@@ -1,8 +1,9 @@
 """Prompt files and the tokenizer: checked up front, so bad input fails before any compute, naming the line.
 
-A prompt file is jsonl, one object per line with a unique `id` and a non-empty `prompt` string (other fields,
-such as a reference answer, are kept but unused). With `skip_bad_lines` a few bad lines are skipped and counted
-instead of stopping the run.
+A prompt file is jsonl, one object per line with a unique `id` and either a non-empty `prompt` string or chat
+`messages` ([{role, content}, ...]); other fields, such as a reference answer, are kept but unused. Each row is
+rendered to ids by `opd.prompt_render` (raw text, or the tokenizer's chat template) and its rendered length
+checked. With `skip_bad_lines` a few bad lines are skipped and counted instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opd.errors import OpdError
+from opd.prompt_render import Rendering, check_tokenizer, messages_of, render
 
 if TYPE_CHECKING:
     from opd.spec import DataSpec
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    text: str
+    text: str  # as the target sees it: the prompt, or the rendered chat template
     ids: list[int]
 
 
@@ -62,17 +64,18 @@ def mask_token_id(tokenizer, override: int | None) -> int:
 
 
 def load_prompts(path: str, tokenizer, *, max_prompt_tokens: int, skip_bad_lines: bool = False,
-                 limit: int | None = None) -> PromptSet:
-    """Parse, validate and tokenize a prompt file; raises OpdError on the first bad line unless skipping."""
+                 limit: int | None = None, rendering: Rendering = Rendering()) -> PromptSet:
+    """Parse, validate and render a prompt file; raises OpdError on the first bad line unless skipping."""
     file = Path(path)
     if not file.is_file():
-        raise OpdError(f"prompts: {path} not found (expected a jsonl file with id and prompt fields)")
+        raise OpdError(f"prompts: {path} not found (expected a jsonl file with id and prompt or messages fields)")
+    check_tokenizer(tokenizer, rendering)
     result, seen = PromptSet([]), set()
     for number, raw in enumerate(file.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            prompt = _parse_line(raw, tokenizer, max_prompt_tokens, seen)
+            prompt = _parse_line(raw, tokenizer, max_prompt_tokens, seen, rendering)
         except ValueError as exc:
             where = f"{path}:{number}: {exc}"
             if not skip_bad_lines:
@@ -88,19 +91,23 @@ def load_prompts(path: str, tokenizer, *, max_prompt_tokens: int, skip_bad_lines
     return result
 
 
+def spec_prompts(data: DataSpec, path: str, tokenizer, limit: int | None = None) -> PromptSet:
+    """A prompt file read as the spec says: its rendering, length limit and bad-line policy."""
+    return load_prompts(path, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
+                        skip_bad_lines=data.skip_bad_lines, limit=limit, rendering=Rendering.of(data))
+
+
 def train_prompts(data: DataSpec, tokenizer) -> list[Prompt]:
-    """The spec's rollout/SFT prompt pool, with its length limit and bad-line policy."""
-    return load_prompts(data.train_prompts, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
-                        skip_bad_lines=data.skip_bad_lines).prompts
+    """The spec's rollout/SFT prompt pool."""
+    return spec_prompts(data, data.train_prompts, tokenizer).prompts
 
 
 def eval_prompts(data: DataSpec, tokenizer, limit: int | None = None) -> list[Prompt]:
-    """The first `limit` of the spec's held-out prompts, with the same limit and policy."""
-    return load_prompts(data.eval_prompts, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
-                        skip_bad_lines=data.skip_bad_lines, limit=limit).prompts
+    """The first `limit` of the spec's held-out prompts."""
+    return spec_prompts(data, data.eval_prompts, tokenizer, limit).prompts
 
 
-def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str]) -> Prompt:
+def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str], rendering: Rendering) -> Prompt:
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -108,16 +115,20 @@ def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str]) -
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg})") from None
     if not isinstance(record, dict):
-        raise ValueError("expected a JSON object with id and prompt")
-    for name in ("id", "prompt"):
-        if name not in record:
-            raise ValueError(f"missing field '{name}'")
-    if not isinstance(record["prompt"], str) or not record["prompt"].strip():
-        raise ValueError("empty prompt (expected a non-empty string)")
+        raise ValueError("expected a JSON object with id and prompt or messages")
+    if "id" not in record:
+        raise ValueError("missing field 'id'")
+    messages = messages_of(record)
+    if messages is None:
+        if "prompt" not in record:
+            raise ValueError("missing field 'prompt' (or 'messages')")
+        if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            raise ValueError("empty prompt (expected a non-empty string)")
     prompt_id = str(record["id"])
     if prompt_id in seen:
         raise ValueError(f"duplicate id '{prompt_id}'")
-    ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
-    if len(ids) > max_prompt_tokens:
-        raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}")
-    return Prompt(prompt_id, record["prompt"], ids)
+    rendered = render(record.get("prompt"), messages, tokenizer, rendering)
+    if len(rendered.ids) > max_prompt_tokens:
+        raise ValueError(f"rendered prompt has {len(rendered.ids)} tokens, more than "
+                         f"data.max_prompt_tokens={max_prompt_tokens}")
+    return Prompt(prompt_id, rendered.text, rendered.ids)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.acceptance import AcceptanceStats
-from opd.data import Prompt, load_prompts, prompt_key
+from opd.data import Prompt, prompt_key, spec_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
@@ -161,9 +161,7 @@ def _opt(value: float | None, fmt: str) -> str:
 
 def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, json_out: str | None) -> int:
     models = build_models(spec, draft)
-    prompts = load_prompts(prompts_file or spec.data.eval_prompts, models.tokenizer,
-                           max_prompt_tokens=spec.data.max_prompt_tokens, skip_bad_lines=spec.data.skip_bad_lines,
-                           limit=spec.eval.num_prompts)
+    prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)
     rows = evaluate(models, prompts.prompts, spec.eval.sampling, max_new_tokens=spec.eval.max_new_tokens,
                     batch_size=spec.eval.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,
                     diagnose=True)

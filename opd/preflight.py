@@ -13,13 +13,14 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from opd.data import eval_prompts, load_tokenizer, mask_token_id, train_prompts
+from opd.data import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec
 
 
-def check_inputs(spec: ExperimentSpec) -> None:
-    """Raise OpdError naming the first unusable input: tokenizer, prompt files, target or warm drafter."""
+def check_inputs(spec: ExperimentSpec) -> Prompt:
+    """Raise OpdError naming the first unusable input: tokenizer, prompt files (every row rendered as the target
+    will see it, its length checked), target or warm drafter. Returns the first training prompt as rendered."""
     m = spec.models
     no_gpu = [role for role in ("learner", "scorer", "rollout") if not getattr(spec.resources, role).num_gpus]
     if m.device == "cuda" and spec.engine == "ray" and no_gpu:
@@ -34,8 +35,9 @@ def check_inputs(spec: ExperimentSpec) -> None:
         mask_token_id(tokenizer, m.drafter.mask_token_id)  # a random drafter takes the tokenizer's mask token
     else:
         check_drafter(m.drafter_path, target)
-    train_prompts(spec.data, tokenizer)
+    first = train_prompts(spec.data, tokenizer)[0]
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
+    return first
 
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:

@@ -194,12 +194,25 @@ class ModelsSpec(_Section):
 
 
 class DataSpec(_Section):
-    """Prompt pools (jsonl, one prompt per line)."""
+    """Prompt pools (jsonl, one `prompt` or chat `messages` per line) and how a row becomes the target's ids."""
 
     train_prompts: str
     eval_prompts: str
-    max_prompt_tokens: int = Field(1024, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1)  # checked on the rendered prompt, template included
     skip_bad_lines: bool = False  # True = count and skip malformed jsonl lines instead of failing
+    # raw = the prompt text as is (the tiny target, trained without a template); chat = the target tokenizer's
+    # apply_chat_template(messages, add_generation_prompt=True), what a served chat model always sees.
+    render: Literal["raw", "chat"] = "raw"
+    # Passed to the chat template (Qwen3's thinking switch): false adds an empty think block to the generation
+    # prompt, true thinks; null = the template's default (Qwen3 thinks). Responses keep the thinking whole.
+    enable_thinking: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if self.render == "raw" and self.enable_thinking is not None:
+            _issues([f"enable_thinking: {str(self.enable_thinking).lower()} but render is raw, which has no "
+                     "template to pass it to (expected render: chat, or enable_thinking: null)"])
+        return self
 
 
 # Target sampling; the same rule applies in rollout and evaluation so τ means the same thing in both.

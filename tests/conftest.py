@@ -63,3 +63,46 @@ def micro_spec_file(micro_assets, tmp_path) -> Path:
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+# A Qwen3-style chat template, written for the tests: turns wrapped in <|im_start|>role ... <|im_end|>, and
+# enable_thinking=false closes an empty think block right after the generation prompt, as Qwen3's does.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_assets(micro_assets, tmp_path_factory) -> dict[str, str]:
+    """The micro tokenizer with Qwen3's chat tokens and QWEN3_STYLE_TEMPLATE, a micro target and random drafter
+    sized to its vocabulary, and small prompt files that mix plain `prompt` rows with chat `messages` rows."""
+    from transformers import AutoTokenizer
+
+    from opd.models.drafter import DFlashConfig, DFlashDrafter
+    from opd.tiny.micro import micro_target
+
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's think tags are added, not special, tokens
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
+    target = micro_target(seed=0, vocab_size=len(tokenizer), num_layers=4, dtype=torch.float32, layer_ids=[1, 2])
+    target.model.config.eos_token_id = tokenizer.eos_token_id
+    target.model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    config = DFlashConfig.for_target(target.config, num_layers=1, block_size=4,
+                                     mask_token_id=tokenizer.mask_token_id, target_layer_ids=[1, 2])
+    torch.manual_seed(0)
+    DFlashDrafter(config, target.embed_tokens, target.lm_head).save_pretrained(root / "drafter")
+    rows = [{"id": "p0", "prompt": "Tom has 3 apples. How many?"},
+            {"id": "m0", "messages": [{"role": "user", "content": "What is 2 + 5?"}]},
+            {"id": "m1", "messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Sum 4 and 4."}]},
+            {"id": "p1", "prompt": "A box holds 6 pens."}]
+    for name, part in (("train", rows), ("heldout", rows[1:] + rows[:1])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return {"root": str(root), "target": str(root / "target"), "drafter": str(root / "drafter"),
+            "train": str(root / "train.jsonl"), "heldout": str(root / "heldout.jsonl")}

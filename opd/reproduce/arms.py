@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from opd.data import eval_prompts, load_prompts
+from opd.data import eval_prompts, spec_prompts
 from opd.errors import OpdError
 from opd.eval import evaluate
 from opd.eval_row import EvalRow
@@ -36,7 +36,7 @@ class _Evaluator:
         n, d = job.eval_prompts, spec.data
         self.prompts = eval_prompts(d, models.tokenizer, n)
         self.families = {"heldout": self.prompts, **{
-            name: load_prompts(path, models.tokenizer, max_prompt_tokens=d.max_prompt_tokens, limit=n).prompts
+            name: spec_prompts(d, path, models.tokenizer, n).prompts
             for name, path in job.families.items()}}
 
     def __call__(self, drafter, samplings: list[SamplingSpec] | None = None) -> dict[str, float]:
