@@ -190,3 +190,25 @@ def test_validate_prints_the_first_prompt_as_the_target_sees_it(chat_spec_file, 
     assert "data.render: chat" in out and "#   <|im_start|>user\n#   Tom has 3 apples. How many?<|im_end|>\n" in out
     assert out.endswith("#   <|im_start|>assistant\n#   <think>\n#   \n#   </think>\n#   \n#   \n")  # ends "\n\n"
     assert yaml.safe_load(out)["data"]["render"] == "chat"  # the comments keep it a loadable spec
+
+
+# ------------------------------------------------------------------------------------------------ shipped configs
+
+MODES = {  # config -> (render, enable_thinking, rollout cap, eval cap): the paper's settings
+    "qwen3-4b.yaml": ("chat", False, 2048, 2048), "qwen3-8b.yaml": ("chat", False, 2048, 2048),
+    "qwen3-4b-thinking.yaml": ("chat", True, 4096, 8192), "qwen3-8b-thinking.yaml": ("chat", True, 4096, 8192),
+    "qwen3-30b-a3b.yaml": ("chat", None, 4096, 8192),  # the Thinking checkpoint: its template always thinks
+    "tiny.yaml": ("raw", None, None, None),  # the embedded default: trained without a template
+}
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_shipped_configs_say_their_mode(name):
+    from pathlib import Path
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / name, check_paths=False)
+    render, thinking, rollout_cap, eval_cap = MODES[name]
+    assert (spec.data.render, spec.data.enable_thinking) == (render, thinking)
+    if rollout_cap:
+        assert (spec.rollout.max_new_tokens, spec.sft.response_max_new_tokens) == (rollout_cap, rollout_cap)
+        assert spec.eval.max_new_tokens == eval_cap
