@@ -2,7 +2,8 @@
 
 It holds the drafter on the target's embedding and LM head only, never the target. Held-out evaluation runs in
 the `EvaluatorActor` (actors/evaluator.py): the session hands it snapshots without waiting and logs the results
-to MLflow, at the steps they evaluated, when they come back. With `resources.learner.replicas` N > 1 it is
+to MLflow, at the steps they evaluated, when they come back. Weights reach the weight store from the session's
+publisher thread (opd/train/publisher.py), off the training loop. With `resources.learner.replicas` N > 1 it is
 learner rank 0 of N: it alone collects batches, tracks, hands out evaluations, checkpoints and publishes, and
 sends each `LearnerRankActor` its shard of every step (opd/train/distributed.py).
 """
@@ -22,7 +23,7 @@ from opd.models.build import resolve_device
 from opd.spec import ExperimentSpec
 from opd.train.distributed import Group, init_group
 from opd.train.ledger import StepBuffer
-from opd.train.messages import ScoredBatch, ScoredItem, Ticket
+from opd.train.messages import ScoredBatch, ScoredItem, Ticket, WeightSnapshot
 from opd.train.session import LearnerRank, TrainingSession
 
 
@@ -57,7 +58,8 @@ class LearnerActor:
         self.store, self.ledger, self.inbox, self.ranks = store, ledger, inbox, ranks or []
         self.session = TrainingSession(self.spec, track=track, group=join_group(self.spec, address, 0),
                                       peers=RankPeers(self.ranks) if self.ranks else None,
-                                      evals=ActorEvaluations(evaluator) if evaluator is not None else None)
+                                      evals=ActorEvaluations(evaluator) if evaluator is not None else None,
+                                      publish=self._publish)
         self.buffer = StepBuffer(self.spec.batches_per_step)
         self.worker = ""  # the learner's id in the ledger, once started
         self.metrics = Metrics()
@@ -68,7 +70,7 @@ class LearnerActor:
         self.session.start()
         checkpoint = None if self.session.resumed_from is None else str(self.session.resumed_from)
         ray.get([rank.start.remote(checkpoint) for rank in self.ranks])
-        self._publish()
+        self._publish(self.session.published)
         ray.get(self.ledger.begin.remote(self.session.step * self.spec.batches_per_step))
         self.worker = ray.get(self.ledger.register.remote("learner"))
         return self.session.step
@@ -80,8 +82,6 @@ class LearnerActor:
             tickets, items = zip(*self._collect())
             report = self.session.train_step(list(items))
             ray.get(self.ledger.trained.remote(list(tickets)))
-            if self.session.published.version > ray.get(self.store.latest.remote())[0]:
-                self._publish()
             self._record(report.metrics)
             reports.append({"step": report.step, "metrics": report.metrics, "checkpoint": report.checkpoint,
                             "evals": report.evals})
@@ -100,16 +100,23 @@ class LearnerActor:
             if entries is not None:
                 break
             t0 = time.perf_counter()
-            if (taken := receive(self.inbox, self.ledger, self.worker)) is not None:
+            if (taken := receive(self.inbox, self.ledger, self.worker, self._publication_failed)) is not None:
                 self.buffer.add(*taken)
             self.session.counters.idle_s += time.perf_counter() - t0
         for _, item in entries:
             self.metrics.record("opd_policy_lag", self.session.step - item.batch.draft_version)
         return entries
 
-    def _publish(self) -> None:
+    def _publication_failed(self) -> bool:
+        """Asked every second while the learner waits for batches: a failed publication raises here, since the
+        batches it waits for may need the weights that never reached the weight store."""
+        self.session.publisher.check()
+        return False
+
+    def _publish(self, snapshot: WeightSnapshot) -> None:
+        """Put `snapshot` in the object store and make it the weight store's newest. Called by the session's
+        publisher thread, one version at a time in order, so the learner's loop never waits for it."""
         t0 = time.perf_counter()
-        snapshot = self.session.published
         ref = ray.put(snapshot)
         ray.get(self.store.publish.remote(snapshot.version, [ref], snapshot.checksum))
         self.metrics.record("opd_broadcast_s", time.perf_counter() - t0)

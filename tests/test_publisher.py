@@ -79,7 +79,7 @@ def test_a_failed_publication_surfaces_at_the_next_step_in_one_line():
 
     def sink(snapshot: WeightSnapshot) -> None:
         if snapshot.version == 2:
-            raise ConnectionError("weight store gone")
+            raise ConnectionError("weight store gone\n\tclass_name: WeightStore")
 
     publisher = Publisher(_first(model), sink)
     publisher.submit(model.state_dict(), 1)

@@ -80,6 +80,7 @@ class Publisher:
         try:
             self._latest = future.result()
         except Exception as e:
-            raise OpdError(f"weight publication v{version} failed: {type(e).__name__}: {e}") from e
+            first = next(iter(str(e).splitlines()), "")  # Ray's errors run over several lines
+            raise OpdError(f"weight publication v{version} failed: {type(e).__name__}: {first}") from e
         finally:
             self.waited_s += time.perf_counter() - t0

@@ -10,6 +10,7 @@ its `Evaluations` (opd/train/evaluator.py) and logs each result at the step it e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +34,7 @@ from opd.train.evaluator import EvalResult, Evaluations
 from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics, step_norm
 from opd.train.messages import ScoredBatch, ScoredItem, StepReport, WeightSnapshot
+from opd.train.publisher import Publisher
 
 
 @dataclass
@@ -76,18 +78,20 @@ def restore_learner(learner: Learner, path: Path, head: SharedHead | Target) -> 
 class TrainingSession:
     """Learner rank 0 (the only one by default): with `peers`, each step's micro-batches are sharded over the
     ranks of `group` and this rank trains on the first shard. `models` defaults to the warm drafter on the target's
-    embedding and LM head read from its files; `evals` is where held-out evaluation happens (None: nowhere)."""
+    embedding and LM head read from its files; `evals` is where held-out evaluation happens (None: nowhere);
+    `publish` is where each published snapshot goes, called from the publisher's thread (opd/train/publisher.py;
+    None: nowhere, `published` is read instead)."""
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True, group: Group | None = None,
                  peers: Peers | None = None, models: LearnerModels | None = None,
-                 evals: Evaluations | None = None) -> None:
+                 evals: Evaluations | None = None, publish: Callable[[WeightSnapshot], None] | None = None) -> None:
         self.spec, self.peers, self.evals = spec, peers, evals
         self.models = models or build_learner_models(spec)
         self.learner = Learner(spec, self.models.drafter, group)
         self.flops = FlopCounter()  # rollout + scorer + learner, everything this run has spent
         self.counters = Counters()
         self.eval_history: dict[int, dict[str, float]] = {}
-        self.published = WeightSnapshot.of(self.learner.drafter.state_dict(), 0)
+        self.publisher = Publisher(WeightSnapshot.of(self.learner.drafter.state_dict(), 0), publish)
         self.track, self.tracker, self.run_id = track, None, None
         self.resumed_from: Path | None = None  # the checkpoint `start` restored, for the other ranks
         self.start_evals: list[EvalRow] = []  # a fresh run's step-0 evaluation (the warm drafter)
@@ -99,6 +103,11 @@ class TrainingSession:
     @property
     def drafter(self) -> DFlashDrafter:
         return self.learner.drafter
+
+    @property
+    def published(self) -> WeightSnapshot:
+        """The last published snapshot (waits for a publication still under way)."""
+        return self.publisher.latest()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -119,15 +128,18 @@ class TrainingSession:
         return path is not None
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the MLflow run as FINISHED, FAILED or KILLED."""
-        if self.tracker:
-            self.tracker.close(status)
+        """Finish the pending publication, then end the MLflow run as FINISHED, FAILED or KILLED."""
+        try:
+            self.publisher.close()
+        finally:
+            if self.tracker:
+                self.tracker.close(status)
 
     def _restore(self, path: Path) -> None:
         check_same_training(path, load_state(path).get("spec"), self.spec)
         state = restore_learner(self.learner, path, self.models.head)
         published = state["published"]  # re-summed: checkpoints before CRC-32 hold another kind of checksum
-        self.published = WeightSnapshot.of(published["state"], published["version"])
+        self.publisher.replace(WeightSnapshot.of(published["state"], published["version"]))
         self.flops = FlopCounter(**{k: v for k, v in state["flops"].items() if k != "total"})
         self.counters = Counters(**state["counters"])
         self.eval_history, self.run_id = state["eval_history"], state["mlflow_run_id"]
@@ -157,6 +169,7 @@ class TrainingSession:
     def train_step(self, items: list[ScoredItem]) -> StepReport:
         """One optimizer step on whole rollout batches (in index order, so any engine takes the same step)."""
         t0 = time.perf_counter()
+        self.publisher.check()  # a failed publication stops the run here, at the step after it
         items = sorted(items, key=lambda it: it.batch.index)
         micro = [mb for it in items for mb in it.micro_batches]
         world, norm = self.learner.group.world, step_norm(micro, self.spec)
@@ -176,7 +189,7 @@ class TrainingSession:
         self.counters.trained_tokens += sum(it.batch.tokens for it in items)
         self.counters.trained_anchors += sum(r.num_steps for it in items for r in it.batch.records)
         if self.step % self.spec.resources.broadcast_every == 0:
-            self.published = WeightSnapshot.of(self.drafter.state_dict(), self.step)
+            self.publisher.submit(self.drafter.state_dict(), self.step)  # finished in the background
         self.counters.busy_s += time.perf_counter() - t0
         report = StepReport(self.step, self._metrics(metrics, items, time.perf_counter() - t0))
         self._periodic(report, learner_state)
