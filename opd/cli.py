@@ -128,6 +128,26 @@ def _gen_sft_data(args: argparse.Namespace) -> int:
     return run_gen_sft_data(_load(args), args.engine, args.out)
 
 
+def _prompt_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="writes prompts.jsonl, eval_prompts.jsonl and card.json there")
+    parser.add_argument("--file", dest="files", action="append", default=[], metavar="SOURCE=PATH",
+                        help="a source (gsm8k, math, aops, codealpaca) from a local jsonl/json/parquet in its "
+                             "dataset's columns (repeatable; default: the hub through `datasets`)")
+    parser.add_argument("--math500", metavar="PATH", help="the MATH-500 problems to leave out of MATH "
+                                                          "(default: HuggingFaceH4/MATH-500 from the hub)")
+    parser.add_argument("--count", dest="counts", action="append", default=[], metavar="SOURCE=N",
+                        help="a source's count (the paper's: gsm8k 2000, math 5000, aops 4000, codealpaca 5000)")
+    parser.add_argument("--heldout", type=int, default=50, metavar="N", help="held-out prompts per source (default 50)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+
+
+def _prompt_pool(args: argparse.Namespace) -> int:
+    from opd.prompt_pool import run_prompt_pool
+
+    return run_prompt_pool(args.out, args.files, args.counts, args.math500, args.heldout, args.seed)
+
+
 def _serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _spec_arguments(parser)
     parser.add_argument("--draft", metavar="DIR", action="append", required=True,
@@ -160,6 +180,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                    _build_tiny_arguments, _build_tiny),
     "gen-sft-data": ("the target's responses to the training prompts for opd sft (hf or vLLM); resumable",
                      _gen_sft_data_arguments, _gen_sft_data),
+    "prompt-pool": ("build the paper's prompt pool (GSM8K, MATH without MATH-500, AoPS, CodeAlpaca) with its card",
+                    _prompt_pool_arguments, _prompt_pool),
     "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
                     _serve_bench_arguments, _serve_bench),
 }
