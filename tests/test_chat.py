@@ -212,3 +212,33 @@ def test_shipped_configs_say_their_mode(name):
     if rollout_cap:
         assert (spec.rollout.max_new_tokens, spec.sft.response_max_new_tokens) == (rollout_cap, rollout_cap)
         assert spec.eval.max_new_tokens == eval_cap
+
+
+def test_the_tiny_target_decodes_the_chat_rendered_prompts(tmp_path, monkeypatch):
+    """End to end on the shipped tiny target: its tokenizer with the fixture template (no new tokens, so the tags
+    are spelled in its byte pieces and the vocabulary still fits the target), `opd eval` under chat."""
+    import shutil
+    from pathlib import Path
+
+    from conftest import QWEN3_STYLE_TEMPLATE
+
+    from opd.decoding.speculative import SpeculativeDecoder
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "opd/assets/tiny/target" / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN3_STYLE_TEMPLATE}))
+    tokenizer = load_tokenizer(str(tmp_path))
+    heldout = [expected_ids(tokenizer, r, False) for r in rows_of(root / "opd/assets/tiny/prompts/heldout.jsonl")[:2]]
+    decoded: list[list[list[int]]] = []
+    generate = SpeculativeDecoder.generate
+    monkeypatch.setattr(SpeculativeDecoder, "generate",
+                        lambda self, prompts, *a, **k: decoded.append([list(p) for p in prompts])
+                        or generate(self, prompts, *a, **k))
+    monkeypatch.chdir(root)
+    assert main(["eval", "configs/tiny.yaml", "--set", f"models.tokenizer_path={tmp_path}", "--set", "data.render=chat",
+                 "--set", "data.enable_thinking=false", "--set", "eval.num_prompts=2",
+                 "--set", "eval.max_new_tokens=4"]) == 0
+    assert decoded and all(batch == heldout for batch in decoded)
+    assert tokenizer.decode(heldout[0]).endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
