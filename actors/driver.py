@@ -58,6 +58,9 @@ def init_ray(spec: ExperimentSpec) -> None:
     """
     if ray.is_initialized():
         return
+    # Ray's token-auth notice at every local start is noise in the run's output (auth stays as Ray sets it); the
+    # before-eval's actor starts Ray first, so the notice is silenced here, not in RayRun.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     address = os.environ.get("RAY_ADDRESS")
     if not address:
         try:  # where `ray start` records its head (TMPDIR/ray/ray_current_cluster); `ray stop` removes it
@@ -180,8 +183,6 @@ class RayRun:
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
         self.spec = spec
-        # Ray's token-auth notice at every local start is noise in the run's output (auth stays as Ray sets it).
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         init_ray(spec)
         self.learner_pg, self.rollout_pg = place(spec)
         try:
