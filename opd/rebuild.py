@@ -1,0 +1,112 @@
+"""Rebuild a speculative rollout's record from its text alone: (prompt, response, drafter) -> `SequenceRecord`.
+
+Rollout drafts are point masses (d = argmax q), so verification accepts d at a slot exactly when the committed
+token there equals d (greedy: the target commits argmax p; sampled: a rejection resamples with d removed). The
+drafter's block at anchor a depends only on the target's features of the committed tokens before a and on the
+anchor token. So the record is recovered by drafting at the candidate anchors, accepting the prefix of each draft
+that matches the committed text, and walking a -> a + r + 1 from anchor 0 (the first response token, which
+prefill commits). Any lossless sampler of the target can therefore produce the rollouts.
+
+Strategy: draft at every response position, then walk on the CPU. One target forward per batch of sequences
+gives the features (decoder only, no [T, V] logits); `forward_blocks` drafts `anchors_per_chunk` anchors of every
+sequence per call, and the drafts are argmax'd through the chunked LM head (`opd/lm_head.py`), so no [slots, V]
+tensor is formed whole. This costs L(K−1) LM-head slots per sequence instead of the M(K−1) the walked anchors
+need, but it is fully parallel: walking chains instead takes M dependent drafter calls per batch.
+
+The final block (the one rule, shared with `clip_to_response`). A block is drafted at anchor a exactly when
+a < n − 1 (n = response length): the decoder stops once the response holds eos or max_new_tokens tokens, and
+cuts the response after the first eos / at max_new_tokens. `drafts` always holds all K−1 drafted tokens, those
+past the response end included (the drafter made them whatever the response length). `accepted` counts only
+drafts that match *response* tokens: r = min(verification's r, n − 1 − a). The speculative decoder's record keeps
+verification's own r for its last block, which can count drafts it accepted after the eos or beyond
+max_new_tokens; those tokens are cut from the response, so nothing here can recover them, and they are not part
+of the sample. `clip_to_response` applies the rule to a decoder record; the rebuilt record equals it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from opd.decoding.batch import right_pad
+from opd.decoding.record import SequenceRecord
+from opd.lm_head import SLOTS_PER_CHUNK, argmax
+from opd.models.drafter import DFlashDrafter
+from opd.models.target import Target
+
+# Anchors per sequence drafted in one `forward_blocks` call: bounds its [B, anchors, K, H] activations.
+ANCHORS_PER_CHUNK = 256
+
+
+@torch.no_grad()
+def rebuild_records(target: Target, drafter: DFlashDrafter, samples: list[tuple[list[int], list[int]]], *,
+                    eos_id: int, keys: list[int] | None = None, draft_version: int = 0, batch_size: int = 8,
+                    anchors_per_chunk: int = ANCHORS_PER_CHUNK) -> list[SequenceRecord]:
+    """One record per (prompt_ids, response_ids) sample, in order, as `drafter` would have decoded it."""
+    keys = list(keys) if keys is not None else list(range(len(samples)))
+    records = []
+    for start in range(0, len(samples), batch_size):
+        part = samples[start : start + batch_size]
+        drafts = draft_everywhere(target, drafter, part, anchors_per_chunk)
+        for key, (prompt, response), at in zip(keys[start:], part, drafts):
+            anchors, blocks, accepted = walk(response, at)
+            records.append(SequenceRecord(key=key, prompt_ids=list(prompt), response_ids=list(response),
+                                          anchors=anchors, drafts=blocks, accepted=accepted,
+                                          draft_version=draft_version,
+                                          finish_reason="eos" if eos_id in response else "length"))
+    return records
+
+
+def draft_everywhere(target: Target, drafter: DFlashDrafter, samples: list[tuple[list[int], list[int]]],
+                     anchors_per_chunk: int) -> list[list[list[int]]]:
+    """Per sample, the K−1 argmax drafts at every candidate anchor 0 .. n−2 (n = response length)."""
+    sequences = [list(p) + list(r) for p, r in samples]
+    ids, mask = right_pad(sequences, pad_id=0, device=target.device)
+    _, features = target.hidden_states(ids, attention_mask=mask)
+    context = drafter.project_context(features.to(drafter.fc.weight.dtype))
+    valid = mask.bool()
+    counts = [max(0, len(r) - 1) for _, r in samples]
+    out: list[list[list[int]]] = [[] for _ in samples]
+    for first in range(0, max(counts, default=0), anchors_per_chunk):
+        width = min(anchors_per_chunk, max(counts) - first)
+        # Rows with fewer anchors repeat their last one (any real anchor would do); those drafts are dropped.
+        anchor = torch.tensor([[min(first + j, max(c - 1, 0)) for j in range(width)] for c in counts])
+        prompt_len = torch.tensor([len(p) for p, _ in samples])[:, None]
+        block_ids = torch.full((len(samples), width, drafter.block_size), drafter.mask_token_id, dtype=torch.long)
+        block_ids[:, :, 0] = ids.cpu().gather(1, prompt_len + anchor)
+        hidden = drafter.forward_blocks(context, valid, block_ids.to(target.device),
+                                        (prompt_len + anchor).to(target.device))
+        drafts = argmax(drafter.lm_head, hidden[:, :, 1:], SLOTS_PER_CHUNK).tolist()
+        for row, count in enumerate(counts):
+            out[row].extend(drafts[row][: max(0, count - first)])
+    return out
+
+
+def walk(response: list[int], drafts_at: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+    """(anchors, drafts, accepted) of the chain from anchor 0, given the drafts at every anchor 0 .. n−2."""
+    anchors, blocks, accepted = [], [], []
+    a = 0
+    while a < len(response) - 1:
+        draft = drafts_at[a]
+        r = matching_prefix(draft, response[a + 1 : a + 1 + len(draft)])
+        anchors.append(a)
+        blocks.append(draft)
+        accepted.append(r)
+        a += r + 1
+    return anchors, blocks, accepted
+
+
+def matching_prefix(draft: list[int], committed: list[int]) -> int:
+    """How many leading drafted tokens equal the committed ones (stops at the end of `committed`)."""
+    n = 0
+    while n < len(committed) and draft[n] == committed[n]:
+        n += 1
+    return n
+
+
+def clip_to_response(record: SequenceRecord) -> SequenceRecord:
+    """A decoder record under the rebuild's final-block rule: accepted drafts past the response end not counted."""
+    last = len(record.response_ids) - 1
+    accepted = [min(r, last - a) for a, r in zip(record.anchors, record.accepted)]
+    return replace(record, accepted=accepted)

@@ -1,0 +1,119 @@
+"""A speculative rollout's record is rebuilt exactly from (prompt, response, drafter).
+
+Micro models in float64 (no argmax ties); the decoder's own records are the reference, block by block.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.models.drafter import DFlashDrafter
+from opd.models.target import load_target
+from opd.rebuild import clip_to_response, rebuild_records, walk
+from opd.tiny.micro import micro_drafter, micro_target
+
+EOS, MASK = 6, 7
+PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
+SAMPLINGS = {"greedy": Sampling(), "t1": Sampling(1.0), "topk_topp": Sampling(0.8, top_k=4, top_p=0.9)}
+EOS_TINY = 0
+TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return micro_target(seed=0, vocab_size=8, layer_ids=[0, 2, 3])
+
+
+def blocks(record) -> list[tuple[int, list[int], int]]:
+    return list(zip(record.anchors, record.drafts, record.accepted))
+
+
+def decode_and_rebuild(target, drafter, sampling, *, max_new_tokens, seed=0, static_cache=False, batch_size=3,
+                       anchors_per_chunk=5, eos_id=EOS, prompts=PROMPTS):
+    decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, static_cache=static_cache)
+    decoded = decoder.generate(prompts, sampling, max_new_tokens=max_new_tokens, seed=seed)
+    rebuilt = rebuild_records(target, drafter, [(r.prompt_ids, r.response_ids) for r in decoded], eos_id=eos_id,
+                              batch_size=batch_size, anchors_per_chunk=anchors_per_chunk)
+    return decoded, rebuilt
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+@pytest.mark.parametrize("drafter_seed", [1, 2])
+@pytest.mark.parametrize("static_cache", [False, True], ids=["growing", "static"])
+def test_rebuilt_records_equal_the_decoders(target, sampling, drafter_seed, static_cache):
+    drafter = micro_drafter(target, seed=drafter_seed, block_size=4, mask_token_id=MASK)
+    decoded, rebuilt = decode_and_rebuild(target, drafter, sampling, max_new_tokens=20, seed=drafter_seed,
+                                          static_cache=static_cache)
+    for dec, reb in zip(decoded, rebuilt):
+        assert (reb.response_ids, reb.finish_reason) == (dec.response_ids, dec.finish_reason)
+        assert blocks(reb) == blocks(clip_to_response(dec))
+
+
+def test_the_micro_cases_cover_both_endings(target):
+    """The equality above is only worth something if the walk meets both endings and both outcomes of a slot.
+    Random micro drafters accept 0 or 1 drafts, so long acceptances and final blocks whose accepted drafts ran
+    past the response end (the clipped rule) are covered by the warm tiny drafter below."""
+    finishes, accepted = set(), set()
+    for drafter_seed in (1, 2):
+        drafter = micro_drafter(target, seed=drafter_seed, block_size=4, mask_token_id=MASK)
+        for sampling in SAMPLINGS.values():
+            decoded, _ = decode_and_rebuild(target, drafter, sampling, max_new_tokens=20, seed=drafter_seed)
+            for dec in decoded:
+                finishes.add(dec.finish_reason)
+                accepted.update(dec.accepted)
+    assert finishes == {"eos", "length"}
+    assert accepted == {0, 1}
+
+
+def test_walk_by_hand():
+    """K−1 = 3; anchor 0's draft matches 2 tokens, so the next anchor is 3; its draft matches 0, next 4; the last
+    block's draft runs past the response end and counts only the response tokens it matches."""
+    response = [9, 1, 2, 7, 5, 6]
+    drafts_at = [[1, 2, 3], [0, 0, 0], [0, 0, 0], [8, 8, 8], [6, 4, 4]]
+    assert walk(response, drafts_at) == ([0, 3, 4], [[1, 2, 3], [8, 8, 8], [6, 4, 4]], [2, 0, 1])
+    assert walk([9], []) == ([], [], [])  # eos first or max_new_tokens 1: nothing drafted
+
+
+def test_a_response_of_one_token_and_chunking_do_not_matter(target):
+    drafter = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
+    samples = [([1, 2], [EOS]), ([3], [4, 5, 1, 2, 3, 4, 5, 0, 1]), ([2, 2, 2], [1, 2])]
+    one = rebuild_records(target, drafter, samples, eos_id=EOS, batch_size=1, anchors_per_chunk=1)
+    many = rebuild_records(target, drafter, samples, eos_id=EOS, batch_size=8, anchors_per_chunk=256)
+    assert [blocks(r) for r in one] == [blocks(r) for r in many]
+    assert blocks(one[0]) == [] and one[0].finish_reason == "eos" and one[1].finish_reason == "length"
+
+
+def _tiny_models():
+    config = json.loads((TINY / "drafter" / "config.json").read_text())
+    target = load_target(str(TINY / "target"), dtype=torch.float64,
+                         layer_ids=config["dflash_config"]["target_layer_ids"])
+    drafter = DFlashDrafter.from_pretrained(TINY / "drafter", target).to(torch.float64)
+    return target, drafter
+
+
+def test_rebuild_on_the_shipped_tiny_models():
+    from transformers import AutoTokenizer
+
+    target, drafter = _tiny_models()
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY / "target"))
+    rows = [json.loads(line) for line in (TINY / "prompts" / "heldout.jsonl").read_text().splitlines()[:4]]
+    prompts = [tokenizer(row["prompt"])["input_ids"] for row in rows]
+    finishes, accepted, clipped = set(), set(), 0
+    for sampling in (Sampling(), Sampling(0.6, top_k=20, top_p=0.95)):
+        decoded, rebuilt = decode_and_rebuild(target, drafter, sampling, max_new_tokens=48, eos_id=EOS_TINY,
+                                              prompts=prompts, batch_size=4, anchors_per_chunk=16)
+        for dec, reb in zip(decoded, rebuilt):
+            assert blocks(reb) == blocks(clip_to_response(dec))
+            finishes.add(dec.finish_reason)
+            accepted.update(dec.accepted)
+            clipped += blocks(clip_to_response(dec)) != blocks(dec)
+    # The warm drafter meets every acceptance length 0 .. K−1, both endings and a clipped final block.
+    assert (finishes, accepted) == ({"eos", "length"}, set(range(drafter.block_size)))
+    assert clipped > 0
+
