@@ -13,6 +13,7 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.errors import OpdError
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import load_target
 from opd.rebuild import clip_to_response, rebuild_records, walk
@@ -87,6 +88,14 @@ def test_a_response_of_one_token_and_chunking_do_not_matter(target):
     many = rebuild_records(target, drafter, samples, eos_id=EOS, batch_size=8, anchors_per_chunk=256)
     assert [blocks(r) for r in one] == [blocks(r) for r in many]
     assert blocks(one[0]) == [] and one[0].finish_reason == "eos" and one[1].finish_reason == "length"
+
+
+def test_an_empty_prompt_or_response_is_one_error(target):
+    drafter = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
+    with pytest.raises(OpdError, match="rebuild sample 1: empty response"):
+        rebuild_records(target, drafter, [([1], [2, 3]), ([1], [])], eos_id=EOS)
+    with pytest.raises(OpdError, match="rebuild sample 0: empty prompt"):
+        rebuild_records(target, drafter, [([], [2, 3])], eos_id=EOS)
 
 
 def _tiny_models():
