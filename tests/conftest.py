@@ -17,17 +17,11 @@ def _write_prompts(path: Path, problems) -> None:
     path.write_text("".join(json.dumps({"id": p.id, "prompt": p.prompt}) + "\n" for p in problems))
 
 
-@pytest.fixture(scope="session")
-def micro_assets(tmp_path_factory) -> dict[str, str]:
-    """A 96-token BPE tokenizer, a float32 micro Qwen3 target, a random drafter and prompt files."""
+def _write_micro_models(root: Path, tokenizer) -> None:
+    """A float32 micro Qwen3 target sized to `tokenizer` (saved with it) and a random drafter, under `root`."""
     from opd.models.drafter import DFlashConfig, DFlashDrafter
-    from opd.tiny.build import build_tokenizer
-    from opd.tiny.math_corpus import generate
     from opd.tiny.micro import micro_target
 
-    root = tmp_path_factory.mktemp("micro")
-    problems = generate(7, 400)
-    tokenizer = build_tokenizer([p.prompt + p.response for p in problems], vocab_size=96)
     target = micro_target(seed=0, vocab_size=len(tokenizer), num_layers=4, dtype=torch.float32, layer_ids=[1, 2])
     target.model.config.eos_token_id = tokenizer.eos_token_id
     target.model.save_pretrained(root / "target")
@@ -36,6 +30,18 @@ def micro_assets(tmp_path_factory) -> dict[str, str]:
                                      mask_token_id=tokenizer.mask_token_id, target_layer_ids=[1, 2])
     torch.manual_seed(0)
     DFlashDrafter(config, target.embed_tokens, target.lm_head).save_pretrained(root / "drafter")
+
+
+@pytest.fixture(scope="session")
+def micro_assets(tmp_path_factory) -> dict[str, str]:
+    """A 96-token BPE tokenizer, a float32 micro Qwen3 target, a random drafter and prompt files."""
+    from opd.tiny.build import build_tokenizer
+    from opd.tiny.math_corpus import generate
+
+    root = tmp_path_factory.mktemp("micro")
+    problems = generate(7, 400)
+    tokenizer = build_tokenizer([p.prompt + p.response for p in problems], vocab_size=96)
+    _write_micro_models(root, tokenizer)
     short = [p for p in generate(8, 200) if len(tokenizer(p.prompt)["input_ids"]) < 120]
     _write_prompts(root / "train.jsonl", short[:40])
     _write_prompts(root / "heldout.jsonl", short[40:48])
@@ -81,22 +87,12 @@ def chat_assets(micro_assets, tmp_path_factory) -> dict[str, str]:
     sized to its vocabulary, and small prompt files that mix plain `prompt` rows with chat `messages` rows."""
     from transformers import AutoTokenizer
 
-    from opd.models.drafter import DFlashConfig, DFlashDrafter
-    from opd.tiny.micro import micro_target
-
     root = tmp_path_factory.mktemp("chat")
     tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's think tags are added, not special, tokens
     tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
-    target = micro_target(seed=0, vocab_size=len(tokenizer), num_layers=4, dtype=torch.float32, layer_ids=[1, 2])
-    target.model.config.eos_token_id = tokenizer.eos_token_id
-    target.model.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    config = DFlashConfig.for_target(target.config, num_layers=1, block_size=4,
-                                     mask_token_id=tokenizer.mask_token_id, target_layer_ids=[1, 2])
-    torch.manual_seed(0)
-    DFlashDrafter(config, target.embed_tokens, target.lm_head).save_pretrained(root / "drafter")
+    _write_micro_models(root, tokenizer)
     rows = [{"id": "p0", "prompt": "Tom has 3 apples. How many?"},
             {"id": "m0", "messages": [{"role": "user", "content": "What is 2 + 5?"}]},
             {"id": "m1", "messages": [{"role": "system", "content": "Be brief."},
