@@ -715,6 +715,9 @@ def main() -> None:
     parser.add_argument("--sft-only", action="store_true",
                         help="measure only the SFT step (the loss chunk's bytes per slot read from --json)")
     parser.add_argument("--sft-json", default="bench/results/scale-sft.json", help="where --sft-only writes")
+    parser.add_argument("--data-path-only", action="store_true",
+                        help="measure the per-sequence data path and object store only (minutes, not the attention "
+                             "and SFT sections' half hour); attention for the projection from --attention-json")
     args = parser.parse_args()
     if args.attention_only:
         run_attention_only(args)
@@ -752,13 +755,17 @@ def main() -> None:
     # The loss's transient per chunk slot: the new learner's flat part, per slot of the measured chunk.
     base, _ = fit(first, "learner_peak_new", "blocks")
     result = {"args": vars(args), "measured": measured, "once": once, "chunk_bytes_per_slot": base / args.chunk}
-    result["attention"] = measure_attention(args)
+    if args.data_path_only:
+        result["attention"] = json.loads(Path(args.attention_json).read_text())["attention"]
+    else:
+        result["attention"] = measure_attention(args)
     result["projected"] = project(measured, result["chunk_bytes_per_slot"], result["attention"])
-    args.sft_chunk_bytes_per_slot = result["chunk_bytes_per_slot"]
-    result["sft"] = measure_sft(args)
     print_tables(result, args.markdown)
-    print_attention(result["attention"])
-    print_sft(result["sft"], args)
+    if not args.data_path_only:
+        args.sft_chunk_bytes_per_slot = result["chunk_bytes_per_slot"]
+        result["sft"] = measure_sft(args)
+        print_attention(result["attention"])
+        print_sft(result["sft"], args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     Console().print(f"wrote {args.json}")
