@@ -17,19 +17,14 @@ drafting everywhere took 3.4 s of drafter time whatever the drafter; walking cha
 drafter (τ≈4, 133 steps) and 5.7 s with a random one (τ=1, 461 steps). The work of a walk shrinks with τ, so
 it wins on a CPU once a drafter is trained; the choice on a GPU, where the walk's M launches dominate, is open.
 
-The final block (the one rule, shared with `clip_to_response`). A block is drafted at anchor a exactly when
-a < n − 1 (n = response length): the decoder stops once the response holds eos or max_new_tokens tokens, and
-cuts the response after the first eos / at max_new_tokens. `drafts` always holds all K−1 drafted tokens, those
-past the response end included (the drafter made them whatever the response length). `accepted` counts only
-drafts that match *response* tokens: r = min(verification's r, n − 1 − a). The speculative decoder's record keeps
-verification's own r for its last block, which can count drafts it accepted after the eos or beyond
-max_new_tokens; those tokens are cut from the response, so nothing here can recover them, and they are not part
-of the sample. `clip_to_response` applies the rule to a decoder record; the rebuilt record equals it.
+The final block follows one rule, `SequenceRecord.clip_to_response`, which the speculative decoder applies to its
+own records: a block is drafted at anchor a exactly when a < n − 1 (n = response length; the decoder stops once
+the response holds eos or max_new_tokens tokens and cuts it after the first eos / at max_new_tokens); `drafts`
+holds all K−1 drafted tokens, those past the response end included; `accepted` counts only drafts that match
+*response* tokens, r = min(verification's r, n − 1 − a). So the rebuilt record equals the decoder's.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -113,9 +108,3 @@ def matching_prefix(draft: list[int], committed: list[int]) -> int:
         n += 1
     return n
 
-
-def clip_to_response(record: SequenceRecord) -> SequenceRecord:
-    """A decoder record under the rebuild's final-block rule: accepted drafts past the response end not counted."""
-    last = len(record.response_ids) - 1
-    accepted = [min(r, last - a) for a, r in zip(record.anchors, record.accepted)]
-    return replace(record, accepted=accepted)

@@ -16,7 +16,9 @@ anchor), giving the drafter's hidden states at the same slots.
 
 In `naive` rollout mode the teacher scores the *committed* continuation instead of the drafts (the paper's
 naive target-assisted baseline); those states are already in the committed prefix, so no blocks are appended.
-A record with no drafted block (eos first, or max_new_tokens 1) trains nothing and breaks nothing.
+A record with no drafted block (eos first, or max_new_tokens 1) trains nothing and breaks nothing. A final block
+whose accepted drafts reach the response end has no rejection inside the sample (`SequenceRecord.clip_to_response`):
+its slots from there on lie past the text and nothing verified them, so `position_mask` drops them.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
         positions += [abs_anchor + 1 + j for j in range(k1 - 1)]
         slot_index.append([abs_anchor] + [start + j for j in range(k1 - 1)])
         anchors.append(abs_anchor)
-    exists = [[True] * k1 for _ in anchors]
+    exists = [[k < r or not record.ends_unrejected(m) for k in range(k1)] for m, r in enumerate(record.accepted)]
     return _Packed(ids, positions, prefix_len, slot_index, anchors, list(record.accepted), exists)
 
 

@@ -26,18 +26,20 @@ def models():
 def records(models):
     target, drafter = models
     decoder = SpeculativeDecoder(target, drafter, eos_id=EOS)
-    return decoder.generate(PROMPTS, Sampling(temperature=1.0), max_new_tokens=16, seed=5)
+    return decoder.generate(PROMPTS, Sampling(temperature=1.0), max_new_tokens=16, seed=4)
 
 
 def naive_teacher(target, rec, mode):
     """One plain causal target forward per anchor: p at every drafted (or, naive, committed) slot."""
     out = []
     committed = rec.prompt_ids + rec.response_ids
-    for anchor, draft in zip(rec.anchors, rec.drafts):
+    for anchor, draft, r in zip(rec.anchors, rec.drafts, rec.accepted):
         a = len(rec.prompt_ids) + anchor
         block = draft[: K - 2] if mode == "draft_opd" else committed[a + 1 : a + K - 1]
         ids = committed[: a + 1] + block
-        slots = K - 1 if mode == "draft_opd" else min(K - 1, len(committed) - 1 - a)  # naive: tokens that exist
+        slots = min(K - 1, len(committed) - 1 - a)  # naive: the committed tokens that exist
+        if mode == "draft_opd":  # every drafted slot, but none past the response end in a block not rejected before it
+            slots = r if anchor + r + 1 == len(rec.response_ids) else K - 1
         out.append(target(torch.tensor([ids])).logits[0, a : a + slots])
     return out
 
@@ -96,6 +98,11 @@ def test_random_anchor_acceptance_matches_verification(models):
     for anchor, draft, r in zip(rec.anchors, rec.drafts, rec.accepted):
         if anchor + 1 < len(rec.response_ids) and anchor + K <= len(rec.response_ids):
             assert by_anchor[anchor] == (draft, r)
+
+
+def test_final_blocks_that_reach_the_response_end_are_in_the_cases(records):
+    """The rule above is exercised: some final block's accepted drafts run to the response end."""
+    assert any(rec.anchors and rec.anchors[-1] + rec.accepted[-1] + 1 == len(rec.response_ids) for rec in records)
 
 
 def test_naive_mode_marks_all_committed_slots_accepted(models, records):

@@ -27,6 +27,22 @@ class SequenceRecord:
     draft_version: int = 0
     finish_reason: str = ""  # "eos" or "length"
 
+    def clip_to_response(self) -> None:
+        """Apply the final-block rule: a block counts only the accepted drafts that lie inside the response.
+
+        The decoder's last block may have accepted drafts past the first eos or beyond max_new_tokens; those are cut
+        from the response, so they are not part of the sample and no rebuild from the text could recover them.
+        After clipping, a block whose accepted drafts reach the response end (anchor + accepted + 1 == response
+        length) has no rejection inside the sample: replay scores none of its slots from there on
+        (`opd/replay.py`), since nothing verified them against a committed token."""
+        last = len(self.response_ids) - 1
+        self.accepted = [min(r, last - a) for a, r in zip(self.anchors, self.accepted)]
+
+    def ends_unrejected(self, block: int) -> bool:
+        """Whether block `block`'s accepted drafts run to the response end (its slots from `accepted` on lie past
+        the sample: nothing rejected them)."""
+        return self.anchors[block] + self.accepted[block] + 1 >= len(self.response_ids)
+
     @property
     def num_steps(self) -> int:
         return len(self.anchors)

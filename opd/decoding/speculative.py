@@ -191,16 +191,15 @@ class SpeculativeDecoder:
 
 
 def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
-    """Cut a response at the length limit and after its first eos, and say why it stopped.
-
-    The last block may have committed past either point; its record keeps what verification decided.
-    """
+    """Cut a response at the length limit and after its first eos, say why it stopped, and count only the
+    accepted drafts inside the response (the last block may have committed past either point)."""
     rec.response_ids = rec.response_ids[:max_new_tokens]
     if eos_id in rec.response_ids:
         rec.response_ids = rec.response_ids[: rec.response_ids.index(eos_id) + 1]
         rec.finish_reason = "eos"
     else:
         rec.finish_reason = "length"
+    rec.clip_to_response()
 
 
 class _State:
