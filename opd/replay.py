@@ -16,6 +16,14 @@ anchor), giving the drafter's hidden states at the same slots.
 
 In `naive` rollout mode the teacher scores the *committed* continuation instead of the drafts (the paper's
 naive target-assisted baseline); those states are already in the committed prefix, so no blocks are appended.
+
+Layout `committed` (`replay_mode`): when the loss reads no slot past the first rejection (`loss.first_rejected_only`),
+every slot it reads has a committed context. Accepted slot k < r predicts d_k = the committed token after
+c + d_<k = the committed prefix, and the first rejected slot r has context c + d_<r, again committed. So the
+teacher is the target's view of the committed text alone, read at position anchor + k, and no block is appended:
+the target runs over prompt + response tokens instead of ~3x that (2.3 drafted tokens per response token at τ 6,
+K 16). Slots past the first rejection then hold a committed position's state; nothing reads them, so the
+expected-acceptance diagnostic, which would, is not made in this layout.
 A record with no drafted block (eos first, or max_new_tokens 1) trains nothing and breaks nothing. A final block
 whose accepted drafts reach the response end has no rejection inside the sample (`SequenceRecord.clip_to_response`):
 its slots from there on lie past the text and nothing verified them, so `position_mask` drops them.
@@ -48,12 +56,23 @@ class _Packed:
     slot_exists: list[list[bool]]
 
 
+def replay_mode(spec) -> str:
+    """The teacher's layout: `naive` (naive rollouts), `committed` (a loss that reads nothing past the first
+    rejection) or `draft_opd` (every drafted block packed after the committed text)."""
+    if spec.rollout.mode == "naive":
+        return "naive"
+    return "committed" if spec.loss.first_rejected_only else "draft_opd"
+
+
 def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
     """Lay out one record: committed prefix, then (draft_opd) the drafted tokens of each block but the last."""
     prompt_len, k1 = len(record.prompt_ids), block_size - 1
     committed = record.prompt_ids + record.response_ids
     if mode == "naive":
         return _pack_naive(record, committed, prompt_len, k1)
+    exists = [[k < r or not record.ends_unrejected(m) for k in range(k1)] for m, r in enumerate(record.accepted)]
+    if mode == "committed":
+        return _pack_committed(record, committed, prompt_len, k1, exists)
     prefix_len = prompt_len + max(record.anchors, default=-1) + 1
     ids, positions = committed[:prefix_len], list(range(prefix_len))
     slot_index, anchors = [], []
@@ -63,8 +82,16 @@ def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
         positions += [abs_anchor + 1 + j for j in range(k1 - 1)]
         slot_index.append([abs_anchor] + [start + j for j in range(k1 - 1)])
         anchors.append(abs_anchor)
-    exists = [[k < r or not record.ends_unrejected(m) for k in range(k1)] for m, r in enumerate(record.accepted)]
     return _Packed(ids, positions, prefix_len, slot_index, anchors, list(record.accepted), exists)
+
+
+def _pack_committed(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int,
+                    exists: list[list[bool]]) -> _Packed:
+    """The committed text only: slot k of block m is read at absolute position anchor + k (see `replay_mode`)."""
+    n = len(committed)
+    anchors = [prompt_len + a for a in record.anchors]
+    slot_index = [[min(a + k, n - 1) for k in range(k1)] for a in anchors]
+    return _Packed(committed, list(range(n)), n, slot_index, anchors, list(record.accepted), exists)
 
 
 def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int) -> _Packed:
@@ -79,7 +106,7 @@ def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k
 
 def attention_layout(p: _Packed, block_size: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
     """Where each row of `p` looks: causal over the prefix; block m sees prefix <= its anchor and itself causally."""
-    anchors = p.anchors if p.prefix_len < len(p.ids) else []  # naive mode scores inside the prefix: no blocks
+    anchors = p.anchors if p.prefix_len < len(p.ids) else []  # naive/committed score inside the prefix: no blocks
     return PackedRow.of(p.prefix_len, anchors, block_size - 2, chunk_rows)
 
 
@@ -165,6 +192,6 @@ def score_micro_batches(target: Target, batch, spec) -> list[ScoredBatch]:
     """An AnchorBatch scored in chunks of `optim.micro_batch_size` records, as the learner consumes them."""
     micro, r = spec.optim.micro_batch_size, spec.replay
     records = batch.records
-    return [score(target, records[i : i + micro], block_size=spec.models.drafter.block_size, mode=spec.rollout.mode,
+    return [score(target, records[i : i + micro], block_size=spec.models.drafter.block_size, mode=replay_mode(spec),
                   teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk)
             for i in range(0, len(records), micro)]

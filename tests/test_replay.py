@@ -108,3 +108,36 @@ def test_final_blocks_that_reach_the_response_end_are_in_the_cases(records):
 def test_naive_mode_marks_all_committed_slots_accepted(models, records):
     batch = score(models[0], records, block_size=K, mode="naive")
     assert torch.equal(batch.position_mask.sum(-1), batch.accepted)
+
+
+def test_committed_teacher_equals_the_packed_one_where_the_loss_reads(models, records):
+    """First-rejection losses read slots k <= r only; there the target's view of the committed text equals the
+    packed replay's (float64), and so do the loss and its gradient. The committed layout is prompt + response
+    tokens long, the packed one longer."""
+    from opd.losses import acceptance_aware_loss
+    from opd.replay import pack
+    from opd.spec import LossSpec
+
+    target, drafter = models
+    packed, committed = (score(target, records, block_size=K, mode=m) for m in ("draft_opd", "committed"))
+    assert torch.equal(packed.accepted, committed.accepted)
+    assert torch.equal(packed.position_mask, committed.position_mask)
+    k = torch.arange(K - 1)
+    read = (k[None] <= packed.accepted[:, None]) & packed.position_mask  # accepted prefix + first rejection
+    assert read.sum() > len(packed.accepted)
+    assert (packed.teacher[read] - committed.teacher[read]).abs().max() < 1e-9
+    assert (packed.teacher[~read] - committed.teacher[~read]).abs().max() > 1e-3  # unread slots do differ
+    cfg = LossSpec(kl_mode="all_forward", first_rejected_only=True)
+    losses, grads = [], []
+    for batch in (packed, committed):
+        out = acceptance_aware_loss(student_hidden(drafter, batch), batch.teacher, batch.accepted, cfg,
+                                    batch.position_mask, head=drafter.lm_head)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+        drafter.zero_grad(set_to_none=True)
+    assert (losses[0] - losses[1]).abs() < 1e-9
+    assert all((grads[0][n] - grads[1][n]).abs().max() < 1e-9 for n in grads[0])
+    for rec in records:
+        assert len(pack(rec, K, "committed").ids) == len(rec.prompt_ids) + len(rec.response_ids)
+        assert len(pack(rec, K, "draft_opd").ids) > len(pack(rec, K, "committed").ids) or not rec.anchors

@@ -12,7 +12,7 @@ import torch
 
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
 from opd.decoding.record import SequenceRecord
-from opd.replay import pack, score_micro_batches
+from opd.replay import pack, replay_mode, score_micro_batches
 from opd.spec import ExperimentSpec
 from opd.train.flops import TargetParams
 from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
@@ -33,16 +33,16 @@ class Scorer:
     def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
         """The teacher's FLOPs (opd/train/flops.py): every packed token (the committed prefix and every drafted
         block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner)."""
-        block_size, mode = self.spec.models.drafter.block_size, self.spec.rollout.mode
+        block_size, mode = self.spec.models.drafter.block_size, replay_mode(self.spec)
         tokens = sum(len(pack(r, block_size, mode).ids) for r in records)
         return self.params.forward(tokens, logits=sum(int(m.position_mask.sum()) for m in micro))
 
     def expected_acceptance(self, batch: AnchorBatch, micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
-        """a_k [N, K-1] of the batch's drafted blocks per eval setting. Naive rollouts score the committed
-        tokens, not the drafts, so they have none."""
+        """a_k [N, K-1] of the batch's drafted blocks per eval setting. Only the packed layout has the target's
+        view of every drafted slot (naive and committed teachers read committed positions), so the others have none."""
         settings = point_mass_settings(self.spec.eval.sampling)
         drafts, _ = record_drafts(batch.records)  # every block in replay's order: micro-batch by micro-batch
-        if self.spec.rollout.mode == "naive" or not settings or not len(drafts):
+        if replay_mode(self.spec) != "draft_opd" or not settings or not len(drafts):
             return {}
         parts = [teacher_acceptance(d, mb.teacher, self.target.lm_head, settings,
                                     teacher_temperature=self.spec.replay.teacher_temperature)
