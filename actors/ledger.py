@@ -17,7 +17,7 @@ from actors.signal import Signal
 from opd.spec import ExperimentSpec
 from opd.train.ledger import Ledger
 from opd.train.messages import Ticket
-from opd.train.rollout import required_version
+from opd.train.rollout import claim_version
 
 
 @ray.remote(num_cpus=0)
@@ -30,7 +30,7 @@ class LedgerActor:
         self.changed = Signal()
 
     def begin(self, first_index: int) -> None:
-        self.ledger = Ledger(first_index, partial(required_version, spec=self.spec))
+        self.ledger = Ledger(first_index, partial(claim_version, spec=self.spec))
         self.changed.fire()
 
     def register(self, name: str) -> str:
@@ -76,11 +76,16 @@ class LedgerActor:
         return self.ledger.holders()
 
 
-def receive(inbox: BatchQueue, ledger, worker: str, stopped=lambda: False) -> tuple[Ticket, Any] | None:
+def receive(inbox: BatchQueue, ledger, worker: str, stopped=lambda: False,
+            timeout_s: float | None = None) -> tuple[Ticket, Any] | None:
     """The next batch from `inbox`, now held by `worker`; None when it was lost with its producer (reported, so
-    it is re-produced) or is a copy of an attempt already given up (dropped: its re-production is on its way)."""
+    it is re-produced), is a copy of an attempt already given up (dropped: its re-production is on its way), or
+    nothing came within `timeout_s` (None: wait as long as it takes)."""
     try:
-        ticket, item = inbox.get(stopped)
+        taken = inbox.get(stopped, timeout_s)
+        if taken is None:
+            return None
+        ticket, item = taken
     except Lost as lost:
         ray.get(ledger.lost.remote(lost.ticket))
         return None

@@ -53,14 +53,19 @@ class BatchQueue:
                 if stopped():
                     raise Stopped from None
 
-    def get(self, stopped: Callable[[], bool] = lambda: False) -> tuple[Ticket, Any]:
-        """Dequeue (blocking while empty) and fetch the payload; raises `Lost` if its producer died."""
+    def get(self, stopped: Callable[[], bool] = lambda: False,
+            timeout_s: float | None = None) -> tuple[Ticket, Any] | None:
+        """Dequeue (blocking while empty, or None after `timeout_s`) and fetch the payload; raises `Lost` if its
+        producer died."""
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         while True:
             try:
-                ticket, wrapped = self.queue.get(timeout=1.0)
+                ticket, wrapped = self.queue.get(timeout=1.0 if timeout_s is None else min(1.0, timeout_s))
             except Empty:
                 if stopped():
                     raise Stopped from None
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return None
                 continue
             try:
                 return ticket, ray.get(wrapped[0])

@@ -1,5 +1,5 @@
-"""RolloutActor: owns a `RolloutWorker` (target + drafter copy) and feeds the anchor queue with the batches the
-ledger hands out."""
+"""RolloutActor: owns a `RolloutWorker` (target + drafter copy, or only a target sampler or a sample file) and
+feeds the anchor queue with the batches the ledger hands out."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import ray
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
 from opd.acceptance import AcceptanceStats
-from opd.data import train_prompts
+from opd.data import load_tokenizer, train_prompts
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
 from opd.train.messages import Ticket, WeightSnapshot
-from opd.train.rollout import RolloutWorker
+from opd.train.rollout import RolloutWorker, rollout_needs_models
 
 WAIT_S = 5.0  # longest one blocking wait on the ledger or weight store; then the loop checks again
 
@@ -24,9 +24,13 @@ class RolloutActor:
     def __init__(self, spec: dict, name: str, store, ledger, out: BatchQueue) -> None:
         self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
                                                                    ledger, out)
-        models = build_models(self.spec)
-        prompts = train_prompts(self.spec.data, models.tokenizer)
-        self.worker = RolloutWorker(self.spec, models.target, models.drafter, models.eos_id, prompts, draft_version=-1)
+        if rollout_needs_models(self.spec):
+            models = build_models(self.spec)
+            target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
+        else:  # stored samples or vLLM's own engine: only the prompts
+            target, drafter, tokenizer = None, None, load_tokenizer(self.spec.models.tokenizer)
+        prompts = train_prompts(self.spec.data, tokenizer)
+        self.worker = RolloutWorker(self.spec, target, drafter, tokenizer.eos_token_id, prompts, draft_version=-1)
         self.metrics = Metrics()
 
     def ready(self) -> None:
@@ -69,14 +73,15 @@ class RolloutActor:
                 raise Stopped
             ray.wait([self.store.wait_newer.remote(version, WAIT_S),
                       self.ledger.wait_claimable.remote(worker, version, WAIT_S)], num_returns=1)
-        if version != self.worker.draft_version:
+        if self.worker.decoder and version != self.worker.draft_version:
             snapshot: WeightSnapshot = ray.get(wrapped[0])
             self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights
         return ticket
 
     def _record(self, batch, seconds: float) -> None:
-        stats = AcceptanceStats.from_records(batch.records, self.worker.decoder.drafter.block_size)
         self.metrics.record("opd_rollout_tokens_per_s", batch.tokens / seconds, actor=self.name)
-        self.metrics.record("opd_rollout_tau", stats.tau_token_weighted, actor=self.name)
+        if self.worker.decoder:  # a rebuilt batch's τ is known once the scorer has rebuilt it
+            stats = AcceptanceStats.from_records(batch.records, self.spec.models.drafter.block_size)
+            self.metrics.record("opd_rollout_tau", stats.tau_token_weighted, actor=self.name)
         self.metrics.record("opd_rollout_batches", 1, actor=self.name)
         self.metrics.record("opd_queue_depth", self.out.depth(), queue=self.out.name)

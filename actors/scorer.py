@@ -1,4 +1,10 @@
-"""ReplayScorerActor: owns a frozen target and a `Scorer`; anchor queue in, scored queue out."""
+"""ReplayScorerActor: owns a frozen target and a `Scorer`; anchor queue in, scored queue out.
+
+With a rebuilt rollout source the scorer also owns a drafter: before each batch it adopts the newest published
+version and rebuilds the batch's blocks with it. max_policy_lag applies there: a batch that arrives before the
+version it needs (`required_version`) is set aside and scored, lowest index first, once that version is
+published, while the loop keeps taking batches, so a later batch never blocks an earlier one the learner waits for.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,14 @@ import ray
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from opd.models.build import build_target
+from opd.data import load_tokenizer
+from opd.models.build import build_drafter, build_target
 from opd.spec import ExperimentSpec
+from opd.train.messages import AnchorBatch, Ticket, WeightSnapshot
+from opd.train.rollout import required_version
 from opd.train.scorer import Scorer
+
+WAIT_S = 1.0  # with batches set aside, how long one wait for the inbox lasts before versions are checked again
 
 
 @ray.remote
@@ -17,7 +28,11 @@ class ReplayScorerActor:
     def __init__(self, spec: dict, name: str, store, ledger, inbox: BatchQueue, out: BatchQueue) -> None:
         self.spec, self.name = ExperimentSpec.model_validate(spec), name
         self.store, self.ledger, self.inbox, self.out = store, ledger, inbox, out
-        self.scorer = Scorer(self.spec, build_target(self.spec))
+        target = build_target(self.spec)
+        drafter = (build_drafter(self.spec, target, load_tokenizer(self.spec.models.tokenizer))
+                   if self.spec.rollout.rebuilt else None)
+        self.scorer = Scorer(self.spec, target, drafter)
+        self.waiting: dict[int, tuple[Ticket, AnchorBatch]] = {}  # batches set aside for a newer version
         self.metrics = Metrics()
 
     def ready(self) -> None:
@@ -27,9 +42,13 @@ class ReplayScorerActor:
         """Score batches until the run stops; returns how many. Each launch is a new incarnation for the ledger,
         which re-queues whatever a killed earlier one held; a batch lost with its producer is reported, not fatal."""
         worker, scored = ray.get(self.ledger.register.remote(self.name)), 0
+        self.waiting.clear()  # the ledger re-queues what an earlier incarnation held
         try:
             while True:
-                if (taken := receive(self.inbox, self.ledger, worker, self._stopped)) is None:
+                if (taken := self._next_scorable()) is None:
+                    timeout = WAIT_S if self.waiting else None
+                    if (got := receive(self.inbox, self.ledger, worker, self._stopped, timeout)) is not None:
+                        self.waiting[got[0].index] = got
                     continue
                 ticket, batch = taken
                 wait = self.out.put(self.scorer(batch), ticket, self._stopped)
@@ -38,6 +57,21 @@ class ReplayScorerActor:
                 scored += 1
         except Stopped:
             return scored
+
+    def _next_scorable(self) -> tuple[Ticket, AnchorBatch] | None:
+        """The lowest-index batch set aside that the newest weights may rebuild (with them adopted), or None."""
+        if not self.waiting:
+            return None
+        if not self.spec.rollout.rebuilt:
+            return self.waiting.pop(min(self.waiting))
+        version, wrapped, _ = ray.get(self.store.latest.remote())
+        ready = [i for i in self.waiting if required_version(i, self.spec) <= version]
+        if not ready:
+            return None
+        if version != self.scorer.draft_version:
+            snapshot: WeightSnapshot = ray.get(wrapped[0])
+            self.scorer.load_drafter(snapshot.verified(version).state, version)
+        return self.waiting.pop(min(ready))
 
     def _stopped(self) -> bool:
         return ray.get(self.store.stopped.remote())

@@ -128,6 +128,22 @@ def _gen_sft_data(args: argparse.Namespace) -> int:
     return run_gen_sft_data(_load(args), args.engine, args.out)
 
 
+def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
+    _spec_arguments(parser)
+    parser.add_argument("--engine", choices=("speculative", "autoregressive", "vllm"), default=None,
+                        help="the target sampler (default: rollout.sampler); all are lossless")
+    parser.add_argument("--samples", type=int, default=1, metavar="N",
+                        help="samples per prompt at each sampled rollout setting (greedy ones get 1)")
+    parser.add_argument("--out", metavar="FILE",
+                        help="jsonl to write or finish (default: rollout.samples_path, else RUN_DIR/samples.jsonl)")
+
+
+def _gen_samples(args: argparse.Namespace) -> int:
+    from opd.samples import run_gen_samples
+
+    return run_gen_samples(_load(args), args.engine, args.samples, args.out)
+
+
 def _prompt_pool_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="writes prompts.jsonl, eval_prompts.jsonl and card.json there")
@@ -182,6 +198,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                      _gen_sft_data_arguments, _gen_sft_data),
     "prompt-pool": ("build the paper's prompt pool (GSM8K, MATH without MATH-500, AoPS, CodeAlpaca) with its card",
                     _prompt_pool_arguments, _prompt_pool),
+    "gen-samples": ("draw target samples of the training prompts at every rollout setting, for "
+                    "rollout.source: samples", _gen_samples_arguments, _gen_samples),
     "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
                     _serve_bench_arguments, _serve_bench),
 }

@@ -15,12 +15,14 @@ from types import SimpleNamespace
 
 from opd.data import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.errors import OpdError
+from opd.samples import SampleFile
 from opd.spec import ExperimentSpec
 
 
 def check_inputs(spec: ExperimentSpec) -> Prompt:
     """Raise OpdError naming the first unusable input: tokenizer, prompt files (every row rendered as the target
-    will see it, its length checked), target or warm drafter. Returns the first training prompt as rendered."""
+    will see it, its length checked), target, warm drafter or sample file. Returns the first training prompt as
+    rendered."""
     m = spec.models
     no_gpu = [role for role in ("learner", "scorer", "rollout") if not getattr(spec.resources, role).num_gpus]
     if m.device == "cuda" and spec.engine == "ray" and no_gpu:
@@ -35,9 +37,11 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         mask_token_id(tokenizer, m.drafter.mask_token_id)  # a random drafter takes the tokenizer's mask token
     else:
         check_drafter(m.drafter_path, target)
-    first = train_prompts(spec.data, tokenizer)[0]
+    prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
-    return first
+    if spec.rollout.source == "samples":
+        SampleFile(spec, prompts)  # settings, prompt ids and enough samples for the step budget
+    return prompts[0]
 
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:

@@ -26,6 +26,8 @@ holds all K−1 drafted tokens, those past the response end included; `accepted`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from opd.decoding.batch import right_pad
@@ -40,25 +42,22 @@ ANCHORS_PER_CHUNK = 256
 
 
 @torch.no_grad()
-def rebuild_records(target: Target, drafter: DFlashDrafter, samples: list[tuple[list[int], list[int]]], *,
-                    eos_id: int, keys: list[int] | None = None, draft_version: int = 0, batch_size: int = 8,
-                    anchors_per_chunk: int = ANCHORS_PER_CHUNK) -> list[SequenceRecord]:
-    """One record per (prompt_ids, response_ids) sample, in order, as `drafter` would have decoded it."""
-    keys = list(keys) if keys is not None else list(range(len(samples)))
-    for i, (prompt, response) in enumerate(samples):
-        if not prompt or not response:
-            raise OpdError(f"rebuild sample {i}: empty {'prompt' if not prompt else 'response'} (expected at least "
-                           "one token: a rollout's first response token is committed by prefill)")
+def rebuild_records(target: Target, drafter: DFlashDrafter, samples: list[SequenceRecord], *, draft_version: int = 0,
+                    batch_size: int = 8, anchors_per_chunk: int = ANCHORS_PER_CHUNK) -> list[SequenceRecord]:
+    """Each sample's record as `drafter` would have decoded it, in order: its text, key and finish reason with the
+    blocks rebuilt (any blocks it came with are ignored)."""
+    for i, rec in enumerate(samples):
+        if not rec.prompt_ids or not rec.response_ids:
+            raise OpdError(f"rebuild sample {i}: empty {'prompt' if not rec.prompt_ids else 'response'} (expected at "
+                           "least one token: a rollout's first response token is committed by prefill)")
     records = []
     for start in range(0, len(samples), batch_size):
         part = samples[start : start + batch_size]
-        drafts = draft_everywhere(target, drafter, part, anchors_per_chunk)
-        for key, (prompt, response), at in zip(keys[start:], part, drafts):
-            anchors, blocks, accepted = walk(response, at)
-            records.append(SequenceRecord(key=key, prompt_ids=list(prompt), response_ids=list(response),
-                                          anchors=anchors, drafts=blocks, accepted=accepted,
-                                          draft_version=draft_version,
-                                          finish_reason="eos" if eos_id in response else "length"))
+        drafts = draft_everywhere(target, drafter, [(r.prompt_ids, r.response_ids) for r in part], anchors_per_chunk)
+        for rec, at in zip(part, drafts):
+            anchors, blocks, accepted = walk(rec.response_ids, at)
+            records.append(replace(rec, anchors=anchors, drafts=blocks, accepted=accepted,
+                                   draft_version=draft_version))
     return records
 
 

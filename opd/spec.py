@@ -247,6 +247,35 @@ class RolloutSpec(_Section):
     # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
     # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.
     mix: list[RolloutSampling] = Field(default_factory=list)
+    # Where the target samples come from (DESIGN.md §6). speculative: the paper's path, rollout actors decode with
+    # a drafter copy that adopts every broadcast and record its blocks. target: rollout actors only sample the
+    # target (`sampler`) and the scorer rebuilds the blocks with the newest drafter (opd/rebuild.py), exact because
+    # drafts are point masses and decoding is lossless. samples: the same, from a file of stored target samples.
+    source: Literal["speculative", "target", "samples"] = "speculative"
+    # source target: speculative = the speculative decoder with the warm drafter, never updated (lossless, the
+    # fastest on a CPU); autoregressive = plain batched decoding; vllm = vLLM's sampling (a GPU, the [gpu] extra).
+    sampler: Literal["speculative", "autoregressive", "vllm"] = "speculative"
+    samples_path: str | None = None  # source samples: rows of `opd gen-samples`
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSpec:
+        if self.source == "samples" and self.samples_path is None:
+            _issues(["samples_path: none with source samples (expected the jsonl file `opd gen-samples` wrote)"])
+        if self.source != "samples" and self.samples_path is not None:
+            _issues([f"samples_path: {self.samples_path} but source is {self.source} (expected source: samples, "
+                     "or no samples_path)"])
+        return self
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the scorer rebuilds the blocks from target samples (any source but the speculative decoder)."""
+        return self.source != "speculative"
+
+    @property
+    def settings(self) -> list[RolloutSampling]:
+        """The batches' sampling settings in turn: this one, then `mix` (batch i uses i mod their count)."""
+        own = RolloutSampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        return [own, *self.mix]
 
 
 class ReplaySpec(_Section):
@@ -509,6 +538,9 @@ class ExperimentSpec(_Section):
         if self.optim.batch_size % self.rollout.batch_size:
             issues.append(f"optim.batch_size: {self.optim.batch_size} is not a multiple of rollout.batch_size "
                           f"{self.rollout.batch_size} (a step trains on whole rollout batches)")
+        if self.rollout.rebuilt and self.replay.anchors == "random":
+            issues.append(f"replay.anchors: random with rollout.source {self.rollout.source} (expected error anchors: "
+                          "random anchors are redrafted by a speculative rollout's drafter)")
         _issues(issues)
         return self
 
@@ -545,7 +577,8 @@ def check_paths(spec: ExperimentSpec) -> list[str]:
     wanted = [("models.target_path", m.target_path, "model"),
               ("models.tokenizer_path", m.tokenizer_path if m.tokenizer_path != m.target_path else None, "dir"),
               ("models.drafter_path", m.drafter_path, "model"),
-              ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file")]
+              ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
+              ("rollout.samples_path", spec.rollout.samples_path, "file")]
     return [msg for field, path, kind in wanted
             if path is not None and (msg := _path_problem(field, Path(path), kind))]
 

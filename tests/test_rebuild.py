@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
@@ -35,12 +36,16 @@ def blocks(record) -> list[tuple[int, list[int], int]]:
     return list(zip(record.anchors, record.drafts, record.accepted))
 
 
+def texts(pairs):
+    return [SequenceRecord.from_text(i, prompt, response, EOS) for i, (prompt, response) in enumerate(pairs)]
+
+
 def decode_and_rebuild(target, drafter, sampling, *, max_new_tokens, seed=0, static_cache=False, batch_size=3,
                        anchors_per_chunk=5, eos_id=EOS, prompts=PROMPTS):
     decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, static_cache=static_cache)
     decoded = decoder.generate(prompts, sampling, max_new_tokens=max_new_tokens, seed=seed)
-    rebuilt = rebuild_records(target, drafter, [(r.prompt_ids, r.response_ids) for r in decoded], eos_id=eos_id,
-                              batch_size=batch_size, anchors_per_chunk=anchors_per_chunk)
+    samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, eos_id) for r in decoded]
+    rebuilt = rebuild_records(target, drafter, samples, batch_size=batch_size, anchors_per_chunk=anchors_per_chunk)
     return decoded, rebuilt
 
 
@@ -83,9 +88,9 @@ def test_walk_by_hand():
 
 def test_a_response_of_one_token_and_chunking_do_not_matter(target):
     drafter = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
-    samples = [([1, 2], [EOS]), ([3], [4, 5, 1, 2, 3, 4, 5, 0, 1]), ([2, 2, 2], [1, 2])]
-    one = rebuild_records(target, drafter, samples, eos_id=EOS, batch_size=1, anchors_per_chunk=1)
-    many = rebuild_records(target, drafter, samples, eos_id=EOS, batch_size=8, anchors_per_chunk=256)
+    samples = texts([([1, 2], [EOS]), ([3], [4, 5, 1, 2, 3, 4, 5, 0, 1]), ([2, 2, 2], [1, 2])])
+    one = rebuild_records(target, drafter, samples, batch_size=1, anchors_per_chunk=1)
+    many = rebuild_records(target, drafter, samples, batch_size=8, anchors_per_chunk=256)
     assert [blocks(r) for r in one] == [blocks(r) for r in many]
     assert blocks(one[0]) == [] and one[0].finish_reason == "eos" and one[1].finish_reason == "length"
 
@@ -93,9 +98,9 @@ def test_a_response_of_one_token_and_chunking_do_not_matter(target):
 def test_an_empty_prompt_or_response_is_one_error(target):
     drafter = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
     with pytest.raises(OpdError, match="rebuild sample 1: empty response"):
-        rebuild_records(target, drafter, [([1], [2, 3]), ([1], [])], eos_id=EOS)
+        rebuild_records(target, drafter, texts([([1], [2, 3]), ([1], [])]))
     with pytest.raises(OpdError, match="rebuild sample 0: empty prompt"):
-        rebuild_records(target, drafter, [([], [2, 3])], eos_id=EOS)
+        rebuild_records(target, drafter, texts([([], [2, 3])]))
 
 
 def _tiny_models():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+UNDRAFTED = -1  # the draft_version of a target sample whose blocks are still to be rebuilt (opd/rebuild.py)
+
 
 @dataclass
 class SequenceRecord:
@@ -26,6 +28,12 @@ class SequenceRecord:
     accepted: list[int] = field(default_factory=list)
     draft_version: int = 0
     finish_reason: str = ""  # "eos" or "length"
+
+    @classmethod
+    def from_text(cls, key: int, prompt_ids: list[int], response_ids: list[int], eos_id: int) -> SequenceRecord:
+        """A target sample without blocks: what any lossless sampler gives, before the rebuild."""
+        return cls(key=key, prompt_ids=list(prompt_ids), response_ids=list(response_ids), draft_version=UNDRAFTED,
+                   finish_reason="eos" if eos_id in response_ids else "length")
 
     def clip_to_response(self) -> None:
         """Apply the final-block rule: a block counts only the accepted drafts that lie inside the response.

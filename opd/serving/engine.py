@@ -51,14 +51,17 @@ def dflash_config(drafter_dir: str, block_size: int) -> dict:
     return {"method": "dflash", "model": drafter_dir, "num_speculative_tokens": block_size - 1}
 
 
-def sampling_params(sampling: Sampling, max_tokens: int) -> Any:
-    """Our sampling as vLLM's (our top_k 0 = off is vLLM's -1, which every vLLM version accepts)."""
+def sampling_params(sampling: Sampling, max_tokens: int, seed: int | None = None) -> Any:
+    """Our sampling as vLLM's (our top_k 0 = off is vLLM's -1, which every vLLM version accepts); `seed` makes
+    one request's sample reproducible whatever it is batched with."""
     return require_vllm("vLLM serving").SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, max_tokens=max_tokens)
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, max_tokens=max_tokens,
+        seed=seed)
 
 
 def generate(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
-    """Response token ids per prompt, prompts passed as token ids so vLLM sees exactly what the HF path sees.
+    """Response token ids per prompt (`params`: one SamplingParams for all, or one per prompt), prompts passed as
+    token ids so vLLM sees exactly what the HF path sees.
 
     vLLM keeps the eos token in `token_ids` when it stops on it, as `generate_autoregressive` does.
     """

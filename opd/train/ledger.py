@@ -39,8 +39,8 @@ class LedgerCounts:
 
 
 class Ledger:
-    """Hands out batch indices and keeps the account; `required(index)` is the oldest draft version that may
-    produce batch `index` (rollout.required_version), so a claim never outruns max_policy_lag."""
+    """Hands out batch indices and keeps the account; `required(index)` is the oldest published version with which
+    batch `index` may be started (rollout.claim_version), so a claim never outruns max_policy_lag."""
 
     def __init__(self, first_index: int, required: Callable[[int], int]) -> None:
         self.next, self.required = first_index, required

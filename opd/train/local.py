@@ -4,7 +4,8 @@ It is the reference the Ray path is tested against (with `max_policy_lag: 0` the
 easiest place to debug. Checkpoints carry everything needed to resume to the same state as an uninterrupted run.
 One step: `RolloutWorker.run` (opd/train/rollout.py) drafts `spec.batches_per_step` AnchorBatches, `Scorer`
 (opd/train/scorer.py) replays each through the target, `TrainingSession.train_step` (opd/train/session.py) takes
-the optimizer step, and the rollout's drafter copy adopts the newly published `WeightSnapshot`. One target serves
+the optimizer step, and the drafter copy that drafts adopts the newly published `WeightSnapshot`: rollout's, or
+with a rebuilt source (`rollout.source: target | samples`) the scorer's, which rebuilds the blocks. One target serves
 rollout, scorer, the session's shared embedding and LM head, and the `Evaluator` (opd/train/evaluator.py), which
 evaluates inline on a drafter copy of its own, as the Ray engine's evaluator actor does.
 """
@@ -41,7 +42,7 @@ class LocalTrainer:
                                        evals=InlineEvaluations(evaluator))
         prompts = train_prompts(spec.data, m.tokenizer)
         self.rollout = RolloutWorker(spec, m.target, copy_drafter(m.drafter), m.eos_id, prompts)
-        self.scorer = Scorer(spec, m.target)
+        self.scorer = Scorer(spec, m.target, copy_drafter(m.drafter) if spec.rollout.rebuilt else None)
         self.per_step = spec.batches_per_step
 
     @property
@@ -52,17 +53,21 @@ class LocalTrainer:
         step = self.session.step
         items = [self.scorer(self.rollout.run(step * self.per_step + j)) for j in range(self.per_step)]
         report = self.session.train_step(items)
-        snapshot = self.session.published
-        if snapshot.version != self.rollout.draft_version:
-            self.rollout.load_drafter(snapshot.verified().state, snapshot.version)
+        self._adopt_published()
         return report
+
+    def _adopt_published(self) -> None:
+        """Hand the newest published weights to whoever drafts: rollout's decoder, or the scorer that rebuilds."""
+        snapshot = self.session.published
+        drafts = self.scorer if self.spec.rollout.rebuilt else self.rollout
+        if snapshot.version != drafts.draft_version:
+            drafts.load_drafter(snapshot.verified().state, snapshot.version)
 
     def start(self, *, evaluate: bool = True) -> bool:
         """Start the session (resume, or evaluate the warm drafter as step 0 unless `evaluate` is False) and hand
         rollout the published weights; True when resumed."""
-        s = self.session
-        resumed = s.start(evaluate=evaluate)
-        self.rollout.load_drafter(s.published.verified().state, s.published.version)
+        resumed = self.session.start(evaluate=evaluate)
+        self._adopt_published()
         return resumed
 
     def run(self, *, stop_after: int | None = None) -> TrainResult:

@@ -1,4 +1,11 @@
-"""The rollout worker: target-assisted speculative decoding over the prompt pool, emitting `AnchorBatch`es.
+"""The rollout worker: target samples of the prompt pool, emitting `AnchorBatch`es.
+
+Where the samples come from is `rollout.source`:
+- `speculative` (the paper's path): target-assisted speculative decoding with a drafter copy that adopts every
+  broadcast; the records carry the blocks it drafted, stamped with its version;
+- `target`: any lossless sampler of the target (opd/target_sampler.py); the records carry the text only
+  (`draft_version` -1) and the scorer rebuilds the blocks with the newest drafter (opd/rebuild.py);
+- `samples`: the same, read from a stored sample file (opd/samples.py); no model is needed here.
 
 The data cursor is just the rollout batch index: batch i always holds the same prompts (epochs are reshuffled
 with a seeded permutation), so a resumed run or a restarted actor re-produces exactly what it would have.
@@ -10,12 +17,14 @@ import torch
 
 from opd.anchors import redraft_at_random_anchors
 from opd.data import Prompt, prompt_key
-from opd.decoding.record import SequenceRecord
+from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
+from opd.samples import SampleFile
+from opd.target_sampler import build_sampler, decode_flops
 from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch
 
@@ -30,28 +39,56 @@ def required_version(index: int, spec: ExperimentSpec) -> int:
     return max(0, -(-(step - r.max_policy_lag) // r.broadcast_every) * r.broadcast_every)
 
 
+def claim_version(index: int, spec: ExperimentSpec) -> int:
+    """The oldest published version with which rollout may start batch `index`. A speculative rollout drafts it,
+    so that is `required_version`. A rebuilt one only samples the target: the scorer applies max_policy_lag when
+    it rebuilds (`required_version` again, waiting there if it must), so rollout may run `queue_size` batches
+    further ahead, which bounds what waits at the scorer."""
+    if not spec.rollout.rebuilt:
+        return required_version(index, spec)
+    return required_version(max(0, index - spec.resources.queue_size), spec)
+
+
 def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
     """How batch `index` is decoded: the rollout's own setting, or in turn each of `rollout.mix`."""
-    settings = [spec.rollout, *spec.rollout.mix]
-    s = settings[index % len(settings)]
-    return Sampling.of(s)
+    settings = spec.rollout.settings
+    return Sampling.of(settings[index % len(settings)])
+
+
+def rollout_needs_models(spec: ExperimentSpec) -> bool:
+    """Whether rollout holds the HF target (and a drafter): not for stored samples or vLLM's own engine."""
+    r = spec.rollout
+    return r.source == "speculative" or (r.source == "target" and r.sampler != "vllm")
 
 
 class RolloutWorker:
-    def __init__(self, spec: ExperimentSpec, target: Target, drafter: DFlashDrafter, eos_id: int,
+    """`target` and `drafter` are None when `rollout_needs_models` says so; with `rollout.source: target` the
+    drafter is the sampler's, never updated."""
+
+    def __init__(self, spec: ExperimentSpec, target: Target | None, drafter: DFlashDrafter | None, eos_id: int,
                  prompts: list[Prompt], draft_version: int = 0) -> None:
-        self.spec, self.prompts = spec, prompts
-        self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
-                                          static_cache=spec.rollout.static_cache)
-        self._target_params, self._drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
+        self.spec, self.prompts, self.eos_id = spec, prompts, eos_id
+        source = spec.rollout.source
+        self.decoder = self.sampler = self.samples = None
+        if source == "speculative":
+            self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
+                                              static_cache=spec.rollout.static_cache)
+            self._target_params, self._drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
+        elif source == "target":
+            self.sampler = build_sampler(spec, spec.rollout.sampler, target, drafter, eos_id)
+        else:
+            self.samples = SampleFile(spec, prompts)
         self._perms: dict[int, list[int]] = {}
 
     @property
     def draft_version(self) -> int:
-        return self.decoder.draft_version
+        """The weights this worker drafts with (UNDRAFTED when the scorer rebuilds the blocks)."""
+        return self.decoder.draft_version if self.decoder else UNDRAFTED
 
     def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.decoder.load_drafter(state_dict, version)
+        """Adopt broadcast weights; a worker that only samples the target ignores them."""
+        if self.decoder:
+            self.decoder.load_drafter(state_dict, version)
 
     def prompts_for(self, index: int) -> list[tuple[Prompt, int]]:
         """The (prompt, epoch) pairs of rollout batch `index`."""
@@ -67,11 +104,21 @@ class RolloutWorker:
 
     def run(self, index: int) -> AnchorBatch:
         chosen = self.prompts_for(index)
-        records = self.decoder.generate(
-            [p.ids for p, _ in chosen], rollout_sampling(self.spec, index),
-            max_new_tokens=self.spec.rollout.max_new_tokens, seed=self.spec.seed * 7919 + index,
-            keys=[prompt_key(p.id, e) for p, e in chosen])
-        flops = self._decode_flops(records)
+        prompts, keys = [p.ids for p, _ in chosen], [prompt_key(p.id, e) for p, e in chosen]
+        sampling, seed = rollout_sampling(self.spec, index), self.spec.seed * 7919 + index
+        max_new = self.spec.rollout.max_new_tokens
+        if self.decoder is None:
+            if self.sampler:
+                drawn = self.sampler(prompts, sampling, max_new, seed, keys)
+                responses, flops = drawn.responses, drawn.flops
+            else:  # stored samples cost this run nothing
+                setting = index % len(self.spec.rollout.settings)
+                responses, flops = [self.samples.response(p, setting, e) for p, e in chosen], FlopCounter()
+            records = [SequenceRecord.from_text(key, prompt, response, self.eos_id)
+                       for key, prompt, response in zip(keys, prompts, responses)]
+            return AnchorBatch(index, UNDRAFTED, records, flops)
+        records = self.decoder.generate(prompts, sampling, max_new_tokens=max_new, seed=seed, keys=keys)
+        flops = decode_flops(records, self._target_params, self._drafter_params)
         if self.spec.replay.anchors == "random":
             records = self._redraft(records, index, flops)
         return AnchorBatch(index, self.draft_version, records, flops)
@@ -89,11 +136,3 @@ class RolloutWorker:
                 context=committed, blocks=len(rec.anchors), slots=len(rec.anchors) * (drafter.block_size - 1))
         return out
 
-    def _decode_flops(self, records: list[SequenceRecord]) -> FlopCounter:
-        flops, k = FlopCounter(), self.decoder.drafter.block_size
-        for rec in records:  # logits at every prefill and verified position; the drafter's cache takes them all
-            seen = len(rec.prompt_ids) + k * rec.num_steps
-            flops.target_forward += self._target_params.forward(seen, logits=seen)
-            flops.drafter_forward += self._drafter_params.forward(context=seen, blocks=rec.num_steps,
-                                                                  slots=(k - 1) * rec.num_steps)
-        return flops

@@ -1,5 +1,10 @@
 """The scorer: teacher replay of whole rollout batches (`AnchorBatch` in, `ScoredItem` out).
 
+With a rebuilt rollout source (`rollout.source: target | samples`) the batch arrives as target samples only, and
+the scorer first rebuilds its blocks (opd/rebuild.py) with the drafter it owns, which adopts every published
+version: the batch's `draft_version` is then the scorer's, so its policy lag is measured where the blocks are
+made and rollout never waits for weights. The rebuild's cost is counted with the batch's production FLOPs.
+
 The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
 teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
 setting (opd/expected_acceptance.py): the LM head over the drafted slots, ~5% of the replay forward's FLOPs at
@@ -8,27 +13,56 @@ Qwen3-8B shapes (2048-token response, τ 6). It is monitoring, so `scorer_flops`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from opd.decoding.record import UNDRAFTED
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
 from opd.decoding.record import SequenceRecord
+from opd.models.drafter import DFlashDrafter
+from opd.rebuild import rebuild_records
 from opd.replay import pack, replay_mode, score_micro_batches
 from opd.spec import ExperimentSpec
-from opd.train.flops import TargetParams
+from opd.train.flops import DrafterParams, TargetParams
 from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
 
 
 class Scorer:
-    """Teacher replay of whole rollout batches, with the FLOPs it cost."""
+    """Teacher replay of whole rollout batches, with the FLOPs it cost. `drafter` (rebuilt sources only) is the
+    scorer's own copy: `load_drafter` swaps in published weights."""
 
-    def __init__(self, spec: ExperimentSpec, target) -> None:
-        self.spec, self.target = spec, target
+    def __init__(self, spec: ExperimentSpec, target, drafter: DFlashDrafter | None = None) -> None:
+        self.spec, self.target, self.drafter = spec, target, drafter
         self.params = TargetParams.of(target.model)
+        self.draft_version = UNDRAFTED
+        if spec.rollout.rebuilt and drafter is None:
+            raise ValueError(f"rollout.source {spec.rollout.source} needs the scorer's drafter")
+
+    def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Adopt published weights (every tensor copied before the version changes)."""
+        self.drafter.load_state_dict(state_dict)
+        self.draft_version = version
 
     def __call__(self, batch: AnchorBatch) -> ScoredItem:
+        if self.spec.rollout.rebuilt:
+            batch = self.rebuild(batch)
         micro = score_micro_batches(self.target, batch, self.spec)
         return ScoredItem(batch, micro, scorer_flops=self.replay_flops(batch.records, micro),
                           acceptance=self.expected_acceptance(batch, micro))
+
+    def rebuild(self, batch: AnchorBatch) -> AnchorBatch:
+        """The batch's blocks as the current drafter would have drafted them, stamped with its version; the cost
+        (the target's features of the text, a block drafted at every response position) added to the batch's."""
+        records = rebuild_records(self.target, self.drafter, batch.records, draft_version=self.draft_version,
+                                  batch_size=self.spec.optim.micro_batch_size)
+        flops = replace(batch.flops)
+        drafter, k = DrafterParams.of(self.drafter), self.drafter.block_size
+        for rec in records:
+            text, anchors = len(rec.prompt_ids) + len(rec.response_ids), len(rec.response_ids) - 1
+            flops.target_forward += self.params.forward(text)
+            flops.drafter_forward += drafter.forward(context=text, blocks=anchors, slots=anchors * (k - 1))
+        return AnchorBatch(batch.index, self.draft_version, records, flops)
 
     def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
         """The teacher's FLOPs (opd/train/flops.py): every packed token (the committed prefix and every drafted

@@ -1,0 +1,136 @@
+"""`rollout.source`: speculative (the paper's path), target (any lossless sampler, blocks rebuilt by the scorer)
+and samples (a stored sample file), through the local trainer and `opd gen-samples`. The Ray path is in
+tests/test_ray.py, on its shared cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from opd.cli import main
+from opd.data import load_tokenizer, train_prompts
+from opd.errors import OpdError
+from opd.samples import SampleFile, run_gen_samples, samples_needed
+from opd.spec import load_spec
+from opd.train.local import LocalTrainer
+
+
+def spec_for(micro_spec_file, tmp_path, name: str, *sets: str):
+    return load_spec(micro_spec_file, ["steps=3", "eval.every=0", f"tracking.run_dir={tmp_path / name}", *sets])
+
+
+def losses(spec) -> list[float]:
+    return LocalTrainer(spec, track=False).run().losses
+
+
+def sample_file(micro_spec_file, tmp_path, *sets: str, count: int = 1, engine: str | None = None) -> str:
+    path = tmp_path / "samples.jsonl"
+    spec = spec_for(micro_spec_file, tmp_path, "gen", *sets)
+    assert run_gen_samples(spec, engine, count, str(path)) == 0
+    return str(path)
+
+
+def test_greedy_rollouts_train_identically_from_every_source(micro_spec_file, tmp_path):
+    """A greedy target sample is the same text whoever draws it, and the scorer rebuilds exactly the blocks the
+    speculative rollout records with the same weights: every source takes the same steps."""
+    greedy = "rollout.temperature=0"
+    reference = losses(spec_for(micro_spec_file, tmp_path, "speculative", greedy))
+    path = sample_file(micro_spec_file, tmp_path, greedy, engine="autoregressive")
+    for name, sets in {"target-speculative": ["rollout.source=target"],
+                       "target-autoregressive": ["rollout.source=target", "rollout.sampler=autoregressive"],
+                       "samples": ["rollout.source=samples", f"rollout.samples_path={path}"]}.items():
+        assert losses(spec_for(micro_spec_file, tmp_path, name, greedy, *sets)) == pytest.approx(
+            reference, rel=1e-6), name
+
+
+def test_sampled_target_rollouts_are_rebuilt_with_the_newest_drafter(micro_spec_file, tmp_path):
+    """T=1: the rollout samples with the warm drafter it never updates; the scorer rebuilds every batch with the
+    version published by the step before, so no batch lags, and the rebuilt blocks are real ones."""
+    spec = spec_for(micro_spec_file, tmp_path, "sampled", "rollout.source=target")
+    trainer = LocalTrainer(spec, track=False)
+    trainer.start()
+    warm = {k: v.clone() for k, v in trainer.rollout.sampler.decoder.drafter.state_dict().items()}
+    for step in range(3):
+        report = trainer.train_step()
+        assert report.metrics["policy_lag"] == 0
+        assert trainer.scorer.draft_version == step + 1
+    batch = trainer.scorer(trainer.rollout.run(6))
+    assert batch.batch.draft_version == 3 and all(r.anchors and r.anchors[0] == 0 for r in batch.batch.records)
+    assert all(torch.equal(v, warm[k]) for k, v in trainer.rollout.sampler.decoder.drafter.state_dict().items())
+
+
+def test_gen_samples_resumes_and_counts_what_the_budget_needs(micro_spec_file, tmp_path):
+    path = sample_file(micro_spec_file, tmp_path, count=1)
+    rows = [json.loads(line) for line in open(path)]
+    assert len(rows) == 40 and {r["sample"] for r in rows} == {0}
+    assert rows[0]["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    sample_file(micro_spec_file, tmp_path, count=2)  # only sample 1 of each prompt is added
+    rows = [json.loads(line) for line in open(path)]
+    assert len(rows) == 80 and rows[:40] == [json.loads(line) for line in open(path)][:40]
+    # 12 steps x 4 prompts = 48 draws of 40 prompts reach epoch 1: two samples each; a greedy setting needs one
+    long = spec_for(micro_spec_file, tmp_path, "long", "steps=12", "rollout.mix=[{temperature: 0}]")
+    assert samples_needed(long, 40) == [2, 1]
+
+
+def test_mixed_settings_read_their_own_samples(micro_spec_file, tmp_path):
+    mix = "rollout.mix=[{temperature: 0.0}]"
+    path = sample_file(micro_spec_file, tmp_path, mix, count=1)
+    spec = spec_for(micro_spec_file, tmp_path, "mixed", mix, "rollout.source=samples", f"rollout.samples_path={path}")
+    trainer = LocalTrainer(spec, track=False)
+    rows = [json.loads(line) for line in open(path)]
+    by = {(r["sampling"]["temperature"], r["id"]): r["response_ids"] for r in rows}
+    for index in (0, 1):
+        batch = trainer.rollout.run(index)
+        temperature = [1.0, 0.0][index % 2]
+        for (prompt, _), rec in zip(trainer.rollout.prompts_for(index), batch.records):
+            assert rec.response_ids == by[(temperature, prompt.id)] and rec.anchors == []
+    assert losses(spec)  # and it trains
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda row: row.update(sampling={"temperature": 0.7, "top_p": 1.0, "top_k": 0}),
+     "line 1: sampled at temperature 0.7, top_p 1, top_k 0, not a setting of this run's batches"),
+    (lambda row: row.update(id="nobody"), "line 1: prompt id 'nobody' is not in data.train_prompts"),
+    (lambda row: row.update(prompt_ids=[1, 2]), "line 1: prompt .* has other prompt_ids than this run renders"),
+    (lambda row: row.pop("sample"), "line 1: not a sample row"),
+])
+def test_a_bad_sample_file_is_one_error_before_any_model_loads(micro_spec_file, tmp_path, capsys, edit, message):
+    path = sample_file(micro_spec_file, tmp_path)
+    rows = [json.loads(line) for line in open(path)]
+    edit(rows[0])
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["validate", str(micro_spec_file), "--set", "rollout.source=samples",
+                 "--set", f"rollout.samples_path={tmp_path / 'bad.jsonl'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: rollout.samples_path: "), err
+    assert re.search(message, err[0]), err
+
+
+def test_too_few_sampled_samples_name_the_count_needed(micro_spec_file, tmp_path):
+    path = sample_file(micro_spec_file, tmp_path, count=1)
+    spec = spec_for(micro_spec_file, tmp_path, "long", "steps=12", "rollout.source=samples",
+                    f"rollout.samples_path={path}")
+    pool = train_prompts(spec.data, load_tokenizer(spec.models.tokenizer))
+    with pytest.raises(OpdError, match="has 1 sample.* but the step budget needs 2 per prompt; sampled samples may "
+                                       "not repeat across epochs .expected `opd gen-samples --samples 2`"):
+        SampleFile(spec, pool)
+    greedy = sample_file(micro_spec_file, tmp_path / "g", "rollout.temperature=0")
+    SampleFile(spec.model_copy(update={"rollout": spec.rollout.model_copy(
+        update={"temperature": 0.0, "samples_path": greedy})}), pool)  # greedy samples repeat across epochs
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["rollout.source=samples"], "samples_path: none with source samples"),
+    (["rollout.samples_path=x.jsonl"], "samples_path: x.jsonl but source is speculative"),
+    (["rollout.source=target", "replay.anchors=random"], "replay.anchors: random with rollout.source target"),
+])
+def test_source_spec_errors_are_one_line(micro_spec_file, capsys, sets, message):
+    args = ["validate", str(micro_spec_file), "--no-path-check"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
