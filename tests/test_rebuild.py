@@ -17,7 +17,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import load_target
-from opd.rebuild import rebuild_records, walk
+from opd.rebuild import matching_prefix, rebuild_records
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK = 6, 7
@@ -41,11 +41,11 @@ def texts(pairs):
 
 
 def decode_and_rebuild(target, drafter, sampling, *, max_new_tokens, seed=0, static_cache=False, batch_size=3,
-                       anchors_per_chunk=5, eos_id=EOS, prompts=PROMPTS):
+                       eos_id=EOS, prompts=PROMPTS):
     decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, static_cache=static_cache)
     decoded = decoder.generate(prompts, sampling, max_new_tokens=max_new_tokens, seed=seed)
     samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, eos_id) for r in decoded]
-    rebuilt = rebuild_records(target, drafter, samples, batch_size=batch_size, anchors_per_chunk=anchors_per_chunk)
+    rebuilt = rebuild_records(target, drafter, samples, batch_size=batch_size)
     return decoded, rebuilt
 
 
@@ -77,20 +77,19 @@ def test_the_micro_cases_cover_both_endings(target):
     assert accepted == {0, 1}
 
 
-def test_walk_by_hand():
-    """K−1 = 3; anchor 0's draft matches 2 tokens, so the next anchor is 3; its draft matches 0, next 4; the last
-    block's draft runs past the response end and counts only the response tokens it matches."""
-    response = [9, 1, 2, 7, 5, 6]
-    drafts_at = [[1, 2, 3], [0, 0, 0], [0, 0, 0], [8, 8, 8], [6, 4, 4]]
-    assert walk(response, drafts_at) == ([0, 3, 4], [[1, 2, 3], [8, 8, 8], [6, 4, 4]], [2, 0, 1])
-    assert walk([9], []) == ([], [], [])  # eos first or max_new_tokens 1: nothing drafted
+def test_matching_prefix_by_hand():
+    """Drafts are accepted up to the first mismatch; a draft that runs past the response end counts only the
+    response tokens it matches."""
+    assert matching_prefix([1, 2, 3], [1, 2, 7]) == 2
+    assert matching_prefix([8, 8, 8], [5, 6, 1]) == 0
+    assert matching_prefix([6, 4, 4], [6]) == 1 and matching_prefix([6], []) == 0
 
 
 def test_a_response_of_one_token_and_chunking_do_not_matter(target):
     drafter = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
     samples = texts([([1, 2], [EOS]), ([3], [4, 5, 1, 2, 3, 4, 5, 0, 1]), ([2, 2, 2], [1, 2])])
-    one = rebuild_records(target, drafter, samples, batch_size=1, anchors_per_chunk=1)
-    many = rebuild_records(target, drafter, samples, batch_size=8, anchors_per_chunk=256)
+    one = rebuild_records(target, drafter, samples, batch_size=1)
+    many = rebuild_records(target, drafter, samples, batch_size=8)
     assert [blocks(r) for r in one] == [blocks(r) for r in many]
     assert blocks(one[0]) == [] and one[0].finish_reason == "eos" and one[1].finish_reason == "length"
 
@@ -121,7 +120,7 @@ def test_rebuild_on_the_shipped_tiny_models():
     finishes, accepted, unrejected_ends = set(), set(), 0
     for sampling in (Sampling(), Sampling(0.6, top_k=20, top_p=0.95)):
         decoded, rebuilt = decode_and_rebuild(target, drafter, sampling, max_new_tokens=48, eos_id=EOS_TINY,
-                                              prompts=prompts, batch_size=4, anchors_per_chunk=16)
+                                              prompts=prompts, batch_size=4)
         for dec, reb in zip(decoded, rebuilt):
             assert blocks(reb) == blocks(dec)
             finishes.add(dec.finish_reason)

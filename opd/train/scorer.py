@@ -24,8 +24,19 @@ from opd.models.drafter import DFlashDrafter
 from opd.rebuild import rebuild_records
 from opd.replay import pack, replay_mode, score_micro_batches
 from opd.spec import ExperimentSpec
-from opd.train.flops import DrafterParams, TargetParams
+from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
+
+
+def rebuild_flops(records: list[SequenceRecord], target: TargetParams, drafter: DrafterParams) -> FlopCounter:
+    """What `rebuild_records` costs: the target's decoder over each text (features only), the drafter's context
+    cache over it once, and one drafted block per walked anchor with K−1 LM-head slots (opd/rebuild.py)."""
+    flops, k = FlopCounter(), drafter.block_size
+    for rec in records:
+        text = len(rec.prompt_ids) + len(rec.response_ids)
+        flops.target_forward += target.forward(text)
+        flops.drafter_forward += drafter.forward(context=text, blocks=rec.num_steps, slots=rec.num_steps * (k - 1))
+    return flops
 
 
 class Scorer:
@@ -56,12 +67,9 @@ class Scorer:
         (the target's features of the text, a block drafted at every response position) added to the batch's."""
         records = rebuild_records(self.target, self.drafter, batch.records, draft_version=self.draft_version,
                                   batch_size=self.spec.optim.micro_batch_size)
-        flops = replace(batch.flops)
-        drafter, k = DrafterParams.of(self.drafter), self.drafter.block_size
-        for rec in records:
-            text, anchors = len(rec.prompt_ids) + len(rec.response_ids), len(rec.response_ids) - 1
-            flops.target_forward += self.params.forward(text)
-            flops.drafter_forward += drafter.forward(context=text, blocks=anchors, slots=anchors * (k - 1))
+        cost = rebuild_flops(records, self.params, DrafterParams.of(self.drafter))
+        flops = replace(batch.flops, target_forward=batch.flops.target_forward + cost.target_forward,
+                        drafter_forward=batch.flops.drafter_forward + cost.drafter_forward)
         return AnchorBatch(batch.index, self.draft_version, records, flops)
 
     def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
