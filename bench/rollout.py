@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--projection-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    console, out = Console(), {"assumptions": {"decode_mfu": args.decode_mfu, "prefill_mfu": args.prefill_mfu,
+    console, out = Console(width=160), {"assumptions": {"decode_mfu": args.decode_mfu, "prefill_mfu": args.prefill_mfu,
                                                "h200_bf16_dense_flops": H200_BF16_DENSE, "paper": PAPER}}
     if not args.projection_only:
         out["cpu"] = {name: measure(args.config, sets, args.batches) for name, sets in SOURCES.items()}

@@ -97,7 +97,7 @@ def main() -> None:
                 rows.append({"config": Path(config).stem, "source": source, "seed": seed, "gain": gains(s),
                              "tau_after": {a["sampling"]: a["tau"] for a in s["after"]}, "minutes": s["minutes"]})
     summary = aggregate(rows)
-    Console().print(table(summary))
+    Console(width=160).print(table(summary))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"runs": rows, "summary": summary}, indent=2) + "\n")
     (RESULTS / f"{args.out}.md").write_text(markdown(summary))

@@ -66,7 +66,7 @@ class Scorer:
         """The batch's blocks as the current drafter would have drafted them, stamped with its version; the cost
         (the target's features of the text, a block drafted at every response position) added to the batch's."""
         records = rebuild_records(self.target, self.drafter, batch.records, draft_version=self.draft_version,
-                                  batch_size=self.spec.optim.micro_batch_size)
+                                  batch_size=self.spec.rollout.batch_size)
         cost = rebuild_flops(records, self.params, DrafterParams.of(self.drafter))
         flops = replace(batch.flops, target_forward=batch.flops.target_forward + cost.target_forward,
                         drafter_forward=batch.flops.drafter_forward + cost.drafter_forward)
