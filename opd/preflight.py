@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from opd.data import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.errors import OpdError
-from opd.samples import SampleFile
+from opd.samples import SampleStore
 from opd.spec import ExperimentSpec
 
 
@@ -40,7 +40,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":
-        SampleFile(spec, prompts)  # settings, prompt ids and enough samples for the step budget
+        SampleStore(spec, prompts).check_budget(spec)  # prompt ids and enough samples for the step budget
     return prompts[0]
 
 

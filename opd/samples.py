@@ -15,8 +15,10 @@ repeated sample is not a fresh draw from the target), so the file must hold as m
 
 from __future__ import annotations
 
+import fcntl
 import json
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from opd.data import Prompt, prompt_key
@@ -24,8 +26,9 @@ from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, RolloutSampling
+from opd.train.flops import FlopCounter
 
-GEN_CHUNK = 64  # prompts per sampler call while writing; the file is flushed after each
+GEN_CHUNK = 64  # samples per sampler call while filling a file; the file is flushed after each
 
 
 def setting_key(setting: RolloutSampling | Sampling | dict) -> tuple[float, float, int]:
@@ -53,50 +56,71 @@ def samples_needed(spec: ExperimentSpec, num_prompts: int) -> list[int]:
     return out
 
 
-class SampleFile:
-    """The rows of a sample file, checked against a run's prompts, settings and step budget on load."""
+@dataclass
+class StoredSample:
+    response: list[int]
+    flops: FlopCounter  # what drawing it cost; a run that trains on it is charged this
+
+
+@dataclass
+class Wanted:
+    """One sample a batch reads: `prompt` at rollout setting `setting` (an index into `rollout.settings`), draw `j`."""
+
+    prompt: Prompt
+    setting: int
+    j: int
+
+
+# samples at one setting -> their responses and what each cost
+Draw = Callable[[list[Wanted]], tuple[list[list[int]], list[FlopCounter]]]
+
+
+def wanted(spec: ExperimentSpec, prompt: Prompt, setting: int, epoch: int) -> Wanted:
+    """The sample a batch reads for `prompt` at `setting` in `epoch`: a greedy sample serves every epoch."""
+    return Wanted(prompt, setting, 0 if spec.rollout.settings[setting].temperature == 0 else epoch)
+
+
+class SampleStore:
+    """The rows of one sample file that a run can use: those at its rollout settings, checked against its prompt
+    pool. Rows at other settings are skipped, so one file can serve runs with different settings. With a `Draw`,
+    `fetch` draws what the file lacks and appends it (a cache shared by every run that names the file)."""
 
     def __init__(self, spec: ExperimentSpec, prompts: list[Prompt]) -> None:
         self.path = Path(spec.rollout.samples_path)
         self.settings = [setting_key(s) for s in spec.rollout.settings]
-        self.rows: dict[tuple[tuple[float, float, int], str, int], list[int]] = {}
-        pool = {p.id: p for p in prompts}
-        for line_no, row in _rows(self.path):
-            key = self._check_row(row, line_no, pool)
-            self.rows[(key, row["id"], row["sample"])] = row["response_ids"]
-        self._check_counts(samples_needed(spec, len(prompts)), prompts)
+        self.pool = {p.id: p for p in prompts}
+        self.rows: dict[tuple[tuple[float, float, int], str, int], StoredSample] = {}
+        self._read = self._lines = 0  # bytes and lines of the file already read
+        self.refresh()
 
-    def response(self, prompt: Prompt, setting: int, epoch: int) -> list[int]:
-        """The response batch `setting` reads for `prompt` in `epoch` (greedy: sample 0 every epoch)."""
-        key = self.settings[setting]
-        return self.rows[(key, prompt.id, 0 if key[0] == 0 else epoch)]
+    def fetch(self, wanted: list[Wanted], draw: Draw | None = None) -> list[StoredSample]:
+        """The stored samples of `wanted`, in order. With `draw`, missing ones are drawn and appended first, under
+        an exclusive lock on the file, so processes that share it never draw a sample twice."""
+        if draw is not None and self._missing(wanted):
+            with self.path.open("a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+                self._drop_partial_line(f)
+                self.refresh()
+                for group in _grouped(self._missing(wanted)):
+                    responses, costs = draw(group)
+                    for w, response, cost in zip(group, responses, costs):
+                        row = {"id": w.prompt.id, "prompt_ids": w.prompt.ids, "response_ids": response,
+                               "sampling": dict(zip(("temperature", "top_p", "top_k"), self.settings[w.setting])),
+                               "sample": w.j, "flops": asdict(cost)}
+                        f.write(json.dumps(row) + "\n")
+                        self.rows[self._key(w)] = StoredSample(response, cost)
+                    f.flush()
+                self._read = f.tell()
+        if missing := self._missing(wanted):
+            w = missing[0]
+            raise OpdError(f"rollout.samples_path: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
+                           f"{describe(self.settings[w.setting])} (expected `opd gen-samples` to have drawn it)")
+        return [self.rows[self._key(w)] for w in wanted]
 
-    def _check_row(self, row: dict, line_no: int, pool: dict[str, Prompt]) -> tuple[float, float, int]:
-        where = f"rollout.samples_path: {self.path} line {line_no}"
-        try:
-            key = setting_key(row["sampling"])
-            ok = isinstance(row["response_ids"], list) and row["response_ids"] and isinstance(row["sample"], int)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            ok = False
-        if not ok:
-            raise OpdError(f"{where}: not a sample row (expected id, prompt_ids, response_ids, sampling "
-                           "{temperature, top_p, top_k} and sample, as `opd gen-samples` writes)")
-        if key not in self.settings:
-            wanted = "; ".join(describe(k) for k in self.settings)
-            raise OpdError(f"{where}: sampled at {describe(key)}, not a setting of this run's batches "
-                           f"(expected {wanted}: rollout and rollout.mix)")
-        prompt = pool.get(row["id"])
-        if prompt is None:
-            raise OpdError(f"{where}: prompt id {row['id']!r} is not in data.train_prompts (expected samples of "
-                           "this run's prompt pool)")
-        if row.get("prompt_ids") != prompt.ids:
-            raise OpdError(f"{where}: prompt {row['id']!r} has other prompt_ids than this run renders (expected the "
-                           "same data.render, enable_thinking and tokenizer as the run that drew it)")
-        return key
-
-    def _check_counts(self, needed: list[int], prompts: list[Prompt]) -> None:
-        for key, count in zip(self.settings, needed):
-            for prompt in prompts:
+    def check_budget(self, spec: ExperimentSpec) -> None:
+        """Every prompt has the samples the step budget reads at every setting, or one error naming the count."""
+        for s, (key, count) in enumerate(zip(self.settings, samples_needed(spec, len(self.pool)))):
+            for prompt in self.pool.values():
                 have = sum((key, prompt.id, j) in self.rows for j in range(count))
                 if have < count:
                     rule = "" if key[0] == 0 else "; sampled samples may not repeat across epochs"
@@ -104,66 +128,98 @@ class SampleFile:
                                    f"at {describe(key)}, but the step budget needs {count} per prompt{rule} "
                                    f"(expected `opd gen-samples --samples {count}`)")
 
-
-def _rows(path: Path):
-    """(line number, parsed row) of every non-empty line, or an OpdError naming the first unreadable one."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise OpdError(f"rollout.samples_path: {path} cannot be read ({exc.strerror}; expected a jsonl file)") from None
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    def refresh(self) -> None:
+        """Read the complete lines appended since the last read (other processes may be filling the file)."""
+        if not self.path.exists():
+            return
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise OpdError(f"rollout.samples_path: {path} line {line_no} is not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise OpdError(f"rollout.samples_path: {path} line {line_no} is not a JSON object")
-        yield line_no, row
+            with self.path.open("rb") as f:
+                f.seek(self._read)
+                data = f.read()
+        except OSError as exc:
+            raise OpdError(f"rollout.samples_path: {self.path} cannot be read ({exc.strerror}; expected a jsonl "
+                           "file)") from None
+        complete = data[: data.rfind(b"\n") + 1]
+        for line in complete.decode().splitlines():
+            self._lines += 1
+            if line.strip():
+                self._add(_parse(line, self.path, self._lines), self._lines)
+        self._read += len(complete)
+
+    def _add(self, row: dict, line_no: int) -> None:
+        where = f"rollout.samples_path: {self.path} line {line_no}"
+        try:
+            key = setting_key(row["sampling"])
+            ok = (isinstance(row["response_ids"], list) and row["response_ids"] and isinstance(row["sample"], int)
+                  and isinstance(row["id"], str))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise OpdError(f"{where}: not a sample row (expected id, prompt_ids, response_ids, sampling "
+                           "{temperature, top_p, top_k} and sample, as `opd gen-samples` writes)")
+        if key not in self.settings:
+            return  # another run's setting
+        prompt = self.pool.get(row["id"])
+        if prompt is None:
+            raise OpdError(f"{where}: prompt id {row['id']!r} is not in data.train_prompts (expected samples of "
+                           "this run's prompt pool)")
+        if row.get("prompt_ids") != prompt.ids:
+            raise OpdError(f"{where}: prompt {row['id']!r} has other prompt_ids than this run renders (expected the "
+                           "same data.render, enable_thinking and tokenizer as the run that drew it)")
+        self.rows[(key, row["id"], row["sample"])] = StoredSample(row["response_ids"],
+                                                                   FlopCounter(**row.get("flops", {})))
+
+    def _key(self, w: Wanted) -> tuple[tuple[float, float, int], str, int]:
+        return self.settings[w.setting], w.prompt.id, w.j
+
+    def _missing(self, wanted: list[Wanted]) -> list[Wanted]:
+        """The wanted samples the file lacks, each once."""
+        return list({self._key(w): w for w in wanted if self._key(w) not in self.rows}.values())
+
+    def _drop_partial_line(self, f) -> None:
+        """A writer killed mid-line leaves a fragment; cut it (under the lock, nobody else is writing)."""
+        size = f.seek(0, 2)
+        if size:
+            with self.path.open("rb") as r:
+                data = r.read()
+            f.truncate(data.rfind(b"\n") + 1)
+            f.seek(0, 2)
 
 
-def write_samples(spec: ExperimentSpec, prompts: list[Prompt], out: Path, count: int,
-                  sample: Callable[[list[Prompt], Sampling, int], list[list[int]]]) -> int:
-    """Append `count` samples of every prompt at every rollout setting (1 for greedy ones) to `out`, skipping the
-    rows it already holds, so an interrupted run continues where it stopped. `sample(prompts, sampling, j)`
-    draws sample j (keyed by prompt_key(id, j)). Returns the number of rows the file then holds."""
-    done = {(setting_key(r["sampling"]), r["id"], r["sample"]) for _, r in _rows(out)} if out.exists() else set()
-    jobs = [(setting, j, p) for setting in spec.rollout.settings
-            for j in range(1 if setting.temperature == 0 else count) for p in prompts]
-    todo = [job for job in jobs if (setting_key(job[0]), job[2].id, job[1]) not in done]
-    with progress_bar() as bar, out.open("a") as f:
-        task = bar.add_task("target samples", total=len(jobs), completed=len(jobs) - len(todo))
-        for start in range(0, len(todo), GEN_CHUNK):
-            part = todo[start : start + GEN_CHUNK]
-            for (setting, j), group in _grouped(part):
-                for p, response in zip(group, sample(group, Sampling.of(setting), j)):
-                    row = {"id": p.id, "prompt_ids": p.ids, "response_ids": response,
-                           "sampling": setting.model_dump(), "sample": j}
-                    f.write(json.dumps(row) + "\n")
-            f.flush()
-            bar.update(task, advance=len(part))
-    return len(jobs)
+def _parse(line: str, path: Path, line_no: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise OpdError(f"rollout.samples_path: {path} line {line_no} is not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise OpdError(f"rollout.samples_path: {path} line {line_no} is not a JSON object")
+    return row
 
 
-def _grouped(jobs: list[tuple[RolloutSampling, int, Prompt]]) -> list[tuple[tuple[RolloutSampling, int], list[Prompt]]]:
-    """Consecutive jobs with one (setting, sample) share a sampler call."""
-    out: list[tuple[tuple[RolloutSampling, int], list[Prompt]]] = []
-    for setting, j, p in jobs:
-        if out and out[-1][0] == (setting, j):
-            out[-1][1].append(p)
-        else:
-            out.append(((setting, j), [p]))
-    return out
+def _grouped(wanted: list[Wanted]) -> list[list[Wanted]]:
+    """Samples at one setting share a sampler call, at most GEN_CHUNK at a time."""
+    groups: dict[int, list[Wanted]] = {}
+    for w in wanted:
+        groups.setdefault(w.setting, []).append(w)
+    return [group[i : i + GEN_CHUNK] for group in groups.values() for i in range(0, len(group), GEN_CHUNK)]
 
 
-def sample_keys(prompts: list[Prompt], j: int) -> list[int]:
-    """The keyed random numbers of sample j: the same key a rollout uses for that prompt in epoch j."""
-    return [prompt_key(p.id, j) for p in prompts]
+def sampler_draw(spec: ExperimentSpec, sampler) -> Draw:
+    """A `Draw` from a target sampler: sample j of a prompt is keyed by prompt_key(id, j), the key a rollout uses
+    for that prompt in epoch j, and seeded by the spec's seed alone, so it does not depend on who draws it."""
+    settings = spec.rollout.settings
+
+    def draw(group: list[Wanted]) -> tuple[list[list[int]], list[FlopCounter]]:
+        drawn = sampler([w.prompt.ids for w in group], Sampling.of(settings[group[0].setting]),
+                        spec.rollout.max_new_tokens, spec.seed, [prompt_key(w.prompt.id, w.j) for w in group])
+        return drawn.responses, drawn.flops
+
+    return draw
 
 
 def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: str | None) -> int:
-    """`opd gen-samples`: write (or finish) the sample file of the training prompts with the sampler `engine`."""
+    """`opd gen-samples`: write (or finish) the sample file of the training prompts with the sampler `engine`:
+    `count` samples per prompt at every sampled rollout setting, one at every greedy one."""
     from opd.data import load_tokenizer, train_prompts
     from opd.models.build import build_models
     from opd.serving.engine import require_vllm
@@ -174,6 +230,7 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
     kind = engine or spec.rollout.sampler
     path = Path(out or spec.rollout.samples_path or spec.run_dir / "samples.jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"samples_path": str(path)})})
     if kind == "vllm":
         require_vllm("opd gen-samples --engine vllm")
         tokenizer, target, drafter = load_tokenizer(spec.models.tokenizer), None, None
@@ -181,12 +238,14 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
         models = build_models(spec)
         tokenizer, target, drafter = models.tokenizer, models.target, models.drafter
     prompts = train_prompts(spec.data, tokenizer)
-    sampler = build_sampler(spec, kind, target, drafter, tokenizer.eos_token_id)
-
-    def sample(group: list[Prompt], sampling: Sampling, j: int) -> list[list[int]]:
-        return sampler([p.ids for p in group], sampling, spec.rollout.max_new_tokens, spec.seed,
-                       sample_keys(group, j)).responses
-
-    rows = write_samples(spec, prompts, path, count, sample)
-    print(f"{rows} target samples ({kind}) of {len(prompts)} prompts in {path}")
+    store = SampleStore(spec, prompts)
+    draw = sampler_draw(spec, build_sampler(spec, kind, target, drafter, tokenizer.eos_token_id))
+    jobs = [wanted(spec, p, s, j) for s in range(len(store.settings)) for j in range(count) for p in prompts]
+    jobs = list({(w.prompt.id, w.setting, w.j): w for w in jobs}.values())  # greedy settings: one sample
+    with progress_bar() as bar:
+        task = bar.add_task("target samples", total=len(jobs))
+        for start in range(0, len(jobs), GEN_CHUNK):
+            store.fetch(jobs[start : start + GEN_CHUNK], draw)
+            bar.update(task, advance=len(jobs[start : start + GEN_CHUNK]))
+    print(f"{len(jobs)} target samples ({kind}) of {len(prompts)} prompts in {path}")
     return 0

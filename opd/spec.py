@@ -255,15 +255,17 @@ class RolloutSpec(_Section):
     # source target: speculative = the speculative decoder with the warm drafter, never updated (lossless, the
     # fastest on a CPU); autoregressive = plain batched decoding; vllm = vLLM's sampling (a GPU, the [gpu] extra).
     sampler: Literal["speculative", "autoregressive", "vllm"] = "speculative"
-    samples_path: str | None = None  # source samples: rows of `opd gen-samples`
+    # source samples: the file of `opd gen-samples` rows to read. source target: a cache, drawn into where it lacks
+    # a sample and shared by every run that names it (opd reproduce's arms of one seed), under a file lock.
+    samples_path: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:
         if self.source == "samples" and self.samples_path is None:
             _issues(["samples_path: none with source samples (expected the jsonl file `opd gen-samples` wrote)"])
-        if self.source != "samples" and self.samples_path is not None:
-            _issues([f"samples_path: {self.samples_path} but source is {self.source} (expected source: samples, "
-                     "or no samples_path)"])
+        if self.source == "speculative" and self.samples_path is not None:
+            _issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own (expected "
+                     "source: samples or target, or no samples_path)"])
         return self
 
     @property
@@ -578,7 +580,8 @@ def check_paths(spec: ExperimentSpec) -> list[str]:
               ("models.tokenizer_path", m.tokenizer_path if m.tokenizer_path != m.target_path else None, "dir"),
               ("models.drafter_path", m.drafter_path, "model"),
               ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
-              ("rollout.samples_path", spec.rollout.samples_path, "file")]
+              ("rollout.samples_path", spec.rollout.samples_path if spec.rollout.source == "samples" else None,
+               "file")]
     return [msg for field, path, kind in wanted
             if path is not None and (msg := _path_problem(field, Path(path), kind))]
 

@@ -31,10 +31,10 @@ from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 
 @dataclass
 class Samples:
-    """Responses, in prompt order, and what drawing them cost."""
+    """Responses, in prompt order, and what drawing each cost (so a stored sample carries its own cost)."""
 
     responses: list[list[int]]
-    flops: FlopCounter
+    flops: list[FlopCounter]
 
 
 # (prompts, sampling, max_new_tokens, seed, keys) -> Samples
@@ -60,7 +60,7 @@ class _SpeculativeSampler:
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:
         records = self.decoder.generate(prompts, sampling, max_new_tokens=max_new_tokens, seed=seed, keys=keys)
         return Samples([rec.response_ids for rec in records],
-                       decode_flops(records, self.target_params, self.drafter_params))
+                       [decode_flops([rec], self.target_params, self.drafter_params) for rec in records])
 
 
 def decode_flops(records: list[SequenceRecord], target: TargetParams, drafter: DrafterParams) -> FlopCounter:
@@ -90,10 +90,9 @@ class _AutoregressiveSampler:
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:
         responses = generate_autoregressive(self.target, prompts, sampling, max_new_tokens=max_new_tokens,
                                             eos_id=self.eos_id, seed=seed, keys=keys)
-        flops = FlopCounter()
-        for prompt, response in zip(prompts, responses):  # HF forms logits at every prefill position too
-            flops.target_forward += self.params.forward(len(prompt) + len(response), logits=len(prompt) + len(response))
-        return Samples(responses, flops)
+        seen = [len(prompt) + len(response) for prompt, response in zip(prompts, responses)]
+        # HF forms logits at every prefill position too
+        return Samples(responses, [FlopCounter(target_forward=self.params.forward(n, logits=n)) for n in seen])
 
 
 class _VllmSampler:
@@ -111,7 +110,5 @@ class _VllmSampler:
             self.params = _params_from_config(self.spec.models.target_path)
         params = [sampling_params(sampling, max_new_tokens, seed=seed * 1_000_003 + key) for key in keys]
         responses = generate(self.llm, prompts, params)
-        flops = FlopCounter()
-        for prompt, response in zip(prompts, responses):
-            flops.target_forward += self.params.forward(len(prompt) + len(response), logits=len(response))
-        return Samples(responses, flops)
+        return Samples(responses, [FlopCounter(target_forward=self.params.forward(len(p) + len(r), logits=len(r)))
+                                   for p, r in zip(prompts, responses)])

@@ -13,7 +13,7 @@ import torch
 from opd.cli import main
 from opd.data import load_tokenizer, train_prompts
 from opd.errors import OpdError
-from opd.samples import SampleFile, run_gen_samples, samples_needed
+from opd.samples import SampleStore, run_gen_samples, samples_needed
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
 
@@ -92,8 +92,8 @@ def test_mixed_settings_read_their_own_samples(micro_spec_file, tmp_path):
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    (lambda row: row.update(sampling={"temperature": 0.7, "top_p": 1.0, "top_k": 0}),
-     "line 1: sampled at temperature 0.7, top_p 1, top_k 0, not a setting of this run's batches"),
+    (lambda row: row.update(sampling={"temperature": 0.7, "top_p": 1.0, "top_k": 0}),  # skipped, so one missing
+     "has 0 sample.* at temperature 1, top_p 1, top_k 0, but the step budget needs 1 per prompt"),
     (lambda row: row.update(id="nobody"), "line 1: prompt id 'nobody' is not in data.train_prompts"),
     (lambda row: row.update(prompt_ids=[1, 2]), "line 1: prompt .* has other prompt_ids than this run renders"),
     (lambda row: row.pop("sample"), "line 1: not a sample row"),
@@ -117,21 +117,54 @@ def test_too_few_sampled_samples_name_the_count_needed(micro_spec_file, tmp_path
     pool = train_prompts(spec.data, load_tokenizer(spec.models.tokenizer))
     with pytest.raises(OpdError, match="has 1 sample.* but the step budget needs 2 per prompt; sampled samples may "
                                        "not repeat across epochs .expected `opd gen-samples --samples 2`"):
-        SampleFile(spec, pool)
+        SampleStore(spec, pool).check_budget(spec)
     greedy = sample_file(micro_spec_file, tmp_path / "g", "rollout.temperature=0")
-    SampleFile(spec.model_copy(update={"rollout": spec.rollout.model_copy(
-        update={"temperature": 0.0, "samples_path": greedy})}), pool)  # greedy samples repeat across epochs
+    greedy_spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(
+        update={"temperature": 0.0, "samples_path": greedy})})
+    SampleStore(greedy_spec, pool).check_budget(greedy_spec)  # greedy samples repeat across epochs
 
 
 @pytest.mark.parametrize(("sets", "message"), [
     (["rollout.source=samples"], "samples_path: none with source samples"),
     (["rollout.samples_path=x.jsonl"], "samples_path: x.jsonl but source is speculative"),
+    (["rollout.source=samples", "rollout.samples_path=nowhere.jsonl"], "rollout.samples_path: nowhere.jsonl does not"),
     (["rollout.source=target", "replay.anchors=random"], "replay.anchors: random with rollout.source target"),
 ])
 def test_source_spec_errors_are_one_line(micro_spec_file, capsys, sets, message):
-    args = ["validate", str(micro_spec_file), "--no-path-check"]
+    args = ["validate", str(micro_spec_file)]
     for s in sets:
         args += ["--set", s]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_shared_sample_cache_is_drawn_once_and_charged_to_every_reader(micro_spec_file, tmp_path):
+    """rollout.source target with a samples_path: the first run draws into the file, the second reads it and
+    draws nothing; both are charged the stored cost, equal to what drawing live costs, and train identically."""
+    cache = tmp_path / "shared.jsonl"
+    live_trainer = LocalTrainer(spec_for(micro_spec_file, tmp_path, "live", "rollout.source=target"), track=False)
+    live = live_trainer.run()
+    runs = []
+    for name in ("first", "second"):
+        spec = spec_for(micro_spec_file, tmp_path, name, "rollout.source=target", f"rollout.samples_path={cache}")
+        trainer = LocalTrainer(spec, track=False)
+        runs.append((trainer.run(), trainer.session.flops.as_dict(), cache.read_text()))
+    (first, first_flops, first_text), (second, second_flops, second_text) = runs
+    assert second_text == first_text and len(first_text.splitlines()) == 12  # 3 steps x 4 prompts, drawn once
+    assert first.losses == second.losses == pytest.approx(live.losses, rel=1e-6)
+    assert first_flops == second_flops == pytest.approx(live_trainer.session.flops.as_dict(), rel=1e-9)
+
+
+def test_processes_filling_one_sample_file_draw_each_sample_once(micro_spec_file, tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "concurrent.jsonl"
+    path.write_text('{"id": "cut off by a kil')  # a writer killed mid-line
+    command = [sys.executable, "-m", "opd.cli", "gen-samples", str(micro_spec_file), "--samples", "2",
+               "--out", str(path), "--set", f"tracking.run_dir={tmp_path / 'gen'}"]
+    procs = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    assert all(p.wait(timeout=300) == 0 for p in procs), [p.stderr.read() for p in procs]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 80 and len({(r["id"], r["sample"]) for r in rows}) == 80

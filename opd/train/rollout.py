@@ -23,7 +23,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
-from opd.samples import SampleFile
+from opd.samples import SampleStore, sampler_draw, wanted
 from opd.target_sampler import build_sampler, decode_flops
 from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch
@@ -69,15 +69,16 @@ class RolloutWorker:
                  prompts: list[Prompt], draft_version: int = 0) -> None:
         self.spec, self.prompts, self.eos_id = spec, prompts, eos_id
         source = spec.rollout.source
-        self.decoder = self.sampler = self.samples = None
+        self.decoder = self.sampler = self.draw = self.samples = None
         if source == "speculative":
             self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
                                               static_cache=spec.rollout.static_cache)
             self._target_params, self._drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
-        elif source == "target":
+        if source == "target":
             self.sampler = build_sampler(spec, spec.rollout.sampler, target, drafter, eos_id)
-        else:
-            self.samples = SampleFile(spec, prompts)
+            self.draw = sampler_draw(spec, self.sampler)
+        if spec.rollout.samples_path is not None:  # read (samples), or a shared cache drawn into (target)
+            self.samples = SampleStore(spec, prompts)
         self._perms: dict[int, list[int]] = {}
 
     @property
@@ -105,23 +106,29 @@ class RolloutWorker:
     def run(self, index: int) -> AnchorBatch:
         chosen = self.prompts_for(index)
         prompts, keys = [p.ids for p, _ in chosen], [prompt_key(p.id, e) for p, e in chosen]
-        sampling, seed = rollout_sampling(self.spec, index), self.spec.seed * 7919 + index
-        max_new = self.spec.rollout.max_new_tokens
         if self.decoder is None:
-            if self.sampler:
-                drawn = self.sampler(prompts, sampling, max_new, seed, keys)
-                responses, flops = drawn.responses, drawn.flops
-            else:  # stored samples cost this run nothing
-                setting = index % len(self.spec.rollout.settings)
-                responses, flops = [self.samples.response(p, setting, e) for p, e in chosen], FlopCounter()
+            responses, costs = self._target_samples(chosen, index)
             records = [SequenceRecord.from_text(key, prompt, response, self.eos_id)
                        for key, prompt, response in zip(keys, prompts, responses)]
-            return AnchorBatch(index, UNDRAFTED, records, flops)
-        records = self.decoder.generate(prompts, sampling, max_new_tokens=max_new, seed=seed, keys=keys)
+            return AnchorBatch(index, UNDRAFTED, records, _sum(costs))
+        records = self.decoder.generate(prompts, rollout_sampling(self.spec, index),
+                                        max_new_tokens=self.spec.rollout.max_new_tokens,
+                                        seed=self.spec.seed * 7919 + index, keys=keys)
         flops = decode_flops(records, self._target_params, self._drafter_params)
         if self.spec.replay.anchors == "random":
             records = self._redraft(records, index, flops)
         return AnchorBatch(index, self.draft_version, records, flops)
+
+    def _target_samples(self, chosen: list[tuple[Prompt, int]],
+                        index: int) -> tuple[list[list[int]], list[FlopCounter]]:
+        """Batch `index`'s target samples and what drawing each cost (charged whoever drew it, so matched-FLOP
+        comparisons do not depend on sharing): from the sample file, drawn into it where it lacks one, or drawn."""
+        setting = index % len(self.spec.rollout.settings)
+        jobs = [wanted(self.spec, prompt, setting, epoch) for prompt, epoch in chosen]
+        if self.samples is None:
+            return self.draw(jobs)
+        stored = self.samples.fetch(jobs, self.draw)
+        return [s.response for s in stored], [s.flops for s in stored]
 
     def _redraft(self, records: list[SequenceRecord], index: int, flops: FlopCounter) -> list[SequenceRecord]:
         gen = torch.Generator().manual_seed(self.spec.seed * 104_729 + index)
@@ -136,3 +143,11 @@ class RolloutWorker:
                 context=committed, blocks=len(rec.anchors), slots=len(rec.anchors) * (drafter.block_size - 1))
         return out
 
+
+
+def _sum(costs: list[FlopCounter]) -> FlopCounter:
+    total = FlopCounter()
+    for cost in costs:
+        total.target_forward += cost.target_forward
+        total.drafter_forward += cost.drafter_forward
+    return total
