@@ -27,27 +27,28 @@ LOCK_FILE = ".lock"
 class RunDirLock:
     """An exclusive lock on a run directory; `release()` (or leaving the `with` block) gives it up."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, field: str = "tracking.run_dir") -> None:
+        """`field` is what the user sets to name the directory (`opd reproduce` locks its `out_dir`)."""
         self.run_dir = Path(run_dir)
         path = self.run_dir / LOCK_FILE
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise OpdError(unwritable(self.run_dir, exc.strerror or str(exc))) from None
+            raise OpdError(unwritable(self.run_dir, exc.strerror or str(exc), field)) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
-            raise OpdError(f"tracking.run_dir: {self.run_dir} is in use by another run ({holder}); wait for it to "
-                           f"end, or set another tracking.run_dir") from None
+            raise OpdError(f"{field}: {self.run_dir} is in use by another run ({holder}); wait for it to "
+                           f"end, or set another {field}") from None
         try:  # who holds it, for the refusal above; also proves the directory takes writes
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         except OSError as exc:
             self.release()
-            raise OpdError(unwritable(self.run_dir, exc.strerror or str(exc))) from None
+            raise OpdError(unwritable(self.run_dir, exc.strerror or str(exc), field)) from None
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -61,8 +62,8 @@ class RunDirLock:
         self.release()
 
 
-def unwritable(run_dir: Path, why: str) -> str:
-    return f"tracking.run_dir: {run_dir} is not writable ({why}); expected a writable directory"
+def unwritable(run_dir: Path, why: str, field: str = "tracking.run_dir") -> str:
+    return f"{field}: {run_dir} is not writable ({why}); expected a writable directory"
 
 
 def writable_problem(run_dir: Path) -> str | None:

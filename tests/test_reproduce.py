@@ -93,6 +93,21 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     assert "| arm | greedy rule on greedy states |" in report
     assert "### Expected τ on each arm's own training rollouts" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
+    # each seed's arms trained on one shared sample file, every sample drawn once
+    samples = tmp_path / "out" / "samples"
+    assert sorted(p.name for p in samples.iterdir()) == ["seed0.jsonl", "seed1.jsonl"]
+    rows = [json.loads(line) for line in (samples / "seed0.jsonl").read_text().splitlines()]
+    assert rows and len({(r["id"], r["sample"]) for r in rows}) == len(rows)
+    assert "each seed's opd arms train on one shared file of target samples" in report
+
+
+def test_only_arms_that_need_the_speculative_engine_decode_their_own(micro_spec_file):
+    from opd.reproduce.arms import shares_samples
+
+    assert shares_samples(str(micro_spec_file), SETS, ArmSpec(name="a", set=["loss.rejected_decay=false"]))
+    assert not shares_samples(str(micro_spec_file), SETS, ArmSpec(name="b", set=["replay.anchors=random"]))
+    assert not shares_samples(str(micro_spec_file), SETS, ArmSpec(name="c", set=["rollout.source=speculative"]))
+    assert not shares_samples(str(micro_spec_file), SETS, ArmSpec(name="sft", kind="sft"))
 
 
 @pytest.mark.parametrize("content, message", [

@@ -41,7 +41,7 @@ def test_a_second_run_in_the_same_run_dir_is_refused_naming_the_holder(micro_spe
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
-        for command in ("train", "run"):
+        for command in ("train", "run", "sft"):
             assert main([command, str(micro_spec_file)]) == 2
             err = capsys.readouterr().err
             assert err == (f"error: tracking.run_dir: {run_dir} is in use by another run (pid {holder.pid} on "
@@ -53,6 +53,23 @@ def test_a_second_run_in_the_same_run_dir_is_refused_naming_the_holder(micro_spe
 
     with RunDirLock(run_dir):  # the kernel dropped the killed holder's lock: no stale lock to clean up
         pass
+
+
+def test_a_second_reproduction_in_the_same_out_dir_is_refused(micro_spec_file, tmp_path, capsys):
+    out = tmp_path / "reproduce"
+    spec = tmp_path / "r.yaml"
+    spec.write_text(f"experiment: {micro_spec_file}\nopd_steps: 2\nout_dir: {out}\n"
+                    "arms: [{name: draft-opd}, {name: other}]\n")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        assert main(["reproduce", str(spec)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: out_dir: {out} is in use by another run (pid {holder.pid} on {os.uname().nodename}); "
+                       "wait for it to end, or set another out_dir\n")
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_checkpoint_is_written_under_a_temporary_name_of_its_own(micro_assets, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from opd.reproduce.arms import run_arm
 from opd.reproduce.pool import run_jobs
 from opd.reproduce.report import write_report
 from opd.reproduce.spec import BUDGET_ARM, ArmJob, ArmResult, ArmSpec, ReproduceSpec, load_reproduce_spec
+from opd.run_dir import RunDirLock
 from opd.spec import load_spec
 
 __all__ = ["BUDGET_ARM", "ArmJob", "ArmResult", "ArmSpec", "ReproduceSpec", "load_reproduce_spec", "run_arm",
@@ -31,9 +32,10 @@ def run_reproduce(path: str, overrides: list[str] | None = None) -> int:
     load_spec(spec.experiment, spec.set)  # refuse a bad experiment before any compute
     out = Path(spec.out_dir)
     started = time.perf_counter()
-    results = run_jobs(spec, out)
-    minutes = (time.perf_counter() - started) / 60
-    report = write_report(spec, results, out, minutes)
+    with RunDirLock(out, field="out_dir"):  # two reproductions in one directory would mix their arms and samples
+        results = run_jobs(spec, out)
+        minutes = (time.perf_counter() - started) / 60
+        report = write_report(spec, results, out, minutes)
     print(report.read_text())
     print(f"Done in {minutes:.1f} min: {report}, plots and per-arm JSON in {out}; one MLflow run per arm and "
           f"seed: mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()}")

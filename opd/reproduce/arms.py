@@ -20,7 +20,7 @@ from opd.errors import OpdError
 from opd.eval import evaluate
 from opd.eval_row import EvalRow
 from opd.models.build import Models, build_models
-from opd.reproduce.spec import ArmJob, ArmResult
+from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
 from opd.spec import ExperimentSpec, SamplingSpec, load_spec
 from opd.train.flops import FlopCounter
 from opd.train.local import LocalTrainer
@@ -67,7 +67,17 @@ def _tau(rows: dict[str, list[dict]]) -> dict[str, float]:
 def arm_spec(job: ArmJob, steps: int) -> ExperimentSpec:
     sets = [*job.overrides, *job.arm.set, f"seed={job.seed}", "engine=local", f"steps={steps}", "eval.every=0",
             f"tracking.run_dir={job.run_dir}", f"tracking.checkpoint_every={steps + 1}"]
+    if job.samples_path is not None:
+        sets += ["rollout.source=target", f"rollout.samples_path={job.samples_path}"]
     return load_spec(job.experiment, sets)
+
+
+def shares_samples(experiment: str, overrides: list[str], arm: ArmSpec) -> bool:
+    """Whether an opd arm can train on shared target samples: not when its recipe needs the speculative engine
+    (random anchors are redrafted by the rollout's own drafter) or it chooses its rollout source itself."""
+    if arm.kind != "opd" or any(s.split("=")[0].strip() == "rollout.source" for s in arm.set):
+        return False
+    return load_spec(experiment, [*overrides, *arm.set]).replay.anchors != "random"
 
 
 def run_arm(job: ArmJob) -> ArmResult:

@@ -12,7 +12,7 @@ from opd.data import train_prompts
 from opd.errors import OpdError
 from opd.models.build import build_models
 from opd.progress import progress_bar
-from opd.reproduce.arms import run_arm
+from opd.reproduce.arms import run_arm, shares_samples
 from opd.reproduce.spec import BUDGET_ARM, ArmJob, ArmResult, ArmSpec, ReproduceSpec
 from opd.spec import load_spec
 from opd.train.sft import generate_responses
@@ -57,12 +57,16 @@ def run_jobs(spec: ReproduceSpec, out: Path) -> list[ArmResult]:
     """The full arm per seed first; each finished budget releases that seed's other arms to the pool."""
     saved = out / "arms"
     saved.mkdir(parents=True, exist_ok=True)
+    (out / "samples").mkdir(exist_ok=True)
     sft_data = _sft_data(spec, out) if any(a.kind == "sft" for a in spec.arms) else None
     budget_arm = next(a for a in spec.arms if a.name == BUDGET_ARM)
 
+    sharing = {a.name for a in spec.arms if spec.share_samples and shares_samples(spec.experiment, spec.set, a)}
+
     def job(arm: ArmSpec, seed: int, marks: list[float] | None) -> ArmJob:
+        samples = str(out / "samples" / f"seed{seed}.jsonl") if arm.name in sharing else None
         return ArmJob(arm, seed, spec.experiment, spec.set, str(out / "work" / f"{arm.name}-seed{seed}"),
-                      spec.opd_steps, spec.eval_points, spec.eval_prompts, marks, sft_data, spec.families)
+                      spec.opd_steps, spec.eval_points, spec.eval_prompts, marks, sft_data, spec.families, samples)
 
     def done(arm: str, seed: int) -> ArmResult | None:
         path = saved / f"{arm}-seed{seed}.json"

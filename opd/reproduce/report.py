@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from opd.reproduce.arms import shares_samples
 from opd.reproduce.spec import BUDGET_ARM, ArmResult, ReproduceSpec
 
 # Average τ over the Draft-OPD paper's three benchmarks (Qwen3-4B, T=0), as its ablation tables report it.
@@ -249,6 +250,17 @@ def _plot_histogram(results: list[ArmResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _rollouts_line(spec: ReproduceSpec) -> str:
+    """Where each arm's rollouts came from: shared target samples per seed, or its own speculative decoding."""
+    opd = [a for a in spec.arms if a.kind == "opd"]
+    own = [a.name for a in opd if not (spec.share_samples and shares_samples(spec.experiment, spec.set, a))]
+    if len(own) == len(opd):
+        return "Rollouts: every opd arm decodes its own (speculative decoding with its current drafter)."
+    where = f" except {', '.join(own)}, which decode their own (the speculative engine)" if own else ""
+    return (f"Rollouts: each seed's opd arms train on one shared file of target samples (samples/seed<S>.jsonl, "
+            f"rollout.source target, blocks rebuilt with each arm's current drafter){where}.")
+
+
 def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minutes: float) -> Path:
     summary = summarize(results)
     warm_runs = [r for r in results if r.arm == BUDGET_ARM]
@@ -261,7 +273,7 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
              (f"Experiment `{spec.experiment}` with {' '.join(spec.set) or 'no overrides'}; seeds {spec.seeds}; "
              f"the full method runs {spec.opd_steps} steps and every arm trains to its FLOPs. Held-out τ on "
              f"{spec.eval_prompts} prompts (per-response mean, bonus token included). {machine}; "
-             f"{minutes:.1f} min wall."), ""]
+             f"{minutes:.1f} min wall."), "", _rollouts_line(spec), ""]
     lines += _table("All arms", [a.name for a in spec.arms], summary, warm)
     lines += _families_tables(results, [a.name for a in spec.arms])
     lines += _diagnostic_tables(results, [a.name for a in spec.arms])

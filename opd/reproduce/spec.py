@@ -38,6 +38,11 @@ class ReproduceSpec(BaseModel):
     families: dict[str, str] = Field(default_factory=dict)
     sft_data: str | None = None  # the warm drafter's SFT data (jsonl); None: regenerate it with the spec's sft:
     workers: int = Field(2, ge=1)
+    # Each seed's opd arms train on one shared file of target samples (OUT/samples/seed<S>.jsonl, every rollout
+    # setting in it, drawn once and resumable): rollout.source target with that samples_path. The arms then compare
+    # on identical target text (paired), and each (setting, prompt, epoch) is sampled once instead of once per arm.
+    # Arms whose recipe needs the speculative engine (random anchors, or rollout.source set) decode their own.
+    share_samples: bool = True
     out_dir: str = "runs/reproduce"
     arms: list[ArmSpec] = Field(min_length=2)
 
@@ -86,6 +91,7 @@ class ArmJob:
     marks: list[float] | None = None  # FLOPs at which to measure τ; the last is the budget (None: set it)
     sft_data: str | None = None
     families: dict[str, str] = field(default_factory=dict)
+    samples_path: str | None = None  # the seed's shared sample file (None: the arm decodes its own rollouts)
 
 
 @dataclass

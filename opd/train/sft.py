@@ -32,6 +32,7 @@ from opd.models.build import Models, build_models
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.progress import progress_bar
+from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
 from opd.train.flops import DrafterParams, FlopCounter, TargetParams
@@ -185,10 +186,15 @@ def _random_anchors(prompt_len: int, length: int, count: int, generator: torch.G
 
 
 def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
-    """Generate (or reuse) target responses, train the drafter, save it in DFlash format."""
+    """Generate (or reuse) target responses, train the drafter, save it in DFlash format; the run directory is
+    locked first, as `opd train` locks it, so a second `opd sft` there is refused instead of interleaving."""
+    with RunDirLock(spec.run_dir):
+        return _run_sft(spec, out_dir)
+
+
+def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     models = build_models(spec)
     run_dir = spec.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     examples = generate_responses(spec, models, train_prompts(spec.data, models.tokenizer), run_dir / "sft_data.jsonl")
     tracker = Tracker(spec)
     try:
