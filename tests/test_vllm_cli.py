@@ -74,8 +74,11 @@ class FakeLLM:
         FakeLLM.made.append(self)
 
     def generate(self, prompts: list[dict], params, use_tqdm: bool = True) -> list:
+        """`params`: one SamplingParams for every prompt, or a list with one per prompt (as vLLM takes)."""
         self.calls.append((prompts, params))
-        responses = [(p["prompt_token_ids"][:2] + [9])[: params.max_tokens] for p in prompts]
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        assert len(each) == len(prompts)
+        responses = [(p["prompt_token_ids"][:2] + [9])[: q.max_tokens] for p, q in zip(prompts, each)]
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=r)]) for r in responses]
 
     def get_metrics(self) -> list:
@@ -143,6 +146,38 @@ def test_gen_sft_data_vllm_writes_the_same_rows_and_resumes(micro_spec_file, tmp
     assert llm.kwargs["model"] == spec.models.target_path and llm.kwargs["dtype"] == "float32"
 
     assert main(args) == 0 and len(fake_vllm.made) == 1  # all done: no engine is even started
+
+
+# ------------------------------------------------------------------------------------------ rollout from vLLM
+
+
+def test_rollouts_sampled_by_vllm_are_rebuilt_and_trained_on(micro_spec_file, tmp_path, fake_vllm):
+    """rollout.source target, sampler vllm: one engine, one seeded request per prompt (keyed like every other
+    sampler, so a sample does not depend on its batch), the blocks rebuilt by the scorer, and the run trains."""
+    from opd.data import prompt_key
+    from opd.train.local import LocalTrainer
+
+    spec = load_spec(micro_spec_file, ["rollout.source=target", "rollout.sampler=vllm", "steps=2", "eval.every=0",
+                                       "rollout.top_k=5", f"tracking.run_dir={tmp_path / 'run'}"])
+    trainer = LocalTrainer(spec, track=False)
+    result = trainer.run()
+    assert result.steps == 2 and all(loss == loss for loss in result.losses)
+    (llm,) = fake_vllm.made
+    assert len(llm.calls) == 4  # two rollout batches per step
+    prompts, params = llm.calls[0]
+    chosen = trainer.rollout.prompts_for(0)
+    assert [p["prompt_token_ids"] for p in prompts] == [p.ids for p, _ in chosen]
+    assert [q.seed for q in params] == [spec.seed * 1_000_003 + prompt_key(p.id, e) for p, e in chosen]
+    assert {(q.temperature, q.top_k, q.top_p, q.max_tokens) for q in params} == {(1.0, 5, 1.0, 12)}
+    batch = trainer.scorer(trainer.rollout.run(0))
+    assert [r.response_ids for r in batch.batch.records] == [(p.ids[:2] + [9]) for p, _ in chosen]
+    assert all(r.anchors[0] == 0 and r.draft_version == 2 for r in batch.batch.records)  # rebuilt, newest weights
+    assert batch.batch.flops.target_forward > 0  # sampling and rebuilding are counted
+
+
+def test_a_vllm_rollout_without_vllm_is_one_line(micro_spec_file, no_vllm, capsys):
+    assert main(["gen-samples", str(micro_spec_file), "--engine", "vllm"]) == 2
+    assert "pip install -e .[gpu]" in one_error_line(capsys)
 
 
 # ------------------------------------------------------------------------------------------------ serve-bench
