@@ -40,7 +40,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":
-        SampleStore(spec, prompts).check_budget(spec)  # prompt ids and enough samples for the step budget
+        SampleStore.for_rollout(spec, prompts).check_budget(spec)  # prompt ids and enough samples for the step budget
     return prompts[0]
 
 

@@ -85,13 +85,20 @@ class SampleStore:
     pool. Rows at other settings are skipped, so one file can serve runs with different settings. With a `Draw`,
     `fetch` draws what the file lacks and appends it (a cache shared by every run that names the file)."""
 
-    def __init__(self, spec: ExperimentSpec, prompts: list[Prompt]) -> None:
-        self.path = Path(spec.rollout.samples_path)
-        self.settings = [setting_key(s) for s in spec.rollout.settings]
+    def __init__(self, path: str | Path, settings: list, prompts: list[Prompt], *,
+                 field: str = "rollout.samples_path", pool_name: str = "data.train_prompts") -> None:
+        """`settings`: the run's sampling settings (rollout's, or eval's point-mass ones), indexed by `Wanted`;
+        `field` and `pool_name` name the file and the prompts in error messages."""
+        self.path, self.field, self.pool_name = Path(path), field, pool_name
+        self.settings = [setting_key(s) for s in settings]
         self.pool = {p.id: p for p in prompts}
         self.rows: dict[tuple[tuple[float, float, int], str, int], StoredSample] = {}
         self._read = self._lines = 0  # bytes and lines of the file already read
         self.refresh()
+
+    @classmethod
+    def for_rollout(cls, spec: ExperimentSpec, prompts: list[Prompt]) -> SampleStore:
+        return cls(spec.rollout.samples_path, spec.rollout.settings, prompts)
 
     def fetch(self, wanted: list[Wanted], draw: Draw | None = None) -> list[StoredSample]:
         """The stored samples of `wanted`, in order. With `draw`, missing ones are drawn and appended first, under
@@ -113,7 +120,7 @@ class SampleStore:
                 self._read = f.tell()
         if missing := self._missing(wanted):
             w = missing[0]
-            raise OpdError(f"rollout.samples_path: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
+            raise OpdError(f"{self.field}: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
                            f"{describe(self.settings[w.setting])} (expected `opd gen-samples` to have drawn it)")
         return [self.rows[self._key(w)] for w in wanted]
 
@@ -124,7 +131,7 @@ class SampleStore:
                 have = sum((key, prompt.id, j) in self.rows for j in range(count))
                 if have < count:
                     rule = "" if key[0] == 0 else "; sampled samples may not repeat across epochs"
-                    raise OpdError(f"rollout.samples_path: {self.path} has {have} sample(s) of prompt {prompt.id!r} "
+                    raise OpdError(f"{self.field}: {self.path} has {have} sample(s) of prompt {prompt.id!r} "
                                    f"at {describe(key)}, but the step budget needs {count} per prompt{rule} "
                                    f"(expected `opd gen-samples --samples {count}`)")
 
@@ -137,17 +144,16 @@ class SampleStore:
                 f.seek(self._read)
                 data = f.read()
         except OSError as exc:
-            raise OpdError(f"rollout.samples_path: {self.path} cannot be read ({exc.strerror}; expected a jsonl "
-                           "file)") from None
+            raise OpdError(f"{self.field}: {self.path} cannot be read ({exc.strerror}; expected a jsonl file)") from None
         complete = data[: data.rfind(b"\n") + 1]
         for line in complete.decode().splitlines():
             self._lines += 1
             if line.strip():
-                self._add(_parse(line, self.path, self._lines), self._lines)
+                self._add(_parse(line, f"{self.field}: {self.path}", self._lines), self._lines)
         self._read += len(complete)
 
     def _add(self, row: dict, line_no: int) -> None:
-        where = f"rollout.samples_path: {self.path} line {line_no}"
+        where = f"{self.field}: {self.path} line {line_no}"
         try:
             key = setting_key(row["sampling"])
             ok = (isinstance(row["response_ids"], list) and row["response_ids"] and isinstance(row["sample"], int)
@@ -161,7 +167,7 @@ class SampleStore:
             return  # another run's setting
         prompt = self.pool.get(row["id"])
         if prompt is None:
-            raise OpdError(f"{where}: prompt id {row['id']!r} is not in data.train_prompts (expected samples of "
+            raise OpdError(f"{where}: prompt id {row['id']!r} is not in {self.pool_name} (expected samples of "
                            "this run's prompt pool)")
         if row.get("prompt_ids") != prompt.ids:
             raise OpdError(f"{where}: prompt {row['id']!r} has other prompt_ids than this run renders (expected the "
@@ -186,13 +192,13 @@ class SampleStore:
             f.seek(0, 2)
 
 
-def _parse(line: str, path: Path, line_no: int) -> dict:
+def _parse(line: str, where: str, line_no: int) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise OpdError(f"rollout.samples_path: {path} line {line_no} is not JSON ({exc.msg})") from None
+        raise OpdError(f"{where} line {line_no} is not JSON ({exc.msg})") from None
     if not isinstance(row, dict):
-        raise OpdError(f"rollout.samples_path: {path} line {line_no} is not a JSON object")
+        raise OpdError(f"{where} line {line_no} is not a JSON object")
     return row
 
 
@@ -204,17 +210,21 @@ def _grouped(wanted: list[Wanted]) -> list[list[Wanted]]:
     return [group[i : i + GEN_CHUNK] for group in groups.values() for i in range(0, len(group), GEN_CHUNK)]
 
 
-def sampler_draw(spec: ExperimentSpec, sampler) -> Draw:
+def sampler_draw(sampler, settings: list, max_new_tokens: int, seed: int) -> Draw:
     """A `Draw` from a target sampler: sample j of a prompt is keyed by prompt_key(id, j), the key a rollout uses
-    for that prompt in epoch j, and seeded by the spec's seed alone, so it does not depend on who draws it."""
-    settings = spec.rollout.settings
+    for that prompt in epoch j (and held-out evaluation for j = 0), and seeded by `seed` alone, so it does not
+    depend on who draws it."""
 
     def draw(group: list[Wanted]) -> tuple[list[list[int]], list[FlopCounter]]:
-        drawn = sampler([w.prompt.ids for w in group], Sampling.of(settings[group[0].setting]),
-                        spec.rollout.max_new_tokens, spec.seed, [prompt_key(w.prompt.id, w.j) for w in group])
+        drawn = sampler([w.prompt.ids for w in group], Sampling.of(settings[group[0].setting]), max_new_tokens,
+                        seed, [prompt_key(w.prompt.id, w.j) for w in group])
         return drawn.responses, drawn.flops
 
     return draw
+
+
+def rollout_draw(spec: ExperimentSpec, sampler) -> Draw:
+    return sampler_draw(sampler, spec.rollout.settings, spec.rollout.max_new_tokens, spec.seed)
 
 
 def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: str | None) -> int:
@@ -238,8 +248,8 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
         models = build_models(spec)
         tokenizer, target, drafter = models.tokenizer, models.target, models.drafter
     prompts = train_prompts(spec.data, tokenizer)
-    store = SampleStore(spec, prompts)
-    draw = sampler_draw(spec, build_sampler(spec, kind, target, drafter, tokenizer.eos_token_id))
+    store = SampleStore.for_rollout(spec, prompts)
+    draw = rollout_draw(spec, build_sampler(spec, kind, target, drafter, tokenizer.eos_token_id))
     jobs = [wanted(spec, p, s, j) for s in range(len(store.settings)) for j in range(count) for p in prompts]
     jobs = list({(w.prompt.id, w.setting, w.j): w for w in jobs}.values())  # greedy settings: one sample
     with progress_bar() as bar:

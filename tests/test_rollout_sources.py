@@ -117,11 +117,11 @@ def test_too_few_sampled_samples_name_the_count_needed(micro_spec_file, tmp_path
     pool = train_prompts(spec.data, load_tokenizer(spec.models.tokenizer))
     with pytest.raises(OpdError, match="has 1 sample.* but the step budget needs 2 per prompt; sampled samples may "
                                        "not repeat across epochs .expected `opd gen-samples --samples 2`"):
-        SampleStore(spec, pool).check_budget(spec)
+        SampleStore.for_rollout(spec, pool).check_budget(spec)
     greedy = sample_file(micro_spec_file, tmp_path / "g", "rollout.temperature=0")
     greedy_spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(
         update={"temperature": 0.0, "samples_path": greedy})})
-    SampleStore(greedy_spec, pool).check_budget(greedy_spec)  # greedy samples repeat across epochs
+    SampleStore.for_rollout(greedy_spec, pool).check_budget(greedy_spec)  # greedy samples repeat across epochs
 
 
 @pytest.mark.parametrize(("sets", "message"), [

@@ -23,7 +23,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
-from opd.samples import SampleStore, sampler_draw, wanted
+from opd.samples import SampleStore, rollout_draw, wanted
 from opd.target_sampler import build_sampler, decode_flops
 from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch
@@ -76,9 +76,9 @@ class RolloutWorker:
             self._target_params, self._drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
         if source == "target":
             self.sampler = build_sampler(spec, spec.rollout.sampler, target, drafter, eos_id)
-            self.draw = sampler_draw(spec, self.sampler)
+            self.draw = rollout_draw(spec, self.sampler)
         if spec.rollout.samples_path is not None:  # read (samples), or a shared cache drawn into (target)
-            self.samples = SampleStore(spec, prompts)
+            self.samples = SampleStore.for_rollout(spec, prompts)
         self._perms: dict[int, list[int]] = {}
 
     @property
