@@ -41,9 +41,10 @@ from opd.models.target import Target
 
 @torch.no_grad()
 def rebuild_records(target: Target, drafter: DFlashDrafter, samples: list[SequenceRecord], *, draft_version: int = 0,
-                    batch_size: int = 8) -> list[SequenceRecord]:
+                    batch_size: int = 8, features: list[torch.Tensor] | None = None) -> list[SequenceRecord]:
     """Each sample's record as `drafter` would have decoded it, in order: its text, key and finish reason with the
-    blocks rebuilt (any blocks it came with are ignored)."""
+    blocks rebuilt (any blocks it came with are ignored). `features`: the target's view of each text
+    (`text_features`), when it is cached; else it is computed here, one target forward per batch."""
     for i, rec in enumerate(samples):
         if not rec.prompt_ids or not rec.response_ids:
             raise OpdError(f"rebuild sample {i}: empty {'prompt' if not rec.prompt_ids else 'response'} (expected at "
@@ -51,29 +52,62 @@ def rebuild_records(target: Target, drafter: DFlashDrafter, samples: list[Sequen
     records = []
     for start in range(0, len(samples), batch_size):
         part = samples[start : start + batch_size]
-        for rec, (anchors, blocks, accepted) in zip(part, walk_chains(target, drafter, part)):
+        if features is None:
+            view, mask = _features(target, part)
+        else:
+            view, mask = _padded(features[start : start + batch_size], target.device)
+        for rec, (anchors, blocks, accepted) in zip(part, walk_chains(drafter, part, view, mask)):
             records.append(replace(rec, anchors=anchors, drafts=blocks, accepted=accepted,
                                    draft_version=draft_version))
     return records
 
 
-def walk_chains(target: Target, drafter: DFlashDrafter,
-                samples: list[SequenceRecord]) -> list[tuple[list[int], list[list[int]], list[int]]]:
-    """(anchors, drafts, accepted) per sample: from anchor 0, draft a block, accept the drafts that match the
-    response, move to a + r + 1, until the anchor is the response's last token. Rows leave the batch as they end."""
-    device = target.device
-    ids, mask = right_pad([r.prompt_ids + r.response_ids for r in samples], pad_id=0, device=device)
+@torch.no_grad()
+def text_features(target: Target, samples: list[SequenceRecord], batch_size: int = 8) -> list[torch.Tensor]:
+    """The target's features of each sample's text, [T_i, n*H] on the CPU: all a rebuild needs of the target, and
+    the same for every drafter (offline evaluation caches them)."""
+    out = []
+    for start in range(0, len(samples), batch_size):
+        part = samples[start : start + batch_size]
+        view, mask = _features(target, part)
+        out += [view[i, : int(mask[i].sum())].cpu() for i in range(len(part))]
+    return out
+
+
+def _features(target: Target, samples: list[SequenceRecord]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = right_pad([r.prompt_ids + r.response_ids for r in samples], pad_id=0, device=target.device)
     _, features = target.hidden_states(ids, attention_mask=mask)
+    return features, mask
+
+
+def _padded(features: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(f.shape[0] for f in features)
+    out = features[0].new_zeros(len(features), length, features[0].shape[1])
+    mask = torch.zeros(len(features), length, dtype=torch.long)
+    for i, f in enumerate(features):
+        out[i, : f.shape[0]] = f
+        mask[i, : f.shape[0]] = 1
+    return out.to(device), mask.to(device)
+
+
+def walk_chains(drafter: DFlashDrafter, samples: list[SequenceRecord], features: torch.Tensor,
+                mask: torch.Tensor) -> list[tuple[list[int], list[list[int]], list[int]]]:
+    """(anchors, drafts, accepted) per sample: from anchor 0, draft a block, accept the drafts that match the
+    response, move to a + r + 1, until the anchor is the response's last token. Rows leave the batch as they end.
+    `features` [B, T, n*H] and `mask` [B, T] are the target's view of the right-padded texts."""
+    device = features.device
     cache = drafter.new_cache(len(samples))
-    drafter.extend_cache(cache, features, torch.arange(ids.shape[1], device=device).expand_as(ids), mask.bool())
-    text = ids.cpu()
+    positions = torch.arange(features.shape[1], device=device).expand(len(samples), -1)
+    drafter.extend_cache(cache, features, positions, mask.bool())
+    text = [r.prompt_ids + r.response_ids for r in samples]
     out: list[tuple[list[int], list[list[int]], list[int]]] = [([], [], []) for _ in samples]
     anchor = [0] * len(samples)
     rows = [b for b, r in enumerate(samples) if len(r.response_ids) > 1]  # one token: nothing was drafted
     cache.select(torch.tensor(rows, dtype=torch.long, device=device))
     while rows:
         positions = [len(samples[b].prompt_ids) + anchor[b] for b in rows]
-        drafts, _ = drafter.draft(cache, text[rows, positions].to(device), torch.tensor(positions, device=device))
+        anchor_ids = torch.tensor([text[b][p] for b, p in zip(rows, positions)], device=device)
+        drafts, _ = drafter.draft(cache, anchor_ids, torch.tensor(positions, device=device))
         for b, draft in zip(rows, drafts.tolist()):
             response, a = samples[b].response_ids, anchor[b]
             r = matching_prefix(draft, response[a + 1 : a + len(draft) + 1])

@@ -133,3 +133,17 @@ def test_rebuild_on_the_shipped_tiny_models():
     assert (finishes, accepted) == ({"eos", "length"}, set(range(drafter.block_size)))
     assert unrejected_ends > 0
 
+
+
+def test_a_cached_target_view_rebuilds_the_same_records(target):
+    """Offline evaluation computes the target's features once and rebuilds any drafter from them."""
+    from opd.rebuild import text_features
+
+    drafter = micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK)
+    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(1.0), max_new_tokens=16)
+    samples = texts([(r.prompt_ids, r.response_ids) for r in decoded])
+    view = text_features(target, samples, batch_size=3)
+    assert [v.shape[0] for v in view] == [len(r.prompt_ids) + len(r.response_ids) for r in samples]
+    cached = rebuild_records(target, drafter, samples, batch_size=5, features=view)
+    assert [blocks(r) for r in cached] == [blocks(r) for r in rebuild_records(target, drafter, samples)]
+    assert [blocks(r) for r in cached] == [blocks(r) for r in decoded]
