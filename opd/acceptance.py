@@ -1,14 +1,19 @@
 """Acceptance statistics of speculative-decoding records: τ, the survival curve and the first-rejection histogram.
 
 τ is reported two ways, as the DFlash benchmark and serving engines do: the mean of per-response means, and
-token-weighted (all committed tokens over all verification steps).
+token-weighted (all committed tokens over all verification steps). The first carries a 95% interval over the
+prompts (normal approximation, ± 1.96 standard errors of the per-response means): the spread a seed sweep does
+not show, which is what decides whether a few-percent difference on 64 prompts means anything.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from opd.decoding.record import SequenceRecord
+
+Z95 = 1.96
 
 
 @dataclass
@@ -18,6 +23,7 @@ class AcceptanceStats:
     survival: list[float]  # survival[k-1] = P(accepted >= k), k = 1..K-1
     first_rejection: list[float]  # share of blocks first rejected at position k = 1..K-1, then "full accept"
     steps: int
+    tau_ci: float = 0.0  # half-width of the 95% interval of `tau` over the responses
 
     @classmethod
     def from_records(cls, records: list[SequenceRecord], block_size: int) -> AcceptanceStats:
@@ -34,4 +40,14 @@ class AcceptanceStats:
             survival=survival,
             first_rejection=histogram,
             steps=len(accepted),
+            tau_ci=interval(per_response),
         )
+
+
+def interval(values: list[float]) -> float:
+    """Half-width of the 95% interval of the mean of `values` (0 for fewer than two)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return Z95 * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)

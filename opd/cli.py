@@ -60,12 +60,14 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: models.drafter_path)")
     parser.add_argument("--prompts", metavar="FILE", help="jsonl prompts (default: data.eval_prompts)")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--samples", metavar="FILE", help="offline: rebuild the drafter's blocks on these stored "
+                        "target samples (opd gen-samples --eval) instead of decoding (default: eval.samples_path)")
 
 
 def _eval(args: argparse.Namespace) -> int:
     from opd.eval import run_eval
 
-    return run_eval(_load(args), args.draft, args.prompts, args.json)
+    return run_eval(_load(args), args.draft, args.prompts, args.json, args.samples)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -134,14 +136,20 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target sampler (default: rollout.sampler); all are lossless")
     parser.add_argument("--samples", type=int, default=1, metavar="N",
                         help="samples per prompt at each sampled rollout setting (greedy ones get 1)")
-    parser.add_argument("--out", metavar="FILE",
-                        help="jsonl to write or finish (default: rollout.samples_path, else RUN_DIR/samples.jsonl)")
+    parser.add_argument("--out", metavar="FILE", help="jsonl to write or finish (default: rollout.samples_path, "
+                        "else RUN_DIR/samples.jsonl; with --eval RUN_DIR/eval_samples.jsonl)")
+    parser.add_argument("--eval", action="store_true",
+                        help="held-out prompts at every point-mass eval setting, for offline evaluation")
+    parser.add_argument("--prompts", metavar="FILE", help="with --eval: another held-out prompt family")
 
 
 def _gen_samples(args: argparse.Namespace) -> int:
     from opd.samples import run_gen_samples
 
-    return run_gen_samples(_load(args), args.engine, args.samples, args.out)
+    if args.prompts and not args.eval:
+        raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")
+    return run_gen_samples(_load(args), args.engine, args.samples, args.out, held_out=args.eval,
+                           prompts_file=args.prompts)
 
 
 def _prompt_pool_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,10 +21,10 @@ from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.eval_row import EvalRow
-from opd.expected_acceptance import ExpectedAcceptance, point_mass_settings, record_drafts, teacher_acceptance
+from opd.diagnosis import Diagnosis
+from opd.expected_acceptance import point_mass_settings
 from opd.models.build import Models, build_models
 from opd.progress import progress_bar
-from opd.replay import score
 from opd.spec import ExperimentSpec, SamplingSpec
 
 
@@ -50,7 +50,7 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
     sampling = Sampling.of(setting, sample_drafts=setting.draft == "sample")
     records, spec_time, ar_time, ar_tokens, matches = [], 0.0, 0.0, 0, 0
     # The diagnostic reads argmax q off the recorded drafts, so only point-mass decoding's states are diagnosed.
-    expected = _Expected(models, point_mass_settings(diagnosed) if setting.draft == "argmax" else {})
+    expected = Diagnosis(models, point_mass_settings(diagnosed) if setting.draft == "argmax" else {})
     for batch in batches:
         ids, keys = [p.ids for p in batch], [prompt_key(p.id) for p in batch]
         t0 = time.perf_counter()
@@ -73,44 +73,23 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
         sampling=setting.name, prompts=len(records), tau=stats.tau, tau_token_weighted=stats.tau_token_weighted,
         survival=stats.survival, first_rejection=stats.first_rejection, spec_tokens_per_s=spec_tps,
         ar_tokens_per_s=ar_tps, speedup=spec_tps / ar_tps if baseline else None,
-        greedy_match=matches / len(records) if baseline and sampling.greedy else None, expected=expected.result())
-
-
-class _Expected:
-    """Expected acceptance of each point-mass setting on the states of one setting's records, batch by batch
-    (one packed target replay per decoded batch, so memory stays that of a batch)."""
-
-    def __init__(self, models: Models, settings: dict[str, Sampling]) -> None:
-        self.models, self.settings = models, settings
-        self.acceptance: dict[str, list] = {name: [] for name in settings}
-        self.blocks: list[int] = []
-
-    def add(self, records) -> None:
-        drafts, blocks = record_drafts(records)
-        if not self.settings or not len(drafts):
-            return
-        target = self.models.target
-        teacher = score(target, records, block_size=self.models.drafter.block_size).teacher
-        for name, a in teacher_acceptance(drafts, teacher, target.lm_head, self.settings).items():
-            self.acceptance[name].append(a)
-        self.blocks += blocks
-
-    def result(self) -> dict[str, ExpectedAcceptance]:
-        return {name: ExpectedAcceptance.of(torch.cat(parts), self.blocks)
-                for name, parts in self.acceptance.items() if parts}
+        greedy_match=matches / len(records) if baseline and sampling.greedy else None, expected=expected.result(),
+        tau_ci=stats.tau_ci)
 
 
 def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
     console = console or Console()
     main = Table(title="Speculative decoding on held-out prompts")
-    for column in ("sampling", "n", "τ", "τ tok-wt", "spec tok/s", "AR tok/s", "speedup", "greedy=AR"):
+    for column in ("sampling", "n", "τ (95% CI over prompts)", "τ tok-wt", "how", "spec tok/s", "AR tok/s",
+                   "speedup", "greedy=AR"):
         main.add_column(column, justify="right")
     for r in rows:
-        main.add_row(r.sampling, str(r.prompts), f"{r.tau:.3f}", f"{r.tau_token_weighted:.3f}",
-                     f"{r.spec_tokens_per_s:.1f}", _opt(r.ar_tokens_per_s, "{:.1f}"), _opt(r.speedup, "{:.2f}x"),
-                     _opt(r.greedy_match, "{:.0%}"))
+        main.add_row(r.sampling, str(r.prompts), f"{r.tau:.3f} ± {r.tau_ci:.3f}", f"{r.tau_token_weighted:.3f}",
+                     "offline" if r.offline else "decoded", _opt(r.spec_tokens_per_s, "{:.1f}"),
+                     _opt(r.ar_tokens_per_s, "{:.1f}"), _opt(r.speedup, "{:.2f}x"), _opt(r.greedy_match, "{:.0%}"))
     console.print(main)
-    console.print("τ: mean of per-response means; τ tok-wt: committed tokens / verification steps.")
+    console.print("τ: mean of per-response means; τ tok-wt: committed tokens / verification steps; offline: blocks "
+                  "rebuilt on stored target samples (exact in distribution), decoded: speculative decoding.")
     drafted = len(rows[0].survival)
     survival = Table(title="Per-position acceptance P(accepted >= k)")
     hist = Table(title="First rejected position (share of blocks)")
@@ -159,12 +138,22 @@ def _opt(value: float | None, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, json_out: str | None) -> int:
+def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, json_out: str | None,
+             samples: str | None = None) -> int:
+    """`opd eval`: decode, or with stored samples (`samples`, else eval.samples_path) rebuild offline every
+    point-mass setting and decode only the others (`draft: sample`)."""
+    from opd.offline_eval import OfflineEval
+
     models = build_models(spec, draft)
     prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)
-    rows = evaluate(models, prompts.prompts, spec.eval.sampling, max_new_tokens=spec.eval.max_new_tokens,
-                    batch_size=spec.eval.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,
-                    diagnose=True)
+    samples = samples or spec.eval.samples_path
+    e = spec.eval
+    offline = (OfflineEval(models, samples, prompts.prompts, e.sampling, batch_size=e.batch_size,
+                           field="--samples").evaluate(models.drafter, diagnose=True) if samples else [])
+    decoded = [s for s in e.sampling if s.name not in {r.sampling for r in offline}]
+    rows = offline + (evaluate(models, prompts.prompts, decoded, max_new_tokens=e.max_new_tokens,
+                               batch_size=e.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,
+                               diagnose=True) if decoded else [])
     print_rows(rows)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)

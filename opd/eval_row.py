@@ -16,10 +16,12 @@ class EvalRow:
     tau_token_weighted: float
     survival: list[float]
     first_rejection: list[float]
-    spec_tokens_per_s: float
+    spec_tokens_per_s: float | None  # None offline: nothing was decoded
     ar_tokens_per_s: float | None
     speedup: float | None
     greedy_match: float | None  # share of responses identical to autoregressive decoding (greedy only)
     # On the states this setting's decoding visited: the exact expected acceptance under every point-mass setting
     # (opd/expected_acceptance.py), keyed by setting name; empty when not diagnosed.
     expected: dict[str, ExpectedAcceptance] = field(default_factory=dict)
+    tau_ci: float = 0.0  # half-width of the 95% interval of `tau` over the prompts
+    offline: bool = False  # τ from blocks rebuilt on stored target samples (opd/offline_eval.py), not decoded

@@ -494,6 +494,10 @@ class EvalSpec(_Section):
     # `tau_collapse` and, with stop_on_collapse, stops the run (a bad weight sync must not go unnoticed).
     collapse_ratio: float | None = Field(None, gt=0, le=1)
     stop_on_collapse: bool = False
+    # Stored target samples of the held-out prompts (`opd gen-samples --eval`): periodic and before/after evals
+    # then rebuild each point-mass setting's blocks on them instead of decoding (opd/offline_eval.py), the same τ
+    # in distribution at a fraction of the cost; `draft: sample` settings and the speedup still decode.
+    samples_path: str | None = None
     sampling: list[SamplingSpec] = Field(
         default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
                                  SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],
@@ -581,7 +585,7 @@ def check_paths(spec: ExperimentSpec) -> list[str]:
               ("models.drafter_path", m.drafter_path, "model"),
               ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
               ("rollout.samples_path", spec.rollout.samples_path if spec.rollout.source == "samples" else None,
-               "file")]
+               "file"), ("eval.samples_path", spec.eval.samples_path, "file")]
     return [msg for field, path, kind in wanted
             if path is not None and (msg := _path_problem(field, Path(path), kind))]
 

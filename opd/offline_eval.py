@@ -1,0 +1,120 @@
+"""Offline τ: held-out acceptance of any drafter from stored target samples, without decoding.
+
+With point-mass drafts a speculative decode's blocks are a function of (prompt, response, drafter), and the
+response is a target sample whatever the drafter (decoding is lossless). So store target samples of the eval
+prompts at each point-mass eval setting once (`opd gen-samples --eval`), and rebuild any drafter's blocks on them
+(opd/rebuild.py): τ, per-position acceptance and the first-rejection histogram are exactly what decoding would
+give, in distribution. When the samples were decoded by drafter D with the eval's keyed random numbers, D's
+offline blocks equal its decoded ones block by block.
+
+The target's view of the samples (their features) does not depend on the drafter, so it is computed once and
+cached, in memory, keyed by the target's files and the samples file's content and bounded in bytes: evaluating
+n drafters then costs one target pass plus n drafter walks, where decoding costs n full speculative decodes.
+Settings with `draft: sample` cannot be rebuilt (their drafts are random) and the speedup is a wall-clock
+measurement: both still decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opd.acceptance import AcceptanceStats
+from opd.data import Prompt, prompt_key
+from opd.decoding.record import SequenceRecord
+from opd.diagnosis import Diagnosis
+from opd.eval_row import EvalRow
+from opd.expected_acceptance import point_mass_settings
+from opd.models.build import Models
+from opd.models.target import Target
+from opd.rebuild import rebuild_records, text_features
+from opd.samples import SampleStore, Wanted
+from opd.spec import SamplingSpec
+
+CACHE_BYTES = 4 * 1024**3  # the target views kept in memory per process; older ones are dropped first
+
+
+@dataclass
+class SettingView:
+    """One eval setting's stored samples (as records without blocks) and the target's features of each."""
+
+    setting: SamplingSpec
+    samples: list[SequenceRecord]
+    features: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.features)
+
+
+_views: OrderedDict[tuple, SettingView] = OrderedDict()
+
+
+def cached_view(key: tuple, make) -> SettingView:
+    """The view under `key`, made by `make()` when absent; least recently used views leave past CACHE_BYTES."""
+    if key in _views:
+        _views.move_to_end(key)
+        return _views[key]
+    view = _views[key] = make()
+    while len(_views) > 1 and sum(v.nbytes for v in _views.values()) > CACHE_BYTES:
+        _views.popitem(last=False)
+    return view
+
+
+def target_identity(target: Target) -> tuple:
+    """What names the target's weights: its directory and the size and mtime of every file in it (a retrained
+    or replaced target changes them), or the object itself when it was not loaded from files."""
+    name = getattr(target.model.config, "_name_or_path", "")
+    if not name or not Path(name).is_dir():
+        return ("object", id(target))
+    path = Path(name)
+    files = sorted(f for f in path.iterdir() if f.is_file())
+    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class OfflineEval:
+    """Held-out τ of any drafter on the stored samples in `path` of `prompts`, for every point-mass setting in
+    `settings` (the others are the caller's to decode)."""
+
+    def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec], *,
+                 batch_size: int = 8, field: str = "eval.samples_path") -> None:
+        self.models, self.batch_size = models, batch_size
+        self.settings = [s for s in settings if s.draft == "argmax"]
+        store = SampleStore(path, self.settings, prompts, field=field, pool_name="data.eval_prompts")
+        digest = file_digest(store.path)
+        self.views = [cached_view((target_identity(models.target), digest, i, s.name),
+                                  lambda i=i, s=s: self._view(store, prompts, i, s))
+                      for i, s in enumerate(self.settings)]
+
+    def evaluate(self, drafter, *, diagnose: bool = False, draft_version: int = 0) -> list[EvalRow]:
+        """One row per point-mass setting; `diagnose`: the expected-acceptance diagnostic on the rebuilt states
+        beside the realised τ (as `opd.eval.evaluate` gives it on decoded states)."""
+        rows = []
+        for view in self.views:
+            records = rebuild_records(self.models.target, drafter, view.samples, features=view.features,
+                                      batch_size=self.batch_size, draft_version=draft_version)
+            stats = AcceptanceStats.from_records(records, drafter.block_size)
+            diagnosis = Diagnosis(Models(self.models.target, drafter, self.models.tokenizer),
+                                  point_mass_settings(self.settings) if diagnose else {})
+            for start in range(0, len(records), self.batch_size):
+                diagnosis.add(records[start : start + self.batch_size])
+            rows.append(EvalRow(sampling=view.setting.name, prompts=len(records), tau=stats.tau,
+                                tau_token_weighted=stats.tau_token_weighted, survival=stats.survival,
+                                first_rejection=stats.first_rejection, spec_tokens_per_s=None, ar_tokens_per_s=None,
+                                speedup=None, greedy_match=None, expected=diagnosis.result(), tau_ci=stats.tau_ci,
+                                offline=True))
+        return rows
+
+    def _view(self, store: SampleStore, prompts: list[Prompt], index: int, setting: SamplingSpec) -> SettingView:
+        stored = store.fetch([Wanted(p, index, 0) for p in prompts])
+        eos = self.models.eos_id
+        samples = [SequenceRecord.from_text(prompt_key(p.id), p.ids, s.response, eos) for p, s in zip(prompts, stored)]
+        return SettingView(setting, samples, text_features(self.models.target, samples, self.batch_size))
