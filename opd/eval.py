@@ -148,8 +148,8 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
     prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)
     samples = samples or spec.eval.samples_path
     e = spec.eval
-    offline = (OfflineEval(models, samples, prompts.prompts, e.sampling, batch_size=e.batch_size,
-                           field="--samples").evaluate(models.drafter, diagnose=True) if samples else [])
+    offline = (OfflineEval(models, samples, prompts.prompts, e.sampling, field="--samples").evaluate(
+        models.drafter, diagnose=True) if samples else [])
     decoded = [s for s in e.sampling if s.name not in {r.sampling for r in offline}]
     rows = offline + (evaluate(models, prompts.prompts, decoded, max_new_tokens=e.max_new_tokens,
                                batch_size=e.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,

@@ -36,6 +36,10 @@ from opd.samples import SampleStore, Wanted
 from opd.spec import SamplingSpec
 
 CACHE_BYTES = 4 * 1024**3  # the target views kept in memory per process; older ones are dropped first
+# Sequences walked at once: each walk step is one drafter call for every live row, so wider batches amortise the
+# per-step overhead (tiny CPU, 64 prompts x 2 settings: 3.0 s at 8, 2.1 s at 64, flat beyond); memory is the
+# batch's features and drafter context cache, ~5 GB at Qwen3-4B shapes, 2048 tokens, bf16.
+BATCH = 64
 
 
 @dataclass
@@ -55,7 +59,8 @@ _views: OrderedDict[tuple, SettingView] = OrderedDict()
 
 
 def cached_view(key: tuple, make) -> SettingView:
-    """The view under `key`, made by `make()` when absent; least recently used views leave past CACHE_BYTES."""
+    """The view under `key`, made by `make()` when absent; least recently used views leave past CACHE_BYTES (the
+    newest always stays: at Qwen3-4B shapes one setting's 200 samples are ~12 GB of bf16 features)."""
     if key in _views:
         _views.move_to_end(key)
         return _views[key]
@@ -85,7 +90,7 @@ class OfflineEval:
     `settings` (the others are the caller's to decode)."""
 
     def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec], *,
-                 batch_size: int = 8, field: str = "eval.samples_path") -> None:
+                 batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
         store = SampleStore(path, self.settings, prompts, field=field, pool_name="data.eval_prompts")
