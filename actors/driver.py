@@ -336,12 +336,21 @@ def _first_line(exc: BaseException) -> str:
 def evaluate_in_actor(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
     """`opd run`'s before/after held-out table for a drafter directory (None: the warm drafter), decoded by an
     evaluator actor on the cluster's GPUs (`resources.evaluator`), not in this driver process."""
+    return _in_evaluator(spec, lambda actor: actor.checkpoint.remote(drafter_path))
+
+
+def draw_samples_in_actor(spec: ExperimentSpec, path: str) -> None:
+    """The held-out samples for offline evaluation, drawn by an evaluator actor (`Evaluator.draw_samples`)."""
+    _in_evaluator(spec, lambda actor: actor.draw_samples.remote(path))
+
+
+def _in_evaluator(spec: ExperimentSpec, call):
     init_ray(spec)
     placement = EvaluatorPlacement(spec)
     actor = EvaluatorActor.options(**placement.options(f"{EVALUATOR}-checkpoint")).remote(
         spec.model_dump(mode="json"))
     try:
-        return ray.get(actor.checkpoint.remote(drafter_path))
+        return ray.get(call(actor))
     except ray.exceptions.RayError as exc:
         raise failure("the evaluator", exc) from None
     finally:

@@ -34,6 +34,9 @@ class EvaluatorActor:
     def checkpoint(self, drafter_path: str | None) -> list[EvalRow]:
         return self.evaluator.checkpoint(drafter_path)
 
+    def draw_samples(self, path: str) -> None:
+        self.evaluator.draw_samples(path)
+
 
 class ActorEvaluations:
     """`Evaluations` over the evaluator actor: a submit sends the snapshot and returns; results are taken in

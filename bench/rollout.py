@@ -27,7 +27,6 @@ from replay import synthetic_record  # bench/replay.py, beside this script
 from rich.console import Console
 from rich.table import Table
 
-from opd.decoding.record import SequenceRecord
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.replay import pack

@@ -144,7 +144,7 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _gen_samples(args: argparse.Namespace) -> int:
-    from opd.samples import run_gen_samples
+    from opd.gen_samples import run_gen_samples
 
     if args.prompts and not args.eval:
         raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")

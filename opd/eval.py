@@ -11,7 +11,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 

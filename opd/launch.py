@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from opd.eval_row import EvalRow
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, with_eval_samples
 from opd.tracking import run_status
 from opd.train.messages import TrainResult
 
@@ -45,3 +45,21 @@ def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRo
     from opd.train.evaluator import Evaluator
 
     return Evaluator(spec).checkpoint(drafter_path)
+
+
+def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
+    """With `eval.offline` and no `eval.samples_path`: store the held-out samples in RUN_DIR/eval_samples.jsonl
+    (the warm drafter's decodes; once, resumable), where the evaluator runs, and return the spec that evaluates
+    offline on them (opd/offline_eval.py)."""
+    if not spec.eval.offline or spec.eval.samples_path:
+        return spec
+    path = str(spec.run_dir.resolve() / "eval_samples.jsonl")
+    if spec.engine == "ray":
+        from actors.driver import draw_samples_in_actor
+
+        draw_samples_in_actor(spec, path)
+    else:
+        from opd.train.evaluator import Evaluator
+
+        Evaluator(spec).draw_samples(path)
+    return with_eval_samples(spec, path)

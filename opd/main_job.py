@@ -49,7 +49,7 @@ def open_run(spec: ExperimentSpec) -> Iterator[None]:
 def run_train(spec: ExperimentSpec) -> int:
     """`opd train`: Draft-OPD training only, resuming from the run directory's last checkpoint."""
     with open_run(spec):
-        result = launch.train(spec)
+        result = launch.train(launch.held_out_samples(spec))
     print(f"trained to step {result.steps}; checkpoint: {result.checkpoint}")
     print(f"MLflow run {result.run_id}: {mlflow_ui(spec)}")
     return 0
@@ -72,13 +72,18 @@ def mlflow_ui(spec: ExperimentSpec) -> str:
 
 
 def comparison_table(before: list[EvalRow], after: list[EvalRow]) -> Table:
-    table = Table(title="Held-out τ and speedup: warm drafter → Draft-OPD")
+    n = before[0].prompts
+    table = Table(title=f"Held-out τ (± 95% interval over {n} prompts) and speedup: warm drafter → Draft-OPD")
     for column in ("sampling", "τ before", "τ after", "Δτ", "speedup before", "speedup after"):
         table.add_column(column, justify="right")
     for b, a in zip(before, after):
-        table.add_row(b.sampling, f"{b.tau:.3f}", f"{a.tau:.3f}", f"{(a.tau / b.tau - 1):+.1%}",
-                      f"{b.speedup:.2f}x", f"{a.speedup:.2f}x")
+        table.add_row(b.sampling, f"{b.tau:.3f} ± {b.tau_ci:.3f}", f"{a.tau:.3f} ± {a.tau_ci:.3f}",
+                      f"{(a.tau / b.tau - 1):+.1%}", _speedup(b), _speedup(a))
     return table
+
+
+def _speedup(row: EvalRow) -> str:
+    return "-" if row.speedup is None else f"{row.speedup:.2f}x"
 
 
 def plot_tau(history: dict[int, dict[str, float]], path: Path) -> None:
@@ -108,6 +113,7 @@ def run_main(spec: ExperimentSpec) -> int:
     with open_run(spec):
         console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
                       f"run directory {spec.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
+        spec = launch.held_out_samples(spec)  # held-out τ offline from here on (eval.offline)
         before = launch.held_out_eval(spec, spec.models.drafter_path)
         result = launch.train(spec)
         try:
@@ -150,7 +156,7 @@ def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, arti
     tracker = Tracker(spec, run_id, resume=False)
     metrics = {f"heldout_{name}_{r.sampling}_{when}": value
                for when, rows in (("before", before), ("after", after)) for r in rows
-               for name, value in (("tau", r.tau), ("speedup", r.speedup))}
+               for name, value in (("tau", r.tau), ("tau_ci", r.tau_ci), ("speedup", r.speedup)) if value is not None}
     tracker.log(metrics, spec.steps)
     for path in artifacts:
         tracker.artifact(path)

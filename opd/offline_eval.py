@@ -32,7 +32,8 @@ from opd.expected_acceptance import point_mass_settings
 from opd.models.build import Models
 from opd.models.target import Target
 from opd.rebuild import rebuild_records, text_features
-from opd.samples import SampleStore, Wanted
+from opd.progress import progress_bar
+from opd.samples import GEN_CHUNK, SampleStore, Wanted, sampler_draw
 from opd.spec import SamplingSpec
 
 CACHE_BYTES = 4 * 1024**3  # the target views kept in memory per process; older ones are dropped first
@@ -123,3 +124,19 @@ class OfflineEval:
         eos = self.models.eos_id
         samples = [SequenceRecord.from_text(prompt_key(p.id), p.ids, s.response, eos) for p, s in zip(prompts, stored)]
         return SettingView(setting, samples, text_features(self.models.target, samples, self.batch_size))
+
+
+def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) -> Path:
+    """Store one target sample of each held-out prompt at every point-mass eval setting in `path` (resumable),
+    drawn by `sampler` (opd/target_sampler.py) with the eval's length, seed and keys: drawn by the speculative
+    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ."""
+    settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
+    store = SampleStore(path, settings, prompts, field="eval.samples_path", pool_name="the held-out prompts")
+    wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
+    draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
+    with progress_bar() as bar:
+        task = bar.add_task("held-out samples", total=len(wanted))
+        for start in range(0, len(wanted), GEN_CHUNK):
+            store.fetch(wanted[start : start + GEN_CHUNK], draw)
+            bar.advance(task, len(wanted[start : start + GEN_CHUNK]))
+    return Path(path)

@@ -24,7 +24,6 @@ from pathlib import Path
 from opd.data import Prompt, prompt_key
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, RolloutSampling
 from opd.train.flops import FlopCounter
 
@@ -225,50 +224,3 @@ def sampler_draw(sampler, settings: list, max_new_tokens: int, seed: int) -> Dra
 
 def rollout_draw(spec: ExperimentSpec, sampler) -> Draw:
     return sampler_draw(sampler, spec.rollout.settings, spec.rollout.max_new_tokens, spec.seed)
-
-
-def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: str | None, *,
-                    held_out: bool = False, prompts_file: str | None = None) -> int:
-    """`opd gen-samples`: write (or finish) a sample file with the sampler `engine`. Training prompts: `count`
-    samples per prompt at every sampled rollout setting, one at every greedy one. `held_out`: one sample of each of
-    eval.num_prompts held-out prompts (or of `prompts_file`) at every point-mass eval setting, with the eval's
-    length, seed and keys, for offline evaluation (opd/offline_eval.py)."""
-    from opd.data import load_tokenizer, spec_prompts, train_prompts
-    from opd.models.build import build_models
-    from opd.serving.engine import require_vllm
-    from opd.target_sampler import build_sampler
-
-    if count < 1:
-        raise OpdError(f"--samples: {count} (expected at least 1 sample per prompt)")
-    kind = engine or spec.rollout.sampler
-    default = spec.run_dir / ("eval_samples.jsonl" if held_out else "samples.jsonl")
-    path = Path(out or (None if held_out else spec.rollout.samples_path) or default)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "vllm":
-        require_vllm("opd gen-samples --engine vllm")
-        tokenizer, target, drafter = load_tokenizer(spec.models.tokenizer), None, None
-    else:
-        models = build_models(spec)
-        tokenizer, target, drafter = models.tokenizer, models.target, models.drafter
-    sampler = build_sampler(spec, kind, target, drafter, tokenizer.eos_token_id)
-    if held_out:
-        settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
-        prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, tokenizer,
-                               spec.eval.num_prompts).prompts
-        store = SampleStore(path, settings, prompts, field="--out", pool_name="the held-out prompts")
-        draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
-        count = 1
-    else:
-        prompts = train_prompts(spec.data, tokenizer)
-        store = SampleStore(path, spec.rollout.settings, prompts, field="--out")
-        draw = rollout_draw(spec, sampler)
-    jobs = [Wanted(p, s, 0 if store.settings[s][0] == 0 else j)
-            for s in range(len(store.settings)) for j in range(count) for p in prompts]
-    jobs = list({(w.prompt.id, w.setting, w.j): w for w in jobs}.values())  # greedy settings: one sample
-    with progress_bar() as bar:
-        task = bar.add_task("target samples", total=len(jobs))
-        for start in range(0, len(jobs), GEN_CHUNK):
-            store.fetch(jobs[start : start + GEN_CHUNK], draw)
-            bar.update(task, advance=len(jobs[start : start + GEN_CHUNK]))
-    print(f"{len(jobs)} target samples ({kind}) of {len(prompts)} prompts in {path}")
-    return 0

@@ -498,6 +498,10 @@ class EvalSpec(_Section):
     # then rebuild each point-mass setting's blocks on them instead of decoding (opd/offline_eval.py), the same τ
     # in distribution at a fraction of the cost; `draft: sample` settings and the speedup still decode.
     samples_path: str | None = None
+    # opd train / opd run without samples_path: first store the warm drafter's decodes of the held-out prompts in
+    # RUN_DIR/eval_samples.jsonl (once; its τ is then exact) and evaluate offline on them. false: always decode.
+    offline: bool = True
+    speedup_prompts: int = Field(32, ge=1)  # offline: prompts still decoded for the before/after speedup column
     sampling: list[SamplingSpec] = Field(
         default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
                                  SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],
@@ -572,6 +576,11 @@ class ExperimentSpec(_Section):
     def to_yaml(self) -> str:
         """The fully resolved spec as YAML; loading it back gives an equal spec."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def with_eval_samples(spec: ExperimentSpec, path: str | Path) -> ExperimentSpec:
+    """`spec` evaluating offline on the held-out target samples in `path` (opd/offline_eval.py)."""
+    return spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": str(path)})})
 
 
 # ------------------------------------------------------------------------------------------------ paths

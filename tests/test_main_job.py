@@ -21,6 +21,10 @@ def check_outputs(spec, printed: str) -> None:
     assert "τ before" in printed and "greedy" in printed and "sampled" in printed
     assert (spec.run_dir / "tau_over_steps.png").stat().st_size > 1000
     summary = json.loads((spec.run_dir / "summary.json").read_text())
+    # held-out τ offline on the warm drafter's stored decodes, with an interval; the speedup still decoded
+    assert (spec.run_dir / "eval_samples.jsonl").stat().st_size > 0
+    assert all(r["offline"] and r["speedup"] is not None for r in summary["before"] + summary["after"])
+    assert "±" in printed
     assert sorted(int(s) for s in summary["history"]) == [0, 1, 2]
     mlflow.set_tracking_uri(spec.tracking_uri)
     runs = mlflow.search_runs(experiment_names=[spec.tracking.experiment])
@@ -36,7 +40,28 @@ SETS = ["steps=2", "eval.every=1", "eval.sampling=[{name: greedy}, {name: sample
 def test_main_job_local(micro_spec_file, capsys):
     args = ["run", str(micro_spec_file), *[a for s in SETS for a in ("--set", s)]]
     assert main(args) == 0
-    check_outputs(load_spec(micro_spec_file, SETS), capsys.readouterr().out)
+    spec = load_spec(micro_spec_file, SETS)
+    check_outputs(spec, capsys.readouterr().out)
+    # the warm drafter drew the samples, so its offline τ is exactly its decoded τ
+    from opd.eval import evaluate
+    from opd.models.build import build_models
+    from opd.data import eval_prompts
+
+    models = build_models(spec)
+    decoded = evaluate(models, eval_prompts(spec.data, models.tokenizer, spec.eval.num_prompts), spec.eval.sampling,
+                       max_new_tokens=spec.eval.max_new_tokens, batch_size=spec.eval.batch_size, seed=spec.seed,
+                       baseline=False)
+    before = json.loads((spec.run_dir / "summary.json").read_text())["before"]
+    assert [r["tau"] for r in before] == pytest.approx([r.tau for r in decoded], abs=1e-12)
+
+
+def test_main_job_decodes_with_eval_offline_off(micro_spec_file, capsys):
+    sets = SETS + ["eval.offline=false", "eval.every=0"]
+    assert main(["run", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 0
+    spec = load_spec(micro_spec_file, sets)
+    summary = json.loads((spec.run_dir / "summary.json").read_text())
+    assert not (spec.run_dir / "eval_samples.jsonl").exists()
+    assert not any(r["offline"] for r in summary["before"] + summary["after"])
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import yaml
 from actors.driver import RayRun, place, relaunch
 from actors.queues import BatchQueue, Lost
 from opd.errors import OpdError
-from opd.samples import run_gen_samples
+from opd.gen_samples import run_gen_samples
 from opd.spec import ExperimentSpec, load_spec
 from opd.train.flops import FlopCounter
 from opd.train.ledger import reconciles

@@ -13,7 +13,8 @@ import torch
 from opd.cli import main
 from opd.data import load_tokenizer, train_prompts
 from opd.errors import OpdError
-from opd.samples import SampleStore, run_gen_samples, samples_needed
+from opd.gen_samples import run_gen_samples
+from opd.samples import SampleStore, samples_needed
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
 

@@ -1,7 +1,7 @@
 """Held-out evaluation of published weights, off the learner's critical path.
 
-An `Evaluator` owns a target, a drafter copy and the held-out prompts, and decodes them with whatever weights it
-is handed: a `WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or a
+An `Evaluator` owns a target, a drafter copy and the held-out prompts, and evaluates them (offline on stored
+target samples where `eval.samples_path` gives them, else by decoding) with whatever weights it is handed: a `WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or a
 drafter directory (`opd run`'s before/after table, with the autoregressive baseline for the speedup). The learner
 never decodes: it hands snapshots over through `Evaluations` and logs the results when they come back.
 `engine: local` evaluates inline (`InlineEvaluations`, the same object in the same process); `engine: ray` runs it
@@ -17,7 +17,9 @@ from opd.data import eval_prompts
 from opd.eval import evaluate
 from opd.eval_row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
-from opd.spec import ExperimentSpec
+from opd.offline_eval import OfflineEval, draw_eval_samples
+from opd.spec import ExperimentSpec, with_eval_samples
+from opd.target_sampler import build_sampler
 from opd.train.messages import WeightSnapshot
 
 
@@ -30,13 +32,15 @@ class EvalResult:
 
 
 class Evaluator:
-    """Decodes the spec's held-out prompts with given drafter weights against the frozen target."""
+    """Evaluates the spec's held-out prompts with given drafter weights against the frozen target: offline on the
+    stored samples of `eval.samples_path` where it can (opd/offline_eval.py), by decoding otherwise."""
 
     def __init__(self, spec: ExperimentSpec, models: Models | None = None) -> None:
         """`models`: a target and a drafter of its own to load weights into (default: built from the spec)."""
         self.spec = spec
         self.models = models or build_models(spec)
         self.prompts = eval_prompts(spec.data, self.models.tokenizer, spec.eval.num_prompts)
+        self._offline: OfflineEval | None = None
 
     def __call__(self, snapshot: WeightSnapshot) -> EvalResult:
         """The periodic eval of published weights: every eval setting, with the expected-acceptance diagnostic."""
@@ -50,11 +54,48 @@ class Evaluator:
         drafter = build_drafter(self.spec, m.target, m.tokenizer, drafter_path)
         return self._rows(Models(m.target, drafter, m.tokenizer), baseline=True, diagnose=False, version=0)
 
+    def draw_samples(self, path: str) -> None:
+        """Store the held-out samples in `path` (resumable), decoded by the spec's warm drafter, so its offline τ
+        is its decoded τ; evaluate offline on them from now on."""
+        m = self.models
+        drafter = build_drafter(self.spec, m.target, m.tokenizer)
+        draw_eval_samples(self.spec, build_sampler(self.spec, "speculative", m.target, drafter, m.eos_id),
+                          self.prompts, path)
+        self.spec, self._offline = with_eval_samples(self.spec, path), None
+
     def _rows(self, models: Models, *, baseline: bool, diagnose: bool, version: int) -> list[EvalRow]:
+        """Point-mass settings offline when samples exist, the rest decoded; with `baseline`, the speedup (a
+        wall-clock ratio) is still decoded, on the first `eval.speedup_prompts` prompts."""
         e = self.spec.eval
-        return evaluate(models, self.prompts, e.sampling, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
+        offline = self.offline()
+        rows = offline.evaluate(models.drafter, diagnose=diagnose, draft_version=version) if offline else []
+        done = {r.sampling for r in rows}
+        decode = [s for s in e.sampling if s.name not in done]
+        if decode:
+            rows += self._decode(models, self.prompts, decode, baseline=baseline, diagnose=diagnose, version=version)
+        if baseline and done:
+            timed = self._decode(models, self.prompts[: e.speedup_prompts], [s for s in e.sampling if s.name in done],
+                                 baseline=True, diagnose=False, version=version)
+            for row, t in zip([r for r in rows if r.offline], timed):
+                row.spec_tokens_per_s, row.ar_tokens_per_s = t.spec_tokens_per_s, t.ar_tokens_per_s
+                row.speedup, row.greedy_match = t.speedup, t.greedy_match
+        order = [s.name for s in e.sampling]
+        return sorted(rows, key=lambda r: order.index(r.sampling))
+
+    def offline(self) -> OfflineEval | None:
+        """The offline evaluator of `eval.samples_path` (its target view computed once), or None."""
+        if self._offline is None and self.spec.eval.samples_path:
+            self._offline = OfflineEval(self.models, self.spec.eval.samples_path, self.prompts,
+                                        self.spec.eval.sampling)
+        return self._offline
+
+    def _decode(self, models: Models, prompts, samplings, *, baseline: bool, diagnose: bool,
+                version: int) -> list[EvalRow]:
+        e = self.spec.eval
+        return evaluate(models, prompts, samplings, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                         seed=self.spec.seed, baseline=baseline, draft_version=version,
                         static_cache=self.spec.rollout.static_cache, diagnose=diagnose)
+
 
 
 class Evaluations(Protocol):
