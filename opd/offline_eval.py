@@ -100,11 +100,14 @@ class OfflineEval:
                                   lambda i=i, s=s: self._view(store, prompts, i, s))
                       for i, s in enumerate(self.settings)]
 
-    def evaluate(self, drafter, *, diagnose: bool = False, draft_version: int = 0) -> list[EvalRow]:
-        """One row per point-mass setting; `diagnose`: the expected-acceptance diagnostic on the rebuilt states
-        beside the realised τ (as `opd.eval.evaluate` gives it on decoded states)."""
+    def evaluate(self, drafter, *, diagnose: bool = False, draft_version: int = 0,
+                 names: set[str] | None = None) -> list[EvalRow]:
+        """One row per point-mass setting (or those in `names`); `diagnose`: the expected-acceptance diagnostic on
+        the rebuilt states beside the realised τ (as `opd.eval.evaluate` gives it on decoded states)."""
         rows = []
         for view in self.views:
+            if names is not None and view.setting.name not in names:
+                continue
             records = rebuild_records(self.models.target, drafter, view.samples, features=view.features,
                                       batch_size=self.batch_size, draft_version=draft_version)
             stats = AcceptanceStats.from_records(records, drafter.block_size)
@@ -131,6 +134,7 @@ def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) ->
     drawn by `sampler` (opd/target_sampler.py) with the eval's length, seed and keys: drawn by the speculative
     decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     store = SampleStore(path, settings, prompts, field="eval.samples_path", pool_name="the held-out prompts")
     wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
     draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)

@@ -99,6 +99,11 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     rows = [json.loads(line) for line in (samples / "seed0.jsonl").read_text().splitlines()]
     assert rows and len({(r["id"], r["sample"]) for r in rows}) == len(rows)
     assert "each seed's opd arms train on one shared file of target samples" in report
+    # held-out τ offline on each seed's stored warm decodes of each family, shared by the arms
+    assert sorted(p.name for p in (tmp_path / "out" / "eval_samples").iterdir()) == [
+        "seed0-again.jsonl", "seed0-heldout.jsonl", "seed1-again.jsonl", "seed1-heldout.jsonl"]
+    assert all(row["offline"] and row["tau_ci"] >= 0 for r in results for rows in r.final_rows.values()
+               for row in rows)
 
 
 def test_only_arms_that_need_the_speculative_engine_decode_their_own(micro_spec_file):

@@ -19,17 +19,22 @@ from opd.data import eval_prompts, spec_prompts
 from opd.errors import OpdError
 from opd.eval import evaluate
 from opd.eval_row import EvalRow
-from opd.models.build import Models, build_models
+from opd.models.build import Models, build_drafter, build_models
+from opd.offline_eval import OfflineEval, draw_eval_samples
 from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
 from opd.spec import ExperimentSpec, SamplingSpec, load_spec
 from opd.train.flops import FlopCounter
 from opd.train.local import LocalTrainer
+from opd.target_sampler import build_sampler
 from opd.train.sft import SftExample, train_sft
 
 
 class _Evaluator:
     """Held-out τ of the drafter being trained: greedy on the main family for the curve; at the start and the
-    end every setting on every family, with the expected-acceptance diagnostic."""
+    end every setting on every family, with the expected-acceptance diagnostic. With `job.eval_samples_dir`,
+    offline: each family's held-out samples are the warm drafter's decodes, stored once per seed (the arms of a
+    seed share them; the file lock lets one draw while another waits), and every point-mass setting is rebuilt on
+    them (opd/offline_eval.py); `draft: sample` settings still decode."""
 
     def __init__(self, spec: ExperimentSpec, models: Models, job: ArmJob) -> None:
         self.spec, self.models = spec, models
@@ -38,25 +43,42 @@ class _Evaluator:
         self.families = {"heldout": self.prompts, **{
             name: spec_prompts(d, path, models.tokenizer, n).prompts
             for name, path in job.families.items()}}
+        self.offline = self._offline(job) if job.eval_samples_dir else {}
+
+    def _offline(self, job: ArmJob) -> dict[str, OfflineEval]:
+        m = self.models
+        warm = build_drafter(self.spec, m.target, m.tokenizer)
+        sampler = build_sampler(self.spec, "speculative", m.target, warm, m.eos_id)
+        out = {}
+        for name, prompts in self.families.items():
+            path = draw_eval_samples(self.spec, sampler, prompts,
+                                     Path(job.eval_samples_dir) / f"seed{job.seed}-{name}.jsonl")
+            out[name] = OfflineEval(m, path, prompts, self.spec.eval.sampling)
+        return out
 
     def __call__(self, drafter, samplings: list[SamplingSpec] | None = None) -> dict[str, float]:
-        rows = self._rows(drafter, self.prompts, samplings or [SamplingSpec(name="greedy")], diagnose=False)
+        rows = self._rows(drafter, "heldout", samplings or [SamplingSpec(name="greedy")], diagnose=False)
         return {r.sampling: r.tau for r in rows}
 
     def every_family(self, drafter) -> dict[str, list[dict]]:
         """family -> EvalRow dicts for every eval setting, diagnosed."""
-        return {name: [asdict(r) for r in self._rows(drafter, prompts, self.spec.eval.sampling, diagnose=True)]
-                for name, prompts in self.families.items()}
+        return {name: [asdict(r) for r in self._rows(drafter, name, self.spec.eval.sampling, diagnose=True)]
+                for name in self.families}
 
-    def _rows(self, drafter, prompts, samplings, *, diagnose: bool) -> list[EvalRow]:
+    def _rows(self, drafter, family: str, samplings, *, diagnose: bool) -> list[EvalRow]:
         was_training = drafter.training
         drafter.eval()
-        e = self.spec.eval
-        rows = evaluate(Models(self.models.target, drafter, self.models.tokenizer), prompts, samplings,
-                        max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, seed=self.spec.seed,
-                        baseline=False, diagnose=diagnose)
+        e, offline = self.spec.eval, self.offline.get(family)
+        names = {s.name for s in samplings}
+        rows = offline.evaluate(drafter, diagnose=diagnose, names=names) if offline else []
+        decode = [s for s in samplings if s.name not in {r.sampling for r in rows}]
+        if decode:
+            rows += evaluate(Models(self.models.target, drafter, self.models.tokenizer), self.families[family],
+                             decode, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, seed=self.spec.seed,
+                             baseline=False, diagnose=diagnose)
         drafter.train(was_training)
-        return rows
+        order = [s.name for s in samplings]
+        return sorted(rows, key=lambda r: order.index(r.sampling))
 
 
 def _tau(rows: dict[str, list[dict]]) -> dict[str, float]:

@@ -43,6 +43,9 @@ class ReproduceSpec(BaseModel):
     # on identical target text (paired), and each (setting, prompt, epoch) is sampled once instead of once per arm.
     # Arms whose recipe needs the speculative engine (random anchors, or rollout.source set) decode their own.
     share_samples: bool = True
+    # Held-out τ offline (opd/offline_eval.py): the warm drafter's decodes of each family, stored once per seed in
+    # OUT/eval_samples/, and every arm's evals rebuild its blocks on them; `draft: sample` settings still decode.
+    offline_eval: bool = True
     out_dir: str = "runs/reproduce"
     arms: list[ArmSpec] = Field(min_length=2)
 
@@ -92,6 +95,7 @@ class ArmJob:
     sft_data: str | None = None
     families: dict[str, str] = field(default_factory=dict)
     samples_path: str | None = None  # the seed's shared sample file (None: the arm decodes its own rollouts)
+    eval_samples_dir: str | None = None  # where each seed's held-out samples are stored (None: decode evals)
 
 
 @dataclass
