@@ -119,20 +119,28 @@ def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
     def tau(rows_of: dict[str, list[dict]], f: str, s: str) -> float:
         return _cells(rows_of[f])[s]["tau"]
 
+    def ci(rows_of: dict[str, list[dict]], f: str, s: str) -> float:
+        return _cells(rows_of[f])[s].get("tau_ci", 0.0)
+
+    def cell(runs: list[ArmResult], c: tuple[str, str], rows: str) -> str:
+        """mean ± std over seeds, then the mean over seeds of the 95% interval over prompts."""
+        values = [tau(getattr(r, rows), *c) for r in runs]
+        return f"{_fmt(_mean_std(values))} [±{statistics.fmean(ci(getattr(r, rows), *c) for r in runs):.3f}]"
+
     warm = {c: statistics.fmean(tau(r.initial_rows, *c) for r in warm_runs) for c in cols}
     sft = by_arm.get("sft", {})
     head = " | ".join(f"{f} {s}" for f, s in cols)
-    lines = ["### Every prompt family and setting (held-out τ, mean ± std over seeds)", "",
+    lines = ["### Every prompt family and setting (held-out τ, mean ± std over seeds [± 95% interval over prompts, "
+             "mean over seeds])", "",
              f"| arm | {head} |", "|---|" + "---|" * len(cols),
-             "| warm drafter | " + " | ".join(f"{warm[c]:.3f}" for c in cols) + " |"]
+             "| warm drafter | " + " | ".join(cell(warm_runs, c, "initial_rows") for c in cols) + " |"]
     ratios = ["", "### The same, relative (mean ± std over seeds): vs continued SFT paired by seed; vs the warm "
               "drafter; worst: the lowest ratio to the warm drafter over all columns", "",
               f"| arm | {' | '.join(f'vs SFT {f} {s}' for f, s in cols)} | worst vs warm |",
               "|---|" + "---|" * (len(cols) + 1)]
     for arm in [a for a in arms if a in by_arm]:
         runs = by_arm[arm]
-        lines.append(f"| {arm} | " + " | ".join(_fmt(_mean_std([tau(r.final_rows, *c) for r in runs.values()]))
-                                                for c in cols) + " |")
+        lines.append(f"| {arm} | " + " | ".join(cell(list(runs.values()), c, "final_rows") for c in cols) + " |")
         if arm == "sft":
             continue
         paired = [_fmt(_mean_std([tau(runs[s].final_rows, *c) / tau(sft[s].final_rows, *c) - 1
