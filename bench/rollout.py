@@ -11,8 +11,13 @@
    row per step) is likely more efficient than plain decoding, so giving both the same utilisation flatters the
    rebuilt source; the paper reports ~120 GPU-hours (8xH200, ~15 h, rollout included), far above either.
 
-    python bench/rollout.py                 # both parts, ~3 min
+3. The rebuild's match rate in float32 (the tests prove 100% in float64): the shipped tiny target decodes the
+   held-out prompts with the warm and a random drafter, greedy and at T=0.6 / top-k 20 / top-p 0.95, and every
+   record is rebuilt from its text; the share of blocks identical to the decoder's.
+
+    python bench/rollout.py                 # all three parts, ~5 min
     python bench/rollout.py --projection-only
+    python bench/rollout.py --match-only
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from replay import synthetic_record  # bench/replay.py, beside this script
 from rich.console import Console
 from rich.table import Table
 
+from opd.decoding.record import SequenceRecord
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.replay import pack
@@ -143,6 +149,40 @@ def projection(decode_mfu: float, prefill_mfu: float) -> list[dict]:
     return rows
 
 
+# -------------------------------------------------------------------------------------------- float32 match rate
+
+
+def match_rate(config: str, prompts: int) -> list[dict]:
+    """Per (drafter, setting): blocks decoded, and the share the rebuild reproduces exactly, in float32."""
+    from opd.data import eval_prompts
+    from opd.decoding.sampling import Sampling
+    from opd.decoding.speculative import SpeculativeDecoder
+    from opd.models.build import build_drafter, build_models
+    from opd.rebuild import rebuild_records
+
+    spec = load_spec(config, ["models.dtype=float32"])
+    models = build_models(spec)
+    held_out = eval_prompts(spec.data, models.tokenizer, prompts)
+    drafters = {"warm": models.drafter, "random": build_drafter(spec, models.target, models.tokenizer, "random")}
+    settings = {"greedy": Sampling(), "T=0.6 top-k 20 top-p 0.95": Sampling(0.6, top_k=20, top_p=0.95)}
+    rows = []
+    for name, drafter in drafters.items():
+        decoder = SpeculativeDecoder(models.target, drafter, eos_id=models.eos_id)
+        for label, sampling in settings.items():
+            decoded = decoder.generate([p.ids for p in held_out], sampling, max_new_tokens=spec.eval.max_new_tokens,
+                                       seed=spec.seed)
+            samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, models.eos_id) for r in decoded]
+            rebuilt = rebuild_records(models.target, drafter, samples)
+            pairs = [(a, b) for d, r in zip(decoded, rebuilt)
+                     for a, b in zip(zip(d.anchors, d.drafts, d.accepted), zip(r.anchors, r.drafts, r.accepted))]
+            same = sum(a == b for a, b in pairs)  # position by position: a divergence shifts the rest
+            rows.append({"drafter": name, "sampling": label, "blocks": sum(len(d.anchors) for d in decoded),
+                         "matching": same, "records_equal": sum((d.anchors, d.drafts, d.accepted) ==
+                                                               (r.anchors, r.drafts, r.accepted)
+                                                               for d, r in zip(decoded, rebuilt))})
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- reporting
 
 
@@ -153,17 +193,26 @@ def main() -> None:
     parser.add_argument("--decode-mfu", type=float, default=0.10)
     parser.add_argument("--prefill-mfu", type=float, default=0.40)
     parser.add_argument("--projection-only", action="store_true")
+    parser.add_argument("--match-only", action="store_true")
+    parser.add_argument("--match-prompts", type=int, default=48)
     args = parser.parse_args()
     torch.set_num_threads(1)
     console, out = Console(width=160), {"assumptions": {"decode_mfu": args.decode_mfu, "prefill_mfu": args.prefill_mfu,
                                                "h200_bf16_dense_flops": H200_BF16_DENSE, "paper": PAPER}}
-    if not args.projection_only:
+    path = RESULTS / "rollout.json"
+    if path.exists():  # a partial run keeps the other parts' last results
+        out = {**json.loads(path.read_text()), **out}
+    if not (args.projection_only or args.match_only):
         out["cpu"] = {name: measure(args.config, sets, args.batches) for name, sets in SOURCES.items()}
         console.print(cpu_table(out["cpu"]))
-    out["projection"] = projection(args.decode_mfu, args.prefill_mfu)
-    console.print(projection_table(out["projection"], args))
+    if not args.match_only:
+        out["projection"] = projection(args.decode_mfu, args.prefill_mfu)
+        console.print(projection_table(out["projection"], args))
+    if not args.projection_only:
+        out["float32_match"] = match_rate(args.config, args.match_prompts)
+        console.print(match_table(out["float32_match"]))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "rollout.json").write_text(json.dumps(out, indent=2) + "\n")
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def cpu_table(cpu: dict) -> Table:
@@ -175,6 +224,16 @@ def cpu_table(cpu: dict) -> Table:
         s, f = m["seconds_per_batch"], m["flops_per_trained_slot"]
         t.add_row(name, f"{m['samples_per_s']:.1f}", *(f"{s[k]:.3f}" for k in ("rollout", "rebuild", "score", "learn")),
                   *(f"{f[k] / 1e6:.1f}" for k in ("rollout", "rebuild", "score", "learn")))
+    return t
+
+
+def match_table(rows: list[dict]) -> Table:
+    t = Table(title="Rebuilt against decoded records, float32 (tiny target, held-out prompts)")
+    for column in ("drafter", "sampling", "blocks", "identical blocks", "identical records"):
+        t.add_column(column, justify="right")
+    for r in rows:
+        t.add_row(r["drafter"], r["sampling"], str(r["blocks"]), f"{r['matching'] / max(1, r['blocks']):.2%}",
+                  str(r["records_equal"]))
     return t
 
 
