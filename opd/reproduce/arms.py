@@ -43,7 +43,9 @@ class _Evaluator:
         self.families = {"heldout": self.prompts, **{
             name: spec_prompts(d, path, models.tokenizer, n).prompts
             for name, path in job.families.items()}}
+        started = time.perf_counter()
         self.offline = self._offline(job) if job.eval_samples_dir else {}
+        self.seconds = time.perf_counter() - started  # all evaluation time, samples and target views included
 
     def _offline(self, job: ArmJob) -> dict[str, OfflineEval]:
         m = self.models
@@ -66,6 +68,7 @@ class _Evaluator:
                 for name in self.families}
 
     def _rows(self, drafter, family: str, samplings, *, diagnose: bool) -> list[EvalRow]:
+        started = time.perf_counter()
         was_training = drafter.training
         drafter.eval()
         e, offline = self.spec.eval, self.offline.get(family)
@@ -78,6 +81,7 @@ class _Evaluator:
                              baseline=False, diagnose=diagnose)
         drafter.train(was_training)
         order = [s.name for s in samplings]
+        self.seconds += time.perf_counter() - started
         return sorted(rows, key=lambda r: order.index(r.sampling))
 
 
@@ -142,7 +146,7 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, _tau(final_rows),
                      _first_rejection_halves(records_by_step, session.drafter.block_size),
                      initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows,
-                     rollout_expected=_rollout_expected(records_by_step))
+                     rollout_expected=_rollout_expected(records_by_step), eval_minutes=evaluator.seconds / 60)
 
 
 def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) -> dict[str, list[float]]:
@@ -185,4 +189,5 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
     if marks:
         raise OpdError(f"arm {job.arm.name}: SFT data ran out before the FLOP budget; raise sft.epochs")
     final_rows = evaluator.every_family(models.drafter)
-    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, _tau(final_rows), final_rows=final_rows)
+    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, _tau(final_rows), final_rows=final_rows,
+                     eval_minutes=evaluator.seconds / 60)

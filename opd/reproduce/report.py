@@ -258,6 +258,10 @@ def _plot_histogram(results: list[ArmResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _eval_share(results: list[ArmResult]) -> float:
+    return sum(r.eval_minutes for r in results) / max(1e-9, sum(r.minutes for r in results))
+
+
 def _rollouts_line(spec: ReproduceSpec) -> str:
     """Where each arm's rollouts came from: shared target samples per seed, or its own speculative decoding."""
     opd = [a for a in spec.arms if a.kind == "opd"]
@@ -281,7 +285,8 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
              (f"Experiment `{spec.experiment}` with {' '.join(spec.set) or 'no overrides'}; seeds {spec.seeds}; "
              f"the full method runs {spec.opd_steps} steps and every arm trains to its FLOPs. Held-out τ on "
              f"{spec.eval_prompts} prompts (per-response mean, bonus token included). {machine}; "
-             f"{minutes:.1f} min wall."), "", _rollouts_line(spec), ""]
+             f"{minutes:.1f} min wall; held-out evaluation took {_eval_share(results):.0%} of the arms' time "
+             f"({'offline' if spec.offline_eval else 'decoded'})."), "", _rollouts_line(spec), ""]
     lines += _table("All arms", [a.name for a in spec.arms], summary, warm)
     lines += _families_tables(results, [a.name for a in spec.arms])
     lines += _diagnostic_tables(results, [a.name for a in spec.arms])

@@ -109,6 +109,7 @@ class ArmResult:
     first_rejection: dict[str, list[float]] = field(default_factory=dict)  # "first_half"/"second_half"
     initial: dict[str, float] = field(default_factory=dict)  # the warm drafter, every setting (full arm only)
     minutes: float = 0.0
+    eval_minutes: float = 0.0  # of which held-out evaluation (drawing samples and target views included)
     # family -> EvalRow dicts (every setting, with the expected-acceptance diagnostic), at the end and, for the
     # full arm, for the warm drafter
     final_rows: dict[str, list[dict]] = field(default_factory=dict)
