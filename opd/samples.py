@@ -1,11 +1,13 @@
-"""Stored target samples (`rollout.source: samples`): the file `opd gen-samples` writes and rollout reads.
+"""Stored target samples: the files `opd gen-samples` writes, rollout reads (`rollout.source: samples`) or fills as
+a shared cache (`rollout.source: target` with a `samples_path`), and offline evaluation reads (held-out prompts).
 
 A target sample does not depend on the drafter, so it can be drawn once (on vLLM, unpatched) and trained on by any
-number of runs: every arm and seed of `opd reproduce`, and every epoch when rollouts are greedy. One jsonl row per
-sample:
+number of runs: every arm of a seed in `opd reproduce`, and every epoch when rollouts are greedy. One jsonl row per
+sample, carrying what drawing it cost (every run that trains on it is charged that):
 
     {"id": prompt id, "prompt_ids": [...], "response_ids": [...],
-     "sampling": {"temperature": T, "top_p": P, "top_k": K}, "sample": j}
+     "sampling": {"temperature": T, "top_p": P, "top_k": K}, "sample": j,
+     "flops": {"target_forward": ..., "drafter_forward": ..., "drafter_train": 0}}
 
 Rollout batch i of a run reads, for each of its (prompt, epoch) pairs, sample `epoch` of that prompt at the batch's
 setting (`rollout.settings`, i mod their count): the data cursor's order, so a resumed or re-produced batch reads
