@@ -33,7 +33,7 @@ from opd.models.build import Models
 from opd.models.target import Target
 from opd.rebuild import rebuild_records, text_features
 from opd.progress import progress_bar
-from opd.samples import GEN_CHUNK, SampleStore, Wanted, sampler_draw
+from opd.samples import GEN_CHUNK, SampleStore, Wanted, sampler_draw, setting_key
 from opd.spec import SamplingSpec
 
 CACHE_BYTES = 4 * 1024**3  # the target views kept in memory per process; older ones are dropped first
@@ -94,10 +94,10 @@ class OfflineEval:
                  batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
-        store = SampleStore(path, self.settings, prompts, field=field, pool_name="data.eval_prompts")
-        digest = file_digest(store.path)
-        self.views = [cached_view((target_identity(models.target), digest, i, s.name),
-                                  lambda i=i, s=s: self._view(store, prompts, i, s))
+        store = SampleStore(path, self.settings, prompts, field=field, pool_name=None)
+        # the view depends on the target, the samples' bytes, which prompts are read and at which setting
+        base = (target_identity(models.target), file_digest(store.path), tuple(p.id for p in prompts))
+        self.views = [cached_view((*base, setting_key(s), s.name), lambda i=i, s=s: self._view(store, prompts, i, s))
                       for i, s in enumerate(self.settings)]
 
     def evaluate(self, drafter, *, diagnose: bool = False, draft_version: int = 0,

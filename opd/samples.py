@@ -87,9 +87,10 @@ class SampleStore:
     `fetch` draws what the file lacks and appends it (a cache shared by every run that names the file)."""
 
     def __init__(self, path: str | Path, settings: list, prompts: list[Prompt], *,
-                 field: str = "rollout.samples_path", pool_name: str = "data.train_prompts") -> None:
+                 field: str = "rollout.samples_path", pool_name: str | None = "data.train_prompts") -> None:
         """`settings`: the run's sampling settings (rollout's, or eval's point-mass ones), indexed by `Wanted`;
-        `field` and `pool_name` name the file and the prompts in error messages."""
+        `field` and `pool_name` name the file and the prompts in error messages. A row of a prompt outside
+        `prompts` is an error naming `pool_name`, or skipped when that is None (an eval reading a subset)."""
         self.path, self.field, self.pool_name = Path(path), field, pool_name
         self.settings = [setting_key(s) for s in settings]
         self.pool = {p.id: p for p in prompts}
@@ -167,6 +168,8 @@ class SampleStore:
         if key not in self.settings:
             return  # another run's setting
         prompt = self.pool.get(row["id"])
+        if prompt is None and self.pool_name is None:
+            return  # a prompt this reader does not evaluate
         if prompt is None:
             raise OpdError(f"{where}: prompt id {row['id']!r} is not in {self.pool_name} (expected samples of "
                            "this run's prompt pool)")

@@ -156,6 +156,9 @@ def test_the_target_view_is_cached_and_invalidated_by_new_samples_or_another_tar
     copy.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # other bytes: a new view
     OfflineEval(models, copy, s.prompts, SETTINGS)
     assert len(made) == before + 2
+    OfflineEval(models, s.path, s.prompts[:10], SETTINGS)  # fewer prompts of the same file: their own view
+    assert len(made) == before + 4
+    before += 2
     other = micro_target(seed=5, vocab_size=8, layer_ids=[0, 2, 3])
     OfflineEval(Models(other, s.d, s.tokenizer), s.path, s.prompts, SETTINGS)  # another target: a new view
     assert len(made) == before + 4
