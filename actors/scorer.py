@@ -1,12 +1,13 @@
 """ReplayScorerActor: owns a frozen target and a `Scorer`; anchor queue in, scored queue out.
 
 With a rebuilt rollout source the scorer also owns a drafter: before each batch it adopts the newest published
-version and rebuilds the batch's blocks with it. max_policy_lag applies there: a batch that arrives before the
-version it needs (`required_version`) is set aside and scored, lowest index first, once that version is
-published, while the loop keeps taking batches, so a later batch never blocks an earlier one the learner waits for.
+version and rebuilds the batch's blocks with it. max_policy_lag applies there: batches wait in a `VersionGate`
+(opd/train/ledger.py) until the version they need is published, while the loop keeps taking new ones in.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import ray
 
@@ -16,6 +17,7 @@ from actors.queues import BatchQueue, Stopped
 from opd.data import load_tokenizer
 from opd.models.build import build_drafter, build_target
 from opd.spec import ExperimentSpec
+from opd.train.ledger import VersionGate
 from opd.train.messages import AnchorBatch, Ticket, WeightSnapshot
 from opd.train.rollout import required_version
 from opd.train.scorer import Scorer
@@ -32,7 +34,7 @@ class ReplayScorerActor:
         drafter = (build_drafter(self.spec, target, load_tokenizer(self.spec.models.tokenizer))
                    if self.spec.rollout.rebuilt else None)
         self.scorer = Scorer(self.spec, target, drafter)
-        self.waiting: dict[int, tuple[Ticket, AnchorBatch]] = {}  # batches set aside for a newer version
+        self.waiting = VersionGate(partial(required_version, spec=self.spec))
         self.metrics = Metrics()
 
     def ready(self) -> None:
@@ -48,7 +50,7 @@ class ReplayScorerActor:
                 if (taken := self._next_scorable()) is None:
                     timeout = WAIT_S if self.waiting else None
                     if (got := receive(self.inbox, self.ledger, worker, self._stopped, timeout)) is not None:
-                        self.waiting[got[0].index] = got
+                        self.waiting.add(*got)
                     continue
                 ticket, batch = taken
                 wait = self.out.put(self.scorer(batch), ticket, self._stopped)
@@ -59,19 +61,17 @@ class ReplayScorerActor:
             return scored
 
     def _next_scorable(self) -> tuple[Ticket, AnchorBatch] | None:
-        """The lowest-index batch set aside that the newest weights may rebuild (with them adopted), or None."""
+        """The next batch to score (with the newest weights adopted when the scorer rebuilds), or None."""
         if not self.waiting:
             return None
         if not self.spec.rollout.rebuilt:
-            return self.waiting.pop(min(self.waiting))
+            return self.waiting.take(None)
         version, wrapped, _ = ray.get(self.store.latest.remote())
-        ready = [i for i in self.waiting if required_version(i, self.spec) <= version]
-        if not ready:
-            return None
-        if version != self.scorer.draft_version:
+        taken = self.waiting.take(version)
+        if taken is not None and version != self.scorer.draft_version:
             snapshot: WeightSnapshot = ray.get(wrapped[0])
             self.scorer.load_drafter(snapshot.verified(version).state, version)
-        return self.waiting.pop(min(ready))
+        return taken
 
     def _stopped(self) -> bool:
         return ray.get(self.store.stopped.remote())

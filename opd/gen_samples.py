@@ -15,7 +15,7 @@ from opd.errors import OpdError
 from opd.models.build import build_models
 from opd.offline_eval import draw_eval_samples
 from opd.progress import progress_bar
-from opd.samples import GEN_CHUNK, SampleStore, Wanted, rollout_draw
+from opd.samples import GEN_CHUNK, SampleStore, rollout_draw, wanted
 from opd.serving.engine import require_vllm
 from opd.spec import ExperimentSpec
 from opd.target_sampler import build_sampler
@@ -49,8 +49,7 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
     prompts = train_prompts(spec.data, tokenizer)
     store = SampleStore(path, spec.rollout.settings, prompts, field="--out")
     draw = rollout_draw(spec, sampler)
-    jobs = [Wanted(p, s, 0 if store.settings[s][0] == 0 else j)
-            for s in range(len(store.settings)) for j in range(count) for p in prompts]
+    jobs = [wanted(spec, p, s, j) for s in range(len(store.settings)) for j in range(count) for p in prompts]
     jobs = list({(w.prompt.id, w.setting, w.j): w for w in jobs}.values())  # greedy settings: one sample
     with progress_bar() as bar:
         task = bar.add_task("target samples", total=len(jobs))

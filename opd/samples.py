@@ -189,11 +189,16 @@ class SampleStore:
     def _drop_partial_line(self, f) -> None:
         """A writer killed mid-line leaves a fragment; cut it (under the lock, nobody else is writing)."""
         size = f.seek(0, 2)
-        if size:
-            with self.path.open("rb") as r:
-                data = r.read()
-            f.truncate(data.rfind(b"\n") + 1)
-            f.seek(0, 2)
+        if not size:
+            return
+        with self.path.open("rb") as r:
+            r.seek(size - 1)
+            if r.read(1) == b"\n":
+                return  # the usual case: one byte read, not the file
+            r.seek(0)
+            keep = r.read().rfind(b"\n") + 1
+        f.truncate(keep)
+        f.seek(0, 2)
 
 
 def _parse(line: str, where: str, line_no: int) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opd.train.ledger import Ledger, StepBuffer, reconciles
+from opd.train.ledger import Ledger, StepBuffer, VersionGate, reconciles
 from opd.train.messages import Ticket
 
 
@@ -150,3 +150,15 @@ def test_a_signal_wakes_a_waiter_when_its_predicate_turns_true_and_times_out_oth
     assert woken and 0.09 <= woke_after < 2.0  # woken by the second fire, not by the timeout
     assert not timed_out and 0.19 <= waited < 2.0
     assert at_once
+
+
+def test_the_version_gate_releases_the_lowest_ready_batch_and_holds_the_rest():
+    """Batch i needs version i // 2 (max_policy_lag 0, two batches a step); they arrive out of order."""
+    gate = VersionGate(lambda i: i // 2)
+    for i in (7, 2, 5, 3):
+        gate.add(Ticket(i, 0), f"b{i}")
+    assert gate.take(0) is None and len(gate) == 4  # every batch here needs version 1 or newer
+    assert [gate.take(1), gate.take(1)] == [(Ticket(2, 0), "b2"), (Ticket(3, 0), "b3")]  # lowest first
+    assert gate.take(1) is None and len(gate) == 2  # 5 and 7 wait for versions 2 and 3
+    assert gate.take(3) == (Ticket(5, 0), "b5")
+    assert gate.take(None) == (Ticket(7, 0), "b7") and gate.take(None) is None  # no gate: lowest of all

@@ -1,8 +1,8 @@
 """Held-out evaluation of published weights, off the learner's critical path.
 
 An `Evaluator` owns a target, a drafter copy and the held-out prompts, and evaluates them (offline on stored
-target samples where `eval.samples_path` gives them, else by decoding) with whatever weights it is handed: a `WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or a
-drafter directory (`opd run`'s before/after table, with the autoregressive baseline for the speedup). The learner
+target samples where `eval.samples_path` gives them, else by decoding) with whatever weights it is handed: a
+`WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or a drafter directory (`opd run`'s before/after table, with the autoregressive baseline for the speedup). The learner
 never decodes: it hands snapshots over through `Evaluations` and logs the results when they come back.
 `engine: local` evaluates inline (`InlineEvaluations`, the same object in the same process); `engine: ray` runs it
 in its own actor (actors/evaluator.py), so the learner steps on while the evaluator decodes.
@@ -76,7 +76,9 @@ class Evaluator:
         if baseline and done:
             timed = self._decode(models, self.prompts[: e.speedup_prompts], [s for s in e.sampling if s.name in done],
                                  baseline=True, diagnose=False, version=version)
-            for row, t in zip([r for r in rows if r.offline], timed):
+            by_name = {t.sampling: t for t in timed}
+            for row in (r for r in rows if r.offline):
+                t = by_name[row.sampling]
                 row.spec_tokens_per_s, row.ar_tokens_per_s = t.spec_tokens_per_s, t.ar_tokens_per_s
                 row.speedup, row.greedy_match = t.speedup, t.greedy_match
         order = [s.name for s in e.sampling]
@@ -95,7 +97,6 @@ class Evaluator:
         return evaluate(models, prompts, samplings, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                         seed=self.spec.seed, baseline=baseline, draft_version=version,
                         static_cache=self.spec.rollout.static_cache, diagnose=diagnose)
-
 
 
 class Evaluations(Protocol):

@@ -179,3 +179,28 @@ class StepBuffer:
         if stale or any(i not in self.waiting for i in wanted):
             return None, stale
         return [self.waiting.pop(i) for i in wanted], []
+
+
+class VersionGate:
+    """The scorer's reorder buffer with a rebuilt rollout source: batches arrive in any order, and each may be
+    rebuilt only once the version max_policy_lag needs for it (`required(index)`) is published. The lowest ready
+    index goes first, and waiting batches never stop new ones from being taken in, so a later batch cannot hold
+    up an earlier one the learner waits for."""
+
+    def __init__(self, required: Callable[[int], int]) -> None:
+        self.required = required
+        self.waiting: dict[int, tuple[Ticket, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, ticket: Ticket, item: Any) -> None:
+        self.waiting[ticket.index] = (ticket, item)
+
+    def take(self, version: int | None) -> tuple[Ticket, Any] | None:
+        """The lowest-index entry that `version` may rebuild (None: no gate, the lowest of all), or None."""
+        ready = [i for i in self.waiting if version is None or self.required(i) <= version]
+        return self.waiting.pop(min(ready)) if ready else None
+
+    def clear(self) -> None:
+        self.waiting.clear()

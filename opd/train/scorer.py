@@ -17,9 +17,8 @@ from dataclasses import replace
 
 import torch
 
-from opd.decoding.record import UNDRAFTED
+from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
-from opd.decoding.record import SequenceRecord
 from opd.models.drafter import DFlashDrafter
 from opd.rebuild import rebuild_records
 from opd.replay import pack, replay_mode, score_micro_batches
@@ -64,7 +63,7 @@ class Scorer:
 
     def rebuild(self, batch: AnchorBatch) -> AnchorBatch:
         """The batch's blocks as the current drafter would have drafted them, stamped with its version; the cost
-        (the target's features of the text, a block drafted at every response position) added to the batch's."""
+        (`rebuild_flops`) added to the batch's production FLOPs."""
         records = rebuild_records(self.target, self.drafter, batch.records, draft_version=self.draft_version,
                                   batch_size=self.spec.rollout.batch_size)
         cost = rebuild_flops(records, self.params, DrafterParams.of(self.drafter))
