@@ -65,18 +65,21 @@ def argmax(head: nn.Module | None, hidden: torch.Tensor, chunk: int) -> torch.Te
 
 def chunked_loss(head: nn.Module | None, rows: torch.Tensor, row_loss: RowLoss, coef: torch.Tensor,
                  chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_r coef_r loss_r, differentiable w.r.t. hidden rows [R, H]; every loss_r detached, [R] float64).
+    """(sum_r coef_r loss_r, differentiable w.r.t. hidden rows [R, H] and the head's trainable parameters, if any
+    (an EAGLE-3 drafter's own head); every loss_r detached, [R] float64).
 
     `row_loss` sees the logits of one chunk of rows; `coef` [R] are fixed weights (float64). The loss has the
     row losses' compute dtype (fp32 for bf16 rows)."""
-    return _ChunkedLoss.apply(rows, head, row_loss, coef, chunk)
+    params = [] if head is None else [p for p in head.parameters() if p.requires_grad]
+    return _ChunkedLoss.apply(rows, head, row_loss, coef, chunk, *params)
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, head: nn.Module | None, row_loss: RowLoss, coef: torch.Tensor,
-                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grad = torch.zeros_like(rows) if ctx.needs_input_grad[0] else None
+        param_grads = [torch.zeros_like(p) for p in params]
         per_row = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
         dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32  # used when there is no row
@@ -85,15 +88,24 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.enable_grad():
                 values = row_loss(apply_head(head, x), part)
                 loss, dtype = (coef[part].to(values.device, values.dtype) * values).sum(), values.dtype
-            if grad is not None:
-                (grad[part],) = torch.autograd.grad(loss, x)
+            wrt = ([x] if grad is not None else []) + list(params)
+            if wrt and loss.requires_grad:
+                grads = list(torch.autograd.grad(loss, wrt, allow_unused=True))
+                if grad is not None:
+                    grad[part] = grads.pop(0)
+                for acc, g in zip(param_grads, grads):
+                    if g is not None:
+                        acc += g
             total += loss.detach().to(torch.float64)
             per_row[part] = values.detach().to(torch.float64)
-        ctx.save_for_backward(grad)
+        ctx.has_rows_grad = grad is not None
+        ctx.save_for_backward(*([grad] if grad is not None else []), *param_grads)
         ctx.mark_non_differentiable(per_row)
         return total.to(dtype), per_row
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_rows: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None, None
+        saved = list(ctx.saved_tensors)
+        grad = saved.pop(0) if ctx.has_rows_grad else None
+        scaled = [g * grad_loss.to(g.dtype) for g in saved]
+        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None, None, *scaled

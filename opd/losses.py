@@ -266,15 +266,18 @@ def _rejection_surprisal(student: torch.Tensor, teacher: torch.Tensor) -> torch.
 
 def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTeacher, accepted: torch.Tensor,
                           cfg: LossSpec, position_mask: torch.Tensor | None = None, *,
-                          head: torch.nn.Module | None = None, teacher_temperature: float = 1.0,
-                          norm: StepNorm | None = None, chunk_size: int | None = None) -> LossTerms:
+                          head: torch.nn.Module | None = None, teacher_head: torch.nn.Module | None = None,
+                          teacher_temperature: float = 1.0, norm: StepNorm | None = None,
+                          chunk_size: int | None = None) -> LossTerms:
     """This batch's part of L = (lambda_acc L_acc + lambda_rej L_rej) / (lambda_acc + lambda_rej), paper eq. 10-13
     plus ablations; the parts of a step's micro-batches sum to the step's L.
 
     Without `head`: student logits [N, K-1, V] and teacher log-probs [N, K-1, V] (see `teacher_distribution`)
     or a TopKTeacher. With `head` (the shared frozen LM head): the drafter's final hidden states [N, K-1, H] and
     the target's final-norm hidden states [N, K-1, H] (teacher log-probs at `teacher_temperature` are recomputed
-    exactly, chunk by chunk) or a TopKTeacher. accepted [N]: r_m; position_mask [N, K-1]: False = padding.
+    exactly, chunk by chunk, through `teacher_head`, default `head`: an EAGLE-3 drafter's own head drafts a
+    smaller vocabulary, and the teacher is then the target's head over those ids, renormalised) or a TopKTeacher.
+    accepted [N]: r_m; position_mask [N, K-1]: False = padding.
     `norm`: the step's denominators (default: this batch is the whole step). `chunk_size`: slots per chunk
     (default: all at once).
     """
@@ -294,7 +297,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
         elif head is None:
             target = teacher.flatten(0, 1)[index]
         else:
-            target = _teacher_logprobs(head, teacher.flatten(0, 1)[index], teacher_temperature)
+            target = _teacher_logprobs(teacher_head or head, teacher.flatten(0, 1)[index], teacher_temperature)
         return _slot_divergence(student_logits, target, w.forward[part], cfg.acceptance_weight)
 
     loss, kl = chunked_loss(head, rows, divergence, w.coef, chunk_size or len(w.rows))
@@ -311,7 +314,8 @@ def _teacher_logprobs(head: torch.nn.Module, hidden: torch.Tensor, temperature: 
 
 def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, position_mask: torch.Tensor | None = None,
              head: torch.nn.Module | None = None, chunk_size: int | None = None,
-             log_weight_sum: float | None = None) -> torch.Tensor:
+             log_weight_sum: float | None = None, teacher: torch.Tensor | None = None,
+             teacher_head: torch.nn.Module | None = None) -> torch.Tensor:
     """DFlash SFT: cross-entropy against the data tokens, weighted exp(-(k-1)/gamma), mean over valid positions.
 
     Without `head`: student logits [N, K-1, V]. With `head` (the shared frozen LM head): the drafter's final
@@ -319,6 +323,9 @@ def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, posit
     `log_weight_sum`: log of the weights' sum over the whole step (`sft_log_weight_sum` of every micro-batch's
     mask, log-added), so micro-batches' losses sum to the step's mean; default: this batch is the step.
     Labels at masked positions are never read, so padding may hold any id.
+    With `teacher` (the target's final-norm hidden states [N, K-1, H] at the same slots) the target is the target's
+    distribution through `teacher_head` instead of the data token, a soft cross-entropy (EAGLE-3's training-time
+    test, over its draft vocabulary); `labels` are then unused.
     """
     valid = _valid_positions(student.shape[:2], position_mask, student.device)
     if log_weight_sum is None:
@@ -328,9 +335,14 @@ def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, posit
     coef = torch.exp(offsets * (-1.0 / gamma) - log_weight_sum)
     targets = labels.to(student.device).flatten()[rows]
 
+    soft = None if teacher is None else teacher.flatten(0, 1)[rows]
+
     def cross_entropy(student_logits: torch.Tensor, part: slice) -> torch.Tensor:
         logprobs = torch.log_softmax(student_logits.to(_compute_dtype(student_logits)), dim=-1)
-        return -logprobs.gather(-1, targets[part, None]).squeeze(-1)
+        if soft is None:
+            return -logprobs.gather(-1, targets[part, None]).squeeze(-1)
+        target = _teacher_logprobs(teacher_head, soft[part], 1.0).to(logprobs.dtype)
+        return -(target.exp() * logprobs).sum(-1)
 
     loss, _ = chunked_loss(head, student.flatten(0, 1)[rows], cross_entropy, coef, chunk_size or len(rows))
     return loss

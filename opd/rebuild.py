@@ -35,16 +35,17 @@ import torch
 from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
 from opd.errors import OpdError
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.target import Target
 
 
 @torch.no_grad()
-def rebuild_records(target: Target, drafter: DFlashDrafter, samples: list[SequenceRecord], *, draft_version: int = 0,
+def rebuild_records(target: Target, drafter: Drafter, samples: list[SequenceRecord], *, draft_version: int = 0,
                     batch_size: int = 8, features: list[torch.Tensor] | None = None) -> list[SequenceRecord]:
     """Each sample's record as `drafter` would have decoded it, in order: its text, key and finish reason with the
-    blocks rebuilt (any blocks it came with are ignored). `features`: the target's view of each text
-    (`text_features`), when it is cached; else it is computed here, one target forward per batch."""
+    blocks rebuilt (any blocks it came with are ignored). `features`: the target's view of each text [T_i, n*H]
+    on any device, when the caller has it (offline evaluation caches `text_features`; the committed-layout scorer
+    shares its teacher forward, `CommittedView.rows`); else it is computed here, one target forward per batch."""
     for i, rec in enumerate(samples):
         if not rec.prompt_ids or not rec.response_ids:
             raise OpdError(f"rebuild sample {i}: empty {'prompt' if not rec.prompt_ids else 'response'} (expected at "
@@ -90,7 +91,7 @@ def _padded(features: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.T
     return out.to(device), mask.to(device)
 
 
-def walk_chains(drafter: DFlashDrafter, samples: list[SequenceRecord], features: torch.Tensor,
+def walk_chains(drafter: Drafter, samples: list[SequenceRecord], features: torch.Tensor,
                 mask: torch.Tensor) -> list[tuple[list[int], list[list[int]], list[int]]]:
     """(anchors, drafts, accepted) per sample: from anchor 0, draft a block, accept the drafts that match the
     response, move to a + r + 1, until the anchor is the response's last token. Rows leave the batch as they end.
@@ -98,8 +99,12 @@ def walk_chains(drafter: DFlashDrafter, samples: list[SequenceRecord], features:
     device = features.device
     cache = drafter.new_cache(len(samples))
     positions = torch.arange(features.shape[1], device=device).expand(len(samples), -1)
-    drafter.extend_cache(cache, features, positions, mask.bool())
     text = [r.prompt_ids + r.response_ids for r in samples]
+    next_ids = torch.zeros(len(text), features.shape[1], dtype=torch.long)
+    for b, t in enumerate(text):
+        next_ids[b, : len(t) - 1] = torch.tensor(t[1:])
+    has_next = mask.bool() & (torch.arange(features.shape[1], device=device) < mask.sum(1, keepdim=True) - 1)
+    drafter.extend_cache(cache, features, positions, has_next, next_ids.to(device))  # the last token has no next
     out: list[tuple[list[int], list[list[int]], list[int]]] = [([], [], []) for _ in samples]
     anchor = [0] * len(samples)
     rows = [b for b, r in enumerate(samples) if len(r.response_ids) > 1]  # one token: nothing was drafted

@@ -11,8 +11,8 @@ What the scorer ships is sized for Qwen3's 151,936-token vocabulary: not log-pro
 dtype, ~26 MB), from which the learner recomputes the exact teacher log-probs with the frozen LM head the
 drafter shares. The target runs without its LM head, so no vocabulary-sized logits are made for the prefix.
 
-Student: one DFlash `forward_blocks` over all anchors of a sequence (each block sees context strictly before its
-anchor), giving the drafter's hidden states at the same slots.
+Student: one `block_hidden` call of the drafter family over all anchors of a sequence (each block sees context
+strictly before its anchor; a chain drafter is fed the block's own drafts, as at inference), giving the drafter's hidden states at the same slots.
 
 In `naive` rollout mode the teacher scores the *committed* continuation instead of the drafts (the paper's
 naive target-assisted baseline); those states are already in the committed prefix, so no blocks are appended.
@@ -37,7 +37,7 @@ import torch
 
 from opd.decoding.record import SequenceRecord
 from opd.losses import TopKTeacher, topk_teacher
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.packed_attention import CHUNK_ROWS, PackedRow, PackedRows
 from opd.models.target import Target
 from opd.train.messages import ScoredBatch
@@ -125,17 +125,60 @@ def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
     return packed, ids, positions, layout
 
 
+@dataclass(frozen=True)
+class CommittedView:
+    """The target's view of right-padded committed texts (prompt + response): final-norm hidden states [B, T, H]
+    and features [B, T, n*H] on the target's device, `mask` [B, T] (CPU, True at real tokens). It is exactly the
+    forward `score` runs in the committed layout, and all a rebuild needs of the target (opd/rebuild.py), so a
+    scorer that rebuilds blocks runs the target once for both. It depends on the text alone, so a view taken
+    before a rebuild scores the rebuilt records."""
+
+    hidden: torch.Tensor
+    features: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, target: Target, records: list[SequenceRecord], block_size: int) -> CommittedView:
+        """One target forward over the records' texts, laid out as `score` lays them out in the committed mode."""
+        packed, ids, positions, layout = packed_inputs(records, block_size, "committed")
+        device = target.device
+        hidden, features = target.hidden_states(ids.to(device), attention_mask=layout.to(device),
+                                                position_ids=positions.to(device))
+        lengths = torch.tensor([len(p.ids) for p in packed])
+        return cls(hidden, features, torch.arange(ids.shape[1])[None, :] < lengths[:, None])
+
+    def rows(self) -> list[torch.Tensor]:
+        """Each text's features [T_i, n*H] (slices, not copies): what `rebuild_records` takes as `features`."""
+        return [f[:n] for f, n in zip(self.features, self.mask.sum(1).tolist())]
+
+    def states(self, packed: list[_Packed], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, features) for records laid out as `packed`, which must be these texts in the committed layout."""
+        if mode != "committed":
+            raise ValueError(f"score: a precomputed view needs mode 'committed', got {mode!r}")
+        lengths = self.mask.sum(1).tolist()
+        if lengths != [len(p.ids) for p in packed]:
+            raise ValueError(f"score: the view's text lengths {lengths} are not the records' "
+                             f"{[len(p.ids) for p in packed]}")
+        return self.hidden, self.features
+
+
 @torch.no_grad()
 def score(target: Target, records: list[SequenceRecord], *, block_size: int, mode: str = "draft_opd",
-          teacher_temperature: float = 1.0, teacher_topk: int | None = None) -> ScoredBatch:
+          teacher_temperature: float = 1.0, teacher_topk: int | None = None,
+          view: CommittedView | None = None) -> ScoredBatch:
     """Teacher replay for a batch of records: one packed target forward (no LM head) for all their blocks.
     `teacher_temperature` applies only with `teacher_topk` (top-k is taken here); the learner applies it
-    to the full-vocabulary teacher."""
-    packed, ids, positions, layout = packed_inputs(records, block_size, mode)
+    to the full-vocabulary teacher. `view`: that forward already run (`CommittedView.of` these records' texts),
+    so the target does not run here; the committed layout only, the one whose forward is the text's alone."""
     device = target.device
-    hidden, features = target.hidden_states(ids.to(device), attention_mask=layout.to(device),
-                                            position_ids=positions.to(device))
-    batch = _layout(packed, records, block_size)
+    if view is None:
+        packed, ids, positions, layout = packed_inputs(records, block_size, mode)
+        hidden, features = target.hidden_states(ids.to(device), attention_mask=layout.to(device),
+                                                position_ids=positions.to(device))
+    else:
+        packed = [pack(r, block_size, mode) for r in records]
+        hidden, features = view.states(packed, mode)
+    batch = _layout(packed, records, block_size, mode)
     rows = torch.arange(len(packed), device=device)[:, None, None]
     slots = hidden[rows, batch.pop("slot_index").to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]
     teacher = (slots.cpu().contiguous() if teacher_topk is None else
@@ -144,11 +187,13 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
     return ScoredBatch(features=features[:, :prefix].cpu().contiguous(), teacher=teacher, **batch)
 
 
-def _layout(packed: list[_Packed], records: list[SequenceRecord], block_size: int) -> dict[str, torch.Tensor]:
+def _layout(packed: list[_Packed], records: list[SequenceRecord], block_size: int,
+            mode: str) -> dict[str, torch.Tensor]:
     """The small index tensors of a scored batch (CPU), and where each block's slot states are."""
     b, m, k1 = len(packed), max(len(p.anchors) for p in packed), block_size - 1
     slot_index = torch.zeros(b, m, k1, dtype=torch.long)
     anchor_pos = torch.zeros(b, m, dtype=torch.long)
+    block_ids = torch.zeros(b, m, k1, dtype=torch.long)
     accepted = torch.zeros(b, m, dtype=torch.long)
     block_valid = torch.zeros(b, m, dtype=torch.bool)
     exists = torch.zeros(b, m, k1, dtype=torch.bool)
@@ -157,18 +202,26 @@ def _layout(packed: list[_Packed], records: list[SequenceRecord], block_size: in
     committed = torch.zeros(b, prefix, dtype=torch.long)
     for i, (p, r) in enumerate(zip(packed, records)):
         n = len(p.anchors)
+        seq = r.prompt_ids + r.response_ids
         if n:
             slot_index[i, :n] = torch.tensor(p.slot_index)
             anchor_pos[i, :n] = torch.tensor(p.anchors)
+            block_ids[i, :n] = torch.tensor([_block_inputs(seq, a, d, k1, mode) for a, d in zip(p.anchors, r.drafts)])
             accepted[i, :n] = torch.tensor(p.accepted)
             exists[i, :n] = torch.tensor(p.slot_exists)
         block_valid[i, :n] = True
         context_valid[i, : p.prefix_len] = True
-        seq = (r.prompt_ids + r.response_ids)[:prefix]
-        committed[i, : len(seq)] = torch.tensor(seq)
-    return {"slot_index": slot_index, "context_valid": context_valid, "anchor_ids": committed.gather(1, anchor_pos),
-            "anchor_positions": anchor_pos, "block_valid": block_valid, "accepted": accepted[block_valid],
-            "position_mask": exists[block_valid]}
+        committed[i, : min(len(seq), prefix)] = torch.tensor(seq[:prefix])
+    return {"slot_index": slot_index, "context_valid": context_valid, "context_ids": committed,
+            "block_ids": block_ids, "anchor_positions": anchor_pos, "block_valid": block_valid,
+            "accepted": accepted[block_valid], "position_mask": exists[block_valid]}
+
+
+def _block_inputs(seq: list[int], anchor: int, draft: list[int], k1: int, mode: str) -> list[int]:
+    """The tokens a block feeds its drafter at offsets 0..K-2: the anchor, then the drafts it drafted (a chain
+    drafter reads them, as it did at inference), or the committed tokens in naive mode (whose slots score them)."""
+    fed = seq[anchor : anchor + k1] if mode == "naive" else [seq[anchor], *draft[: k1 - 1]]
+    return fed + [0] * (k1 - len(fed))
 
 
 def _to_cpu(teacher: TopKTeacher) -> TopKTeacher:
@@ -176,16 +229,12 @@ def _to_cpu(teacher: TopKTeacher) -> TopKTeacher:
                        teacher.tail_logprob.cpu().contiguous())
 
 
-def student_hidden(drafter: DFlashDrafter, batch: ScoredBatch) -> torch.Tensor:
-    """Drafter final hidden states [N, K-1, H] at the drafted slots of the N valid blocks, in one block-masked
-    forward (logits come chunk by chunk in the loss, through the shared LM head)."""
-    k = drafter.block_size
-    block_ids = torch.full((*batch.anchor_ids.shape, k), drafter.mask_token_id, dtype=torch.long,
-                           device=batch.anchor_ids.device)
-    block_ids[..., 0] = batch.anchor_ids
-    context = drafter.project_context(batch.features.to(drafter.fc.weight.dtype))
-    hidden = drafter.forward_blocks(context, batch.context_valid, block_ids, batch.anchor_positions)
-    return hidden[batch.block_valid][:, 1:]
+def student_hidden(drafter: Drafter, batch: ScoredBatch) -> torch.Tensor:
+    """Drafter final hidden states [N, K-1, H] at the drafted slots of the N valid blocks, in one forward of the
+    drafter family's training call (logits come chunk by chunk in the loss, through its student head)."""
+    hidden = drafter.block_hidden(batch.features, batch.context_ids, batch.context_valid, batch.anchor_positions,
+                                  batch.block_ids)
+    return hidden[batch.block_valid]
 
 
 def score_micro_batches(target: Target, batch, spec) -> list[ScoredBatch]:

@@ -74,13 +74,42 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-class DrafterSpec(_Section):
-    """Architecture of the DFlash drafter; must match a warm drafter checkpoint when one is given."""
+def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """The engines' EAGLE-3 capture, the states entering layers 2, L//2 and L-3, as this project's ids (output of
+    decoder layer i = entering i+1): [1, L//2-1, L-4], SpecForge's numbers. They may repeat on a shallow target."""
+    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
-    num_layers: int = Field(5, ge=1)
+
+class DrafterSpec(_Section):
+    """Architecture of the drafter; must match a warm drafter checkpoint when one is given.
+
+    kind dflash: a block of K-1 drafts per forward (DFlash). kind eagle3: one layer drafting a chain of K-1
+    argmax steps over its own draft vocabulary (EAGLE-3, the public SpecForge format)."""
+
+    kind: Literal["dflash", "eagle3"] = "dflash"
+    num_layers: int = Field(5, ge=1)  # DFlash decoder layers (EAGLE-3 has one)
     block_size: int = Field(16, ge=2)  # K tokens per block, anchor included; K-1 are drafted
-    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # None = the DFlash default for the target
-    mask_token_id: int | None = Field(None, ge=0)  # None = the tokenizer's mask token
+    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # None = the family's default for the target
+    mask_token_id: int | None = Field(None, ge=0)  # DFlash: None = the tokenizer's mask token
+    draft_vocab_size: int | None = Field(None, ge=1)  # EAGLE-3: None = min(32000, the target's vocabulary)
+    # EAGLE-3 draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which
+    # lossless rebuild and replay need.
+    tree_topk: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> DrafterSpec:
+        chosen = self.model_fields_set
+        if self.kind == "eagle3":
+            wrong = [f"{name}: set on an eagle3 drafter (a DFlash-only option; expected it unset)"
+                     for name in ("num_layers", "mask_token_id") if name in chosen]
+            if self.tree_topk > 1:
+                wrong.append(f"tree_topk: {self.tree_topk} is a draft tree (expected 1: only chains draft point "
+                             "masses, which rebuild and replay need)")
+        else:
+            wrong = [f"{name}: set on a dflash drafter (an EAGLE-3-only option; expected kind: eagle3)"
+                     for name in ("draft_vocab_size", "tree_topk") if name in chosen]
+        _issues([f"drafter.{w}" for w in wrong])
+        return self
 
     def resolved_layer_ids(self, target_num_layers: int | None) -> list[int] | None:
         """The target layers whose hidden states feed the drafter; None while the target depth is unknown."""
@@ -88,6 +117,8 @@ class DrafterSpec(_Section):
             return list(self.target_layer_ids)
         if target_num_layers is None:
             return None
+        if self.kind == "eagle3":
+            return default_eagle3_layer_ids(target_num_layers)
         return default_target_layer_ids(target_num_layers, self.num_layers)
 
 
@@ -163,13 +194,16 @@ class ModelsSpec(_Section):
         path = "drafter.target_layer_ids"
         if ids is None:
             return []
-        if not ids:
+        origin = "" if self.drafter.target_layer_ids else f" (the default for a {depth}-layer target)"
+        if self.drafter.kind == "eagle3":
+            if len(ids) != 3:
+                return [f"{path}: {ids} (expected 3 ids: EAGLE-3's fc fuses three target layers)"]
+        elif not ids:
             return [f"{path}: empty (expected at least one target layer id)"]
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            origin = "" if self.drafter.target_layer_ids else f" (the default for a {depth}-layer target)"
+        elif any(b <= a for a, b in zip(ids, ids[1:])):
             return [f"{path}: {ids}{origin} is not strictly increasing (expected distinct ids in ascending order)"]
-        if depth is not None and ids[-1] >= depth:
-            return [f"{path}: layer {ids[-1]} is outside the target (expected ids in [0, {depth}), "
+        if depth is not None and max(ids) >= depth:
+            return [f"{path}: layer {max(ids)}{origin} is outside the target (expected ids in [0, {depth}), "
                     f"target_num_layers = {depth})"]
         return []
 
@@ -180,11 +214,19 @@ class ModelsSpec(_Section):
         config = _read_json(Path(self.drafter_path) / "config.json")
         if config is None:
             return []
-        dflash = config.get("dflash_config") or {}
-        found = {"block_size": config.get("block_size"), "num_layers": config.get("num_hidden_layers"),
-                 "target_layer_ids": dflash.get("target_layer_ids"), "mask_token_id": dflash.get("mask_token_id")}
-        ours = {"block_size": self.drafter.block_size, "num_layers": self.drafter.num_layers,
-                "target_layer_ids": self.layer_ids, "mask_token_id": self.drafter.mask_token_id}
+        kind = "eagle3" if "eagle3" in " ".join(config.get("architectures") or []).lower() else "dflash"
+        if kind != self.drafter.kind:
+            return [f"drafter.kind: {self.drafter.kind} but {self.drafter_path}/config.json is a {kind} drafter "
+                    f"(expected kind: {kind})"]
+        if kind == "eagle3":
+            found = {"block_size": config.get("block_size"), "draft_vocab_size": config.get("draft_vocab_size")}
+            ours = {"block_size": self.drafter.block_size, "draft_vocab_size": self.drafter.draft_vocab_size}
+        else:
+            dflash = config.get("dflash_config") or {}
+            found = {"block_size": config.get("block_size"), "num_layers": config.get("num_hidden_layers"),
+                     "target_layer_ids": dflash.get("target_layer_ids"), "mask_token_id": dflash.get("mask_token_id")}
+            ours = {"block_size": self.drafter.block_size, "num_layers": self.drafter.num_layers,
+                    "target_layer_ids": self.layer_ids, "mask_token_id": self.drafter.mask_token_id}
         return [f"drafter.{key}: {ours[key]} disagrees with the warm drafter's {found[key]} in "
                 f"{self.drafter_path}/config.json (expected {found[key]})"
                 for key in found if found[key] is not None and ours[key] is not None and found[key] != ours[key]]
@@ -548,6 +590,11 @@ class ExperimentSpec(_Section):
         if self.optim.batch_size % self.rollout.batch_size:
             issues.append(f"optim.batch_size: {self.optim.batch_size} is not a multiple of rollout.batch_size "
                           f"{self.rollout.batch_size} (a step trains on whole rollout batches)")
+        if self.models.drafter.kind == "eagle3":
+            issues += [f"{field}: {value} with an eagle3 drafter (a DFlash-only option; expected {fix})"
+                       for field, value, fix in (("replay.anchors", self.replay.anchors, "error"),
+                                                 ("replay.teacher_topk", self.replay.teacher_topk, "null"))
+                       if value not in ("error", None)]
         if self.rollout.rebuilt and self.replay.anchors == "random":
             issues.append(f"replay.anchors: random with rollout.source {self.rollout.source} (expected error anchors: "
                           "random anchors are redrafted by a speculative rollout's drafter)")

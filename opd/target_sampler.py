@@ -23,7 +23,7 @@ from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.train.flops import DrafterParams, FlopCounter, TargetParams
@@ -41,7 +41,7 @@ class Samples:
 TargetSampler = Callable[[list[list[int]], Sampling, int, int, list[int]], Samples]
 
 
-def build_sampler(spec: ExperimentSpec, kind: str, target: Target | None, drafter: DFlashDrafter | None,
+def build_sampler(spec: ExperimentSpec, kind: str, target: Target | None, drafter: Drafter | None,
                   eos_id: int) -> TargetSampler:
     """The sampler `kind` ("speculative", "autoregressive" or "vllm"); vLLM loads its own copy of the target on
     the first call, so `target` may be None for it."""
@@ -53,7 +53,7 @@ def build_sampler(spec: ExperimentSpec, kind: str, target: Target | None, drafte
 
 
 class _SpeculativeSampler:
-    def __init__(self, target: Target, drafter: DFlashDrafter, eos_id: int, static_cache: bool) -> None:
+    def __init__(self, target: Target, drafter: Drafter, eos_id: int, static_cache: bool) -> None:
         self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, static_cache=static_cache)
         self.target_params, self.drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
 

@@ -330,7 +330,8 @@ class _Reader:
 def test_scored_batches_and_weights_cross_the_object_store_zero_copy(ray_cluster):
     gen = torch.Generator().manual_seed(0)  # over Ray's 100 KB inline limit, so the objects live in the store
     batch = ScoredBatch(features=torch.randn(2, 300, 256, generator=gen).bfloat16(),
-                        context_valid=torch.ones(2, 300, dtype=torch.bool), anchor_ids=torch.arange(6).view(2, 3),
+                        context_valid=torch.ones(2, 300, dtype=torch.bool), context_ids=torch.zeros(2, 300, dtype=torch.long),
+                        block_ids=torch.arange(18).view(2, 3, 3),
                         anchor_positions=torch.arange(6).view(2, 3), block_valid=torch.ones(2, 3, dtype=torch.bool),
                         accepted=torch.arange(6), position_mask=torch.ones(6, 3, dtype=torch.bool),
                         teacher=torch.randn(6, 3, 4, generator=gen).bfloat16())

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from opd.errors import OpdError
-from opd.models.drafter import DrafterCache
+from opd.models.drafter_cache import DrafterCache
 
 
 def row_mask(used: torch.Tensor, width: int) -> torch.Tensor:
@@ -52,6 +52,8 @@ def compact(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor, 
     draft_cache.keys = [pack_block(k, 2, used, block, width) for k in draft_cache.keys]
     draft_cache.values = [pack_block(v, 2, used, block, width) for v in draft_cache.values]
     draft_cache.positions = pack_block(draft_cache.positions, 1, used, block, width)
+    if draft_cache.states is not None:
+        draft_cache.states = pack_block(draft_cache.states, 1, used, block, width)
     draft_cache.valid = row_mask(new_used, width).bool()
     return new_used
 
@@ -64,6 +66,8 @@ def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> 
     draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]
     draft_cache.values = [v[:, :, :width] for v in draft_cache.values]
     draft_cache.positions, draft_cache.valid = draft_cache.positions[:, :width], draft_cache.valid[:, :width]
+    if draft_cache.states is not None:
+        draft_cache.states = draft_cache.states[:, :width]
 
 
 def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:

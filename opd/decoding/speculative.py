@@ -1,4 +1,5 @@
-"""Batched, lossless speculative decoding with a DFlash drafter, recording what Draft-OPD trains on.
+"""Batched, lossless speculative decoding with any drafter family (DFlash, EAGLE-3), recording what Draft-OPD
+trains on.
 
 One step per batch: the drafter drafts K−1 tokens after each row's anchor from its cached target context, the
 target verifies the K-token block [anchor, drafts] in one forward, `verify` decides how many drafts each row
@@ -33,14 +34,14 @@ from opd.decoding.compaction import compact, crop, row_mask
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.target import Target
 
 
 class SpeculativeDecoder:
     """Owns a target and a drafter; the drafter's weights can be swapped between calls (`load_drafter`)."""
 
-    def __init__(self, target: Target, drafter: DFlashDrafter, *, eos_id: int, draft_version: int = 0,
+    def __init__(self, target: Target, drafter: Drafter, *, eos_id: int, draft_version: int = 0,
                  static_cache: bool = False) -> None:
         self.target, self.drafter, self.eos_id = target, drafter, eos_id
         self.draft_version, self.static_cache = draft_version, static_cache
@@ -88,7 +89,8 @@ class SpeculativeDecoder:
         last = out.logits[torch.arange(len(prompts), device=device), used - 1]
         first = next_token(last, sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
         draft_cache = self.drafter.new_cache(len(prompts), capacity)
-        self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool())
+        next_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter_(1, (used - 1)[:, None], first[:, None])
+        self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool(), next_ids)
         self.timings["verify"] += time.perf_counter() - t0
         return _State(rows=torch.arange(len(prompts), device=device), keys=keys_t,
                       target_cache=out.past_key_values, target_mask=full_mask if self.static_cache else None,
@@ -116,7 +118,10 @@ class SpeculativeDecoder:
                                      start=s.response_len)
         kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
         clock.append(time.perf_counter())
-        self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept)
+        # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
+        next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
+                                                                           verdict.bonus[:, None])
+        self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept, next_ids)
         clock.append(time.perf_counter())
         s.target_cache = out.past_key_values
         self._keep_slots(s, kept, verdict.accepted + 1)

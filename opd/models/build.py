@@ -10,9 +10,12 @@ import torch
 from opd.data import load_tokenizer, mask_token_id
 from opd.errors import OpdError
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.eagle3 import Eagle3Drafter
+from opd.models.eagle3_format import Eagle3Config
+from opd.models.family import Drafter, checkpoint_kind
 from opd.models.shared_head import SharedHead, load_shared_head
 from opd.models.target import Target, load_target
-from opd.spec import ExperimentSpec
+from opd.spec import DrafterSpec, ExperimentSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -20,7 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class Models:
     target: Target
-    drafter: DFlashDrafter
+    drafter: Drafter
     tokenizer: object
 
     @property
@@ -34,7 +37,7 @@ class LearnerModels:
     `SharedHead` read from the target's files, or the `Target` itself where one process holds both)."""
 
     head: SharedHead | Target
-    drafter: DFlashDrafter
+    drafter: Drafter
     tokenizer: object
 
 
@@ -79,9 +82,10 @@ def build_learner_models(spec: ExperimentSpec) -> LearnerModels:
 
 
 def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, drafter_path: str | None = None, *,
-                  seed: int | None = None) -> DFlashDrafter:
-    """A drafter sharing `base`'s embedding and LM head: from `drafter_path` (default: the spec's warm drafter), or
-    random from `seed` when the path is "random" or no drafter is configured."""
+                  seed: int | None = None) -> Drafter:
+    """A drafter of `models.drafter.kind` on `base`'s embedding (and DFlash: its LM head): from `drafter_path`
+    (default: the spec's warm drafter), or random from `seed` when the path is "random" or no drafter is
+    configured."""
     m = spec.models
     path = drafter_path or m.drafter_path
     if len(tokenizer) > base.vocab_size:
@@ -89,7 +93,17 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
                        f"{base.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
         return random_drafter(spec, base, tokenizer, spec.seed if seed is None else seed)
-    drafter = DFlashDrafter.from_pretrained(path, base).to(base.device)
+    kind = checkpoint_kind(path)
+    if kind != m.drafter.kind:
+        raise OpdError(f"drafter {path}: a {kind or 'unknown'} checkpoint but models.drafter.kind is "
+                       f"{m.drafter.kind} (expected them to agree)")
+    if kind == "eagle3":
+        drafter = Eagle3Drafter.from_pretrained(path, base, m.drafter.block_size).to(base.device)
+        if drafter.config.target_layer_ids != base.layer_ids:
+            raise OpdError(f"drafter {path}: fuses target layers {drafter.config.target_layer_ids} but "
+                           f"models.drafter.target_layer_ids resolves to {base.layer_ids} (expected them to agree)")
+    else:
+        drafter = DFlashDrafter.from_pretrained(path, base).to(base.device)
     if drafter.block_size != m.drafter.block_size:
         raise OpdError(f"drafter {path}: block_size {drafter.block_size} but models.drafter.block_size is "
                        f"{m.drafter.block_size} (expected them to agree)")
@@ -100,14 +114,30 @@ def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
     """Before any weights load: a named drafter directory must exist."""
     path = drafter_path or spec.models.drafter_path
     if path not in (None, "random") and not (Path(path) / "config.json").is_file():
-        raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash drafter directory or 'random')")
+        raise OpdError(f"drafter: {path}/config.json not found (expected a drafter directory or 'random')")
 
 
-def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> DFlashDrafter:
-    config = DFlashConfig.for_target(target.config, num_layers=spec.models.drafter.num_layers,
-                                     block_size=spec.models.drafter.block_size,
-                                     mask_token_id=mask_token_id(tokenizer, spec.models.drafter.mask_token_id),
-                                     target_layer_ids=target.layer_ids)
+def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
+    """A freshly initialised drafter of the spec's kind (EAGLE-3: the identity draft vocabulary until SFT sets one
+    from its data)."""
+    d = spec.models.drafter
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if d.kind == "eagle3":
+            config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab_size(d, target.vocab_size),
+                                             block_size=d.block_size,
+                                             aux_layer_ids=[i + 1 for i in target.layer_ids])
+            return Eagle3Drafter(config, target.embed_tokens, target.lm_head).to(target.device)
+        config = DFlashConfig.for_target(target.config, num_layers=d.num_layers, block_size=d.block_size,
+                                         mask_token_id=mask_token_id(tokenizer, d.mask_token_id),
+                                         target_layer_ids=target.layer_ids)
         return DFlashDrafter(config, target.embed_tokens, target.lm_head).to(target.device)
+
+
+def draft_vocab_size(drafter: DrafterSpec, vocab_size: int) -> int:
+    """`models.drafter.draft_vocab_size`, default the public Qwen3 drafters' 32,000 (or the whole vocabulary)."""
+    size = drafter.draft_vocab_size or min(32000, vocab_size)
+    if size > vocab_size:
+        raise OpdError(f"models.drafter.draft_vocab_size: {size} is larger than the target's vocabulary "
+                       f"{vocab_size} (expected at most {vocab_size})")
+    return size

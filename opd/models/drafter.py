@@ -18,7 +18,6 @@ vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/models/dflash
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from opd.models.dflash_format import (CONFIG_FILE, WEIGHTS_FILE, DFlashConfig, read_config, read_tensors,
                                       write_checkpoint)
+from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
 from opd.models.target import Target
 
@@ -153,43 +153,6 @@ class DFlashDecoderLayer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Inference-time context cache
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DrafterCache:
-    """Projected context K/V per drafter layer ([B,kv_heads,L,d]) with each entry's position and validity.
-
-    Rows of a batch advance at different speeds (ragged acceptance), so entries carry their own position and a
-    `valid` flag instead of assuming a dense prefix: a hole is simply an entry nobody can attend to.
-    Block K/V are never stored; only target-verified context is.
-
-    `filled` is None for a cache that grows by concatenation. A preallocated cache (`new_cache(capacity=...)`)
-    has fixed-shape tensors and `filled` counts the entries written; the rest are invalid, so attending over the
-    whole capacity equals attending over the written prefix, and every draft sees the same tensor shapes (what
-    CUDA graphs and torch.compile need).
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    positions: torch.Tensor
-    valid: torch.Tensor
-    filled: int | None = None
-
-    @property
-    def length(self) -> int:
-        return self.positions.shape[1] if self.filled is None else self.filled
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (finished sequences leave the batch)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.positions = self.positions[rows]
-        self.valid = self.valid[rows]
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The drafter
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -234,6 +197,32 @@ class DFlashDrafter(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
+
+    @property
+    def student_head(self) -> nn.Linear:
+        """Hidden -> the drafter's logits: the target's frozen LM head, which the loss applies chunk by chunk."""
+        return self.lm_head
+
+    @property
+    def teacher_head(self) -> nn.Linear:
+        """Target final-norm hidden -> the teacher's logits in the drafter's vocabulary: the same head."""
+        return self.lm_head
+
+    def trainable_slots(self, teacher: torch.Tensor) -> torch.Tensor | None:
+        """Which slots of a teacher [N, K-1, H] the drafter can learn: all (it drafts the whole vocabulary)."""
+        return None
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens a block runs through the decoder layers: all K (anchor and masks)."""
+        return self.block_size
+
+    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
+        """(run per context position, run per block token, the head per drafted slot), for FLOP counting."""
+        kv = [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        return [self.fc, self.hidden_norm, *kv], [*self.layers, self.norm], self.lm_head
 
     # -- shared pieces -----------------------------------------------------------------------------------------
 
@@ -295,7 +284,18 @@ class DFlashDrafter(nn.Module):
         )
         return hidden.view(batch, num_blocks, block_size, hidden.shape[-1])
 
-    # The training path is what DDP/DeepSpeed wrappers call.
+    def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
+                     anchor_positions: torch.Tensor, block_inputs: torch.Tensor,
+                     chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+        """The drafter family's training call: final normed hidden [B,M,K-1,H] at the drafted slots of blocks
+        anchored at anchor_positions [B,M], given the committed text's target features [B,T,n*H]. A DFlash block
+        reads only its anchor (block_inputs[..., 0]) and the context, never the text's tokens or the drafts."""
+        block_ids = torch.full((*anchor_positions.shape, self.block_size), self.mask_token_id, dtype=torch.long,
+                               device=anchor_positions.device)
+        block_ids[..., 0] = block_inputs[..., 0]
+        context = self.project_context(features.to(self.fc.weight.dtype))
+        return self.forward_blocks(context, context_valid, block_ids, anchor_positions, chunk_rows)[:, :, 1:]
+
     forward = forward_blocks
 
     # -- inference path: cached context, one block per sequence --------------------------------------------------
@@ -303,33 +303,19 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, batch_size: int, capacity: int | None = None) -> DrafterCache:
         """An empty context cache on the drafter's device and dtype; with `capacity`, preallocated to that many
         entries (fixed shapes), else growing."""
-        weight = self.fc.weight
-        length = capacity or 0
-        shape = (batch_size, self.config.num_key_value_heads, length, self.config.head_dim)
-        return DrafterCache(
-            keys=[weight.new_zeros(shape) for _ in self.layers],
-            values=[weight.new_zeros(shape) for _ in self.layers],
-            positions=torch.zeros(batch_size, length, dtype=torch.long, device=weight.device),
-            valid=torch.zeros(batch_size, length, dtype=torch.bool, device=weight.device),
-            filled=None if capacity is None else 0,
-        )
+        c = self.config
+        return DrafterCache.empty(self.fc.weight, layers=len(self.layers), batch_size=batch_size,
+                                  kv_heads=c.num_key_value_heads, head_dim=c.head_dim, capacity=capacity)
 
     @torch.no_grad()
-    def extend_cache(
-        self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
-    ) -> None:
+    def extend_cache(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
         """Append projected context K/V for new target features [B,T,n*H] at `positions` [B,T] (in place).
 
-        Entries with valid=False (padding, holes from ragged acceptance) stay masked out forever.
-        """
-        context_kv = self._context_kv(self.project_context(target_features), positions)
-        if cache.filled is not None:
-            _write(cache, context_kv, positions, valid)
-            return
-        cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, context_kv)]
-        cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, context_kv)]
-        cache.positions = torch.cat([cache.positions, positions], dim=1)
-        cache.valid = torch.cat([cache.valid, valid.to(torch.bool)], dim=1)
+        Entries with valid=False (padding, holes from ragged acceptance) stay masked out forever. `next_ids` (the
+        token after each position) is what a chain drafter pairs with the features; a DFlash block reads the
+        context alone."""
+        cache.append(self._context_kv(self.project_context(target_features), positions), positions, valid)
 
     @torch.no_grad()
     def draft(
@@ -347,7 +333,7 @@ class DFlashDrafter(nn.Module):
         )
         block_ids[:, 0] = anchor_ids
         block_positions = anchor_positions[:, None] + offsets
-        mask = _block_mask(cache.positions, cache.valid, anchor_positions, block_size)
+        mask = _block_mask(cache.visible_before(anchor_positions), block_size)
         hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), mask)
         logits = self.logits(hidden[:, 1:])
         return logits.argmax(dim=-1), logits
@@ -367,26 +353,9 @@ class DFlashDrafter(nn.Module):
         return drafter
 
 
-def _write(cache: DrafterCache, context_kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
-           valid: torch.Tensor) -> None:
-    """Write new entries in place after the filled ones of a preallocated cache (its shapes never change)."""
-    start, end = cache.filled, cache.filled + positions.shape[1]
-    if end > cache.positions.shape[1]:
-        raise ValueError(f"drafter cache capacity {cache.positions.shape[1]} exceeded ({end} entries)")
-    for old_k, old_v, (k, v) in zip(cache.keys, cache.values, context_kv):
-        old_k[:, :, start:end] = k
-        old_v[:, :, start:end] = v
-    cache.positions[:, start:end] = positions
-    cache.valid[:, start:end] = valid.to(torch.bool)
-    cache.filled = end
-
-
-def _block_mask(
-    context_positions: torch.Tensor, context_valid: torch.Tensor, anchor_positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Bool mask [B,1,K,C+K] for one block per row (decoding): the block sees valid cached context before its
-    anchor and all of itself. context_positions/valid: [B,C]; anchor_positions: [B]."""
-    sees_context = context_valid.bool() & (context_positions < anchor_positions[:, None])
+def _block_mask(sees_context: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool mask [B,1,K,C+K] for one block per row (decoding): the block sees the cached context it may
+    (`DrafterCache.visible_before`, [B,C]) and all of itself."""
     sees_context = sees_context[:, None, :].expand(-1, block_size, -1)
-    sees_block = sees_context.new_ones(len(anchor_positions), block_size, block_size)
+    sees_block = sees_context.new_ones(len(sees_context), block_size, block_size)
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]

@@ -1,4 +1,4 @@
-"""Seeded random micro models for tests: a Qwen3 target and a DFlash drafter, built in milliseconds.
+"""Seeded random micro models for tests: a Qwen3 target and a DFlash or EAGLE-3 drafter, built in milliseconds.
 
 Float64 by default so equivalence tests (packed vs separate forwards, cache vs recompute) can demand ~1e-12
 agreement instead of hiding bugs behind float32 tolerances.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.eagle3 import Eagle3Drafter
+from opd.models.eagle3_format import Eagle3Config, draft_vocab
 from opd.models.target import Target
 from opd.spec import default_target_layer_ids
 
@@ -62,4 +64,20 @@ def micro_drafter(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head)
+    return drafter
+
+
+def micro_eagle3(target: Target, seed: int = 0, block_size: int = 4, draft_vocab_size: int | None = None,
+                 vocab_seed: int | None = None) -> Eagle3Drafter:
+    """A random EAGLE-3 drafter for `target` (same dtype; its three layer_ids fused). With `draft_vocab_size`
+    below the target's, the draft vocabulary is a random subset of ids drawn from `vocab_seed` (default `seed`)."""
+    size = draft_vocab_size or target.vocab_size
+    config = Eagle3Config.for_target(target.config, draft_vocab_size=size, block_size=block_size,
+                                     aux_layer_ids=[i + 1 for i in target.layer_ids])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = Eagle3Drafter(config, target.embed_tokens, target.lm_head)
+        torch.manual_seed(seed if vocab_seed is None else vocab_seed)
+        counts = torch.rand(target.vocab_size)
+    drafter.set_vocab(*draft_vocab(counts, size))
     return drafter

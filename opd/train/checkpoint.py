@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from opd.errors import OpdError
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.spec import ExperimentSpec, flatten
 
 STATE_FILE = "trainer_state.pt"
@@ -29,7 +29,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict, *, keep_last: int | None = None,
+def save_checkpoint(run_dir: Path, step: int, drafter: Drafter, state: dict, *, keep_last: int | None = None,
                     resumed_from: Path | None = None) -> Path:
     """Write step `step`'s checkpoint; then, with `keep_last`, delete all but the newest `keep_last` (see
     `prune_checkpoints`)."""

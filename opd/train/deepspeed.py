@@ -10,7 +10,7 @@ import os
 import torch
 
 from opd.errors import OpdError
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.replay import student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.distributed import Group, ensure_group
@@ -20,7 +20,7 @@ from opd.train.messages import ScoredBatch
 class _Student(torch.nn.Module):
     """The drafter's replay forward as a module, so DeepSpeed's engine runs it (its backward hooks need that)."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(self, drafter: Drafter) -> None:
         super().__init__()
         self.drafter = drafter
 
@@ -49,7 +49,7 @@ def deepspeed_config(spec: ExperimentSpec, world: int) -> dict:
             "bf16": {"enabled": spec.models.dtype == "bfloat16" and zero_keeps_masters(o)}}
 
 
-def deepspeed_engine(spec: ExperimentSpec, drafter: DFlashDrafter, optimizer, scheduler) -> tuple[object, Group]:
+def deepspeed_engine(spec: ExperimentSpec, drafter: Drafter, optimizer, scheduler) -> tuple[object, Group]:
     """`deepspeed.initialize` around the drafter with our AdamW and LR lambda as client optimizer/scheduler, in
     the current learner process group (a one-rank group when there is none: DeepSpeed always wants one)."""
     if spec.optim.zero_stage == 3:

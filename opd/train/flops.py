@@ -55,28 +55,30 @@ class TargetParams:
 
 @dataclass(frozen=True)
 class DrafterParams:
-    """The drafter's weights per token: `context` per context position (fc, every layer's K/V projections),
-    `block` per block token (the decoder layers), `head` per drafted slot (the shared frozen LM head)."""
+    """The drafter's weights per token: `context` per context position (DFlash: fc and every layer's K/V
+    projections; EAGLE-3: fc and its layer), `block` per block token (the decoder layers), `head` per drafted slot
+    (DFlash: the shared frozen LM head; EAGLE-3: its own trainable draft-vocabulary head)."""
 
     context: int
     block: int
     head: int
-    block_size: int
+    block_size: int  # tokens per block through the layers (`tokens_per_block`)
+    head_trainable: bool = False
 
     @classmethod
     def of(cls, drafter: nn.Module) -> DrafterParams:
-        kv = [m for layer in drafter.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-        return cls(context=_numel([drafter.fc, drafter.hidden_norm, *kv]),
-                   block=_numel([*drafter.layers, drafter.norm]), head=drafter.lm_head.weight.numel(),
-                   block_size=drafter.block_size)
+        context, block, head = drafter.modules_by_role()
+        return cls(context=_numel(context), block=_numel(block), head=head.weight.numel(),
+                   block_size=drafter.tokens_per_block,
+                   head_trainable=any(head is m for m in drafter.modules()))  # its own, not the target's
 
     def forward(self, *, context: int, blocks: int, slots: int) -> float:
         """FLOPs of a forward over `context` context positions, `blocks` blocks of K tokens, `slots` logit rows."""
         return 2.0 * (self._trainable(context, blocks) + self.head * slots)
 
     def train(self, *, context: int, blocks: int, slots: int) -> float:
-        """The same forward plus its backward: 6x the trainable weights, 4x the frozen LM head."""
-        return 6.0 * self._trainable(context, blocks) + 4.0 * self.head * slots
+        """The same forward plus its backward: 6x the trainable weights, 4x a frozen LM head (no weight grad)."""
+        return 6.0 * self._trainable(context, blocks) + (6.0 if self.head_trainable else 4.0) * self.head * slots
 
     def _trainable(self, context: int, blocks: int) -> int:
         return self.context * context + self.block * blocks * self.block_size

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from opd.errors import OpdError
-from opd.losses import StepNorm, acceptance_aware_loss
-from opd.models.drafter import DFlashDrafter
+from opd.losses import StepNorm, TopKTeacher, acceptance_aware_loss
+from opd.models.family import Drafter
 from opd.replay import student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
@@ -38,7 +38,7 @@ def lr_lambda(optim: OptimSpec, total_steps: int):
     return factor
 
 
-def build_optimizer(drafter: DFlashDrafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
+def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
                     masters: bool = True):
     """AdamW and its schedule. A bf16/fp16 drafter's AdamW steps fp32 master weights (opd/train/master_weights.py)
     unless `masters` is False: DeepSpeed ZeRO, which keeps fp32 partitions of them itself."""
@@ -71,7 +71,7 @@ class Learner:
     clipping and the step to a DeepSpeed engine around the same AdamW and schedule.
     """
 
-    def __init__(self, spec: ExperimentSpec, drafter: DFlashDrafter, group: Group | None = None) -> None:
+    def __init__(self, spec: ExperimentSpec, drafter: Drafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
         self.drafter.train()
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
@@ -93,7 +93,9 @@ class Learner:
         """One optimizer step. `micro_batches` is this rank's shard of the step, `norm` the whole step's
         denominators (default: these micro-batches are the whole step). Non-finite steps are skipped, counted,
         and stop the run after `optim.max_nonfinite_steps` in a row."""
-        norm = norm or step_norm(micro_batches, self.spec)
+        if norm is None:
+            micro_batches = self.trainable(micro_batches)
+            norm = step_norm(micro_batches, self.spec)
         self.optimizer.zero_grad(set_to_none=True)
         sums = reduce_sum(self._accumulate(micro_batches, norm), self.group)
         loss, acc, rej, train_flops = sums.tolist()
@@ -111,6 +113,16 @@ class Learner:
         self.step += 1
         return StepMetrics(loss, acc, rej, num_acc, num_rej, grad_norm, lr, skipped)
 
+    def trainable(self, micro_batches: list[ScoredBatch]) -> list[ScoredBatch]:
+        """The micro-batches with the slots the drafter cannot learn dropped from `position_mask` (EAGLE-3: target
+        argmax outside the draft vocabulary); a step's denominators must be taken after this."""
+        out = []
+        for mb in micro_batches:
+            keep = (None if isinstance(mb.teacher, TopKTeacher)
+                    else self.drafter.trainable_slots(mb.teacher.to(self._device)))
+            out.append(mb if keep is None else replace(mb, position_mask=mb.position_mask & keep.cpu()))
+        return out
+
     def _accumulate(self, micro_batches: list[ScoredBatch], norm: StepNorm) -> torch.Tensor:
         """Backward of each micro-batch's share of the step loss, one micro-batch on the device at a time; returns
         this rank's sums of (loss, L_acc, L_rej, the student's training FLOPs) in float64, for the all-reduce."""
@@ -123,9 +135,9 @@ class Learner:
                 self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
                 hidden = self.engine(batch)
             terms = acceptance_aware_loss(
-                hidden, batch.teacher, batch.accepted, self.spec.loss, batch.position_mask, head=self.drafter.lm_head,
-                norm=norm, chunk_size=self.spec.optim.loss_chunk_size,
-                teacher_temperature=self.spec.replay.teacher_temperature)
+                hidden, batch.teacher, batch.accepted, self.spec.loss, batch.position_mask,
+                head=self.drafter.student_head, teacher_head=self.drafter.teacher_head, norm=norm,
+                chunk_size=self.spec.optim.loss_chunk_size, teacher_temperature=self.spec.replay.teacher_temperature)
             if self.engine is None:
                 terms.loss.backward()
             else:  # DeepSpeed averages over ranks, so scale back up by the world size

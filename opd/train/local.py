@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from opd.data import train_prompts
 from opd.models.build import LearnerModels, Models, build_models
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import clone_drafter
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import Evaluator, InlineEvaluations
 from opd.train.messages import StepReport, TrainResult
@@ -24,25 +24,18 @@ from opd.train.scorer import Scorer
 from opd.train.session import TrainingSession
 
 
-def copy_drafter(drafter: DFlashDrafter) -> DFlashDrafter:
-    """A separate drafter with the same weights and the same shared target modules (the rollout's copy)."""
-    clone = DFlashDrafter(drafter.config, drafter.embed_tokens, drafter.lm_head).to(drafter.fc.weight.device)
-    clone.load_state_dict(drafter.state_dict())
-    return clone
-
-
 class LocalTrainer:
     """Session + rollout worker + scorer in one process; `run()` trains to the step budget, resuming if it can."""
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
         self.spec = spec
         m = self.models = build_models(spec)  # the target, the warm drafter (trained) and the tokenizer
-        evaluator = Evaluator(spec, Models(m.target, copy_drafter(m.drafter), m.tokenizer))
+        evaluator = Evaluator(spec, Models(m.target, clone_drafter(m.drafter), m.tokenizer))
         self.session = TrainingSession(spec, track=track, models=LearnerModels(m.target, m.drafter, m.tokenizer),
                                        evals=InlineEvaluations(evaluator))
         prompts = train_prompts(spec.data, m.tokenizer)
-        self.rollout = RolloutWorker(spec, m.target, copy_drafter(m.drafter), m.eos_id, prompts)
-        self.scorer = Scorer(spec, m.target, copy_drafter(m.drafter) if spec.rollout.rebuilt else None)
+        self.rollout = RolloutWorker(spec, m.target, clone_drafter(m.drafter), m.eos_id, prompts)
+        self.scorer = Scorer(spec, m.target, clone_drafter(m.drafter) if spec.rollout.rebuilt else None)
         self.per_step = spec.batches_per_step
 
     @property

@@ -62,7 +62,8 @@ class ScoredBatch(ZeroCopy):
 
     features: torch.Tensor  # [B, S, n*H] target features of the committed prefix
     context_valid: torch.Tensor  # [B, S] bool
-    anchor_ids: torch.Tensor  # [B, M] the committed token each block starts from
+    context_ids: torch.Tensor  # [B, S] the committed tokens of the prefix
+    block_ids: torch.Tensor  # [B, M, K-1] each block's anchor, then the drafts its drafter was fed (EAGLE-3 reads them)
     anchor_positions: torch.Tensor  # [B, M] its absolute position (prompt + response index)
     block_valid: torch.Tensor  # [B, M] bool; the N True entries, row-major, are the blocks below
     accepted: torch.Tensor  # [N] drafted tokens the target accepted
@@ -77,8 +78,8 @@ class ScoredBatch(ZeroCopy):
         t = self.teacher
         teacher = (TopKTeacher(t.ids.to(device), t.logprobs.to(device), t.tail_logprob.to(device))
                    if isinstance(t, TopKTeacher) else t.to(device))
-        return ScoredBatch(self.features.to(device), self.context_valid.to(device), self.anchor_ids.to(device),
-                           self.anchor_positions.to(device), self.block_valid.to(device), self.accepted.to(device),
+        return ScoredBatch(self.features.to(device), self.context_valid.to(device), self.context_ids.to(device),
+                           self.block_ids.to(device), self.anchor_positions.to(device), self.block_valid.to(device), self.accepted.to(device),
                            self.position_mask.to(device), teacher)
 
 

@@ -20,7 +20,7 @@ from opd.data import Prompt, prompt_key
 from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.samples import SampleStore, rollout_draw, wanted
@@ -65,7 +65,7 @@ class RolloutWorker:
     """`target` and `drafter` are None when `rollout_needs_models` says so; with `rollout.source: target` the
     drafter is the sampler's, never updated."""
 
-    def __init__(self, spec: ExperimentSpec, target: Target | None, drafter: DFlashDrafter | None, eos_id: int,
+    def __init__(self, spec: ExperimentSpec, target: Target | None, drafter: Drafter | None, eos_id: int,
                  prompts: list[Prompt], draft_version: int = 0) -> None:
         self.spec, self.prompts, self.eos_id = spec, prompts, eos_id
         source = spec.rollout.source

@@ -4,6 +4,8 @@ With a rebuilt rollout source (`rollout.source: target | samples`) the batch arr
 the scorer first rebuilds its blocks (opd/rebuild.py) with the drafter it owns, which adopts every published
 version: the batch's `draft_version` is then the scorer's, so its policy lag is measured where the blocks are
 made and rollout never waits for weights. The rebuild's cost is counted with the batch's production FLOPs.
+In the committed replay layout the rebuild and the teacher read the target over the same text (prompt + response),
+so one forward per micro-batch (`CommittedView`) serves both and is charged once, with the rebuild.
 
 The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
 teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
@@ -19,9 +21,9 @@ import torch
 
 from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.rebuild import rebuild_records
-from opd.replay import pack, replay_mode, score_micro_batches
+from opd.replay import CommittedView, pack, replay_mode, score, score_micro_batches
 from opd.spec import ExperimentSpec
 from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
@@ -42,7 +44,7 @@ class Scorer:
     """Teacher replay of whole rollout batches, with the FLOPs it cost. `drafter` (rebuilt sources only) is the
     scorer's own copy: `load_drafter` swaps in published weights."""
 
-    def __init__(self, spec: ExperimentSpec, target, drafter: DFlashDrafter | None = None) -> None:
+    def __init__(self, spec: ExperimentSpec, target, drafter: Drafter | None = None) -> None:
         self.spec, self.target, self.drafter = spec, target, drafter
         self.params = TargetParams.of(target.model)
         self.draft_version = UNDRAFTED
@@ -54,18 +56,46 @@ class Scorer:
         self.drafter.load_state_dict(state_dict)
         self.draft_version = version
 
+    @property
+    def shares_forward(self) -> bool:
+        """Rebuilt blocks scored in the committed layout: the rebuild's target forward is the teacher's too."""
+        return self.spec.rollout.rebuilt and replay_mode(self.spec) == "committed"
+
     def __call__(self, batch: AnchorBatch) -> ScoredItem:
-        if self.spec.rollout.rebuilt:
-            batch = self.rebuild(batch)
-        micro = score_micro_batches(self.target, batch, self.spec)
+        if self.shares_forward:
+            views = self.committed_views(batch.records)
+            batch = self.rebuild(batch, features=[row for view in views for row in view.rows()])
+            micro = self.score_views(batch.records, views)
+        else:
+            if self.spec.rollout.rebuilt:
+                batch = self.rebuild(batch)
+            micro = score_micro_batches(self.target, batch, self.spec)
         return ScoredItem(batch, micro, scorer_flops=self.replay_flops(batch.records, micro),
                           acceptance=self.expected_acceptance(batch, micro))
 
-    def rebuild(self, batch: AnchorBatch) -> AnchorBatch:
+    def committed_views(self, records: list[SequenceRecord]) -> list[CommittedView]:
+        """The target's view of each micro-batch's text (`score_micro_batches`' grouping), one forward each. The
+        whole batch's views live until it is scored: about the rebuild's own feature tensors, plus 1/n for the
+        hidden states (n target layers feed the drafter)."""
+        size, block_size = self.spec.optim.micro_batch_size, self.spec.models.drafter.block_size
+        return [CommittedView.of(self.target, records[i : i + size], block_size)
+                for i in range(0, len(records), size)]
+
+    def score_views(self, records: list[SequenceRecord], views: list[CommittedView]) -> list[ScoredBatch]:
+        """`score_micro_batches` in the committed layout, reading each micro-batch's precomputed view: the view of
+        the text taken before the rebuild holds for the rebuilt records, whose text is unchanged."""
+        size, r = self.spec.optim.micro_batch_size, self.spec.replay
+        return [score(self.target, records[j * size : (j + 1) * size], block_size=self.spec.models.drafter.block_size,
+                      mode="committed", teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk,
+                      view=view)
+                for j, view in enumerate(views)]
+
+    def rebuild(self, batch: AnchorBatch, features: list[torch.Tensor] | None = None) -> AnchorBatch:
         """The batch's blocks as the current drafter would have drafted them, stamped with its version; the cost
-        (`rebuild_flops`) added to the batch's production FLOPs."""
+        (`rebuild_flops`, the target's forward over the text included) added to the batch's production FLOPs.
+        `features`: the target's view of each text when the caller already has it (`committed_views`)."""
         records = rebuild_records(self.target, self.drafter, batch.records, draft_version=self.draft_version,
-                                  batch_size=self.spec.rollout.batch_size)
+                                  batch_size=self.spec.rollout.batch_size, features=features)
         cost = rebuild_flops(records, self.params, DrafterParams.of(self.drafter))
         flops = replace(batch.flops, target_forward=batch.flops.target_forward + cost.target_forward,
                         drafter_forward=batch.flops.drafter_forward + cost.drafter_forward)
@@ -73,9 +103,11 @@ class Scorer:
 
     def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
         """The teacher's FLOPs (opd/train/flops.py): every packed token (the committed prefix and every drafted
-        block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner)."""
+        block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner).
+        With a shared forward (`shares_forward`) the decoder ran once over the text, already charged by
+        `rebuild_flops` to the batch's production FLOPs, so only the LM head is counted here."""
         block_size, mode = self.spec.models.drafter.block_size, replay_mode(self.spec)
-        tokens = sum(len(pack(r, block_size, mode).ids) for r in records)
+        tokens = 0 if self.shares_forward else sum(len(pack(r, block_size, mode).ids) for r in records)
         return self.params.forward(tokens, logits=sum(int(m.position_mask.sum()) for m in micro))
 
     def expected_acceptance(self, batch: AnchorBatch, micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:

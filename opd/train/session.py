@@ -23,7 +23,7 @@ from opd.eval_row import EvalRow
 from opd.expected_acceptance import ExpectedAcceptance
 from opd.losses import StepNorm
 from opd.models.build import LearnerModels, build_learner_models
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
@@ -70,7 +70,7 @@ def restore_learner(learner: Learner, path: Path, head: SharedHead | Target) -> 
     """Load checkpoint `path`'s drafter weights and optimizer state into `learner` (every learner rank resumes
     from the same checkpoint); `head` is what the drafter shares of the target. Returns the whole saved state."""
     state = load_state(path)
-    learner.drafter.load_state_dict(DFlashDrafter.from_pretrained(path, head).state_dict())
+    learner.drafter.load_state_dict(type(learner.drafter).from_pretrained(path, head).state_dict())
     learner.load_state_dict(state["learner"])
     return state
 
@@ -101,7 +101,7 @@ class TrainingSession:
         return self.learner.step
 
     @property
-    def drafter(self) -> DFlashDrafter:
+    def drafter(self) -> Drafter:
         return self.learner.drafter
 
     @property
@@ -171,7 +171,7 @@ class TrainingSession:
         t0 = time.perf_counter()
         self.publisher.check()  # a failed publication stops the run here, at the step after it
         items = sorted(items, key=lambda it: it.batch.index)
-        micro = [mb for it in items for mb in it.micro_batches]
+        micro = self.learner.trainable([mb for it in items for mb in it.micro_batches])
         world, norm = self.learner.group.world, step_norm(micro, self.spec)
         if self.spec.optim.backend == "deepspeed" and len(micro) % world:
             raise OpdError(f"optim.backend deepspeed: {len(micro)} micro-batches per step do not split evenly over "

@@ -29,7 +29,9 @@ from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.losses import sft_log_weight_sum, sft_loss
 from opd.models.build import Models, build_models
-from opd.models.drafter import DFlashDrafter
+from opd.models.eagle3 import Eagle3Drafter
+from opd.models.eagle3_format import draft_vocab
+from opd.models.family import Drafter
 from opd.models.target import Target
 from opd.progress import progress_bar
 from opd.run_dir import RunDirLock
@@ -92,6 +94,8 @@ class SftBatch:
     anchor_pos: torch.Tensor  # [B, M] long
     block_valid: torch.Tensor  # [B, M] bool: a real anchor
     labels: torch.Tensor  # [B, M, K-1] long: the data token slot k predicts
+    input_pos: torch.Tensor  # [B, M, K-1] long: where the block's inputs sit, a .. a+K-2 (clamped to the row)
+    inputs: torch.Tensor  # [B, M, K-1] long: the data tokens there, which a chain drafter is fed
     label_ok: torch.Tensor  # [B, M, K-1] bool: slot k lands on a real token of a real block
 
     def to(self, device: torch.device) -> SftBatch:
@@ -136,28 +140,33 @@ def _layout(seqs: list[list[int]], anchors: list[list[int]], k: int) -> SftBatch
     inside = label_pos.clamp_max(width - 1).flatten(1)
     labels = ids.gather(1, inside).view_as(label_pos)
     label_ok = valid.gather(1, inside).view_as(label_pos) & (label_pos < width) & block_valid[..., None]
-    return SftBatch(ids, valid, anchor_pos, block_valid, labels, label_ok)
+    input_pos = (label_pos - 1).clamp_max(width - 1)
+    inputs = ids.gather(1, input_pos.flatten(1)).view_as(label_pos)
+    return SftBatch(ids, valid, anchor_pos, block_valid, labels, input_pos, inputs, label_ok)
 
 
-def sft_batch_loss(target: Target, drafter: DFlashDrafter, batch: SftBatch, *, gamma: float, chunk_size: int,
+def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: float, chunk_size: int,
                    log_weight_sum: float | None = None) -> torch.Tensor:
     """This micro-batch's share of the SFT loss (the step's mean when `log_weight_sum` is the step's).
 
     Features come from the target's decoder alone (no [B, T, V] logits) and the drafter's logits are formed
-    `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary."""
+    `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary. A chain
+    drafter is fed the data tokens (training-time test). DFlash learns the data tokens; EAGLE-3 the target's
+    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it."""
     batch = batch.to(target.device)
-    _, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
-    block_ids = torch.full((*batch.anchor_pos.shape, drafter.block_size), drafter.mask_token_id, dtype=torch.long,
-                           device=batch.ids.device)
-    block_ids[..., 0] = batch.ids.gather(1, batch.anchor_pos)
-    context = drafter.project_context(features.to(drafter.fc.weight.dtype))
-    hidden = drafter.forward_blocks(context, batch.valid, block_ids, batch.anchor_pos)
-    return sft_loss(hidden[batch.block_valid][:, 1:], batch.labels[batch.block_valid], gamma=gamma,
-                    position_mask=batch.position_mask, head=drafter.lm_head, chunk_size=chunk_size,
-                    log_weight_sum=log_weight_sum)
+    hidden_t, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
+    hidden = drafter.block_hidden(features, batch.ids, batch.valid, batch.anchor_pos, batch.inputs)
+    slots, mask, teacher = hidden[batch.block_valid], batch.position_mask, None
+    if drafter.sft_target == "target":  # slot k's target distribution is the target's state at a + k - 1
+        rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
+        teacher = hidden_t[rows, batch.input_pos][batch.block_valid]
+        mask = mask & drafter.trainable_slots(teacher)  # the denominator still counts them, as SpecForge's mean
+    return sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
+                    head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
+                    teacher=teacher, teacher_head=drafter.teacher_head)
 
 
-def sft_backward(target: Target, drafter: DFlashDrafter, examples: list[SftExample], sft: SftSpec, *,
+def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], sft: SftSpec, *,
                  chunk_size: int, generator: torch.Generator) -> SftStep:
     """Accumulate one SFT step's gradient micro-batch by micro-batch: each backward is that micro-batch's exact
     share of the step's weighted mean, so `sft.micro_batch_size` never changes the gradient."""
@@ -174,6 +183,14 @@ def sft_backward(target: Target, drafter: DFlashDrafter, examples: list[SftExamp
     return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
                    blocks=sum(int(b.block_valid.sum()) for b in micro),
                    slots=sum(int(b.label_ok.sum()) for b in micro))
+
+
+def fit_draft_vocab(drafter: Eagle3Drafter, examples: list[SftExample]) -> None:
+    """A fresh EAGLE-3 drafter's draft vocabulary: the SFT data's most frequent response tokens (SpecForge's and
+    EAGLE's rule); a warm drafter keeps the one it was trained with."""
+    tokens = torch.tensor([t for e in examples for t in e.response_ids], dtype=torch.long)
+    counts = torch.bincount(tokens, minlength=drafter.config.vocab_size)
+    drafter.set_vocab(*draft_vocab(counts, drafter.config.draft_vocab_size))
 
 
 def _random_anchors(prompt_len: int, length: int, count: int, generator: torch.Generator) -> list[int]:
@@ -196,6 +213,8 @@ def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     models = build_models(spec)
     run_dir = spec.run_dir
     examples = generate_responses(spec, models, train_prompts(spec.data, models.tokenizer), run_dir / "sft_data.jsonl")
+    if isinstance(models.drafter, Eagle3Drafter) and spec.models.drafter_path is None:
+        fit_draft_vocab(models.drafter, examples)
     tracker = Tracker(spec)
     try:
         flops = train_sft(spec, models, examples, tracker)

@@ -1,0 +1,350 @@
+"""The EAGLE-3 drafter: one decoder layer that drafts a chain of tokens, one argmax step at a time.
+
+How it works (EAGLE-3, arXiv 2503.01840; the layout of SpecForge's `LlamaForCausalLMEagle3`, which vLLM and SGLang
+load; facts in ../shared/EAGLE3.md):
+
+* Columns. Position p of the text is one column: the target's states entering three of its layers at p,
+  concatenated [3H] and fused by `fc`, paired with the token *after* p, x_{p+1}. The layer's input is
+  [input_layernorm(embed(x_{p+1})); hidden_norm(g_p)] (2H wide), its residual g_p, and it attends causally over the
+  columns (RoPE position p). Its output o_p predicts x_{p+2}.
+* Chain. From anchor a (the committed token x_a) the first draft is read from column a−1's output o_{a−1}, which
+  already paired g_{a−1} with x_a. Step k ≥ 1 feeds the drafted token d_k with the previous step's pre-norm output
+  in place of the target's fused state, at RoPE position a−1+k, attending the columns before the anchor and the
+  chain's own steps. K−1 steps give K−1 drafts, each an argmax over the draft vocabulary mapped to target ids
+  (`d2t`), so chains are point masses and the rebuild of opd/rebuild.py holds.
+* Vocabulary. `lm_head` is the drafter's own, over a draft vocabulary of `draft_vocab_size` frequent target ids;
+  the embedding is the target's, frozen and borrowed by reference (not a parameter, not saved).
+
+The cache keeps each column's K/V and its output o_p (`DrafterCache.states`), so a draft reads o_{a−1} instead of
+recomputing it; columns are written when the target verifies them, as vLLM's first proposer pass does.
+`block_hidden` is the same computation for training: one causal pass over the committed columns, then K−2 chain
+steps for every block at once (EAGLE-3's training-time test, with the chain fed the rollout's drafts or the data).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from opd.lm_head import SLOTS_PER_CHUNK, argmax
+from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
+from opd.models.drafter_cache import DrafterCache
+from opd.models.eagle3_format import CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, read_config, read_tensors, \
+    write_checkpoint
+from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
+from opd.models.target import Target
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose queries, keys and values read the 2H-wide [token; state] input."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                             config.head_dim)
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], num_heads, self.head_dim).transpose(1, 2)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotated queries [B,heads,T,d], keys and values [B,kv_heads,T,d]."""
+        q = apply_rope(self._heads(self.q_proj(x), self.num_heads), cos, sin)
+        k = apply_rope(self._heads(self.k_proj(x), self.num_kv_heads), cos, sin)
+        return q, k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        """[B,heads,T,d] -> [B,T,H]."""
+        return self.o_proj(attended.transpose(1, 2).reshape(attended.shape[0], attended.shape[2], -1))
+
+
+class Eagle3Layer(nn.Module):
+    """SpecForge's `midlayer`: the residual is the un-normed state, the input both normed halves."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = DFlashMLP(config)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def inputs(self, embedded: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embedded), self.hidden_norm(state)], dim=-1)
+
+    def finish(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual, MLP and residual after attention: the layer's pre-norm output."""
+        h = state + self.self_attn.out(attended)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 chain drafter on the target's embedding (by reference), with its own draft-vocabulary head."""
+
+    def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding, target_head: nn.Linear) -> None:
+        super().__init__()
+        if embed_tokens.weight.shape != (config.vocab_size, config.target_hidden_size):
+            raise ValueError(f"embed_tokens {tuple(embed_tokens.weight.shape)} does not fit the drafter config")
+        self.config = config
+        self._shared = (embed_tokens, target_head)  # a tuple: not parameters, not in state_dict
+        self.midlayer = Eagle3Layer(config)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size) * 0)
+        self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+        self._teacher: tuple = ()  # (d2t it was taken for, the target head's draft-vocabulary rows)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
+
+    # -- what the rest of the project reads --------------------------------------------------------------------
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def vocab_ids(self) -> torch.Tensor:
+        """Target id of every draft-vocabulary entry [Vd] (`d2t` holds offsets)."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Adopt a draft vocabulary (opd/models/eagle3_format.py `draft_vocab`)."""
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    sft_target = "target"  # SFT learns the target's distribution over the draft vocabulary (SpecForge's recipe)
+
+    @property
+    def student_head(self) -> nn.Linear:
+        """Hidden -> the drafter's logits (draft vocabulary): the loss's student side, trainable."""
+        return self.lm_head
+
+    @property
+    def teacher_head(self) -> nn.Module:
+        """Target final-norm hidden -> the target's logits restricted to the draft vocabulary."""
+        if not self._teacher or not torch.equal(self._teacher[0], self.d2t):  # a load may change the vocabulary
+            self._teacher = (self.d2t.clone(), DraftVocabHead(self._shared[1], self.vocab_ids))
+        return self._teacher[1]
+
+    def trainable_slots(self, teacher: torch.Tensor) -> torch.Tensor:
+        """Bool [N, K-1]: slots whose target argmax (over the whole vocabulary, from final-norm hidden `teacher`
+        [N, K-1, H]) lies in the draft vocabulary. The drafter can never propose the others, so they carry no
+        signal it can act on; the loss drops them, as SpecForge and the paper's EAGLE-3 path do."""
+        return self.t2d[argmax(self._shared[1], teacher, SLOTS_PER_CHUNK)]
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens a block runs through the layer: the K-2 chain steps (step 0 is column a-1, counted as context)."""
+        return self.block_size - 2
+
+    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
+        """(run per context column, run per chain step, the head per drafted slot), for FLOP counting."""
+        return [self.fc, self.midlayer], [self.midlayer, self.norm], self.lm_head
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- columns ------------------------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.fc.weight.dtype)
+
+    def _columns(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        """Queries, keys, values and residual of columns (g_p, x_{p+1}) at `positions`."""
+        state = self.fc(features.to(self.fc.weight.dtype))
+        x = self.midlayer.inputs(self.embed_tokens(next_ids), state)
+        return (*self.midlayer.self_attn.project(x, *self._rope(positions)), state)
+
+    def _step(self, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor):
+        """Queries, keys, values of chain steps feeding `tokens` [B,S] with the previous step's output `state`."""
+        x = self.midlayer.inputs(self.embed_tokens(tokens), state)
+        return self.midlayer.self_attn.project(x, *self._rope(positions))
+
+    def _head(self, state: torch.Tensor) -> torch.Tensor:
+        return self.norm(state)
+
+    # -- inference ---------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch_size: int, capacity: int | None = None) -> DrafterCache:
+        c = self.config
+        return DrafterCache.empty(self.fc.weight, layers=1, batch_size=batch_size, kv_heads=c.num_key_value_heads,
+                                  head_dim=c.head_dim, capacity=capacity, state_size=c.hidden_size)
+
+    @torch.no_grad()
+    def extend_cache(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """Write the verified columns at `positions` [B,T]: features [B,T,3H] and the token after each position
+        `next_ids` [B,T]. Each column attends causally to the cache's valid columns and the new ones, a chunk of
+        queries at a time; invalid ones (padding, rejected slots) are written but never attended."""
+        if next_ids is None:
+            raise ValueError("an EAGLE-3 column pairs each position with the token after it: pass next_ids")
+        q, k, v, state = self._columns(target_features, next_ids, positions)
+        keys = torch.cat([cache.keys[0], k], dim=2)
+        values = torch.cat([cache.values[0], v], dim=2)
+        key_pos = torch.cat([cache.positions, positions], dim=1)
+        key_ok = torch.cat([cache.valid, valid.bool()], dim=1)
+        new = torch.arange(positions.shape[1], device=positions.device)
+        self_key = cache.positions.shape[1] + new  # the query's own column: attended even when invalid (no NaN)
+        out = []
+        for part in _row_chunks(positions.shape[1], CHUNK_ROWS):
+            sees = key_ok[:, None, :] & (key_pos[:, None, :] <= positions[:, part, None])
+            sees = sees | (torch.arange(keys.shape[2], device=keys.device) == self_key[part, None])
+            out.append(grouped_sdpa(q[:, :, part], keys, values, sees[:, None], self.config.head_dim**-0.5))
+        states = self.midlayer.finish(state, torch.cat(out, dim=2))
+        cache.append([(k, v)], positions, valid, states)
+
+    @torch.no_grad()
+    def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,
+              anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy K−1 chain drafts [B,K−1] (target ids) and their logits [B,K−1,V] over the target vocabulary
+        (−inf outside the draft vocabulary, as vLLM scatters them). `anchor_ids` is read through column a−1."""
+        before = anchor_positions - 1
+        column = ((cache.positions == before[:, None]) & cache.valid).long().argmax(1)
+        state = cache.states[torch.arange(len(column), device=column.device), column][:, None]  # o_{a-1}
+        sees_context = cache.visible_before(anchor_positions)[:, None, None, :]
+        chain_k, chain_v, drafts, logits = [], [], [], []
+        for step in range(self.block_size - 1):
+            if step:
+                q, k, v = self._step(drafts[-1][:, None], state, (before + step)[:, None])
+                chain_k.append(k)
+                chain_v.append(v)
+                keys = torch.cat([cache.keys[0], *chain_k], dim=2)
+                values = torch.cat([cache.values[0], *chain_v], dim=2)
+                mask = torch.cat([sees_context, sees_context.new_ones(len(column), 1, 1, step)], dim=-1)
+                state = self.midlayer.finish(state, grouped_sdpa(q, keys, values, mask, self.config.head_dim**-0.5))
+            step_logits = self.logits(self._head(state))[:, 0]
+            drafts.append(self.to_target_ids(step_logits.argmax(-1)))
+            logits.append(step_logits)
+        return torch.stack(drafts, 1), self._full_vocab(torch.stack(logits, 1))
+
+    def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, draft_logits)
+
+    # -- training ------------------------------------------------------------------------------------------------
+
+    def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
+                     anchor_positions: torch.Tensor, block_inputs: torch.Tensor,
+                     chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+        """Final normed hidden [B,M,K−1,H] at every block's K−1 drafted slots, as `draft` computes them.
+
+        features [B,T,3H] and context_ids [B,T] are the committed text (index == position), context_valid [B,T];
+        block m starts at anchor_positions[b,m] and its chain is fed block_inputs[b,m,1:] (the rollout's drafts, or
+        the data in SFT); block_inputs[...,0] is the anchor, which column a−1 already reads from context_ids."""
+        batch, length = context_ids.shape
+        positions = torch.arange(length, device=context_ids.device).expand(batch, -1)
+        next_ids = torch.cat([context_ids[:, 1:], context_ids[:, -1:]], dim=1)
+        has_next = torch.cat([context_valid[:, 1:], context_valid.new_zeros(batch, 1)], dim=1) & context_valid
+        q, k, v, state = self._columns(features, next_ids, positions)
+        attended = _causal_attention(q, k, v, has_next, self.config.head_dim**-0.5, chunk_rows)
+        columns = self.midlayer.finish(state, attended)  # o_p, [B,T,H]
+        rows = torch.arange(batch, device=q.device)[:, None]
+        step = columns[rows, (anchor_positions - 1).clamp_min(0)]  # o_{a-1}, [B,M,H]
+        out = [self._head(step)]
+        visible = has_next[:, None, :] & (positions[:, None, :] < anchor_positions[:, :, None])  # [B,M,T]
+        chain_k, chain_v = [], []
+        for s in range(1, self.block_size - 1):
+            sq, sk, sv = self._step(block_inputs[..., s], step, anchor_positions - 1 + s)
+            chain_k.append(sk)
+            chain_v.append(sv)
+            attended = _chain_attention(sq, k, v, torch.stack(chain_k, 3), torch.stack(chain_v, 3), visible,
+                                        self.config.head_dim**-0.5, chunk_rows)
+            step = self.midlayer.finish(step, attended)
+            out.append(self._head(step))
+        return torch.stack(out, 2)
+
+    forward = block_hidden
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """config.json + model.safetensors in SpecForge's layout (no embedding: it is the target's)."""
+        write_checkpoint(directory, self.config, self.state_dict(), self.fc.weight.dtype)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: Target, block_size: int = 8) -> Eagle3Drafter:
+        """Load a public EAGLE-3 checkpoint for `target`; any mismatch raises a one-line OpdError. `block_size`
+        applies when the file has none (SpecForge's have none: the chain length is a serving choice; 8 is its
+        training unroll of 7 steps plus the anchor)."""
+        directory = Path(directory)
+        config = read_config(directory / CONFIG_FILE, target, block_size)
+        drafter = cls(config, target.embed_tokens, target.lm_head)
+        drafter.load_state_dict(read_tensors(directory / WEIGHTS_FILE, config))
+        return drafter
+
+
+class DraftVocabHead(nn.Module):
+    """The target's LM head over the draft vocabulary only: its rows `vocab_ids`, taken once."""
+
+    def __init__(self, head: nn.Linear, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(head.weight.detach()[vocab_ids], requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.T
+
+
+def _row_chunks(rows: int, chunk: int) -> list[slice]:
+    return [slice(start, start + chunk) for start in range(0, max(rows, 1), chunk)]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor, scale: float,
+                      chunk_rows: int) -> torch.Tensor:
+    """Causal attention of columns [B,heads,T,d] over the valid ones (`key_ok` [B,T]) and themselves, a chunk of
+    queries at a time against the keys up to the chunk's end (checkpointed in training)."""
+    outs = []
+    for part in _row_chunks(q.shape[2], chunk_rows):
+        end = min(part.stop, q.shape[2])
+        args = (q[:, :, part], k[:, :, :end], v[:, :, :end], key_ok[:, :end], part.start, scale)
+        outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _causal_chunk(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor, first: int,
+                  scale: float) -> torch.Tensor:
+    rows = torch.arange(first, first + q.shape[2], device=q.device)[:, None]
+    keys = torch.arange(k.shape[2], device=q.device)
+    mask = (key_ok[:, None, :] & (keys <= rows)) | (keys == rows)
+    return grouped_sdpa(q, k, v, mask[:, None], scale)
+
+
+def _chain_attention(q: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, chain_k: torch.Tensor,
+                     chain_v: torch.Tensor, visible: torch.Tensor, scale: float, chunk_rows: int) -> torch.Tensor:
+    """One chain step for M blocks: q [B,heads,M,d] against the context columns `visible` [B,M,T] (before each
+    anchor) and the block's own steps chain_k/v [B,kv,M,S,d]; a chunk of blocks per call, checkpointed in
+    training so backward holds no chunk x context scores."""
+    steps = chain_k.shape[3]
+    outs = []
+    for part in _row_chunks(q.shape[2], max(1, chunk_rows // max(steps, 1))):
+        args = (q[:, :, part], context_k, context_v, chain_k[:, :, part], chain_v[:, :, part], visible[:, part], scale)
+        outs.append(checkpoint(_chain_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _chain_chunk(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _chain_chunk(q: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, chain_k: torch.Tensor,
+                 chain_v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    blocks, steps = chain_k.shape[2], chain_k.shape[3]
+    keys = torch.cat([context_k, chain_k.flatten(2, 3)], dim=2)
+    values = torch.cat([context_v, chain_v.flatten(2, 3)], dim=2)
+    own = torch.arange(blocks * steps, device=q.device) // steps == torch.arange(blocks, device=q.device)[:, None]
+    mask = torch.cat([visible, own.expand(len(visible), -1, -1)], dim=2)
+    return grouped_sdpa(q, keys, values, mask[:, None], scale)

@@ -1,0 +1,269 @@
+"""The public EAGLE-3 checkpoint format: `config.json` <-> `Eagle3Config`, `model.safetensors` checks, draft vocab.
+
+A drafter directory holds config.json (a one-layer Llama config plus `draft_vocab_size`, `target_hidden_size` and
+`eagle_config`) and model.safetensors with SpecForge's tensor names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+`t2d`; no `model.` prefix, no embedding: it is the target's). It is the layout SpecForge exports as
+`LlamaForCausalLMEagle3`, which vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load, so drafters trained here serve
+there and public drafters load here. Options this drafter does not implement are refused with a one-line OpdError.
+
+Layer ids. `aux_layer_ids` use the engines' convention: id i is the residual stream *entering* target layer i
+(default [2, L//2, L-3]). vLLM passes explicit ids through unchanged; SGLang adds 1 to explicit ids, and since
+PR #25454 only when the first id is 1, because SpecForge writes "output of layer" ids [1, L//2-1, L-4]. So we write
+entering ids (first id 2 by default), which name the same tensors in vLLM and in SGLang >= that PR, and read a
+list starting at 1 as SpecForge's and add 1. A first entering id of 1 cannot be written unambiguously: refused.
+vLLM captures each target layer once, in layer order, so only ascending ids without repeats serve there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from opd.errors import OpdError
+from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+# SpecForge's name, and vLLM's registry names for the same one-layer Llama drafter.
+ARCHITECTURES = frozenset({ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM"})
+AUX_IDS_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
+# Variants that change the forward (extra norms, scaled RoPE, biases); refused when set truthy.
+UNSUPPORTED_OPTIONS = ("fc_norm", "norm_before_fc", "norm_before_residual", "rope_scaling", "attention_bias")
+SHARED_EMBEDDING = "embed_tokens.weight"  # the target's frozen embedding, which some exports carry
+
+
+def default_aux_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's default capture (EAGLE, vLLM, SGLang): entering layers 2, L//2, L-3; repeats on tiny targets."""
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+@dataclass
+class Eagle3Config:
+    """Drafter hyper-parameters; `to_hf_dict`/`from_hf_dict` speak SpecForge's config.json layout."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # entering convention (see the module docstring)
+    num_target_layers: int
+    block_size: int  # K: anchor + K-1 chain drafts (engines take num_speculative_tokens = K-1)
+    attention_bias: bool = False
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """This project's `Target` convention: the output of decoder layer i is the stream entering layer i+1."""
+        return [i - 1 for i in self.aux_layer_ids]
+
+    @classmethod
+    def for_target(cls, target_hf_config: Any, *, draft_vocab_size: int, block_size: int,
+                   aux_layer_ids: list[int] | None = None) -> Eagle3Config:
+        """A drafter as wide as the target: its layer shapes, RoPE base and norm epsilon."""
+        hf = target_hf_config.to_dict()
+        num_layers = int(hf["num_hidden_layers"])
+        ids = default_aux_layer_ids(num_layers) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+        if ids[:1] == [1]:
+            raise OpdError(f"{AUX_IDS_FIELD} {ids} start at 1, which engines read as SpecForge's output-of-layer ids "
+                           "(expected a first entering-layer id of at least 2)")
+        config = cls(**_layer_shape(hf), draft_vocab_size=int(draft_vocab_size),
+                     target_hidden_size=int(hf["hidden_size"]), aux_layer_ids=ids, num_target_layers=num_layers,
+                     block_size=int(block_size))
+        _check(config)
+        return config
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """SpecForge's config.json plus our `block_size` (engines ignore unknown keys); dtype is added on write."""
+        fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "draft_vocab_size",
+                  "target_hidden_size", "block_size")
+        return {
+            "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False, "rope_scaling": None,
+            **{name: getattr(self, name) for name in fields},
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                             "use_aux_hidden_state": True},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], *, num_target_layers: int, block_size: int) -> Eagle3Config:
+        """Read an EAGLE-3 config.json (ours, SpecForge's or vLLM's names); a bad field raises OpdError naming it."""
+        archs = d.get("architectures")
+        if not isinstance(archs, list) or not set(archs) & ARCHITECTURES:
+            raise OpdError(f"config field 'architectures' is {archs!r}; expected one of {sorted(ARCHITECTURES)}")
+        if d.get("num_hidden_layers") != 1:
+            raise OpdError(f"config field 'num_hidden_layers' is {d.get('num_hidden_layers')!r}; only one-layer "
+                           "EAGLE-3 drafters are supported (expected 1)")
+        eagle = d.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise OpdError("config field 'eagle_config' must be an object")
+        for name in UNSUPPORTED_OPTIONS:
+            if value := d.get(name) or eagle.get(name):
+                raise OpdError(f"config field '{name}' is {value!r}; this EAGLE-3 drafter does not implement it "
+                               "(expected false, null or absent)")
+        if eagle.get("use_aux_hidden_state", True) is not True:
+            raise OpdError("config field 'eagle_config.use_aux_hidden_state' must be true or absent")
+        if d.get("hidden_act", "silu") != "silu":
+            raise OpdError(f"config field 'hidden_act' is {d['hidden_act']!r}; the EAGLE-3 drafter uses 'silu'")
+        if d.get("draft_vocab_size") is None:
+            raise OpdError("config field 'draft_vocab_size' is missing (expected the draft vocabulary size)")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
+        if ids is None:
+            ids = default_aux_layer_ids(num_target_layers)
+        elif not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise OpdError(f"config field '{AUX_IDS_FIELD}' must be a list of integers, got {ids!r}")
+        elif ids and ids[0] == 1:
+            ids = [i + 1 for i in ids]  # SpecForge's "output of layer" ids
+        shape = _layer_shape(d)
+        config = cls(**shape, draft_vocab_size=_int_field(d, "draft_vocab_size"),
+                     target_hidden_size=int(d.get("target_hidden_size") or shape["hidden_size"]),
+                     aux_layer_ids=list(ids), num_target_layers=int(num_target_layers),
+                     block_size=int(d.get("block_size", block_size)))
+        _check(config)
+        return config
+
+
+def _layer_shape(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Llama/Qwen3 layer fields shared by a target's config and a drafter's (which copies the target's)."""
+    hidden_size, num_heads = _int_field(hf, "hidden_size"), _int_field(hf, "num_attention_heads")
+    return dict(hidden_size=hidden_size, intermediate_size=_int_field(hf, "intermediate_size"),
+                num_attention_heads=num_heads, num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
+                max_position_embeddings=_int_field(hf, "max_position_embeddings"),
+                vocab_size=_int_field(hf, "vocab_size"))
+
+
+def _check(config: Eagle3Config) -> None:
+    """Checks of a config on its own; read_config adds those against the target."""
+    if not 1 <= config.draft_vocab_size <= config.vocab_size:
+        raise OpdError(f"config field 'draft_vocab_size' is {config.draft_vocab_size}; expected 1..{config.vocab_size}"
+                       " (a draft vocabulary larger than the target's cannot map into it)")
+    ids, last = config.aux_layer_ids, config.num_target_layers - 1
+    if len(ids) != 3:
+        raise OpdError(f"config field '{AUX_IDS_FIELD}' is {ids}; expected exactly 3 target layer ids")
+    if not all(1 <= i <= last for i in ids):
+        raise OpdError(f"config field '{AUX_IDS_FIELD}' reads as entering-layer ids {ids}; expected ids in 1..{last}"
+                       " (layer ids beyond the target cannot be captured)")
+    if ids != sorted(ids):
+        raise OpdError(f"config field '{AUX_IDS_FIELD}' is {ids}; expected ascending ids (engines concatenate the "
+                       "captured states in layer order)")
+    if config.block_size < 2:
+        raise OpdError(f"config field 'block_size' is {config.block_size}; expected >= 2 (anchor plus drafts)")
+
+
+def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint, with SpecForge's names (the embedding, when present, is dropped on read)."""
+    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    layer = {"hidden_norm": (h,), "input_layernorm": (h,), "post_attention_layernorm": (h,),
+             "self_attn.q_proj": (q, 2 * h), "self_attn.k_proj": (kv, 2 * h), "self_attn.v_proj": (kv, 2 * h),
+             "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    return {"fc.weight": (h, 3 * config.target_hidden_size),
+            **{f"midlayer.{name}.weight": shape for name, shape in layer.items()},
+            "norm.weight": (h,), "lm_head.weight": (config.draft_vocab_size, h),
+            "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)}
+
+
+def read_config(path: Path, target: TargetShape, block_size: int) -> Eagle3Config:
+    """Parse config.json and check it describes a drafter for this very target, before any tensor loads."""
+    if not path.is_file():
+        raise OpdError(f"{path}: drafter config not found")
+    try:
+        config = Eagle3Config.from_hf_dict(json.loads(path.read_text()), num_target_layers=target.num_layers,
+                                           block_size=block_size)
+    except json.JSONDecodeError as exc:
+        raise OpdError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except OpdError as exc:
+        raise OpdError(f"{path}: {exc}") from exc
+    for name, value, why in (("vocab_size", target.vocab_size, "the target's vocabulary"),
+                             ("hidden_size", target.hidden_size, "the target's embedding width, which is shared"),
+                             ("target_hidden_size", target.hidden_size, "the target's hidden size")):
+        if getattr(config, name) != value:
+            raise OpdError(f"{path}: config field '{name}' is {getattr(config, name)}; expected {value}, {why}")
+    return config
+
+
+def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Load model.safetensors, drop a shared embedding, check names, shapes and the vocabulary mapping."""
+    if not path.is_file():
+        raise OpdError(f"{path}: drafter weights not found")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise OpdError(f"{path}: unreadable safetensors file ({exc})") from exc
+    tensors.pop(SHARED_EMBEDDING, None)
+    for name, what in (("d2t", "draft-to-target vocabulary offsets"), ("t2d", "target-to-draft vocabulary mask")):
+        if name not in tensors:
+            raise OpdError(f"{path}: missing {name} (expected the {what})")
+    shapes = expected_shapes(config)
+    for label, names in (("missing", shapes.keys() - tensors.keys()), ("unexpected", tensors.keys() - shapes.keys())):
+        if names:
+            listed = sorted(names)
+            raise OpdError(f"{path}: {label} tensor(s) {', '.join(listed[:5])}" + (" ..." if len(listed) > 5 else ""))
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise OpdError(f"{path}: tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+    _check_mapping(path, tensors["d2t"], tensors["t2d"], config.vocab_size)
+    return tensors
+
+
+def _check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
+    """d2t and t2d must describe the same ascending set of target ids, as SpecForge and the engines assume."""
+    if d2t.is_floating_point() or d2t.dtype == torch.bool or t2d.dtype != torch.bool:
+        raise OpdError(f"{path}: d2t is {d2t.dtype} and t2d {t2d.dtype}; expected integer offsets and a bool mask")
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    if int(t2d.sum()) != d2t.numel():
+        raise OpdError(f"{path}: t2d marks {int(t2d.sum())} target ids but d2t has {d2t.numel()} draft ids")
+    if (ids[1:] <= ids[:-1]).any() or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise OpdError(f"{path}: d2t gives target ids (arange + d2t) that are not strictly increasing in "
+                       f"[0, {vocab_size})")
+    if not t2d[ids].all():
+        raise OpdError(f"{path}: t2d is not true at exactly the target ids arange + d2t")
+
+
+def write_checkpoint(directory: str | Path, config: Eagle3Config, state: dict[str, torch.Tensor],
+                     dtype: torch.dtype) -> None:
+    """Write config.json + model.safetensors; weights in `dtype`, d2t int64 and t2d bool, any embedding left out."""
+    shapes = expected_shapes(config)
+    state = {name: t for name, t in state.items() if name != SHARED_EMBEDDING}
+    bad = {name: tuple(t.shape) for name, t in state.items() if shapes.get(name) != tuple(t.shape)}
+    if bad or state.keys() != shapes.keys():
+        raise ValueError(f"state does not match the EAGLE-3 layout: {bad or sorted(shapes.keys() ^ state.keys())}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    cast = {"d2t": torch.int64, "t2d": torch.bool}
+    tensors = {name: t.detach().to("cpu", cast.get(name, dtype)).contiguous() for name, t in state.items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [size], t2d bool [V]) for the `size` most frequent target ids (ties and zero counts by lower id),
+    sorted ascending as SpecForge and EAGLE do, so that target id = draft id + d2t[draft id]."""
+    counts = token_counts.flatten()
+    if not 1 <= size <= counts.numel():
+        raise OpdError(f"draft vocabulary size {size} must be in 1..{counts.numel()} (the target's vocabulary)")
+    order = torch.sort(counts, descending=True, stable=True).indices  # stable: equal counts keep lower ids first
+    ids = order[:size].sort().values
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(size), t2d
+
+
+def vllm_speculative_config(drafter_dir: str, block_size: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` for this drafter: a chain of K-1 drafts after the anchor."""
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}

@@ -1,0 +1,96 @@
+"""The drafter family interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
+
+Two families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward) and EAGLE-3
+(opd/models/eagle3.py: a chain of K-1 argmax steps). Both draft point masses, so the rebuild (opd/rebuild.py) and
+replay hold for either, and nothing outside opd/models/ asks which family it holds. `models.drafter.kind` picks
+one (opd/models/build.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from opd.models.drafter_cache import DrafterCache
+
+KINDS = ("dflash", "eagle3")
+
+
+class Drafter(Protocol):
+    """A drafter on the target's frozen embedding (and, for DFlash, its LM head)."""
+
+    config: object
+    sft_target: str  # what SFT teaches: "data" tokens, or the "target"'s distribution at the same slots
+
+    @property
+    def block_size(self) -> int:
+        """K: the anchor and K-1 drafts."""
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens a block runs through the drafter's layers (FLOP counting)."""
+
+    @property
+    def student_head(self) -> nn.Module:
+        """Hidden -> the drafter's logits over its vocabulary (the loss applies it chunk by chunk)."""
+
+    @property
+    def teacher_head(self) -> nn.Module:
+        """The target's final-norm hidden -> its logits over the drafter's vocabulary."""
+
+    def trainable_slots(self, teacher: torch.Tensor) -> torch.Tensor | None:
+        """Bool [N, K-1] of the slots the drafter can learn (None: all)."""
+
+    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
+        """(per context position, per block token, the head per slot), for FLOP counting."""
+
+    def new_cache(self, batch_size: int, capacity: int | None = None) -> DrafterCache: ...
+
+    def extend_cache(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """Add verified context: features [B,T,n*H] at positions [B,T], and the token after each."""
+
+    def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,
+              anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Argmax drafts [B,K-1] (target ids) and logits [B,K-1,V] over the target vocabulary."""
+
+    def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
+                     anchor_positions: torch.Tensor, block_inputs: torch.Tensor) -> torch.Tensor:
+        """Training: final hidden [B,M,K-1,H] at the drafted slots; block_inputs [B,M,K-1] are the anchor and the
+        tokens a chain is fed."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def save_pretrained(self, directory: str | Path) -> None: ...
+
+    def parameters(self): ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+def clone_drafter(drafter: Drafter) -> Drafter:
+    """A separate drafter with the same weights on the same shared target modules (a rollout's or an
+    evaluator's copy): both families keep those as `_shared`, outside their parameters."""
+    clone = type(drafter)(drafter.config, *drafter._shared).to(next(drafter.parameters()).device)
+    clone.load_state_dict(drafter.state_dict())
+    return clone
+
+
+def checkpoint_kind(directory: str | Path) -> str | None:
+    """Which family a drafter directory's config.json describes (None when unreadable or neither)."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    architectures = " ".join(config.get("architectures") or []) if isinstance(config, dict) else ""
+    if "eagle3" in architectures.lower():
+        return "eagle3"
+    if "DFlash" in architectures or "dflash_config" in config:
+        return "dflash"
+    return None

@@ -1,0 +1,163 @@
+"""The EAGLE-3 drafter through every path DFlash takes: lossless decoding, the training forward equal to what
+decoding drafted, the rebuild, replay and the loss over its draft vocabulary, SFT, and its checkpoints.
+
+Micro models in float64 (no argmax ties), as tests/test_decoding.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd.decoding.autoregressive import generate_autoregressive
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.losses import sft_loss
+from opd.models.eagle3 import Eagle3Drafter
+from opd.rebuild import rebuild_records
+from opd.replay import score, student_hidden
+from opd.tiny.micro import micro_eagle3, micro_target
+from tests.test_decoding import EOS, LOSSLESS_CASES, PROMPT, chi_square, exact_joint, sampled_joint
+
+PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    # Six layers: EAGLE-3 fuses the states entering layers 2, 3, 4 (this project's ids 1, 2, 3).
+    return micro_target(seed=0, vocab_size=8, num_layers=6, layer_ids=[1, 2, 3])
+
+
+def trained_like(target, seed: int = 1, block_size: int = 4, draft_vocab_size: int = 6) -> Eagle3Drafter:
+    """A random drafter whose head reads the target's head rows for its draft ids, so more chains get accepted."""
+    drafter = micro_eagle3(target, seed=seed, block_size=block_size, draft_vocab_size=draft_vocab_size)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(target.lm_head.weight[drafter.vocab_ids])
+    return drafter
+
+
+def test_captured_features_are_the_states_entering_the_engines_layers(target):
+    """fc reads the residual stream entering layers 2, L//2 and L-3 (vLLM's and SGLang's default) = HF
+    hidden_states[2], [3], [4] for a six-layer target."""
+    ids = torch.tensor([PROMPTS[5]])
+    hf = target.model(ids, output_hidden_states=True).hidden_states
+    _, features = target.hidden_states(ids)
+    drafter = micro_eagle3(target)
+    assert drafter.config.aux_layer_ids == [2, 3, 4] == [2, 6 // 2, 6 - 2]
+    assert torch.equal(features, torch.cat([hf[i] for i in drafter.config.aux_layer_ids], dim=-1))
+
+
+def test_greedy_equals_autoregressive(target):
+    drafter = trained_like(target)
+    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=24)
+    reference = generate_autoregressive(target, PROMPTS, Sampling(), max_new_tokens=24, eos_id=EOS, seed=0,
+                                        keys=list(range(len(PROMPTS))))
+    assert [r.response_ids for r in records] == reference
+    assert sum(sum(r.accepted) for r in records) >= 5, "the test drafter should get some drafts accepted"
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)], ids=["greedy", "T1"])
+def test_training_forward_equals_what_decoding_drafted(target, sampling, static_cache):
+    """Replay's student (`block_hidden` over the committed text, fed each block's drafts) gives every block the
+    hidden states decoding had: the same argmax chain, slot for slot, through the cache or not."""
+    drafter = trained_like(target)
+    decoder = SpeculativeDecoder(target, drafter, eos_id=EOS, static_cache=static_cache)
+    records = decoder.generate(PROMPTS, sampling, max_new_tokens=24, seed=3)
+    batch = score(target, records, block_size=4, mode="draft_opd")
+    drafts = drafter.to_target_ids(drafter.logits(student_hidden(drafter, batch)).argmax(-1))
+    assert torch.equal(drafts, torch.tensor([d for r in records for d in r.drafts]))
+    assert sum(r.num_steps for r in records) > len(records)
+
+
+def test_draft_logits_live_on_the_draft_vocabulary(target):
+    drafter = trained_like(target, draft_vocab_size=5)
+    cache = drafter.new_cache(1)
+    ids = torch.tensor([[1, 2, 3]])
+    _, features = target.hidden_states(ids)
+    drafter.extend_cache(cache, features, torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool),
+                         torch.tensor([[2, 3, 4]]))
+    drafts, logits = drafter.draft(cache, torch.tensor([4]), torch.tensor([3]))
+    outside = ~drafter.t2d
+    assert torch.isinf(logits[..., outside]).all() and torch.isfinite(logits[..., drafter.t2d]).all()
+    assert drafter.t2d[drafts].all()
+
+
+@pytest.mark.parametrize("case", ["T1-random-drafter", "T1-topp0.8-mostly-right"])
+def test_sampling_is_lossless(target, case):
+    """The joint law of the first three emitted tokens equals the target's own (chi-square, 10k samples)."""
+    sampling, _ = LOSSLESS_CASES[case]
+    n = 10_000
+    counts = sampled_joint(target, trained_like(target), PROMPT, sampling, n, length=3)
+    stat, critical = chi_square(counts, exact_joint(target, PROMPT, sampling, 3, EOS), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=3)],
+                         ids=["greedy", "T1", "T0.8-top3"])
+def test_rebuild_recovers_every_block(target, sampling):
+    """EAGLE-3 chains are argmax steps given the committed text, so the rebuild of opd/rebuild.py holds."""
+    drafter = trained_like(target)
+    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, sampling, max_new_tokens=24, seed=5)
+    samples = [type(r).from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
+    rebuilt = rebuild_records(target, drafter, samples, batch_size=3)
+    for got, want in zip(rebuilt, decoded):
+        assert (got.anchors, got.accepted) == (want.anchors, want.accepted)
+        assert got.drafts == want.drafts
+
+
+def test_sft_soft_targets_live_on_the_draft_vocabulary(target):
+    """EAGLE-3's SFT loss is the soft cross-entropy to the target's distribution renormalised over the draft
+    vocabulary: zero gradient exactly when the drafter already matches it."""
+    drafter = micro_eagle3(target, draft_vocab_size=5)
+    teacher = torch.randn(3, 2, target.hidden_size, dtype=torch.float64)
+    matched = torch.log_softmax(drafter.teacher_head(teacher), -1)
+    from torch import nn
+    identity = nn.Linear(5, 5, bias=False).to(torch.float64)
+    identity.weight.data = torch.eye(5, dtype=torch.float64)
+    student = matched.clone().requires_grad_(True)
+    loss = sft_loss(student, torch.zeros(3, 2, dtype=torch.long), gamma=4.48, head=identity, teacher=teacher,
+                    teacher_head=drafter.teacher_head)
+    loss.backward()
+    assert student.grad.abs().max() < 1e-12  # the minimum of CE(p, q) over q is q = p
+    full = torch.softmax(target.lm_head(teacher), -1)[..., drafter.vocab_ids]
+    assert torch.allclose(matched.exp(), full / full.sum(-1, keepdim=True))
+
+
+def test_out_of_vocabulary_slots_are_not_trained(target):
+    drafter = micro_eagle3(target, draft_vocab_size=4)
+    teacher = torch.randn(50, 3, target.hidden_size, dtype=torch.float64)
+    keep = drafter.trainable_slots(teacher)
+    argmax = target.lm_head(teacher).argmax(-1)
+    assert torch.equal(keep, drafter.t2d[argmax]) and 0 < int(keep.sum()) < keep.numel()
+
+
+def test_the_own_head_is_trained_the_embedding_is_not(target):
+    """The chunked loss takes the gradient of the drafter's own head (EAGLE-3) as well as of its hidden rows."""
+    drafter = trained_like(target)
+    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=16)
+    batch = score(target, records, block_size=4, mode="draft_opd")
+    from opd.losses import acceptance_aware_loss
+    from opd.spec import LossSpec
+    hidden = student_hidden(drafter, batch)
+    terms = acceptance_aware_loss(hidden, batch.teacher, batch.accepted, LossSpec(), batch.position_mask,
+                                  head=drafter.student_head, teacher_head=drafter.teacher_head, chunk_size=7)
+    terms.loss.backward()
+    grads = {name: p.grad for name, p in drafter.named_parameters()}
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), [n for n, g in grads.items() if g is None]
+    assert target.embed_tokens.weight.grad is None
+    # the same loss with the head's logits formed at once, autograd end to end
+    drafter.zero_grad()
+    whole = acceptance_aware_loss(drafter.logits(student_hidden(drafter, batch)), torch.log_softmax(drafter.teacher_head(batch.teacher), -1),
+                                  batch.accepted, LossSpec(), batch.position_mask)
+    whole.loss.backward()
+    assert torch.allclose(drafter.lm_head.weight.grad, grads["lm_head.weight"], atol=1e-12)
+
+
+def test_checkpoint_round_trip(target, tmp_path):
+    drafter = trained_like(target, draft_vocab_size=5)
+    drafter.save_pretrained(tmp_path)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path, target)
+    assert loaded.block_size == 4 and loaded.config == drafter.config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
