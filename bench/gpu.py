@@ -1,11 +1,14 @@
 """One-GPU benchmark at Qwen3-4B's shapes: decoding, packed replay and the learner step, within a time budget.
 
-    python bench/gpu.py [--budget-s 420] [--tiny] [--json OUT]
+    python bench/gpu.py [--budget-s 420] [--tiny] [--drafter dflash|eagle3] [--json OUT]
 
 Random weights, so no checkpoint or download is needed: a Qwen3 target with Qwen3-4B's shapes (hidden 2560,
-36 layers, 32 query / 8 KV heads of 128, MLP 9728, vocabulary 151936) and a 5-layer DFlash drafter with block 16,
-bf16 on CUDA. Decoding uses flash_attention_2 when flash-attn is installed, else sdpa; replay and the learner
-always use sdpa, because packed replay needs a 4-D attention mask that flash-attn does not take.
+36 layers, 32 query / 8 KV heads of 128, MLP 9728, vocabulary 151936) and, by `--drafter`, a 5-layer DFlash
+drafter with block 16 (default) or an EAGLE-3 drafter with block 8 (a chain of 7 drafts), a 32,000-token draft
+vocabulary and the target's default fused layers (entering 2, L//2, L-3), bf16 on CUDA. Both run through the
+family interface (decode, `score` + `student_hidden`, `Learner`), so the rows compare like for like. Decoding
+uses flash_attention_2 when flash-attn is installed, else sdpa; replay and the learner always use sdpa, because
+packed replay needs a 4-D attention mask that flash-attn does not take.
 
 - decode: greedy autoregressive vs speculative decoding at batch 1 and 16, and at the largest batch also the
   opt-in static-shape speculative path (`rollout.static_cache`: StaticCache, finished rows kept). A random
@@ -20,7 +23,7 @@ Each section may run until a deadline (cumulative shares of the budget, so time 
 by the next); a measurement never starts after its section's deadline, so the run ends within the budget plus
 one measurement, and what was skipped is listed. A section that fails is recorded and the others still run.
 `--tiny` swaps in small shapes so the whole script runs on a CPU in seconds (tests/test_gpu.py runs it).
-Writes bench/results/gpu.json (gpu_tiny.json with --tiny).
+Writes bench/results/gpu.json (gpu_tiny.json with --tiny; an `_eagle3` suffix with --drafter eagle3).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.eagle3 import Eagle3Drafter
+from opd.models.eagle3_format import Eagle3Config
+from opd.models.family import KINDS, Drafter
 from opd.models.target import Target
 from opd.replay import score, student_hidden
 from opd.spec import default_target_layer_ids, validate_spec
@@ -57,13 +63,16 @@ QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num
                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 TINY = dict(QWEN3_4B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+EAGLE3_BLOCK_SIZE = 8  # SpecForge's training unroll: 7 chain drafts after the anchor
+EAGLE3_DRAFT_VOCAB = 32000  # the public Qwen3 EAGLE-3 drafters' (or the whole vocabulary, if smaller)
 
 
 @dataclass(frozen=True)
 class Plan:
     shapes: dict
-    drafter_layers: int
-    block_size: int
+    drafter_layers: int  # DFlash
+    block_size: int  # DFlash; EAGLE-3 takes EAGLE3_BLOCK_SIZE
+    eagle3_layers: list[int] | None  # EAGLE-3's fused (entering) layer ids; None: the target's default
     prompt_len: int
     new_tokens: int
     decode_batches: tuple[int, ...]
@@ -72,10 +81,11 @@ class Plan:
     repeats: int
 
 
-FULL_PLAN = Plan(QWEN3_4B, drafter_layers=5, block_size=16, prompt_len=256, new_tokens=128, decode_batches=(1, 16),
-                 replay_length=1024, replay_batches=(1, 4), repeats=3)
-TINY_PLAN = Plan(TINY, drafter_layers=1, block_size=4, prompt_len=8, new_tokens=8, decode_batches=(1, 4),
-                 replay_length=32, replay_batches=(1, 2), repeats=2)
+FULL_PLAN = Plan(QWEN3_4B, drafter_layers=5, block_size=16, eagle3_layers=None, prompt_len=256, new_tokens=128,
+                 decode_batches=(1, 16), replay_length=1024, replay_batches=(1, 4), repeats=3)
+# 4 layers leave EAGLE-3 only entering ids 2..3 (the default [2, 2, 1] is not ascending): one layer fused twice.
+TINY_PLAN = Plan(TINY, drafter_layers=1, block_size=4, eagle3_layers=[2, 3, 3], prompt_len=8, new_tokens=8,
+                 decode_batches=(1, 4), replay_length=32, replay_batches=(1, 2), repeats=2)
 SHARES = {"decode": 0.55, "replay": 0.75, "learner": 0.95}  # cumulative: section deadline = start + share·budget
 
 
@@ -111,14 +121,21 @@ class Clock:
             torch.cuda.synchronize(self.device)
 
 
-def build(plan: Plan, device: torch.device, dtype: torch.dtype, attn: str) -> tuple[Target, DFlashDrafter]:
-    """Random target and drafter created directly on the device (a 4B model initialised on a CPU takes minutes)."""
+def build(plan: Plan, device: torch.device, dtype: torch.dtype, attn: str,
+          kind: str = "dflash") -> tuple[Target, Drafter]:
+    """Random target and drafter of `kind` created directly on the device (a 4B model initialised on a CPU takes
+    minutes); the target captures the layers the drafter reads."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(**plan.shapes)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if kind == "eagle3":
+            eagle3 = Eagle3Config.for_target(config, draft_vocab_size=min(EAGLE3_DRAFT_VOCAB, config.vocab_size),
+                                             block_size=EAGLE3_BLOCK_SIZE, aux_layer_ids=plan.eagle3_layers)
+            target = Target(model, eagle3.target_layer_ids)
+            return target, Eagle3Drafter(eagle3, target.embed_tokens, target.lm_head)
         target = Target(model, default_target_layer_ids(config.num_hidden_layers, plan.drafter_layers))
         drafter_config = DFlashConfig.for_target(config, plan.drafter_layers, plan.block_size,
                                                  mask_token_id=config.vocab_size - 1, target_layer_ids=target.layer_ids)
@@ -126,7 +143,16 @@ def build(plan: Plan, device: torch.device, dtype: torch.dtype, attn: str) -> tu
     return target, drafter
 
 
-def bench_decode(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Clock) -> list[dict]:
+def describe(drafter: Drafter, kind: str) -> dict:
+    """The drafter's shape for the result file."""
+    c = drafter.config
+    if kind == "eagle3":
+        return {"kind": kind, "block_size": drafter.block_size, "draft_vocab_size": c.draft_vocab_size,
+                "aux_layer_ids": c.aux_layer_ids}
+    return {"kind": kind, "num_layers": c.num_hidden_layers, "block_size": drafter.block_size}
+
+
+def bench_decode(target: Target, drafter: Drafter, plan: Plan, clock: Clock) -> list[dict]:
     vocab, eos = target.vocab_size, target.vocab_size - 2  # eos: an ordinary id the prompts never contain
     decoders = {static: SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=static)
                 for static in (False, True)}
@@ -157,18 +183,18 @@ def bench_decode(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Cloc
     return rows
 
 
-def replay_records(target: Target, plan: Plan, batch: int) -> list:
+def replay_records(target: Target, plan: Plan, batch: int, block_size: int) -> list:
     g = torch.Generator().manual_seed(1)
-    return [synthetic_record(i, plan.replay_length, plan.prompt_len, target.vocab_size, plan.block_size, 0.7, g)
+    return [synthetic_record(i, plan.replay_length, plan.prompt_len, target.vocab_size, block_size, 0.7, g)
             for i in range(batch)]
 
 
-def bench_replay(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Clock) -> list[dict]:
-    records, rows = replay_records(target, plan, max(plan.replay_batches)), []
+def bench_replay(target: Target, drafter: Drafter, plan: Plan, clock: Clock) -> list[dict]:
+    records, rows = replay_records(target, plan, max(plan.replay_batches), drafter.block_size), []
     for batch in plan.replay_batches:
         def replay(b: int = batch) -> dict:
             with torch.no_grad():
-                scored = score(target, records[:b], block_size=plan.block_size)
+                scored = score(target, records[:b], block_size=drafter.block_size)
                 student_hidden(drafter, scored.to(target.device))
             return {"anchors": int(scored.block_valid.sum()), "tokens": sum(len(r.response_ids) for r in records[:b])}
 
@@ -179,12 +205,12 @@ def bench_replay(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Cloc
     return rows
 
 
-def bench_learner(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Clock) -> list[dict]:
+def bench_learner(target: Target, drafter: Drafter, plan: Plan, clock: Clock) -> list[dict]:
     """The paper's learner settings (optim and loss defaults, one sequence per micro-batch)."""
     spec = validate_spec({"steps": 1000, "models": {"target_path": "random"},
                           "data": {"train_prompts": "-", "eval_prompts": "-"}}, check_paths=False)
     learner = Learner(spec, drafter)
-    scored = score(target, replay_records(target, plan, 1), block_size=plan.block_size)
+    scored = score(target, replay_records(target, plan, 1, drafter.block_size), block_size=drafter.block_size)
 
     def step() -> dict:
         metrics = learner.train_step([scored])
@@ -197,7 +223,8 @@ def bench_learner(target: Target, drafter: DFlashDrafter, plan: Plan, clock: Clo
 
 
 def print_table(result: dict) -> None:
-    table = Table(title=f"bench/gpu.py: {result['device_name']}, {result['dtype']}, decode attention "
+    table = Table(title=f"bench/gpu.py: {result['drafter']['kind']} drafter, {result['device_name']}, "
+                        f"{result['dtype']}, decode attention "
                         f"{result['attn_implementation']}, random weights (τ is meaningless)")
     for column in ("section", "setting", "runs", "median s", "throughput", "ms/step"):
         table.add_column(column, justify="right")
@@ -221,19 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="small shapes, runs on a CPU in seconds")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall-time budget for all sections")
-    parser.add_argument("--json", metavar="OUT", help="default: bench/results/gpu.json (gpu_tiny.json with --tiny)")
+    parser.add_argument("--drafter", choices=KINDS, default="dflash", help="drafter family (default: dflash)")
+    parser.add_argument("--json", metavar="OUT", help="default: bench/results/gpu.json (gpu_tiny.json with --tiny, "
+                                                      "gpu_eagle3.json / gpu_tiny_eagle3.json with --drafter eagle3)")
     args = parser.parse_args(argv)
     plan = TINY_PLAN if args.tiny else FULL_PLAN
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
     clock = Clock(args.budget_s, device)
-    target, drafter = build(plan, device, dtype, attn)
+    target, drafter = build(plan, device, dtype, attn, args.drafter)
     result = {"tiny": args.tiny, "device": device.type,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "attn_implementation": attn,
               "replay_attn_implementation": "sdpa", "target_shapes": plan.shapes,
-              "drafter": {"num_layers": plan.drafter_layers, "block_size": plan.block_size},
+              "drafter": describe(drafter, args.drafter),
               "prompt_len": plan.prompt_len, "new_tokens": plan.new_tokens, "budget_s": args.budget_s,
               "build_s": time.monotonic() - clock.start,
               "note": "random weights: acceptance (tau) is meaningless, decode rows measure tokens/s and step latency"}
@@ -252,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         result["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     print_table(result)
-    out = Path(args.json) if args.json else RESULTS / ("gpu_tiny.json" if args.tiny else "gpu.json")
+    name = ("gpu_tiny" if args.tiny else "gpu") + ("_eagle3" if args.drafter == "eagle3" else "")
+    out = Path(args.json) if args.json else RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out} in {result['elapsed_s']:.0f} s")

@@ -10,6 +10,7 @@ weights). `opd validate`, `opd train` and `opd run` all call `check_inputs`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,9 +35,10 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
     if m.drafter_path is None:
-        mask_token_id(tokenizer, m.drafter.mask_token_id)  # a random drafter takes the tokenizer's mask token
+        if m.drafter.kind == "dflash":  # a random DFlash drafter takes the tokenizer's mask token; EAGLE-3 has none
+            mask_token_id(tokenizer, m.drafter.mask_token_id)
     else:
-        check_drafter(m.drafter_path, target)
+        check_drafter(m.drafter_path, target, m.drafter.block_size)
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":
@@ -62,32 +64,59 @@ def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
     return shape
 
 
-def check_drafter(path: str, target: SimpleNamespace) -> None:
-    """The warm drafter fits the target: config, tensor names and shapes, read from the header only (a drafter
-    built on the meta device gives the expected shapes without allocating them)."""
-    import torch
-    from torch import nn
-
-    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, WEIGHTS_FILE, read_config
-    from opd.models.drafter import DFlashDrafter
+def check_drafter(path: str, target: SimpleNamespace, block_size: int) -> None:
+    """The warm drafter fits the target: config, tensor names and shapes, read from the header only. Either
+    family, told apart by its config.json; `block_size` is the spec's, which an EAGLE-3 file without one takes."""
+    from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
+    from opd.models.family import checkpoint_kind
 
     if not (Path(path) / CONFIG_FILE).is_file():
-        raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash drafter directory or 'random')")
-    config = read_config(Path(path) / CONFIG_FILE, target)
-    with torch.device("meta"):
-        shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
-                                                                                 config.vocab_size, bias=False)
-        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(config, *shared).state_dict().items()}
+        raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash or EAGLE-3 drafter directory or "
+                       "'random')")
+    if checkpoint_kind(path) == "eagle3":
+        expected, borrowed = _eagle3_shapes(path, target, block_size)
+    else:
+        expected, borrowed = _dflash_shapes(path, target)
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise OpdError(f"{weights}: drafter weights not found")
-    found = {k: v for k, v in check_safetensors(weights).items() if not k.endswith(SHARED_TENSOR_SUFFIXES)}
+    found = {k: v for k, v in check_safetensors(weights).items() if not borrowed(k)}
     for problem, names in (("missing", expected.keys() - found.keys()), ("unexpected", found.keys() - expected.keys())):
         if names:
             raise OpdError(f"{weights}: {problem} tensor(s) {', '.join(sorted(names)[:5])}")
     for name, shape in expected.items():
         if found[name] != shape:
             raise OpdError(f"{weights}: tensor {name} has shape {list(found[name])}, expected {list(shape)}")
+
+
+def _dflash_shapes(path: str, target: SimpleNamespace) -> tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]:
+    """(tensor shapes, which names are the target's tensors that the loader drops) of a DFlash drafter: one
+    built on the meta device gives the shapes without allocating them."""
+    import torch
+    from torch import nn
+
+    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
+    from opd.models.drafter import DFlashDrafter
+
+    config = read_config(Path(path) / CONFIG_FILE, target)
+    with torch.device("meta"):
+        shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
+                                                                                 config.vocab_size, bias=False)
+        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(config, *shared).state_dict().items()}
+    return expected, lambda name: name.endswith(SHARED_TENSOR_SUFFIXES)
+
+
+def _eagle3_shapes(path: str, target: SimpleNamespace,
+                   block_size: int) -> tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]:
+    """(tensor shapes, which names are the target's embedding that the loader drops) of an EAGLE-3 drafter,
+    whose fused layers must be the ones the spec captures (`target.layer_ids`), as the loader demands later."""
+    from opd.models.eagle3_format import CONFIG_FILE, SHARED_EMBEDDING, expected_shapes, read_config
+
+    config = read_config(Path(path) / CONFIG_FILE, target, block_size)
+    if config.target_layer_ids != target.layer_ids:
+        raise OpdError(f"drafter {path}: fuses target layers {config.target_layer_ids} but "
+                       f"models.drafter.target_layer_ids resolves to {target.layer_ids} (expected them to agree)")
+    return expected_shapes(config), lambda name: name == SHARED_EMBEDDING
 
 
 def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:

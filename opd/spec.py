@@ -87,7 +87,7 @@ class DrafterSpec(_Section):
     argmax steps over its own draft vocabulary (EAGLE-3, the public SpecForge format)."""
 
     kind: Literal["dflash", "eagle3"] = "dflash"
-    num_layers: int = Field(5, ge=1)  # DFlash decoder layers (EAGLE-3 has one)
+    num_layers: int | None = Field(None, ge=1)  # decoder layers; None = 5 for DFlash, EAGLE-3's one
     block_size: int = Field(16, ge=2)  # K tokens per block, anchor included; K-1 are drafted
     target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # None = the family's default for the target
     mask_token_id: int | None = Field(None, ge=0)  # DFlash: None = the tokenizer's mask token
@@ -98,17 +98,23 @@ class DrafterSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> DrafterSpec:
-        chosen = self.model_fields_set
+        """Options of the other family are refused by value (a resolved spec is re-validated in every actor)."""
         if self.kind == "eagle3":
-            wrong = [f"{name}: set on an eagle3 drafter (a DFlash-only option; expected it unset)"
-                     for name in ("num_layers", "mask_token_id") if name in chosen]
+            wrong = [] if self.mask_token_id is None else [
+                f"mask_token_id: {self.mask_token_id} on an eagle3 drafter (a DFlash-only option; expected null)"]
+            if self.num_layers not in (None, 1):
+                wrong.append(f"num_layers: {self.num_layers} on an eagle3 drafter (EAGLE-3 drafts with one layer; "
+                             "expected 1 or unset)")
             if self.tree_topk > 1:
                 wrong.append(f"tree_topk: {self.tree_topk} is a draft tree (expected 1: only chains draft point "
                              "masses, which rebuild and replay need)")
         else:
-            wrong = [f"{name}: set on a dflash drafter (an EAGLE-3-only option; expected kind: eagle3)"
-                     for name in ("draft_vocab_size", "tree_topk") if name in chosen]
+            wrong = [f"{name}: {value} on a dflash drafter (an EAGLE-3-only option; expected kind: eagle3)"
+                     for name, value in (("draft_vocab_size", self.draft_vocab_size), ("tree_topk", self.tree_topk))
+                     if value not in (None, 1)]
         _issues([f"drafter.{w}" for w in wrong])
+        if self.num_layers is None:
+            self.num_layers = 1 if self.kind == "eagle3" else 5
         return self
 
     def resolved_layer_ids(self, target_num_layers: int | None) -> list[int] | None:

@@ -166,27 +166,34 @@ SECTIONS = {"decode": {"mode", "batch", "tokens_per_s", "ms_per_step", "seconds"
 
 
 @pytest.mark.slow
-def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_bench_gpu_tiny_runs_end_to_end(tmp_path, drafter):
     out = tmp_path / "gpu.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny", "--drafter", drafter,
+                          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert result["tiny"] and not result["errors"] and not result["skipped"]
+    assert result["drafter"]["kind"] == drafter
     assert {"device", "dtype", "attn_implementation", "target_shapes", "drafter", "budget_s", "elapsed_s",
             "note"} <= set(result)
     assert [(r["mode"], r["batch"]) for r in result["decode"]] == [
         ("autoregressive", 1), ("speculative", 1), ("autoregressive", 4), ("speculative", 4),
         ("speculative_static", 4)]
-    assert all(1.0 <= r["tau"] <= 4.0 for r in result["decode"] if r["mode"].startswith("speculative"))
+    block = result["drafter"]["block_size"]  # dflash: the tiny plan's 4; eagle3: 8
+    assert all(1.0 <= r["tau"] <= block for r in result["decode"] if r["mode"].startswith("speculative"))
     for section, keys in SECTIONS.items():
         assert result[section] and all(keys <= set(row) for row in result[section]), section
 
 
-def test_bench_gpu_time_guard_skips_what_does_not_fit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_bench_gpu_time_guard_skips_what_does_not_fit(tmp_path, monkeypatch, drafter):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     gpu = importlib.import_module("gpu")
-    assert gpu.main(["--tiny", "--budget-s", "0", "--json", str(tmp_path / "gpu.json")]) == 0
+    assert gpu.main(["--tiny", "--budget-s", "0", "--drafter", drafter, "--json", str(tmp_path / "gpu.json")]) == 0
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["decode"] == result["replay"] == result["learner"] == [] and not result["errors"]
+    assert result["drafter"] == ({"kind": "dflash", "num_layers": 1, "block_size": 4} if drafter == "dflash" else
+                                 {"kind": "eagle3", "block_size": 8, "draft_vocab_size": 512,
+                                  "aux_layer_ids": [2, 3, 3]})
     assert len(result["skipped"]) == 8  # 2 batches x 2 modes + static at batch 4, 2 replay batches, 1 learner step

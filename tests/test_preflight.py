@@ -3,11 +3,14 @@ advice to rerun only when a rerun can fix it (issue 16, item 1)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 
 import pytest
 import ray
+import torch
 
 from opd.cli import main
 from opd.errors import OpdError
@@ -105,3 +108,76 @@ def test_a_failed_actor_is_reported_by_its_root_cause():
     died = str(failure("the learner", ray.exceptions.ActorDiedError()))
     assert died.startswith("the learner failed (ActorDiedError: ") and died.endswith(
         "; run the same command again to resume from the last checkpoint")
+
+
+# ------------------------------------------------------------------------------------------ an EAGLE-3 warm drafter
+
+
+@pytest.fixture
+def eagle3_spec(micro_spec_file, micro_assets, tmp_path):
+    """(spec file, drafter dir): the micro spec with a random EAGLE-3 warm drafter fusing target layers [1, 2, 2]
+    (entering 2, 3, 3: the 4-layer micro target has no three distinct ones to offer)."""
+    import yaml
+    from torch import nn
+    from transformers import AutoConfig
+
+    from opd.models.eagle3 import Eagle3Drafter
+    from opd.models.eagle3_format import Eagle3Config
+
+    config = Eagle3Config.for_target(AutoConfig.from_pretrained(micro_assets["target"]), draft_vocab_size=32,
+                                     block_size=4, aux_layer_ids=[2, 3, 3])
+    shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size, config.vocab_size)
+    Eagle3Drafter(config, *shared).save_pretrained(tmp_path / "e3")
+    spec = yaml.safe_load(micro_spec_file.read_text())
+    spec["models"] |= {"drafter_path": str(tmp_path / "e3"),
+                       "drafter": {"kind": "eagle3", "block_size": 4, "target_layer_ids": [1, 2, 2]}}
+    micro_spec_file.write_text(yaml.safe_dump(spec))
+    return micro_spec_file, tmp_path / "e3"
+
+
+def test_an_eagle3_warm_drafter_passes_and_may_carry_the_targets_embedding(eagle3_spec, capsys):
+    from safetensors.torch import load_file, save_file
+
+    spec_file, drafter = eagle3_spec
+    assert main(["validate", str(spec_file)]) == 0
+    tensors = load_file(drafter / "model.safetensors")
+    tensors["embed_tokens.weight"] = torch.zeros(tensors["t2d"].shape[0], tensors["norm.weight"].shape[0])
+    save_file(tensors, drafter / "model.safetensors")
+    assert main(["validate", str(spec_file)]) == 0
+
+
+def _edit_tensors(drafter, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(drafter / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, drafter / "model.safetensors")
+
+
+def _edit_config(drafter, edit) -> None:
+    config = json.loads((drafter / "config.json").read_text())
+    edit(config)
+    (drafter / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: _edit_tensors(d, lambda t: t.update({"fc.weight": t["fc.weight"][:, :1].contiguous()})),
+     r"model\.safetensors: tensor fc\.weight has shape \[32, 1\], expected \[32, 96\]"),
+    (lambda d: _edit_tensors(d, lambda t: t.pop("d2t")), r"model\.safetensors: missing tensor\(s\) d2t"),
+    (lambda d: _edit_tensors(d, lambda t: t.update({"model.embed_tokens.weight": t["norm.weight"].clone()})),
+     r"model\.safetensors: unexpected tensor\(s\) model\.embed_tokens\.weight"),
+    (lambda d: os.remove(d / "model.safetensors"), r"model\.safetensors: drafter weights not found"),
+    (lambda d: _edit_config(d, lambda c: c.update(hidden_size=64)),
+     r"config\.json: config field 'hidden_size' is 64; expected 32"),
+    (lambda d: _edit_config(d, lambda c: c.update(draft_vocab_size=10**6)),
+     r"config\.json: config field 'draft_vocab_size' is 1000000; expected 1\.\.\d+"),
+    (lambda d: _edit_config(d, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 2, 3])),
+     r"fuses target layers \[1, 1, 2\] but models\.drafter\.target_layer_ids resolves to \[1, 2, 2\]"),
+    (lambda d: (d / "config.json").write_text("{"), r"config\.json: not valid JSON"),
+])
+def test_an_unusable_eagle3_warm_drafter_is_one_line_before_any_actor(eagle3_spec, capsys, no_ray, edit, message):
+    spec_file, drafter = eagle3_spec
+    edit(drafter)
+    assert main(["train", str(spec_file), "--set", "engine=ray"]) == 2
+    line = one_error_line(capsys)
+    assert re.search(message, line) and str(drafter) in line, line

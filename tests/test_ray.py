@@ -91,11 +91,15 @@ def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_pa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source", ["target", "samples"])
+@pytest.mark.parametrize("source", ["target", "samples", "target-eagle3"])
 def test_rebuilt_sources_on_ray_equal_local(ray_cluster, micro_spec_file, tmp_path, source):
     """Two rollout actors, so batches can reach the scorer out of order, max_policy_lag 0: the scorer sets aside
-    what arrives early and rebuilds each batch with exactly the version the local path uses; the steps are equal."""
+    what arrives early and rebuilds each batch with exactly the version the local path uses; the steps are equal.
+    With an EAGLE-3 drafter too: the actors build, broadcast and rebuild with its family unchanged."""
     sets = ["rollout.source=target"]
+    if source == "target-eagle3":
+        sets += ["models.drafter_path=", "models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,1,2]",
+                 "models.drafter.draft_vocab_size=64"]
     if source == "samples":
         path = tmp_path / "samples.jsonl"
         run_gen_samples(load_spec(micro_spec_file, [f"tracking.run_dir={tmp_path / 'gen'}"]), None, 1, str(path))

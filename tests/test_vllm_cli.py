@@ -10,12 +10,14 @@ check our code, not vLLM: tests/test_gpu.py runs the real thing.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from opd.cli import main
 from opd.spec import load_spec
@@ -229,3 +231,94 @@ def test_serve_bench_reports_tau_speedup_and_holds_each_concurrency(micro_spec_f
     assert drafter_llm.kwargs["speculative_config"] == {"method": "dflash", "model": micro_assets["drafter"],
                                                         "num_speculative_tokens": 3}  # block size 4
     assert drafter_llm.llm_engine.peak == {"warmup": 3, "c1": 1, "c3": 3}
+
+
+# ------------------------------------------------------------------------------------------ serve-bench, EAGLE-3
+
+TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
+
+
+def save_eagle3(path: Path, aux_layer_ids: list[int], block_size: int | None = 4, **config_changes) -> str:
+    """A random EAGLE-3 drafter for the shipped tiny target (6 layers, hidden 256, vocabulary 2048), saved in the
+    public layout (block_size None: left out, as SpecForge's files do); `config_changes` are then written into its
+    config.json (None deletes a key)."""
+    from torch import nn
+    from transformers import AutoConfig
+
+    from opd.models.eagle3 import Eagle3Drafter
+    from opd.models.eagle3_format import Eagle3Config
+
+    config = Eagle3Config.for_target(AutoConfig.from_pretrained(TINY / "target"), draft_vocab_size=512,
+                                     block_size=block_size or 2, aux_layer_ids=aux_layer_ids)
+    shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size, config.vocab_size)
+    Eagle3Drafter(config, *shared).save_pretrained(path)
+    hf = json.loads((path / "config.json").read_text()) | config_changes | (
+        {} if block_size else {"block_size": None})
+    (path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_spec_file(tmp_path) -> Path:
+    """A spec on the shipped tiny target whose drafter is EAGLE-3 with block size 6 (no warm drafter)."""
+    prompts = TINY / "prompts"
+    spec = {"name": "e3", "seed": 0, "engine": "local", "steps": 1,
+            "models": {"target_path": str(TINY / "target"), "dtype": "float32",
+                       "drafter": {"kind": "eagle3", "block_size": 6}},
+            "data": {"train_prompts": str(prompts / "train.jsonl"), "eval_prompts": str(prompts / "heldout.jsonl")},
+            "tracking": {"run_dir": str(tmp_path / "runs" / "{name}")},
+            "eval": {"num_prompts": 4, "max_new_tokens": 5, "sampling": [{"name": "greedy", "temperature": 0.0}]}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_serve_bench_serves_an_eagle3_drafter_as_method_eagle3(tiny_spec_file, tmp_path, fake_vllm):
+    """K − 1 chain drafts: the file's block size, else the spec's (SpecForge's files have none)."""
+    ours = save_eagle3(tmp_path / "ours", [2, 3, 4], block_size=4)
+    public = save_eagle3(tmp_path / "public", [2, 3, 4], block_size=None)
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", ours, "--draft", public, "--no-baseline",
+                 "--concurrency", "2", "--json", str(tmp_path / "serve.json")]) == 0
+    assert [llm.kwargs["speculative_config"] for llm in fake_vllm.made] == [
+        {"method": "eagle3", "model": ours, "num_speculative_tokens": 3},
+        {"method": "eagle3", "model": public, "num_speculative_tokens": 5}]
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert [(r["drafter"], r["tau"]) for r in rows] == [(ours, pytest.approx(3.0)), (public, pytest.approx(3.0))]
+
+
+def test_serve_bench_serves_both_families_side_by_side(tiny_spec_file, tmp_path, fake_vllm):
+    """The shipped DFlash drafter and an EAGLE-3 drafter of the same target in one run, each as its own method."""
+    dflash, eagle3 = str(TINY / "drafter"), save_eagle3(tmp_path / "e3", [2, 3, 5], block_size=5)
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", dflash, "--draft", eagle3, "--concurrency", "1"]) == 0
+    assert [llm.kwargs.get("speculative_config") for llm in fake_vllm.made] == [
+        None, {"method": "dflash", "model": dflash, "num_speculative_tokens": 7},
+        {"method": "eagle3", "model": eagle3, "num_speculative_tokens": 4}]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"vocab_size": 4096}, r"config field 'vocab_size' is 4096; expected 2048, the target's vocabulary"),
+    ({"hidden_size": 128}, r"config field 'hidden_size' is 128; expected 256"),
+    ({"target_hidden_size": 512}, r"config field 'target_hidden_size' is 512; expected 256"),
+    ({"num_hidden_layers": 2}, r"config field 'num_hidden_layers' is 2; only one-layer EAGLE-3 drafters"),
+    ({"draft_vocab_size": None}, r"config field 'draft_vocab_size' is missing"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 9]}}, r"expected ids in 1\.\.5"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 3]}},
+     r"--draft .*/e3: eagle_config\.eagle_aux_hidden_state_layer_ids \[2, 3, 3\] repeat a layer, which vLLM "
+     r"captures once, so its fc would get 2 states for 3 \(expected distinct ids\)"),
+])
+def test_serve_bench_refuses_an_unusable_eagle3_drafter_in_one_line(tiny_spec_file, tmp_path, no_vllm, capsys,
+                                                                   change, message):
+    draft = save_eagle3(tmp_path / "e3", [2, 3, 4], **change)
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
+    line = one_error_line(capsys)
+    assert re.search(message, line) and draft in line, line
+
+
+def test_serve_bench_checks_an_eagle3_drafter_before_looking_for_vllm(tiny_spec_file, tmp_path, no_vllm, capsys):
+    """A good EAGLE-3 drafter gets as far as the missing vLLM; a config.json that is not JSON is one line."""
+    draft = save_eagle3(tmp_path / "e3", [2, 3, 4])
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
+    assert "pip install -e .[gpu]" in one_error_line(capsys)
+    (tmp_path / "e3" / "config.json").write_text("{not json")
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
+    assert f"--draft {draft}: Expecting property name" in one_error_line(capsys)

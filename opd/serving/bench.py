@@ -1,4 +1,4 @@
-"""`opd serve-bench`: the exported drafters in a real serving engine (vLLM, `method: dflash`).
+"""`opd serve-bench`: the exported drafters in a real serving engine (vLLM, `method: dflash` or `eagle3`).
 
 `opd eval` measures τ and speedup in this project's own decoder; what a deployment gets is decided by the
 serving engine, where batching across requests eats into the speculative speedup as concurrency grows. So each
@@ -21,14 +21,18 @@ from opd.data import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, check_vllm_capturable
+from opd.models.eagle3_format import AUX_IDS_FIELD
+from opd.models.eagle3_format import read_config as read_eagle3_config
+from opd.models.family import checkpoint_kind
+from opd.preflight import check_target
 from opd.progress import progress_bar
 from opd.serving.engine import (
-    dflash_config,
     release_gpu_memory,
     require_vllm,
     sampling_params,
     serve_closed_loop,
     spec_decode_counts,
+    speculative_config,
     target_llm,
 )
 from opd.spec import ExperimentSpec
@@ -60,11 +64,14 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
-    """Check an exported drafter directory up front (a one-line error beats a vLLM traceback minutes into loading)
-    and return its block size."""
+    """Check an exported drafter directory of either family up front (a one-line error beats a vLLM traceback
+    minutes into loading) and return its block size."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise OpdError(f"--draft {path}: {CONFIG_FILE} not found (expected an exported DFlash drafter directory)")
+        raise OpdError(f"--draft {path}: {CONFIG_FILE} not found (expected an exported DFlash or EAGLE-3 drafter "
+                       "directory)")
+    if checkpoint_kind(path) == "eagle3":
+        return _eagle3_block_size(path, spec)
     try:
         config = DFlashConfig.from_hf_dict(json.loads(file.read_text()))
         check_vllm_capturable(config)
@@ -80,11 +87,25 @@ def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
     return config.block_size
 
 
+def _eagle3_block_size(path: str, spec: ExperimentSpec) -> int:
+    """An EAGLE-3 drafter fits the target's config.json (vocabulary, hidden size, layer ids in range) and fuses
+    three distinct layers: vLLM captures each layer once, so a repeated id would leave its fc short of a state.
+    K is the file's `block_size`, else the spec's (SpecForge's files have none: the chain length is a serving
+    choice)."""
+    target = check_target(spec.models.target_path, [])
+    config = read_eagle3_config(Path(path) / CONFIG_FILE, target, spec.models.drafter.block_size)
+    ids = config.aux_layer_ids
+    if len(set(ids)) != len(ids):
+        raise OpdError(f"--draft {path}: {AUX_IDS_FIELD} {ids} repeat a layer, which vLLM captures once, so its fc "
+                       f"would get {len(set(ids))} states for 3 (expected distinct ids)")
+    return config.block_size
+
+
 def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, json_out: str | None,
                     baseline: bool = True) -> int:
     """Check the arguments and drafters, then serve and report; every user error comes before vLLM starts."""
     levels = parse_concurrency(concurrency)
-    engines = {d: dflash_config(d, drafter_block_size(d, spec)) for d in drafts}
+    engines = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
     require_vllm("opd serve-bench")
     if baseline:
         engines = {BASELINE: None, **engines}

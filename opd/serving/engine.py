@@ -13,6 +13,8 @@ from typing import Any
 
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
+from opd.models.eagle3_format import vllm_speculative_config
+from opd.models.family import checkpoint_kind
 from opd.spec import ExperimentSpec
 
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -44,6 +46,14 @@ def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dic
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
     return require_vllm("vLLM serving").LLM(**kwargs)
+
+
+def speculative_config(drafter_dir: str, block_size: int) -> dict:
+    """vLLM's speculative config for an exported drafter of either family, told apart by its config.json, so
+    callers never ask which family they serve; both draft block_size − 1 tokens per step."""
+    if checkpoint_kind(drafter_dir) == "eagle3":
+        return vllm_speculative_config(drafter_dir, block_size)
+    return dflash_config(drafter_dir, block_size)
 
 
 def dflash_config(drafter_dir: str, block_size: int) -> dict:
