@@ -126,8 +126,8 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     session = trainer.session
     trainer.start(evaluate=False)  # the arm measures its own initial τ below
     evaluator = _Evaluator(spec, trainer.models, job)
-    initial_rows = evaluator.every_family(session.drafter) if budget_setter else {}
-    initial = _tau(initial_rows) if budget_setter else evaluator(session.drafter)
+    initial_rows = evaluator.every_family(session.drafter)  # every arm's own warm drafter (the families differ)
+    initial = _tau(initial_rows)
     curve = [(0.0, initial["greedy"])]
     mark_steps = {round(job.opd_steps * (i + 1) / job.eval_points) for i in range(job.eval_points)}
     marks = list(job.marks or [])

@@ -39,18 +39,26 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def baseline_arm(arm: str, names: set[str] | list[str]) -> str:
+    """The continued-SFT arm an arm is compared with: its drafter family's, named by the longest shared prefix
+    (`eagle3-draft-opd` -> `eagle3-sft`), else `sft`."""
+    cuts = [i + 1 for i, ch in enumerate(arm) if ch == "-"]
+    return next((arm[:i] + "sft" for i in reversed(cuts) if arm[:i] + "sft" in names), "sft")
+
+
 def summarize(results: list[ArmResult]) -> dict[str, ArmSummary]:
     by_arm: dict[str, dict[int, ArmResult]] = {}
     for r in results:
         by_arm.setdefault(r.arm, {})[r.seed] = r
-    sft = by_arm.get("sft", {})
     out = {}
     for arm, runs in by_arm.items():
         samplings = list(next(iter(runs.values())).final)
+        base = baseline_arm(arm, by_arm)
+        sft = by_arm.get(base, {})
         paired = [runs[s].final["greedy"] / sft[s].final["greedy"] - 1 for s in runs if s in sft]
         out[arm] = ArmSummary(
             arm, len(runs), {k: _mean_std([r.final[k] for r in runs.values()]) for k in samplings},
-            _mean_std(paired) if paired and arm != "sft" else None,
+            _mean_std(paired) if paired and arm != base else None,
             statistics.fmean(r.steps for r in runs.values()), statistics.fmean(r.flops["total"] for r in runs.values()))
     return out
 
@@ -109,7 +117,8 @@ def _by_arm(results: list[ArmResult]) -> dict[str, dict[int, ArmResult]]:
 
 def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
     """Every arm on every prompt family and setting: τ, its ratio to continued SFT (paired by seed) and to the
-    warm drafter, the numbers issue 17's goals are stated in."""
+    warm drafter, the numbers issue 17's goals are stated in. Each arm is compared with its own drafter family's
+    SFT arm (`baseline_arm`) and its own warm drafter (its runs' initial rows); the warm row is the budget arm's."""
     by_arm = _by_arm(results)
     warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
     if not warm_runs:
@@ -127,8 +136,6 @@ def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
         values = [tau(getattr(r, rows), *c) for r in runs]
         return f"{_fmt(_mean_std(values))} [±{statistics.fmean(ci(getattr(r, rows), *c) for r in runs):.3f}]"
 
-    warm = {c: statistics.fmean(tau(r.initial_rows, *c) for r in warm_runs) for c in cols}
-    sft = by_arm.get("sft", {})
     head = " | ".join(f"{f} {s}" for f, s in cols)
     lines = ["### Every prompt family and setting (held-out τ, mean ± std over seeds [± 95% interval over prompts, "
              "mean over seeds])", "",
@@ -141,8 +148,12 @@ def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
     for arm in [a for a in arms if a in by_arm]:
         runs = by_arm[arm]
         lines.append(f"| {arm} | " + " | ".join(cell(list(runs.values()), c, "final_rows") for c in cols) + " |")
-        if arm == "sft":
+        base = baseline_arm(arm, by_arm)
+        if arm == base:
             continue
+        sft = by_arm.get(base, {})
+        own_warm = [r for r in runs.values() if r.initial_rows] or warm_runs
+        warm = {c: statistics.fmean(tau(r.initial_rows, *c) for r in own_warm) for c in cols}
         paired = [_fmt(_mean_std([tau(runs[s].final_rows, *c) / tau(sft[s].final_rows, *c) - 1
                                   for s in runs if s in sft]), pct=True) if sft else "" for c in cols]
         worst = min(statistics.fmean(tau(r.final_rows, *c) for r in runs.values()) / warm[c] - 1 for c in cols)
