@@ -295,14 +295,19 @@ def read_config(path: Path, target: TargetShape) -> DFlashConfig:
     return config
 
 
-def read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Load model.safetensors, drop shared embedding/LM-head tensors, and check names and shapes exactly."""
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A drafter's model.safetensors, or a one-line OpdError when it is missing or unreadable."""
     if not path.is_file():
         raise OpdError(f"{path}: drafter weights not found")
     try:
-        loaded = load_file(str(path))
+        return load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise OpdError(f"{path}: unreadable safetensors file ({exc})") from exc
+
+
+def read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load model.safetensors, drop shared embedding/LM-head tensors, and check names and shapes exactly."""
+    loaded = load_weights(path)
     tensors = {name: t for name, t in loaded.items() if not name.endswith(SHARED_TENSOR_SUFFIXES)}
     missing = sorted(expected.keys() - tensors.keys())
     if missing:

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from opd.errors import OpdError
-from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta
+from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's name, and vLLM's registry names for the same one-layer Llama drafter.
@@ -197,12 +196,7 @@ def read_config(path: Path, target: TargetShape, block_size: int) -> Eagle3Confi
 
 def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Load model.safetensors, drop a shared embedding, check names, shapes and the vocabulary mapping."""
-    if not path.is_file():
-        raise OpdError(f"{path}: drafter weights not found")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        raise OpdError(f"{path}: unreadable safetensors file ({exc})") from exc
+    tensors = load_weights(path)
     tensors.pop(SHARED_EMBEDDING, None)
     for name, what in (("d2t", "draft-to-target vocabulary offsets"), ("t2d", "target-to-draft vocabulary mask")):
         if name not in tensors:
