@@ -1,7 +1,7 @@
 """The spec as a run will use it: what `opd validate` prints.
 
 Several fields default to None meaning "derive it" (the tokenizer is the target's, the feature layers are the
-DFlash default for the target's depth, the mask token is the tokenizer's, the run dir takes the run's name, the
+DFlash default for the target's depth, a DFlash mask token is the tokenizer's, the run dir takes the run's name, the
 MLflow store follows the run dir). Printing those as `null` hides exactly what a user validates a spec to see,
 so they are filled in here. Fields whose None means "off" (teacher_topk, max_flops, keep_last, ...) or that
 depend on the data (random_anchors_per_seq) stay null. The printed YAML is itself a valid spec that resolves to
@@ -29,7 +29,7 @@ def resolved_yaml(spec: ExperimentSpec) -> str:
     models, drafter = data["models"], data["models"]["drafter"]
     models["tokenizer_path"] = spec.models.tokenizer
     drafter["target_layer_ids"] = spec.models.layer_ids
-    if drafter["mask_token_id"] is None:
+    if drafter["mask_token_id"] is None and drafter["kind"] == "dflash":  # EAGLE-3 has no mask token
         drafter["mask_token_id"] = tokenizer_mask_id(Path(spec.models.tokenizer))
     data["tracking"]["run_dir"] = str(spec.run_dir)
     data["tracking"]["uri"] = spec.tracking_uri
