@@ -72,14 +72,16 @@ def cached_view(key: tuple, make) -> SettingView:
 
 
 def target_identity(target: Target) -> tuple:
-    """What names the target's weights: its directory and the size and mtime of every file in it (a retrained
-    or replaced target changes them), or the object itself when it was not loaded from files."""
+    """What names the target's view: its directory and the size and mtime of every file in it (a retrained or
+    replaced target changes them), or the object itself when it was not loaded from files; and which layers it
+    captures in which dtype (a DFlash and an EAGLE-3 drafter read different layers of the same target)."""
+    capture = ("layers", *target.layer_ids, str(target.dtype))
     name = getattr(target.model.config, "_name_or_path", "")
     if not name or not Path(name).is_dir():
-        return ("object", id(target))
+        return ("object", id(target), *capture)
     path = Path(name)
     files = sorted(f for f in path.iterdir() if f.is_file())
-    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files), *capture)
 
 
 def file_digest(path: Path) -> str:

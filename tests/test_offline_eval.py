@@ -170,3 +170,6 @@ def test_the_target_view_is_cached_and_invalidated_by_new_samples_or_another_tar
     weights = next(p for p in os.scandir(micro_assets["target"]) if p.name.endswith(".safetensors"))
     os.utime(weights.path, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
     assert target_identity(loaded) != identity and identity[0] != "object"
+    # the same files capturing other layers (an EAGLE-3 drafter's three beside a DFlash drafter's two) are another view
+    assert target_identity(load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 1, 2])) != \
+        target_identity(loaded)
