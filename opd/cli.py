@@ -175,7 +175,7 @@ def _prompt_pool(args: argparse.Namespace) -> int:
 def _serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _spec_arguments(parser)
     parser.add_argument("--draft", metavar="DIR", action="append", required=True,
-                        help="exported DFlash drafter directory (repeatable)")
+                        help="exported drafter directory, DFlash or EAGLE-3 (repeatable)")
     parser.add_argument("--concurrency", default="1,4,8,16,32", metavar="N,N,...",
                         help="requests in flight, one measurement per level (default: 1,4,8,16,32)")
     parser.add_argument("--no-baseline", action="store_true", help="skip serving the target alone (no speedup column)")

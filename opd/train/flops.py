@@ -14,11 +14,13 @@ processes, with the weights that token actually passes through. The convention:
   - rollout: prefill and every verification block (K tokens), logits at all of them;
   - teacher replay: the packed sequence, i.e. the committed prefix plus every drafted block's K-2 appended tokens
     (`len(opd.replay.pack(record, K, mode).ids)`), decoder only; the LM head at every scored slot (N x (K-1)),
-    whether the scorer (top-k) or the learner (full vocabulary) forms those logits;
+    whether the scorer (top-k) or the learner (full vocabulary) forms those logits; with a rebuilt source in the
+    committed layout the rebuild's forward over the text is the teacher's too, charged once, with the rebuild;
   - SFT and random-anchor redrafting: the sequence through the decoder only (features, no logits).
-- Drafter (`DrafterParams`): every context position passes through `fc` and each layer's K and V projections;
-  every block token (K per block, anchor included) through the decoder layers; every drafted slot whose logits are
-  formed (K-1 per block, or the loss's slots in training) through the LM head.
+- Drafter (`DrafterParams`, from the family's `modules_by_role`): every context position passes through `fc` and
+  each layer's K and V projections (EAGLE-3: its whole layer); every block token (DFlash: K per block, anchor
+  included; EAGLE-3: its K-2 chain steps) through the decoder layers; every drafted slot whose logits are formed
+  (K-1 per block, or the loss's slots in training) through the head (EAGLE-3's own head is trained: 6x, not 4x).
 - Monitoring is not training compute: held-out evaluation and the scorer's expected-acceptance diagnostic are
   not counted.
 """
