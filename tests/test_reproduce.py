@@ -100,10 +100,38 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     assert rows and len({(r["id"], r["sample"]) for r in rows}) == len(rows)
     assert "each seed's opd arms train on one shared file of target samples" in report
     # held-out τ offline on each seed's stored warm decodes of each family, shared by the arms
-    assert sorted(p.name for p in (tmp_path / "out" / "eval_samples").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "out" / "eval_samples").glob("*.jsonl")) == [
         "seed0-again.jsonl", "seed0-heldout.jsonl", "seed1-again.jsonl", "seed1-heldout.jsonl"]
+    # the warm drafter's rows are measured once per seed and shared by that seed's arms
+    assert [len(list((tmp_path / "out" / "eval_samples").glob(f"seed{s}-warm-*.json"))) for s in (0, 1)] == [1, 1]
+    assert by_name[("draft-opd", 0)].initial_rows == by_name[("no-decay", 0)].initial_rows
     assert all(row["offline"] and row["tau_ci"] >= 0 for r in results for rows in r.final_rows.values()
                for row in rows)
+
+
+def test_the_warm_rows_are_read_back_only_under_their_key(micro_spec_file, tmp_path):
+    from opd.reproduce.arms import _warm_key
+
+    samples = tmp_path / "eval_samples"
+    job = ArmJob(ArmSpec(name="draft-opd"), seed=0, experiment=str(micro_spec_file), overrides=SETS,
+                 run_dir=str(tmp_path / "a"), opd_steps=2, eval_points=1, eval_prompts=2,
+                 eval_samples_dir=str(samples))
+    first = run_arm(job)
+    (cached,) = samples.glob("seed0-warm-*.json")
+    rows = json.loads(cached.read_text())
+    assert rows == first.initial_rows and rows["heldout"][0]["offline"]
+    rows["heldout"][0]["tau"] = 99.0  # a marker: the next arm of this seed must read the file, not re-measure
+    cached.write_text(json.dumps(rows))
+    job.arm, job.run_dir = ArmSpec(name="no-decay", set=["loss.rejected_decay=false"]), str(tmp_path / "b")
+    assert run_arm(job).initial_rows["heldout"][0]["tau"] == 99.0
+
+    spec = load_spec(micro_spec_file, SETS)
+    key = _warm_key(spec, job)
+    assert _warm_key(load_spec(micro_spec_file, [*SETS, "eval.max_new_tokens=7"]), job) != key
+    assert _warm_key(spec, ArmJob(**{**vars(job), "seed": 1})) != key
+    with open(next(samples.glob("seed0-heldout.jsonl")), "a") as f:
+        f.write("\n")  # the seed's stored samples changed
+    assert _warm_key(spec, job) != key
 
 
 def test_only_arms_that_need_the_speculative_engine_decode_their_own(micro_spec_file):

@@ -7,6 +7,8 @@ crosses one of those marks.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import time
@@ -20,7 +22,7 @@ from opd.errors import OpdError
 from opd.eval import evaluate
 from opd.eval_row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
-from opd.offline_eval import OfflineEval, draw_eval_samples
+from opd.offline_eval import OfflineEval, draw_eval_samples, file_digest
 from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
 from opd.spec import ExperimentSpec, SamplingSpec, load_spec
 from opd.train.flops import FlopCounter
@@ -67,6 +69,24 @@ class _Evaluator:
         return {name: [asdict(r) for r in self._rows(drafter, name, self.spec.eval.sampling, diagnose=True)]
                 for name in self.families}
 
+    def warm_rows(self, drafter, job: ArmJob) -> dict[str, list[dict]]:
+        """`every_family` of the warm drafter, measured once per seed: every opd arm of a seed that starts from the
+        same drafter, target and eval setup reads the same stored samples, so their warm rows are equal (offline
+        rows are deterministic, decoded ones use the eval's keyed random numbers). Kept beside the seed's held-out
+        samples under a key of everything the rows depend on; a second arm waits on the file lock for the first."""
+        if not job.eval_samples_dir:
+            return self.every_family(drafter)
+        path = Path(job.eval_samples_dir) / f"seed{job.seed}-warm-{_warm_key(self.spec, job)}.json"
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if path.exists():
+                return json.loads(path.read_text())
+            rows = self.every_family(drafter)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(rows))
+            partial.replace(path)
+            return rows
+
     def _rows(self, drafter, family: str, samplings, *, diagnose: bool) -> list[EvalRow]:
         started = time.perf_counter()
         was_training = drafter.training
@@ -83,6 +103,21 @@ class _Evaluator:
         order = [s.name for s in samplings]
         self.seconds += time.perf_counter() - started
         return sorted(rows, key=lambda r: order.index(r.sampling))
+
+
+def _warm_key(spec: ExperimentSpec, job: ArmJob) -> str:
+    """What the warm drafter's eval rows depend on: the models (and the warm drafter's files), the eval and data
+    settings, the prompt files' and the seed's held-out samples' content, the prompt count and the seed."""
+    drafter = Path(spec.models.drafter_path or "")
+    files = sorted(f for f in drafter.iterdir() if f.is_file()) if drafter.is_dir() else []
+    prompt_files = {"heldout": spec.data.eval_prompts, **job.families}
+    samples = sorted(Path(job.eval_samples_dir).glob(f"seed{job.seed}-*.jsonl"))
+    parts = {"models": spec.models.model_dump(mode="json"), "eval": spec.eval.model_dump(mode="json"),
+             "data": spec.data.model_dump(mode="json"), "seed": job.seed, "prompts": job.eval_prompts,
+             "drafter": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+             "files": {name: file_digest(Path(p)) for name, p in prompt_files.items()},
+             "samples": {f.name: file_digest(f) for f in samples}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _tau(rows: dict[str, list[dict]]) -> dict[str, float]:
@@ -126,7 +161,7 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     session = trainer.session
     trainer.start(evaluate=False)  # the arm measures its own initial τ below
     evaluator = _Evaluator(spec, trainer.models, job)
-    initial_rows = evaluator.every_family(session.drafter)  # every arm's own warm drafter (the families differ)
+    initial_rows = evaluator.warm_rows(session.drafter, job)
     initial = _tau(initial_rows)
     curve = [(0.0, initial["greedy"])]
     mark_steps = {round(job.opd_steps * (i + 1) / job.eval_points) for i in range(job.eval_points)}
