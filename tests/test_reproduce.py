@@ -105,6 +105,9 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     # the warm drafter's rows are measured once per seed and shared by that seed's arms
     assert [len(list((tmp_path / "out" / "eval_samples").glob(f"seed{s}-warm-*.json"))) for s in (0, 1)] == [1, 1]
     assert by_name[("draft-opd", 0)].initial_rows == by_name[("no-decay", 0)].initial_rows
+    # the expected-acceptance diagnostic on the main family only: the report's diagnostic tables read no other
+    assert all(row["expected"] for r in results for row in r.final_rows["heldout"])
+    assert not any(row["expected"] for r in results for row in r.final_rows["again"])
     assert all(row["offline"] and row["tau_ci"] >= 0 for r in results for rows in r.final_rows.values()
                for row in rows)
 
