@@ -33,10 +33,10 @@ from opd.train.sft import SftExample, train_sft
 
 class _Evaluator:
     """Held-out τ of the drafter being trained: greedy on the main family for the curve; at the start and the
-    end every setting on every family, with the expected-acceptance diagnostic on the main one. With `job.eval_samples_dir`,
-    offline: each family's held-out samples are the warm drafter's decodes, stored once per seed (the arms of a
-    seed share them; the file lock lets one draw while another waits), and every point-mass setting is rebuilt on
-    them (opd/offline_eval.py); `draft: sample` settings still decode."""
+    end every setting on every family, with the expected-acceptance diagnostic on the main one. With
+    `job.eval_samples_dir`, offline: each family's held-out samples are the warm drafter's decodes, stored once
+    per seed (the arms of a seed share them; the file lock lets one draw while another waits), and every
+    point-mass setting is rebuilt on them (opd/offline_eval.py); `draft: sample` settings still decode."""
 
     def __init__(self, spec: ExperimentSpec, models: Models, job: ArmJob) -> None:
         self.spec, self.models = spec, models
