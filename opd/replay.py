@@ -39,7 +39,7 @@ from opd.decoding.record import SequenceRecord
 from opd.losses import TopKTeacher, topk_teacher
 from opd.models.family import Drafter
 from opd.models.packed_attention import CHUNK_ROWS, PackedRow, PackedRows
-from opd.models.target import Target
+from opd.models.target import KVPrefix, Target
 from opd.train.messages import ScoredBatch
 
 
@@ -54,6 +54,7 @@ class _Packed:
     anchors: list[int]  # absolute positions
     accepted: list[int]
     slot_exists: list[list[bool]]
+    text_len: int  # prompt + response tokens: the committed text the prefix is the start of
 
 
 def replay_mode(spec) -> str:
@@ -82,7 +83,7 @@ def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
         positions += [abs_anchor + 1 + j for j in range(k1 - 1)]
         slot_index.append([abs_anchor] + [start + j for j in range(k1 - 1)])
         anchors.append(abs_anchor)
-    return _Packed(ids, positions, prefix_len, slot_index, anchors, list(record.accepted), exists)
+    return _Packed(ids, positions, prefix_len, slot_index, anchors, list(record.accepted), exists, len(committed))
 
 
 def _pack_committed(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int,
@@ -91,7 +92,7 @@ def _pack_committed(record: SequenceRecord, committed: list[int], prompt_len: in
     n = len(committed)
     anchors = [prompt_len + a for a in record.anchors]
     slot_index = [[min(a + k, n - 1) for k in range(k1)] for a in anchors]
-    return _Packed(committed, list(range(n)), n, slot_index, anchors, list(record.accepted), exists)
+    return _Packed(committed, list(range(n)), n, slot_index, anchors, list(record.accepted), exists, n)
 
 
 def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int) -> _Packed:
@@ -101,7 +102,7 @@ def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k
     slot_index = [[min(a + k, n - 1) for k in range(k1)] for a in anchors]
     available = [min(k1, n - 1 - a) for a in anchors]
     exists = [[k < avail for k in range(k1)] for avail in available]
-    return _Packed(committed, list(range(n)), n, slot_index, anchors, available, exists)
+    return _Packed(committed, list(range(n)), n, slot_index, anchors, available, exists, n)
 
 
 def attention_layout(p: _Packed, block_size: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
@@ -128,38 +129,76 @@ def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
 @dataclass(frozen=True)
 class CommittedView:
     """The target's view of right-padded committed texts (prompt + response): final-norm hidden states [B, T, H]
-    and features [B, T, n*H] on the target's device, `mask` [B, T] (CPU, True at real tokens). It is exactly the
-    forward `score` runs in the committed layout, and all a rebuild needs of the target (opd/rebuild.py), so a
-    scorer that rebuilds blocks runs the target once for both. It depends on the text alone, so a view taken
-    before a rebuild scores the rebuilt records."""
+    and features [B, T, n*H] on the target's device, `mask` [B, T] (CPU, True at real tokens), and with `kv` the
+    keys and values of every layer over them. It is all a rebuild needs of the target (opd/rebuild.py), and the
+    teacher's forward in the committed and naive layouts; in the draft_opd layout the blocks run alone over `kv`
+    (`PackedRows.cached`), since the packed row's prefix is this text. So a scorer that rebuilds blocks runs the
+    target over the text once. It depends on the text alone, so a view taken before a rebuild scores the rebuilt
+    records."""
 
     hidden: torch.Tensor
     features: torch.Tensor
     mask: torch.Tensor
+    kv: KVPrefix | None = None
 
     @classmethod
-    def of(cls, target: Target, records: list[SequenceRecord], block_size: int) -> CommittedView:
-        """One target forward over the records' texts, laid out as `score` lays them out in the committed mode."""
+    def of(cls, target: Target, records: list[SequenceRecord], block_size: int, *,
+           keep_kv: bool = False) -> CommittedView:
+        """One target forward over the records' texts, laid out as `score` lays them out in the committed mode;
+        `keep_kv` for a draft_opd teacher."""
         packed, ids, positions, layout = packed_inputs(records, block_size, "committed")
-        device = target.device
-        hidden, features = target.hidden_states(ids.to(device), attention_mask=layout.to(device),
-                                                position_ids=positions.to(device))
+        device, kv = target.device, None
+        run = target.text_states if keep_kv else target.hidden_states
+        out = run(ids.to(device), attention_mask=layout.to(device), position_ids=positions.to(device))
+        hidden, features, kv = out if keep_kv else (*out, None)
         lengths = torch.tensor([len(p.ids) for p in packed])
-        return cls(hidden, features, torch.arange(ids.shape[1])[None, :] < lengths[:, None])
+        return cls(hidden, features, torch.arange(ids.shape[1])[None, :] < lengths[:, None], kv)
 
     def rows(self) -> list[torch.Tensor]:
         """Each text's features [T_i, n*H] (slices, not copies): what `rebuild_records` takes as `features`."""
         return [f[:n] for f, n in zip(self.features, self.mask.sum(1).tolist())]
 
-    def states(self, packed: list[_Packed], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, features) for records laid out as `packed`, which must be these texts in the committed layout."""
-        if mode != "committed":
-            raise ValueError(f"score: a precomputed view needs mode 'committed', got {mode!r}")
+    def states(self, target: Target, packed: list[_Packed], mode: str,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, features) for records laid out as `packed`, which must be these texts. The committed and naive
+        layouts read the view itself. draft_opd runs the block rows over `kv`; its hidden is [B, T + Lb, H],
+        the text's states then the blocks', which `packed_slots` indexes."""
         lengths = self.mask.sum(1).tolist()
-        if lengths != [len(p.ids) for p in packed]:
-            raise ValueError(f"score: the view's text lengths {lengths} are not the records' "
-                             f"{[len(p.ids) for p in packed]}")
-        return self.hidden, self.features
+        texts = [p.text_len for p in packed]
+        if lengths != texts:
+            raise ValueError(f"score: the view's text lengths {lengths} are not the records' {texts}")
+        if mode != "draft_opd":
+            return self.hidden, self.features
+        if self.kv is None:
+            raise ValueError("score: a draft_opd teacher from a view needs its keys and values (keep_kv=True)")
+        ids, positions, layout = block_inputs(packed, block_size, self.hidden.shape[1])
+        if not ids.shape[1]:
+            return self.hidden, self.features
+        device = target.device
+        blocks, _ = target.hidden_states(ids.to(device), attention_mask=layout.to(device),
+                                         position_ids=positions.to(device), prefix=self.kv)
+        return torch.cat([self.hidden, blocks], dim=1), self.features
+
+
+def block_inputs(packed: list[_Packed], block_size: int,
+                 cached: int) -> tuple[torch.Tensor, torch.Tensor, PackedRows]:
+    """The block rows alone of draft_opd layouts (ids, positions [B, Lb]) and their layout over `cached` text
+    positions already in the target's KV cache."""
+    rows = [p.ids[p.prefix_len :] for p in packed]
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(packed), length, dtype=torch.long)
+    positions = torch.zeros(len(packed), length, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(packed, rows)):
+        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        positions[b, : len(r)] = torch.tensor(p.positions[p.prefix_len :], dtype=torch.long)
+    layout = PackedRows(tuple(attention_layout(p, block_size) for p in packed), length, cached)
+    return ids, positions, layout
+
+
+def packed_slots(slot_index: torch.Tensor, packed: list[_Packed], cached: int) -> torch.Tensor:
+    """`slot_index` (packed row positions) as indices into [text states (`cached` long); block rows]."""
+    prefix = torch.tensor([p.prefix_len for p in packed])[:, None, None]
+    return torch.where(slot_index < prefix, slot_index, slot_index - prefix + cached)
 
 
 @torch.no_grad()
@@ -168,8 +207,8 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
           view: CommittedView | None = None) -> ScoredBatch:
     """Teacher replay for a batch of records: one packed target forward (no LM head) for all their blocks.
     `teacher_temperature` applies only with `teacher_topk` (top-k is taken here); the learner applies it
-    to the full-vocabulary teacher. `view`: that forward already run (`CommittedView.of` these records' texts),
-    so the target does not run here; the committed layout only, the one whose forward is the text's alone."""
+    to the full-vocabulary teacher. `view`: the forward over these records' texts already run (`CommittedView.of`),
+    so the target runs over the drafted blocks alone (draft_opd) or not at all."""
     device = target.device
     if view is None:
         packed, ids, positions, layout = packed_inputs(records, block_size, mode)
@@ -177,10 +216,13 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
                                                 position_ids=positions.to(device))
     else:
         packed = [pack(r, block_size, mode) for r in records]
-        hidden, features = view.states(packed, mode)
+        hidden, features = view.states(target, packed, mode, block_size)
     batch = _layout(packed, records, block_size, mode)
+    slot_index = batch.pop("slot_index")
+    if view is not None and mode == "draft_opd":
+        slot_index = packed_slots(slot_index, packed, view.hidden.shape[1])
     rows = torch.arange(len(packed), device=device)[:, None, None]
-    slots = hidden[rows, batch.pop("slot_index").to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]
+    slots = hidden[rows, slot_index.to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]
     teacher = (slots.cpu().contiguous() if teacher_topk is None else
                _to_cpu(topk_teacher(target.lm_head, slots, temperature=teacher_temperature, topk=teacher_topk)))
     prefix = batch["context_valid"].shape[1]

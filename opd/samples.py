@@ -105,12 +105,12 @@ class SampleStore:
     def fetch(self, wanted: list[Wanted], draw: Draw | None = None) -> list[StoredSample]:
         """The stored samples of `wanted`, in order. With `draw`, missing ones are drawn and appended first, under
         an exclusive lock on the file, so processes that share it never draw a sample twice."""
-        if draw is not None and self._missing(wanted):
+        if draw is not None and self.missing(wanted):
             with self.path.open("a") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
                 self._drop_partial_line(f)
                 self.refresh()
-                for group in _grouped(self._missing(wanted)):
+                for group in _grouped(self.missing(wanted)):
                     responses, costs = draw(group)
                     for w, response, cost in zip(group, responses, costs):
                         row = {"id": w.prompt.id, "prompt_ids": w.prompt.ids, "response_ids": response,
@@ -120,7 +120,7 @@ class SampleStore:
                         self.rows[self._key(w)] = StoredSample(response, cost)
                     f.flush()
                 self._read = f.tell()
-        if missing := self._missing(wanted):
+        if missing := self.missing(wanted):
             w = missing[0]
             raise OpdError(f"{self.field}: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
                            f"{describe(self.settings[w.setting])} (expected `opd gen-samples` to have drawn it)")
@@ -182,8 +182,8 @@ class SampleStore:
     def _key(self, w: Wanted) -> tuple[tuple[float, float, int], str, int]:
         return self.settings[w.setting], w.prompt.id, w.j
 
-    def _missing(self, wanted: list[Wanted]) -> list[Wanted]:
-        """The wanted samples the file lacks, each once."""
+    def missing(self, wanted: list[Wanted]) -> list[Wanted]:
+        """The wanted samples the file lacks (as last read), each once."""
         return list({self._key(w): w for w in wanted if self._key(w) not in self.rows}.values())
 
     def _drop_partial_line(self, f) -> None:

@@ -27,14 +27,15 @@ def eagle3_sets() -> list[str]:
 def test_greedy_eagle3_rollouts_train_identically_from_every_source(micro_spec_file, tmp_path):
     """The rebuild holds for chains: rollouts decoded with the drafter, sampled from the target and rebuilt by the
     scorer, or read from a sample file all take the same steps, at a learning rate that changes the drafts."""
-    greedy = [*eagle3_sets(), "rollout.temperature=0", "optim.lr=0.03", "steps=4"]
+    greedy = [*eagle3_sets(), "rollout.temperature=0", "optim.lr=0.03", "steps=4",
+              "models.dtype=float64"]  # the shared forward and the packed row differ in shape: float32 rounding
     reference = losses(spec_for(micro_spec_file, tmp_path, "speculative", *greedy))
     assert all(torch.isfinite(torch.tensor(reference)))
     path = sample_file(micro_spec_file, tmp_path, *greedy, engine="autoregressive")
     for name, sets in {"target": ["rollout.source=target"],
                        "samples": ["rollout.source=samples", f"rollout.samples_path={path}"]}.items():
         assert losses(spec_for(micro_spec_file, tmp_path, name, *greedy, *sets)) == pytest.approx(
-            reference, rel=1e-6), name
+            reference, rel=1e-9), name
 
 
 def test_sft_takes_the_draft_vocabulary_from_its_data(micro_spec_file, tmp_path, capsys):

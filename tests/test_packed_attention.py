@@ -15,7 +15,7 @@ from opd.decoding.record import SequenceRecord
 from opd.errors import OpdError
 from opd.memory import peak_cpu_bytes
 from opd.models.packed_attention import PackedRow, PackedRows
-from opd.replay import _Packed, packed_inputs
+from opd.replay import CommittedView, _Packed, block_inputs, packed_inputs
 from opd.tiny.micro import micro_drafter, micro_target
 
 EXACT = 1e-10
@@ -131,6 +131,39 @@ def test_packed_teacher_equals_dense_mask(batch, mode, chunk_rows):
 def test_packed_teacher_equals_dense_mask_per_head_layout_and_implementation(heads, kv_heads, implementation):
     assert_teacher_equal(target_for(heads, kv_heads, implementation), BATCHES["two_lengths"], "draft_opd", 7,
                          EXACT if implementation == "sdpa" else EAGER)
+
+
+@pytest.mark.parametrize("batch", ["two_lengths", "with_blockless"])
+@pytest.mark.parametrize("chunk_rows", [1, 10_000])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_blocks_over_the_texts_cached_keys_equal_the_dense_packed_row(batch, chunk_rows, implementation):
+    """The scorer's shared forward (`CommittedView` with keys and values, then the block rows alone with
+    `PackedRows.cached`) gives every block slot the state the dense packed mask gives it."""
+    target, records = target_for(4, 2, implementation), BATCHES[batch]
+    packed, ids, positions, _ = packed_inputs(records, K, "draft_opd")
+    ref = target.hidden_states(ids, attention_mask=dense_teacher_masks(packed, K, ids.shape[1]),
+                               position_ids=positions)[0]
+    view = CommittedView.of(target, records, K, keep_kv=True)
+    got = view.states(target, packed, "draft_opd", K)[0]  # [B, T + Lb, H]: the text, then the block rows
+    text = view.hidden.shape[1]
+    tol = EXACT if implementation == "sdpa" else EAGER
+    for b, p in enumerate(packed):
+        blocks = len(p.ids) - p.prefix_len
+        assert (got[b, :p.prefix_len] - ref[b, :p.prefix_len]).abs().max() < tol
+        if blocks:
+            assert (got[b, text : text + blocks] - ref[b, p.prefix_len : len(p.ids)]).abs().max() < tol
+
+
+def test_cached_rows_need_the_keys_they_were_laid_out_for():
+    target = target_for(4, 2)
+    packed, ids, positions, _ = packed_inputs(BATCHES["one"], K, "draft_opd")
+    view = CommittedView.of(target, BATCHES["one"], K, keep_kv=True)
+    block_ids, block_positions, layout = block_inputs(packed, K, view.hidden.shape[1])
+    short = PackedRows(layout.rows, layout.length, layout.cached + 1)
+    with pytest.raises(OpdError, match=f"expected {layout.cached + 1} cached"):
+        target.hidden_states(block_ids, attention_mask=short, position_ids=block_positions, prefix=view.kv)
+    with pytest.raises(OpdError, match="longer than the 2 cached positions"):
+        PackedRows(layout.rows, layout.length, 2)
 
 
 def test_packed_layout_is_not_ignored():

@@ -6,7 +6,9 @@ elements at a 2048-token response and τ 1.4 (L ≈ 23K), and SDPA turns it into
 runs as plain causal attention, and the blocks run a chunk of blocks at a time against [the prefix up to the
 chunk's last anchor; the chunk's own blocks], with a small bool mask built on the device from anchor and offset
 vectors. A chunk holds about `CHUNK_ROWS` query rows, so the transient memory of a call is linear in L, and no
-compute is spent on keys that no query of the chunk sees. The student (`BlockChunks`) is the same idea on the
+compute is spent on keys that no query of the chunk sees. When the prefix already ran (a scorer that rebuilds
+blocks takes the text's keys and values from its forward over the text, `PackedRows.cached`), only the block rows
+are queries and the prefix's keys come from the KV cache. The student (`BlockChunks`) is the same idea on the
 drafter's own attention: block m sees valid context positions before its anchor and its whole own block.
 
 GQA: masked calls fold each key/value head's G query heads into the query axis ([B, kv, G·S, d]), so keys and
@@ -91,7 +93,11 @@ class PackedRow:
     @property
     def length(self) -> int:
         """Rows used: prefix plus blocks."""
-        return self.prefix_len + len(self.anchors) * self.span
+        return self.prefix_len + self.block_rows
+
+    @property
+    def block_rows(self) -> int:
+        return len(self.anchors) * self.span
 
     def to(self, device: torch.device | str) -> PackedRow:
         return PackedRow(self.prefix_len, self.span, self.anchors.to(device), self.chunks)
@@ -106,44 +112,55 @@ class PackedRow:
         return torch.cat([sees_prefix, sees_own], dim=1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               scale: float | None) -> None:
-        """Fill out [1, H, L, d] from q [1, H, L, d] and k, v [1, kv, L, d] of this row."""
+               scale: float | None, cached: int = 0) -> None:
+        """Fill out [1, H, L, d] from q [1, H, L, d] and k, v [1, kv, L, d] of this row. `cached` > 0: the prefix
+        ran before (its keys and values are the first `cached` of k, v, from a KV cache) and q holds the block
+        rows alone, so k, v are [1, kv, cached + L, d]."""
         p = self.prefix_len
-        out[:, :, :p] = causal_sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], scale)
+        if not cached:
+            out[:, :, :p] = causal_sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], scale)
+        q0, k0 = (0, cached) if cached else (p, p)  # where the block rows start among the queries and the keys
         for first, end, keys in self.chunks:
-            r0, r1 = p + first * self.span, p + end * self.span
-            keys_k = torch.cat([k[:, :, :keys], k[:, :, r0:r1]], dim=2)
-            keys_v = torch.cat([v[:, :, :keys], v[:, :, r0:r1]], dim=2)
+            r0, r1 = first * self.span, end * self.span
+            keys_k = torch.cat([k[:, :, :keys], k[:, :, k0 + r0 : k0 + r1]], dim=2)
+            keys_v = torch.cat([v[:, :, :keys], v[:, :, k0 + r0 : k0 + r1]], dim=2)
             mask = self.chunk_mask(first, end, keys)[None, None]
-            out[:, :, r0:r1] = grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, mask, scale)
+            out[:, :, q0 + r0 : q0 + r1] = grouped_sdpa(q[:, :, q0 + r0 : q0 + r1], keys_k, keys_v, mask, scale)
 
 
 @dataclass(frozen=True)
 class PackedRows:
     """The attention layout of a padded batch of packed rows, each `length` long: what the target takes in place
-    of a [B, 1, L, L] mask."""
+    of a [B, 1, L, L] mask. `cached` > 0: the rows' prefixes are already in the target's KV cache (each row's text,
+    right-padded to `cached` positions) and the forward runs the block rows alone, `length` per batch row."""
 
     rows: tuple[PackedRow, ...]
     length: int
+    cached: int = 0
 
     def __post_init__(self) -> None:
-        too_long = [r.length for r in self.rows if r.length > self.length]
+        too_long = [n for n in (r.block_rows if self.cached else r.length for r in self.rows) if n > self.length]
         if too_long:
             raise OpdError(f"packed rows: a row needs {max(too_long)} positions, the batch is {self.length} long")
+        if self.cached and any(r.prefix_len > self.cached for r in self.rows):
+            raise OpdError(f"packed rows: a prefix is longer than the {self.cached} cached positions")
 
     def to(self, device: torch.device | str) -> PackedRows:
-        return PackedRows(tuple(r.to(device) for r in self.rows), self.length)
+        return PackedRows(tuple(r.to(device) for r in self.rows), self.length, self.cached)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float | None) -> torch.Tensor:
-        """HF's attention contract: q [B, H, L, d], k/v [B, kv, L, d] -> [B, L, H, d]."""
+        """HF's attention contract: q [B, H, L, d], k/v [B, kv, cached + L, d] -> [B, L, H, d]."""
         if query.shape[0] != len(self.rows) or query.shape[2] != self.length:
             raise OpdError(f"packed rows: layout is {len(self.rows)} x {self.length}, queries are "
                            f"{query.shape[0]} x {query.shape[2]}")
+        if key.shape[2] != self.cached + self.length:
+            raise OpdError(f"packed rows: expected {self.cached} cached + {self.length} keys, got {key.shape[2]}")
         batch, heads, length, dim = query.shape
         out = query.new_zeros(batch, length, heads, dim)  # written through a [B, H, L, d] view: no final copy
         for b, row in enumerate(self.rows):
-            row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1].transpose(1, 2), scale)
+            row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1].transpose(1, 2), scale,
+                       self.cached)
         return out
 
 

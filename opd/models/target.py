@@ -29,6 +29,26 @@ class TargetOutput:
     past_key_values: Any = None
 
 
+@dataclass(frozen=True)
+class KVPrefix:
+    """The target's keys and values over a batch of right-padded texts, per layer ([B, kv, T, d] each): a later
+    forward whose rows attend to those texts (packed replay's blocks, `PackedRows.cached`) does not recompute them.
+    About 2·layers·kv·d values per token (147 KB in bf16 at Qwen3-8B), so it lives only as long as one batch."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    def cache(self) -> Any:
+        """A fresh HF cache holding these tensors: a forward appends to the cache, never to them, so the prefix
+        can serve again."""
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=self.layers)
+
+
 class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
@@ -99,12 +119,25 @@ class Target(nn.Module):
 
     @torch.no_grad()
     def hidden_states(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | PackedRows | None = None,
-                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      position_ids: torch.Tensor | None = None,
+                      prefix: KVPrefix | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(final-norm hidden states [B,T,H], features [B,T,n*H]) from the decoder alone, without the LM head:
         replay needs the target's distribution only at drafted slots, and `lm_head` of these states gives it
-        exactly, so no [B,T,V] logits are made for the prefix."""
-        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, use_cache=False)
+        exactly, so no [B,T,V] logits are made for the prefix. `prefix`: keys and values that come before these
+        rows (`text_states`), for a `PackedRows` layout with `cached` set to its length."""
+        cache = {} if prefix is None else {"use_cache": True, self._cache_arg: prefix.cache()}
+        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids,
+                                  **({"use_cache": False} | cache))
         return out.last_hidden_state, features
+
+    @torch.no_grad()
+    def text_states(self, input_ids: torch.Tensor, *, attention_mask: PackedRows,
+                    position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KVPrefix]:
+        """`hidden_states`, plus the keys and values of every layer over these rows, for a later forward of rows
+        that attend to them."""
+        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, use_cache=True)
+        cache = getattr(out, self._cache_arg)
+        return out.last_hidden_state, features, KVPrefix(tuple((layer.keys, layer.values) for layer in cache.layers))
 
     def _run(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | PackedRows | None,
              position_ids: torch.Tensor | None, **kwargs: Any) -> tuple[Any, torch.Tensor]:

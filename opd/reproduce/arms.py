@@ -173,17 +173,26 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
         report = trainer.train_step()
         records_by_step.append(report.metrics)
         spent = session.flops.total
-        if budget_setter and session.step in mark_steps or marks and spent >= marks[0]:
-            curve.append((spent, evaluator(session.drafter)["greedy"]))
-            marks = marks[1:]
-        if (budget_setter and session.step >= job.opd_steps) or (not budget_setter and not marks) or \
-                session.step >= cap:
+        hit = budget_setter and session.step in mark_steps or marks and spent >= marks[0]
+        marks = marks[1:] if hit else marks
+        end = (budget_setter and session.step >= job.opd_steps) or (not budget_setter and not marks) or \
+            session.step >= cap
+        if hit:  # the mark the arm ends on reads the final rows' greedy τ below
+            curve.append((spent, None if end else evaluator(session.drafter)["greedy"]))
+        if end:
             break
     final_rows = evaluator.every_family(session.drafter)
+    curve = _with_final(curve, final_rows)
     return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, _tau(final_rows),
                      _first_rejection_halves(records_by_step, session.drafter.block_size),
                      initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows,
                      rollout_expected=_rollout_expected(records_by_step), eval_minutes=evaluator.seconds / 60)
+
+
+def _with_final(curve: list[tuple[float, float | None]], final_rows: dict[str, list[dict]]) -> list[tuple[float, float]]:
+    """The curve with its final point's τ (None: measured at the end, with every setting) filled in: the final
+    rows' held-out greedy τ is that point's, on the same samples, so it is not measured twice."""
+    return [(flops, _tau(final_rows)["greedy"] if tau is None else tau) for flops, tau in curve]
 
 
 def _first_rejection_halves(metrics: list[dict[str, float]], block_size: int) -> dict[str, list[float]]:
@@ -219,12 +228,13 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
         nonlocal marks, steps
         steps += 1
         if marks and flops.total >= marks[0]:
-            curve.append((flops.total, evaluator(models.drafter)["greedy"]))
-            marks = marks[1:]
+            marks = marks[1:]  # training stops at the last mark (sft.max_flops): its τ is the final rows'
+            curve.append((flops.total, evaluator(models.drafter)["greedy"] if marks else None))
 
     flops = train_sft(spec, models, examples, on_step=on_step)
     if marks:
         raise OpdError(f"arm {job.arm.name}: SFT data ran out before the FLOP budget; raise sft.epochs")
     final_rows = evaluator.every_family(models.drafter)
+    curve = _with_final(curve, final_rows)
     return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, _tau(final_rows), final_rows=final_rows,
                      eval_minutes=evaluator.seconds / 60)

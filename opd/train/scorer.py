@@ -4,8 +4,9 @@ With a rebuilt rollout source (`rollout.source: target | samples`) the batch arr
 the scorer first rebuilds its blocks (opd/rebuild.py) with the drafter it owns, which adopts every published
 version: the batch's `draft_version` is then the scorer's, so its policy lag is measured where the blocks are
 made and rollout never waits for weights. The rebuild's cost is counted with the batch's production FLOPs.
-In the committed replay layout the rebuild and the teacher read the target over the same text (prompt + response),
-so one forward per micro-batch (`CommittedView`) serves both and is charged once, with the rebuild.
+The rebuild and the teacher read the target over the same text (prompt + response), so one forward per
+micro-batch (`CommittedView`) serves both and is charged once, with the rebuild: the committed layout's teacher is
+that view, and the packed (draft_opd) layout's runs the drafted blocks alone over the view's keys and values.
 
 The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
 teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
@@ -58,8 +59,8 @@ class Scorer:
 
     @property
     def shares_forward(self) -> bool:
-        """Rebuilt blocks scored in the committed layout: the rebuild's target forward is the teacher's too."""
-        return self.spec.rollout.rebuilt and replay_mode(self.spec) == "committed"
+        """Rebuilt blocks: the rebuild's target forward over the text is the teacher's too."""
+        return self.spec.rollout.rebuilt
 
     def __call__(self, batch: AnchorBatch) -> ScoredItem:
         if self.shares_forward:
@@ -76,18 +77,20 @@ class Scorer:
     def committed_views(self, records: list[SequenceRecord]) -> list[CommittedView]:
         """The target's view of each micro-batch's text (`score_micro_batches`' grouping), one forward each. The
         whole batch's views live until it is scored: about the rebuild's own feature tensors, plus 1/n for the
-        hidden states (n target layers feed the drafter)."""
+        hidden states (n target layers feed the drafter), plus in the draft_opd layout every layer's keys and
+        values over the text (at Qwen3-8B, 147 KB a token in bf16: 4.8 GB for 8 sequences of 4K tokens)."""
         size, block_size = self.spec.optim.micro_batch_size, self.spec.models.drafter.block_size
-        return [CommittedView.of(self.target, records[i : i + size], block_size)
+        keep_kv = replay_mode(self.spec) == "draft_opd"
+        return [CommittedView.of(self.target, records[i : i + size], block_size, keep_kv=keep_kv)
                 for i in range(0, len(records), size)]
 
     def score_views(self, records: list[SequenceRecord], views: list[CommittedView]) -> list[ScoredBatch]:
-        """`score_micro_batches` in the committed layout, reading each micro-batch's precomputed view: the view of
-        the text taken before the rebuild holds for the rebuilt records, whose text is unchanged."""
+        """`score_micro_batches` reading each micro-batch's precomputed view: the view of the text taken before
+        the rebuild holds for the rebuilt records, whose text is unchanged."""
         size, r = self.spec.optim.micro_batch_size, self.spec.replay
         return [score(self.target, records[j * size : (j + 1) * size], block_size=self.spec.models.drafter.block_size,
-                      mode="committed", teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk,
-                      view=view)
+                      mode=replay_mode(self.spec), teacher_temperature=r.teacher_temperature,
+                      teacher_topk=r.teacher_topk, view=view)
                 for j, view in enumerate(views)]
 
     def rebuild(self, batch: AnchorBatch, features: list[torch.Tensor] | None = None) -> AnchorBatch:
@@ -104,10 +107,11 @@ class Scorer:
     def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
         """The teacher's FLOPs (opd/train/flops.py): every packed token (the committed prefix and every drafted
         block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner).
-        With a shared forward (`shares_forward`) the decoder ran once over the text, already charged by
-        `rebuild_flops` to the batch's production FLOPs, so only the LM head is counted here."""
+        With a shared forward (`shares_forward`) the decoder ran over the text once, charged by `rebuild_flops` to
+        the batch's production FLOPs, so only the drafted blocks' rows and the LM head are counted here."""
         block_size, mode = self.spec.models.drafter.block_size, replay_mode(self.spec)
-        tokens = 0 if self.shares_forward else sum(len(pack(r, block_size, mode).ids) for r in records)
+        packed = [pack(r, block_size, mode) for r in records]
+        tokens = sum(len(p.ids) - (p.prefix_len if self.shares_forward else 0) for p in packed)
         return self.params.forward(tokens, logits=sum(int(m.position_mask.sum()) for m in micro))
 
     def expected_acceptance(self, batch: AnchorBatch, micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
