@@ -126,14 +126,17 @@ def per_sequence(target: TargetParams, drafter: DrafterParams, first_rejection: 
     text = p["prompt"] + p["response"]
     mode = "committed" if first_rejection else "draft_opd"
     scored_slots = sum(min(r + 1, k - 1) for r in rec.accepted) if first_rejection else len(rec.anchors) * (k - 1)
-    score = target.forward(len(pack(rec, k, mode).ids), logits=len(rec.anchors) * (k - 1))
+    packed, slots = pack(rec, k, mode), len(rec.anchors) * (k - 1)
+    score = target.forward(len(packed.ids), logits=slots)
+    # a rebuilding scorer runs the text once (the rebuild's forward) and the packed teacher's blocks over its keys
+    score_rebuilt = target.forward(len(packed.ids) - packed.prefix_len, logits=slots)
     learn = drafter.train(context=p["prompt"] + rec.anchors[-1], blocks=len(rec.anchors), slots=scored_slots)
     speculative = decode_flops([rec], target, drafter).total
     sampling = target.forward(text, logits=p["response"])  # vLLM forms logits at sampled positions only
     rebuild = rebuild_flops([rec], target, drafter)  # the walk's drafter steps are small calls: decode-like
     return {"speculative": {"decode": speculative, "prefill": score + learn},
             "target (vLLM sampling)": {"decode": sampling + rebuild.drafter_forward,
-                                       "prefill": rebuild.target_forward + score + learn}}
+                                       "prefill": rebuild.target_forward + score_rebuilt + learn}}
 
 
 def projection(decode_mfu: float, prefill_mfu: float) -> list[dict]:
