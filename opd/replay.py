@@ -147,10 +147,12 @@ class CommittedView:
         """One target forward over the records' texts, laid out as `score` lays them out in the committed mode;
         `keep_kv` for a draft_opd teacher."""
         packed, ids, positions, layout = packed_inputs(records, block_size, "committed")
-        device, kv = target.device, None
-        run = target.text_states if keep_kv else target.hidden_states
-        out = run(ids.to(device), attention_mask=layout.to(device), position_ids=positions.to(device))
-        hidden, features, kv = out if keep_kv else (*out, None)
+        device = target.device
+        where = {"attention_mask": layout.to(device), "position_ids": positions.to(device)}
+        if keep_kv:
+            hidden, features, kv = target.text_states(ids.to(device), **where)
+        else:
+            (hidden, features), kv = target.hidden_states(ids.to(device), **where), None
         lengths = torch.tensor([len(p.ids) for p in packed])
         return cls(hidden, features, torch.arange(ids.shape[1])[None, :] < lengths[:, None], kv)
 
