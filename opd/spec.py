@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from opd.errors import OpdError
@@ -895,6 +895,23 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), *, check_paths: b
 
 
 # ------------------------------------------------------------------------------------------------ export
+
+
+def field_default(dotted: str) -> str | None:
+    """The schema default of a `flatten` key, in `flatten`'s form; None where the path has none (a required field,
+    an item of a list, or no such field)."""
+    model: Any = ExperimentSpec
+    *sections, name = dotted.split(".")
+    for part in sections:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = field.annotation if field is not None else None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)) or name not in model.model_fields:
+        return None
+    field = model.model_fields[name]
+    if field.is_required():
+        return None
+    value = TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def flatten(spec: ExperimentSpec) -> dict[str, str]:

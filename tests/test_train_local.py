@@ -7,6 +7,7 @@ import torch
 
 from opd.errors import OpdError
 from opd.spec import load_spec
+from opd.train.checkpoint import STATE_FILE, latest_checkpoint
 from opd.train.local import LocalTrainer
 
 
@@ -118,6 +119,22 @@ def test_a_run_dir_refuses_to_resume_a_different_experiment(micro_spec_file, tmp
         changed.run()
     longer = LocalTrainer(load_spec(micro_spec_file, [*run, "steps=5", "eval.num_prompts=2"]), track=False).run()
     assert longer.steps == 5 and len(longer.losses) == 3
+
+
+def test_a_run_from_before_a_new_spec_field_resumes_when_the_field_is_at_its_default(micro_spec_file, tmp_path):
+    """A checkpoint saved by older code lacks fields added since; the code it trained with behaved as their
+    default, so they count as unchanged there, and only a non-default value is refused, named as newer."""
+    run = [f"tracking.run_dir={tmp_path / 'r'}", "eval.every=0"]
+    LocalTrainer(load_spec(micro_spec_file, run), track=False).run(stop_after=2)
+    path = latest_checkpoint(tmp_path / "r") / STATE_FILE
+    state = torch.load(path, weights_only=False)
+    del state["spec"]["rollout.source"]  # as if the run predated rollout sources
+    torch.save(state, path)
+    moved = LocalTrainer(load_spec(micro_spec_file, [*run, "rollout.source=target"]), track=False)
+    with pytest.raises(OpdError, match=r"rollout\.source=speculative \(its default: the field is newer than the "
+                                       r"run\) but the spec now says target"):
+        moved.run()
+    assert LocalTrainer(load_spec(micro_spec_file, [*run, "steps=3"]), track=False).run().steps == 3
 
 
 class LateEvaluations:

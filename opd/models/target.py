@@ -37,10 +37,6 @@ class KVPrefix:
 
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
-    @property
-    def length(self) -> int:
-        return self.layers[0][0].shape[2]
-
     def cache(self) -> Any:
         """A fresh HF cache holding these tensors: a forward appends to the cache, never to them, so the prefix
         can serve again."""
@@ -125,9 +121,8 @@ class Target(nn.Module):
         replay needs the target's distribution only at drafted slots, and `lm_head` of these states gives it
         exactly, so no [B,T,V] logits are made for the prefix. `prefix`: keys and values that come before these
         rows (`text_states`), for a `PackedRows` layout with `cached` set to its length."""
-        cache = {} if prefix is None else {"use_cache": True, self._cache_arg: prefix.cache()}
-        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids,
-                                  **({"use_cache": False} | cache))
+        cache = {"use_cache": False} if prefix is None else {"use_cache": True, self._cache_arg: prefix.cache()}
+        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, **cache)
         return out.last_hidden_state, features
 
     @torch.no_grad()

@@ -189,7 +189,8 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
                      rollout_expected=_rollout_expected(records_by_step), eval_minutes=evaluator.seconds / 60)
 
 
-def _with_final(curve: list[tuple[float, float | None]], final_rows: dict[str, list[dict]]) -> list[tuple[float, float]]:
+def _with_final(curve: list[tuple[float, float | None]],
+                final_rows: dict[str, list[dict]]) -> list[tuple[float, float]]:
     """The curve with its final point's τ (None: measured at the end, with every setting) filled in: the final
     rows' held-out greedy τ is that point's, on the same samples, so it is not measured twice."""
     return [(flops, _tau(final_rows)["greedy"] if tau is None else tau) for flops, tau in curve]

@@ -15,7 +15,7 @@ import torch
 
 from opd.errors import OpdError
 from opd.models.family import Drafter
-from opd.spec import ExperimentSpec, flatten
+from opd.spec import ExperimentSpec, field_default, flatten
 
 STATE_FILE = "trainer_state.pt"
 # Sections a resumed run may change: how long it runs, how it is placed, evaluated and logged.
@@ -90,9 +90,15 @@ def check_same_training(path: Path, saved: dict[str, str] | None, spec: Experime
     if saved is None:
         return
     now = training_fields(spec)
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+
+    def trained(key: str) -> str | None:
+        """A field newer than the run was at its default then: the code the run trained with had no other value."""
+        return saved[key] if key in saved else field_default(key)
+
+    changed = sorted(k for k in saved.keys() | now.keys() if trained(k) != now.get(k))
     if changed:
         k = changed[0]
-        raise OpdError(f"{path}: this run was trained with {k}={saved.get(k)} but the spec now says {now.get(k)} "
-                       f"({len(changed)} field(s) differ); resume with the same spec, or start fresh with another "
-                       f"tracking.run_dir")
+        newer = "" if k in saved else " (its default: the field is newer than the run)"
+        raise OpdError(f"{path}: this run was trained with {k}={trained(k)}{newer} but the spec now says "
+                       f"{now.get(k)} ({len(changed)} field(s) differ); resume with the same spec, or start fresh "
+                       f"with another tracking.run_dir")
