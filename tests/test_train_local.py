@@ -137,6 +137,16 @@ def test_a_run_from_before_a_new_spec_field_resumes_when_the_field_is_at_its_def
     assert LocalTrainer(load_spec(micro_spec_file, [*run, "steps=3"]), track=False).run().steps == 3
 
 
+def test_a_run_resumed_at_its_last_step_reports_its_checkpoint(micro_spec_file, tmp_path):
+    """Killed after its final checkpoint but before `opd run` evaluated it: the resumed command takes no step and
+    must still hand on the trained drafter, not None (which `held_out_eval` reads as the warm drafter)."""
+    spec = load_spec(micro_spec_file, [f"tracking.run_dir={tmp_path / 'r'}", "eval.every=0", "steps=2"])
+    first = LocalTrainer(spec, track=False).run()
+    again = LocalTrainer(spec, track=False).run()
+    assert first.checkpoint is not None and again.steps == 2 and again.losses == []
+    assert again.checkpoint == first.checkpoint
+
+
 class LateEvaluations:
     """An evaluator that decodes each snapshot only at the learner's next step, after its weights have moved on,
     as the Ray evaluator actor may; the last step waits for everything. It keeps the weights it evaluated."""

@@ -112,7 +112,7 @@ class TrainResult:
     steps: int  # the learner's step when the command stopped
     losses: list[float] = field(default_factory=list)  # per step taken in this process
     evals: dict[int, list[EvalRow]] = field(default_factory=dict)  # step -> held-out rows
-    checkpoint: str | None = None  # the last checkpoint written (DFlash format), if any
+    checkpoint: str | None = None  # the run's newest checkpoint (DFlash format), if any: written now or before a resume
     run_id: str | None = None  # the MLflow run
 
 

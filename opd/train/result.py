@@ -12,6 +12,7 @@ from rich.progress import TextColumn
 
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec
+from opd.train.checkpoint import latest_checkpoint
 from opd.train.messages import StepReport, TrainResult
 
 
@@ -25,6 +26,8 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
     loss and checkpoint, and the held-out evaluations that came back, under the steps they evaluated, in `result`."""
     until = spec.steps if until is None else until
     step = result.steps
+    if result.checkpoint is None and (resumed := latest_checkpoint(spec.run_dir)) is not None:
+        result.checkpoint = str(resumed)  # a resumed run's drafter so far, even if it takes no step here
     with progress_bar(*progress_columns()) as bar:
         task = bar.add_task(label, total=spec.steps, completed=step, loss=float("nan"), tau=float("nan"))
         while step < until:
