@@ -27,7 +27,7 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
     until = spec.steps if until is None else until
     step = result.steps
     if result.checkpoint is None and (resumed := latest_checkpoint(spec.run_dir)) is not None:
-        result.checkpoint = str(resumed)  # a resumed run's drafter so far, even if it takes no step here
+        result.checkpoint = str(resumed.resolve())  # a resumed run's drafter so far, even with no step here
     with progress_bar(*progress_columns()) as bar:
         task = bar.add_task(label, total=spec.steps, completed=step, loss=float("nan"), tau=float("nan"))
         while step < until:
