@@ -27,7 +27,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from actors.evaluator import NAME as EVALUATOR, EvaluatorActor, EvaluatorPlacement
+from actors.evaluator import NAME as EVALUATOR
+from actors.evaluator import EvaluatorActor, EvaluatorPlacement
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
@@ -35,11 +36,11 @@ from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
-from opd.eval_row import EvalRow
+from opd.eval.row import EvalRow
 from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
-from opd.train.distributed import free_address
 from opd.tracking import end_run, run_status
+from opd.train.distributed import free_address
 from opd.train.messages import StepReport, TrainResult
 from opd.train.result import run_to
 

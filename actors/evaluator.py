@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.errors import OpdError
-from opd.eval_row import EvalRow
+from opd.eval.row import EvalRow
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import EvalResult, Evaluator
 from opd.train.messages import WeightSnapshot

@@ -18,12 +18,13 @@ from actors.evaluator import ActorEvaluations
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue
-from opd.losses import StepNorm
+from opd.distill.losses import StepNorm
+from opd.distill.replay import ScoredBatch
 from opd.models.build import resolve_device
 from opd.spec import ExperimentSpec
 from opd.train.distributed import Group, init_group
 from opd.train.ledger import StepBuffer
-from opd.train.messages import ScoredBatch, ScoredItem, Ticket, WeightSnapshot
+from opd.train.messages import ScoredItem, Ticket, WeightSnapshot
 from opd.train.session import LearnerRank, TrainingSession
 
 

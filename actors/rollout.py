@@ -9,8 +9,8 @@ import ray
 
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from opd.acceptance import AcceptanceStats
-from opd.data import load_tokenizer, train_prompts
+from opd.data.prompts import load_tokenizer, train_prompts
+from opd.eval.acceptance import AcceptanceStats
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec
 from opd.train.messages import Ticket, WeightSnapshot

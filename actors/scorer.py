@@ -14,7 +14,7 @@ import ray
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from opd.data import load_tokenizer
+from opd.data.prompts import load_tokenizer
 from opd.models.build import build_drafter, build_target
 from opd.spec import ExperimentSpec
 from opd.train.ledger import VersionGate

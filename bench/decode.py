@@ -17,11 +17,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from opd.acceptance import AcceptanceStats
-from opd.data import eval_prompts
+from opd.data.prompts import eval_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.eval.acceptance import AcceptanceStats
 from opd.models.build import build_models
 from opd.spec import load_spec
 

@@ -15,7 +15,7 @@ packed replay needs a 4-D attention mask that flash-attn does not take.
   drafter's drafts are almost never accepted (τ ≈ 1), so these rows measure the *cost* side — tokens/s and latency
   per step (one target forward, or one draft + verify step) — not the speedup a trained drafter gives; `opd eval`
   measures that.
-- replay: `opd.replay.score` + `student_hidden` (teacher and student hidden states at the slots) on synthetic rollout
+- replay: `opd.distill.replay.score` + `student_hidden` (teacher and student hidden states at the slots) on synthetic rollout
   records (bench/replay.py), anchors and committed tokens per second at batch 1 and 4.
 - learner: `Learner.train_step` (student replay, acceptance-aware loss, backward, AdamW) on one scored sequence.
 
@@ -44,16 +44,16 @@ from replay import synthetic_record  # bench/replay.py, beside this script
 from rich.console import Console
 from rich.table import Table
 
-from opd.acceptance import AcceptanceStats
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.replay import score, student_hidden
+from opd.eval.acceptance import AcceptanceStats
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import Eagle3Config
 from opd.models.family import KINDS, Drafter
 from opd.models.target import Target
-from opd.replay import score, student_hidden
 from opd.spec import default_target_layer_ids, validate_spec
 from opd.train.learner import Learner
 

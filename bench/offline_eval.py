@@ -1,9 +1,9 @@
 """Offline against decoded held-out evaluation, side by side in one process.
 
 For each drafter (the shipped warm one and a random one), the held-out prompts are evaluated at greedy and
-Qwen3's T=0.6 serving setting: by speculative decoding alone (`opd.eval.evaluate`, what periodic evals and `opd
+Qwen3's T=0.6 serving setting: by speculative decoding alone (`opd.eval.online.evaluate`, what periodic evals and `opd
 reproduce` run), by speculative decoding with the autoregressive baseline (what `opd eval` and `opd run`'s
-before/after table run, for the speedup), and offline (`opd.offline_eval.OfflineEval`) on target samples drawn
+before/after table run, for the speedup), and offline (`opd.eval.offline.OfflineEval`) on target samples drawn
 once by the warm drafter's decodes, with the target's view cached. Prints τ ± 95% interval both ways and the
 seconds, writes JSON:
 
@@ -22,13 +22,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from opd.data import eval_prompts
-from opd.eval import evaluate
+from opd.data.prompts import eval_prompts
+from opd.eval.offline import OfflineEval
+from opd.eval.online import evaluate
 from opd.models.build import Models, build_drafter, build_models
-from opd.offline_eval import OfflineEval
-from opd.samples import SampleStore, Wanted, sampler_draw
+from opd.sources.samplers import build_sampler
+from opd.sources.store import SampleStore, Wanted, sampler_draw
 from opd.spec import SamplingSpec, load_spec
-from opd.target_sampler import build_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)]

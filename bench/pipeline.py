@@ -73,7 +73,7 @@ def write_random_target(spec: ExperimentSpec, out: Path) -> str:
     sys.path.insert(0, str(Path(__file__).parent))
     from replay import random_models
 
-    from opd.data import load_tokenizer
+    from opd.data.prompts import load_tokenizer
 
     target, _, shape = random_models(spec, spec.seed)
     target.model.config.eos_token_id = load_tokenizer(spec.models.tokenizer).eos_token_id

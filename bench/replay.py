@@ -5,7 +5,7 @@
 Synthetic speculative-decoding records (random tokens, a ~40-token prompt, anchors a_{m+1} = a_m + r_m + 1 with
 r_m in 0..K-1 drawn as K-1 Bernoulli acceptances that stop at the first rejection) are replayed two ways:
 
-- packed: `opd.replay.score` (one packed target forward for every block of the batch, block-sparse attention) +
+- packed: `opd.distill.replay.score` (one packed target forward for every block of the batch, block-sparse attention) +
   `student_hidden` (one drafter forward over all blocks, attention a chunk of blocks at a time);
 - naive: the per-anchor reference loop of tests/test_replay.py, one anchor at a time: a plain causal target
   forward on prompt + response[:a+1] + draft[:K-2] (teacher log-probs at the K-1 slots), then a fresh drafter
@@ -35,11 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.decoding.record import SequenceRecord
-from opd.losses import teacher_distribution
+from opd.distill.losses import teacher_distribution
+from opd.distill.replay import score, student_hidden
 from opd.models.build import DTYPES, build_models, random_drafter
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
-from opd.replay import score, student_hidden
 from opd.spec import default_target_layer_ids, load_spec
 
 RESULTS = Path(__file__).parent / "results" / "replay.json"
@@ -69,7 +69,7 @@ def random_models(spec, seed: int) -> tuple[Target, DFlashDrafter, str]:
     layer_ids = m.layer_ids or default_target_layer_ids(config.num_hidden_layers, m.drafter.num_layers)
     target = Target(model, layer_ids)
     try:
-        from opd.data import load_tokenizer
+        from opd.data.prompts import load_tokenizer
 
         tokenizer = load_tokenizer(m.tokenizer)
         if len(tokenizer) > target.vocab_size:

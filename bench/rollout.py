@@ -2,7 +2,7 @@
 
 1. Measured on this CPU with the shipped tiny models (configs/tiny.yaml: batches of 8 prompts, 128 tokens), side
    by side in one process: per source, rollout samples/s, the scorer's rebuild and scoring time, one learner step,
-   and the FLOPs per trained slot by role (the project's own counters, opd/train/flops.py).
+   and the FLOPs per trained slot by role (the project's own counters, opd/models/flops.py).
 2. A projection of the paper's Qwen3-4B OPD stage (5.3K steps x 24 sequences, 2048-token responses, K 16, τ 6)
    in H200 GPU-hours per source, from the same counters applied to Qwen3-4B's parameter counts (meta-device models:
    no weights) and a stated utilisation: decode-like work (rollout decoding, target sampling, the rebuild's
@@ -33,14 +33,12 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.decoding.record import SequenceRecord
+from opd.distill.replay import pack
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, rebuild_flops
 from opd.models.target import Target
-from opd.replay import pack
 from opd.spec import load_spec
-from opd.target_sampler import decode_flops
-from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.local import LocalTrainer
-from opd.train.scorer import rebuild_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -157,11 +155,11 @@ def projection(decode_mfu: float, prefill_mfu: float) -> list[dict]:
 
 def match_rate(config: str, prompts: int) -> list[dict]:
     """Per (drafter, setting): blocks decoded, and the share the rebuild reproduces exactly, in float32."""
-    from opd.data import eval_prompts
+    from opd.data.prompts import eval_prompts
     from opd.decoding.sampling import Sampling
     from opd.decoding.speculative import SpeculativeDecoder
     from opd.models.build import build_drafter, build_models
-    from opd.rebuild import rebuild_records
+    from opd.sources.rebuild import rebuild_records
 
     spec = load_spec(config, ["models.dtype=float32"])
     models = build_models(spec)

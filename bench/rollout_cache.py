@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from opd.data import eval_prompts
+from opd.data.prompts import eval_prompts
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.build import build_models

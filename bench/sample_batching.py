@@ -20,11 +20,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from opd.data import prompt_key, train_prompts
+from opd.data.prompts import prompt_key, train_prompts
 from opd.decoding.sampling import Sampling
 from opd.models.build import build_models
+from opd.sources.samplers import build_sampler
 from opd.spec import load_spec
-from opd.target_sampler import build_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"greedy": Sampling(), "T=0.6 top-k 20 top-p 0.95": Sampling(0.6, top_k=20, top_p=0.95)}

@@ -47,7 +47,6 @@ import gc
 import hashlib
 import json
 import pickle
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,13 +59,14 @@ from rich.console import Console
 from rich.table import Table
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
-from opd.losses import acceptance_aware_loss, sft_loss, teacher_distribution
+from opd.distill.dense_reference import dense_block_mask, dense_teacher_masks
+from opd.distill.losses import acceptance_aware_loss, sft_loss, teacher_distribution
+from opd.distill.replay import pack, packed_inputs, score, student_hidden
+from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.packed_attention import BlockChunks
 from opd.models.target import Target
-from opd.replay import pack, packed_inputs, score, student_hidden
 from opd.spec import EvalSpec, LossSpec, load_spec
 from opd.train.messages import WeightSnapshot
 from opd.train.sft import SftBatch, SftExample, sft_batch_loss, sft_micro_batches
@@ -310,14 +310,6 @@ def publish_times(ray, sink_cls) -> dict:
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # one Qwen3-4B attention layer
 
 
-def dense_references() -> tuple:
-    """The replaced dense masks, kept as tests/test_packed_attention.py's naive reference."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.test_packed_attention import dense_block_mask, dense_teacher_masks
-
-    return dense_teacher_masks, dense_block_mask
-
-
 def heads(rows: int, count: int, g: torch.Generator, grad: bool = False) -> torch.Tensor:
     """Random [1, count, rows, 128] fp32 queries, keys or values, as a layer's projections make them."""
     return torch.randn(1, count, rows, HEAD_DIM, generator=g).requires_grad_(grad)
@@ -326,7 +318,7 @@ def heads(rows: int, count: int, g: torch.Generator, grad: bool = False) -> torc
 def old_teacher_attention(packed: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The replaced teacher attention: the [1, 1, L, L] bool mask from its Python loop over blocks, then HF's sdpa
     with it (which repeats K/V per query head when a mask is given)."""
-    mask = dense_references()[0](packed, K, q.shape[2])
+    mask = dense_teacher_masks(packed, K, q.shape[2])
     stub = SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True, training=False)
     return sdpa_attention_forward(stub, q, k, v, mask, scaling=HEAD_DIM**-0.5)[0]
 
@@ -334,7 +326,7 @@ def old_teacher_attention(packed: list, q: torch.Tensor, k: torch.Tensor, v: tor
 def old_student_attention(valid: torch.Tensor, anchors: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The replaced DFlashAttention: the dense [1, 1, M*K, C+M*K] block mask, K/V repeated per query head."""
-    mask = dense_references()[1](valid, anchors, K)
+    mask = dense_block_mask(valid, anchors, K)
     groups = HEADS // KV_HEADS
     keys = torch.cat([context[0], k], dim=2).repeat_interleave(groups, 1)
     values = torch.cat([context[1], v], dim=2).repeat_interleave(groups, 1)

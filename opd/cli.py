@@ -34,13 +34,13 @@ def _load(args: argparse.Namespace) -> ExperimentSpec:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    """With path checks, also everything `opd train` checks before it starts (opd/preflight.py): a spec that
-    validates does not then fail on its inputs. Derived fields are printed resolved (opd/resolved.py)."""
-    from opd.resolved import resolved_yaml
+    """With path checks, also everything `opd train` checks before it starts (opd/commands/preflight.py): a spec that
+    validates does not then fail on its inputs. Derived fields are printed resolved (opd/commands/validate.py)."""
+    from opd.commands.validate import resolved_yaml
 
     spec = _load(args)
     if not args.no_path_check:
-        from opd.preflight import check_inputs
+        from opd.commands.preflight import check_inputs
         from opd.run_dir import writable_problem
 
         if problem := writable_problem(spec.run_dir):
@@ -65,13 +65,13 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from opd.eval import run_eval
+    from opd.eval.online import run_eval
 
     return run_eval(_load(args), args.draft, args.prompts, args.json, args.samples)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from opd.main_job import run_train
+    from opd.commands.run import run_train
 
     return run_train(_load(args))
 
@@ -88,7 +88,7 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from opd.main_job import run_main
+    from opd.commands.run import run_main
 
     return run_main(_load(args))
 
@@ -125,7 +125,7 @@ def _gen_sft_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _gen_sft_data(args: argparse.Namespace) -> int:
-    from opd.gen_data import run_gen_sft_data
+    from opd.commands.gen_sft_data import run_gen_sft_data
 
     return run_gen_sft_data(_load(args), args.engine, args.out)
 
@@ -144,7 +144,7 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _gen_samples(args: argparse.Namespace) -> int:
-    from opd.gen_samples import run_gen_samples
+    from opd.commands.gen_samples import run_gen_samples
 
     if args.prompts and not args.eval:
         raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")
@@ -167,7 +167,7 @@ def _prompt_pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompt_pool(args: argparse.Namespace) -> int:
-    from opd.prompt_pool import run_prompt_pool
+    from opd.data.pool import run_prompt_pool
 
     return run_prompt_pool(args.out, args.files, args.counts, args.math500, args.heldout, args.seed)
 
@@ -183,7 +183,7 @@ def _serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve_bench(args: argparse.Namespace) -> int:
-    from opd.serving.bench import run_serve_bench
+    from opd.commands.serve_bench import run_serve_bench
 
     return run_serve_bench(_load(args), args.draft, args.concurrency, args.json, baseline=not args.no_baseline)
 

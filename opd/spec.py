@@ -297,7 +297,7 @@ class RolloutSpec(_Section):
     mix: list[RolloutSampling] = Field(default_factory=list)
     # Where the target samples come from (DESIGN.md §6). speculative: the paper's path, rollout actors decode with
     # a drafter copy that adopts every broadcast and record its blocks. target: rollout actors only sample the
-    # target (`sampler`) and the scorer rebuilds the blocks with the newest drafter (opd/rebuild.py), exact because
+    # target (`sampler`) and the scorer rebuilds the blocks with the newest drafter (opd/sources/rebuild.py), exact because
     # drafts are point masses and decoding is lossless. samples: the same, from a file of stored target samples.
     source: Literal["speculative", "target", "samples"] = "speculative"
     # source target: speculative = the speculative decoder with the warm drafter, never updated (lossless, the
@@ -543,7 +543,7 @@ class EvalSpec(_Section):
     collapse_ratio: float | None = Field(None, gt=0, le=1)
     stop_on_collapse: bool = False
     # Stored target samples of the held-out prompts (`opd gen-samples --eval`): periodic and before/after evals
-    # then rebuild each point-mass setting's blocks on them instead of decoding (opd/offline_eval.py), the same τ
+    # then rebuild each point-mass setting's blocks on them instead of decoding (opd/eval/offline.py), the same τ
     # in distribution at a fraction of the cost; `draft: sample` settings and the speedup still decode.
     samples_path: str | None = None
     # opd train / opd run without samples_path: first store the warm drafter's decodes of the held-out prompts in
@@ -632,7 +632,7 @@ class ExperimentSpec(_Section):
 
 
 def with_eval_samples(spec: ExperimentSpec, path: str | Path) -> ExperimentSpec:
-    """`spec` evaluating offline on the held-out target samples in `path` (opd/offline_eval.py)."""
+    """`spec` evaluating offline on the held-out target samples in `path` (opd/eval/offline.py)."""
     return spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": str(path)})})
 
 

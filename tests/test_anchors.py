@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.anchors import redraft_at_random_anchors, verifiable_anchors
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.anchors import redraft_at_random_anchors, verifiable_anchors
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, K = 6, 63, 4  # 64 tokens: random rollouts rarely stop early, so responses are several blocks long
@@ -72,7 +72,7 @@ def test_chunked_drafts_equal_the_full_logits_drafts(models, records, monkeypatc
     """Features from the decoder alone and drafts argmax'd 2 slots at a time give what the full forward (its
     [T, V] logits) and all blocks' logits at once gave."""
     target, drafter = models
-    monkeypatch.setattr("opd.anchors.SLOTS_PER_CHUNK", 2)
+    monkeypatch.setattr("opd.distill.anchors.SLOTS_PER_CHUNK", 2)
     for record in records:
         redrafted = redraft_at_random_anchors(target, drafter, record, 6, torch.Generator().manual_seed(4))
         committed = torch.tensor([record.prompt_ids + record.response_ids])

@@ -11,13 +11,13 @@ import json
 
 import pytest
 import yaml
+from test_vllm_cli import FakeEngine, fake_vllm  # noqa: F401 (the stand-in vLLM and its fixture)
 
 from opd.cli import main
-from opd.data import load_prompts, load_tokenizer
+from opd.data.prompts import load_prompts, load_tokenizer
+from opd.data.render import Rendering
 from opd.errors import OpdError
-from opd.prompt_render import Rendering
 from opd.spec import SpecError, load_spec
-from test_vllm_cli import FakeEngine, fake_vllm  # noqa: F401 (the stand-in vLLM and its fixture)
 
 CHAT = Rendering("chat")
 

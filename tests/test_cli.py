@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from opd.cli import main
-from opd.resolved import STATIC_CACHE_NOTE
+from opd.commands.validate import STATIC_CACHE_NOTE
 from opd.spec import ExperimentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,7 +197,7 @@ def test_the_readme_says_to_activate_the_venv_before_its_opd_commands() -> None:
 
 
 def test_printed_commands_name_the_venv_when_it_is_not_active(monkeypatch) -> None:
-    from opd.main_job import command
+    from opd.commands.run import command
 
     venv_mlflow = Path(sys.executable).with_name("mlflow")
     monkeypatch.setattr("shutil.which", lambda name: str(venv_mlflow))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opd.data import load_prompts, load_tokenizer
+from opd.data.prompts import load_prompts, load_tokenizer
 from opd.errors import OpdError
 
 GOOD = b'{"id": "a", "prompt": "Question: 1 + 1?\\n"}\n'
@@ -52,7 +52,7 @@ def test_file_empty_after_filtering_is_refused(tmp_path, tokenizer):
 
 
 def test_a_tokenizer_without_a_mask_token_is_refused_unless_the_spec_names_one(micro_assets):
-    from opd.data import mask_token_id
+    from opd.data.prompts import mask_token_id
 
     tokenizer = load_tokenizer(micro_assets["target"])
     assert mask_token_id(tokenizer, None) == tokenizer.mask_token_id

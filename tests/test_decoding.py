@@ -188,8 +188,8 @@ def _accept_with_q(draft, logits, sampling, **kw):
 
 def _keep_rejected_token(draft, logits, sampling, *, seed=0, keys=None, start=None):
     """Broken: on rejection the bonus is sampled from p without removing the rejected draft token."""
-    from opd.decoding.verify import STREAM_TOKEN
     from opd.decoding.sampling import keyed_uniform, sample_from
+    from opd.decoding.verify import STREAM_TOKEN
 
     good = verify(draft, logits, sampling, seed=seed, keys=keys, start=start)
     probs = target_probs(logits, sampling)[torch.arange(len(draft)), good.accepted]

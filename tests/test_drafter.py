@@ -410,7 +410,7 @@ def test_serving_refuses_the_targets_last_layer_that_vllm_cannot_capture(tmp_pat
     The shipped tiny drafter (ids [1, 3] of 6) and the Qwen3 configs' default ids never use it."""
     from types import SimpleNamespace
 
-    from opd.serving.bench import drafter_block_size
+    from opd.commands.serve_bench import drafter_block_size
 
     spec = SimpleNamespace(models=SimpleNamespace(target_path=str(tmp_path / "no-target")))
     _hand_written_checkpoint(tmp_path / "last", layer_ids=(0, 2, 3))

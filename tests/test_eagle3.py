@@ -12,10 +12,10 @@ import torch
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.losses import sft_loss
+from opd.distill.losses import sft_loss
+from opd.distill.replay import score, student_hidden
 from opd.models.eagle3 import Eagle3Drafter
-from opd.rebuild import rebuild_records
-from opd.replay import score, student_hidden
+from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_eagle3, micro_target
 from tests.test_decoding import EOS, LOSSLESS_CASES, PROMPT, chi_square, exact_joint, sampled_joint
 
@@ -96,7 +96,7 @@ def test_sampling_is_lossless(target, case):
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=3)],
                          ids=["greedy", "T1", "T0.8-top3"])
 def test_rebuild_recovers_every_block(target, sampling):
-    """EAGLE-3 chains are argmax steps given the committed text, so the rebuild of opd/rebuild.py holds."""
+    """EAGLE-3 chains are argmax steps given the committed text, so the rebuild of opd/sources/rebuild.py holds."""
     drafter = trained_like(target)
     decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, sampling, max_new_tokens=24, seed=5)
     samples = [type(r).from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
@@ -137,7 +137,7 @@ def test_the_own_head_is_trained_the_embedding_is_not(target):
     drafter = trained_like(target)
     records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=16)
     batch = score(target, records, block_size=4, mode="draft_opd")
-    from opd.losses import acceptance_aware_loss
+    from opd.distill.losses import acceptance_aware_loss
     from opd.spec import LossSpec
     hidden = student_hidden(drafter, batch)
     terms = acceptance_aware_loss(hidden, batch.teacher, batch.accepted, LossSpec(), batch.position_mask,

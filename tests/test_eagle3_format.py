@@ -13,9 +13,20 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from opd.errors import OpdError
-from opd.models.eagle3_format import (ARCHITECTURE, ARCHITECTURES, CONFIG_FILE, WEIGHTS_FILE, Eagle3Config,
-                                      default_aux_layer_ids, draft_vocab, expected_shapes, read_config,
-                                      read_tensors, vllm_speculative_config, write_checkpoint)
+from opd.models.eagle3_format import (
+    ARCHITECTURE,
+    ARCHITECTURES,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Eagle3Config,
+    default_aux_layer_ids,
+    draft_vocab,
+    expected_shapes,
+    read_config,
+    read_tensors,
+    vllm_speculative_config,
+    write_checkpoint,
+)
 
 TINY_TARGET = Path(__file__).resolve().parents[1] / "opd/assets/tiny/target"
 V, H, L, VD, K = 40, 32, 6, 12, 4

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from opd.acceptance import AcceptanceStats
 from opd.cli import main
 from opd.decoding.record import SequenceRecord
+from opd.eval.acceptance import AcceptanceStats
 
 
 def test_acceptance_stats_by_hand():
@@ -53,7 +53,7 @@ def test_the_evaluator_decodes_the_weights_it_is_handed(micro_spec_file):
     import torch
 
     from opd.errors import OpdError
-    from opd.eval import evaluate
+    from opd.eval.online import evaluate
     from opd.models.build import Models, build_models
     from opd.spec import load_spec
     from opd.train.evaluator import Evaluator

@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opd.data import Prompt, load_prompts
+from opd.data.prompts import Prompt, load_prompts
 from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.eval import evaluate
-from opd.expected_acceptance import ExpectedAcceptance, record_drafts, slot_acceptance, teacher_acceptance
-from opd.losses import teacher_distribution
+from opd.distill.losses import teacher_distribution
+from opd.distill.replay import score
+from opd.eval.expected import ExpectedAcceptance, record_drafts, slot_acceptance, teacher_acceptance
+from opd.eval.online import evaluate
 from opd.models.build import Models, build_models
-from opd.replay import score
 from opd.spec import SamplingSpec, load_spec
 from opd.tiny.micro import micro_drafter, micro_target
 

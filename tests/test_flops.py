@@ -1,4 +1,4 @@
-"""FLOP accounting against hand counts (opd/train/flops.py's convention): every token each model processes.
+"""FLOP accounting against hand counts (opd/models/flops.py's convention): every token each model processes.
 
 The micro target (hidden 32, MLP 64, 4 heads of 8, 2 KV heads, 4 layers; LM head vocabulary x 32) and the micro spec's
 drafter (1 layer, block 4, features of 2 target layers) are small enough to count their weights by hand; the
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from opd.decoding.record import SequenceRecord
+from opd.distill.replay import score_micro_batches
 from opd.models.build import build_models
-from opd.replay import score_micro_batches
+from opd.models.flops import DrafterParams, TargetParams
 from opd.spec import load_spec
-from opd.train.flops import DrafterParams, TargetParams
 from opd.train.learner import Learner
 from opd.train.messages import AnchorBatch
 from opd.train.scorer import Scorer

@@ -35,7 +35,7 @@ def test_a_corrupted_or_mislabelled_snapshot_is_refused():
 
 
 def test_tau_collapse_is_logged_and_stops_the_run_when_asked(micro_spec_file, monkeypatch):
-    from opd.eval_row import EvalRow
+    from opd.eval.row import EvalRow
     from opd.train.evaluator import EvalResult
 
     taus = iter([3.0, 2.9, 1.0])  # steps 0, 2, 4: the last one falls below 0.8 x the best (3.0)

@@ -1,5 +1,9 @@
 """The layering the README states (Layout): actors/ → opd/, never back, except the launcher edge
-opd/launch.py → actors/; no Ray inside opd/ outside the launcher; no import cycles among opd/ and actors/."""
+opd/commands/launch.py → actors/; no Ray inside opd/ outside the launcher; no import cycles among opd/ and actors/;
+and inside opd/ the floors below, where a module imports only from its own floor or one beneath it.
+
+`LAYERS` is the one place the order is written down; the README's Layout section prints it (see
+`test_the_readme_states_the_layer_order`)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,24 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = "opd.launch"
+LAUNCHER = "opd.commands.launch"
+
+# Bottom to top: the pipeline's stages in the order a prompt meets them, the ground beneath, the entry points above.
+LAYERS: list[tuple[str, ...]] = [
+    ("opd", "opd.errors", "opd.spec", "opd.progress", "opd.zero_copy", "opd.memory", "opd.tracking", "opd.run_dir"),
+    ("opd.data",),  # prompt files, chat rendering, the prompt pool
+    ("opd.models",),  # target, drafter families, formats, attention, LM head, FLOPs
+    ("opd.tiny",),  # the shipped tiny models and their corpora
+    ("opd.decoding",),  # speculative and autoregressive decoding
+    ("opd.serving",),  # the vLLM engine
+    ("opd.sources",),  # target samplers, the sample store, the rebuild
+    ("opd.distill",),  # replay, losses, anchors
+    ("opd.eval",),  # online and offline evaluation
+    ("opd.train",),  # rollout, scorer, learner, SFT (no Ray)
+    ("opd.reproduce",),  # matched-compute studies
+    ("opd.commands",),  # one module per CLI command
+    ("opd.cli",),
+]
 
 
 def _module(path: Path) -> str:
@@ -26,7 +47,7 @@ def _imports(path: Path) -> set[str]:
             base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
             name = ".".join(p for p in (base, node.module or "") if p)
             out.add(name)
-            out.update(f"{name}.{alias.name}" for alias in node.names)  # `from opd import launch`
+            out.update(f"{name}.{alias.name}" for alias in node.names)  # `from opd.commands import launch`
     return out
 
 
@@ -47,7 +68,7 @@ def test_only_the_launcher_imports_actors_or_ray():
 
 
 def test_the_launcher_is_what_opd_train_and_opd_run_call():
-    assert LAUNCHER in _graph()["opd.main_job"]
+    assert LAUNCHER in _graph()["opd.commands.run"]
 
 
 def test_there_are_no_import_cycles():
@@ -68,3 +89,35 @@ def test_there_are_no_import_cycles():
         if node not in state:
             visit(node, [])
     assert not cycles, "\n".join(cycles)
+
+
+def _floor(module: str) -> int:
+    """The floor of the longest LAYERS prefix of `module`."""
+    matches = [(len(prefix), i) for i, floor in enumerate(LAYERS) for prefix in floor
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is on no floor: add it to LAYERS"
+    return max(matches)[1]
+
+
+def test_every_module_imports_only_its_own_floor_or_below():
+    graph = _graph()
+    up = [f"{m} (floor {_floor(m)}) imports {i} (floor {_floor(i)})"
+          for m, imports in sorted(graph.items()) if m.startswith("opd") for i in sorted(imports)
+          if i.startswith("opd") and _floor(i) > _floor(m)]
+    assert not up, "\n".join(up)
+
+
+def test_the_launcher_is_the_one_edge_from_the_library_to_the_actors():
+    edges = {(m, i) for m, imports in _graph().items() if m.startswith("opd") for i in imports if i.startswith("actors")}
+    assert {m for m, _ in edges} == {LAUNCHER}
+
+
+def test_the_root_of_opd_stays_small():
+    root = sorted(p.name for p in (ROOT / "opd").glob("*.py"))
+    assert len(root) <= 10, root
+
+
+def test_the_readme_states_the_layer_order():
+    readme = (ROOT / "README.md").read_text()
+    order = " < ".join(floor[0].removeprefix("opd.") if floor[0] != "opd" else "ground" for floor in LAYERS)
+    assert order in readme, f"README.md should state the layer order: {order}"

@@ -11,9 +11,15 @@ import math
 import pytest
 import torch
 
-from opd.lm_head import argmax
-from opd.losses import (TopKTeacher, acceptance_aware_loss, sft_log_weight_sum, sft_loss, teacher_distribution,
-                        topk_teacher)
+from opd.distill.losses import (
+    TopKTeacher,
+    acceptance_aware_loss,
+    sft_log_weight_sum,
+    sft_loss,
+    teacher_distribution,
+    topk_teacher,
+)
+from opd.models.lm_head import argmax
 from opd.spec import LossSpec
 
 N, DRAFTED, V = 4, 5, 11  # blocks, K-1, vocabulary

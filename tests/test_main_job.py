@@ -43,9 +43,9 @@ def test_main_job_local(micro_spec_file, capsys):
     spec = load_spec(micro_spec_file, SETS)
     check_outputs(spec, capsys.readouterr().out)
     # the warm drafter drew the samples, so its offline τ is exactly its decoded τ
-    from opd.eval import evaluate
+    from opd.data.prompts import eval_prompts
+    from opd.eval.online import evaluate
     from opd.models.build import build_models
-    from opd.data import eval_prompts
 
     models = build_models(spec)
     decoded = evaluate(models, eval_prompts(spec.data, models.tokenizer, spec.eval.num_prompts), spec.eval.sampling,

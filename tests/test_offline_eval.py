@@ -14,15 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import opd.offline_eval as offline_eval
-from opd.data import Prompt, prompt_key
-from opd.eval import evaluate
+import opd.eval.offline as offline_eval
+from opd.data.prompts import Prompt, prompt_key
+from opd.eval.offline import OfflineEval, target_identity
+from opd.eval.online import evaluate
 from opd.models.build import Models
-from opd.offline_eval import OfflineEval, target_identity
-from opd.rebuild import rebuild_records
-from opd.samples import SampleStore, Wanted, sampler_draw
+from opd.sources.rebuild import rebuild_records
+from opd.sources.samplers import build_sampler
+from opd.sources.store import SampleStore, Wanted, sampler_draw
 from opd.spec import SamplingSpec
-from opd.target_sampler import build_sampler
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, MAX_NEW, SEED = 6, 7, 24, 0
@@ -100,7 +100,7 @@ def tiny(tmp_path_factory):
     """The shipped tiny target and warm drafter (τ ~4 at Qwen3's serving setting, so a wrong sample distribution
     moves it visibly), 96 held-out prompts of 64 tokens; samples drawn by plain autoregressive sampling, so the
     drafter evaluated did not draw them."""
-    from opd.data import load_prompts
+    from opd.data.prompts import load_prompts
     from opd.models.build import build_models
     from opd.spec import load_spec
 

@@ -1,7 +1,7 @@
 """Block-sparse packed attention equals the dense-mask path it replaced (float64 micro models).
 
-The dense references below are the replaced code kept as the naive definition: the teacher's [L, L] packed replay
-mask and the student's [M*K, C+M*K] block mask. They live only here.
+The dense references are the replaced code kept as the naive definition: the teacher's [L, L] packed replay mask and
+the student's [M*K, C+M*K] block mask (opd/distill/dense_reference.py, which bench/scale.py measures too).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from opd.decoding.record import SequenceRecord
+from opd.distill.dense_reference import dense_block_mask, dense_teacher_masks
+from opd.distill.replay import CommittedView, block_inputs, packed_inputs
 from opd.errors import OpdError
 from opd.memory import peak_cpu_bytes
 from opd.models.packed_attention import PackedRow, PackedRows
-from opd.replay import CommittedView, _Packed, block_inputs, packed_inputs
 from opd.tiny.micro import micro_drafter, micro_target
 
 EXACT = 1e-10
@@ -24,36 +25,6 @@ K, VOCAB = 5, 40
 
 
 # ------------------------------------------------------------------------------------------------ references
-
-
-def dense_teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor:
-    """[length, length] bool: causal over the prefix; block m sees prefix <= its anchor and itself causally."""
-    mask = torch.zeros(length, length, dtype=torch.bool)
-    mask[: p.prefix_len, : p.prefix_len] = torch.ones(p.prefix_len, p.prefix_len, dtype=torch.bool).tril()
-    span = block_size - 2
-    for m, anchor in enumerate(p.anchors if p.prefix_len < len(p.ids) else []):
-        start = p.prefix_len + m * span
-        rows = slice(start, start + span)
-        mask[rows, : anchor + 1] = True
-        mask[rows, start : start + span] = torch.ones(span, span, dtype=torch.bool).tril()
-    for i in range(len(p.ids), length):  # padding rows attend to themselves so no row is all-masked
-        mask[i, i] = True
-    return mask
-
-
-def dense_teacher_masks(packed: list[_Packed], block_size: int, length: int) -> torch.Tensor:
-    return torch.stack([dense_teacher_mask(p, block_size, length) for p in packed])[:, None]
-
-
-def dense_block_mask(context_valid: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Bool [B,1,M*K,C+M*K]: block m sees valid context before its anchor and all of its own block."""
-    batch, num_blocks = anchors.shape
-    positions = torch.arange(context_valid.shape[1])
-    sees_context = context_valid[:, None, :] & (positions[None, None, :] < anchors[:, :, None])
-    sees_context = sees_context.repeat_interleave(block_size, dim=1)
-    block_of = torch.arange(num_blocks * block_size) // block_size
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
-    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
 
 def dense_student_hidden(drafter, context, context_valid, block_ids, anchors) -> torch.Tensor:

@@ -85,7 +85,7 @@ def test_the_seed_decides_the_sample(sources, tmp_path):
 
 
 def test_pool_rows_load_as_prompts(sources, tmp_path, micro_assets):
-    from opd.data import load_prompts, load_tokenizer
+    from opd.data.prompts import load_prompts, load_tokenizer
 
     assert main(pool_args(sources, tmp_path / "pool")) == 0
     prompts = load_prompts(str(tmp_path / "pool" / "prompts.jsonl"), load_tokenizer(micro_assets["target"]),

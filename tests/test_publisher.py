@@ -11,9 +11,8 @@ import torch
 
 import opd.train.publisher as publisher_module
 from opd.errors import OpdError
-from opd.train.messages import WeightSnapshot
+from opd.train.messages import WeightSnapshot, checksum
 from opd.train.publisher import Publisher
-from opd.weights import checksum
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

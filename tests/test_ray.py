@@ -11,13 +11,14 @@ import yaml
 
 from actors.driver import RayRun, place, relaunch
 from actors.queues import BatchQueue, Lost
+from opd.commands.gen_samples import run_gen_samples
+from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
-from opd.gen_samples import run_gen_samples
+from opd.models.flops import FlopCounter
 from opd.spec import ExperimentSpec, load_spec
-from opd.train.flops import FlopCounter
 from opd.train.ledger import reconciles
 from opd.train.local import LocalTrainer
-from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem, Ticket, WeightSnapshot
+from opd.train.messages import AnchorBatch, ScoredItem, Ticket, WeightSnapshot
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import load_target
-from opd.rebuild import matching_prefix, rebuild_records
+from opd.sources.rebuild import matching_prefix, rebuild_records
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK = 6, 7
@@ -148,7 +148,7 @@ def test_rebuild_on_the_shipped_tiny_models():
 
 def test_a_cached_target_view_rebuilds_the_same_records(target):
     """Offline evaluation computes the target's features once and rebuilds any drafter from them."""
-    from opd.rebuild import text_features
+    from opd.sources.rebuild import text_features
 
     drafter = micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK)
     decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(1.0), max_new_tokens=16)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.anchors import redraft_at_random_anchors
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.losses import teacher_distribution
-from opd.replay import score, student_hidden
+from opd.distill.anchors import redraft_at_random_anchors
+from opd.distill.losses import teacher_distribution
+from opd.distill.replay import score, student_hidden
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, K = 6, 7, 4
@@ -114,8 +114,8 @@ def test_committed_teacher_equals_the_packed_one_where_the_loss_reads(models, re
     """First-rejection losses read slots k <= r only; there the target's view of the committed text equals the
     packed replay's (float64), and so do the loss and its gradient. The committed layout is prompt + response
     tokens long, the packed one longer."""
-    from opd.losses import acceptance_aware_loss
-    from opd.replay import pack
+    from opd.distill.losses import acceptance_aware_loss
+    from opd.distill.replay import pack
     from opd.spec import LossSpec
 
     target, drafter = models

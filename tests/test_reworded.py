@@ -9,8 +9,16 @@ import pytest
 
 from opd.tiny import build
 from opd.tiny.math_corpus import generate
-from opd.tiny.reworded import (PREFIX, QUESTION_RULES, REWORDED_PROMPTS, REWORDED_SEED, SUFFIX,
-                               generate_reworded, main, question_of)
+from opd.tiny.reworded import (
+    PREFIX,
+    QUESTION_RULES,
+    REWORDED_PROMPTS,
+    REWORDED_SEED,
+    SUFFIX,
+    generate_reworded,
+    main,
+    question_of,
+)
 
 PROMPTS = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny" / "prompts"
 SHIPPED = PROMPTS / "reworded.jsonl"

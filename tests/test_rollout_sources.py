@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from opd.cli import main
-from opd.data import load_tokenizer, train_prompts
+from opd.commands.gen_samples import run_gen_samples
+from opd.data.prompts import load_tokenizer, train_prompts
 from opd.errors import OpdError
-from opd.gen_samples import run_gen_samples
-from opd.samples import GEN_CHUNK, SampleStore, samples_needed
+from opd.sources.store import GEN_CHUNK, SampleStore, samples_needed
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
 

@@ -23,9 +23,9 @@ time.sleep(120)
 
 
 def test_an_unwritable_run_dir_is_refused_before_anything_loads(micro_spec_file, tmp_path, capsys, monkeypatch):
-    import opd.main_job
+    import opd.commands.run
 
-    monkeypatch.setattr(opd.main_job, "check_inputs", lambda spec: pytest.fail("inputs checked before the run_dir"))
+    monkeypatch.setattr(opd.commands.run, "check_inputs", lambda spec: pytest.fail("inputs checked before the run_dir"))
     (tmp_path / "a-file").write_text("")
     run_dir = tmp_path / "a-file" / "run"  # as unwritable as a read-only mount, even for root
     for command in ("train", "run", "validate"):

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from opd.distill.replay import student_hidden
 from opd.errors import OpdError
 from opd.models.drafter import DFlashDrafter
 from opd.models.shared_head import load_shared_head
 from opd.models.target import load_target
-from opd.replay import student_hidden
 from opd.spec import load_spec
 from opd.train.distributed import Group
 from opd.train.learner import Learner

@@ -10,7 +10,7 @@ from dataclasses import fields, is_dataclass, replace
 import pytest
 import torch
 
-from opd.replay import CommittedView, pack, replay_mode, score
+from opd.distill.replay import CommittedView, pack, replay_mode, score
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
 from opd.train.messages import ScoredItem

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd.spec import (ExperimentSpec, SpecError, check_paths, default_target_layer_ids, flatten, load_spec,
-                      validate_spec)
+from opd.spec import ExperimentSpec, SpecError, check_paths, default_target_layer_ids, flatten, load_spec, validate_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")

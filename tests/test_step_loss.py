@@ -12,14 +12,12 @@ import pickle
 import pytest
 import torch
 
-from opd.anchors import redraft_at_random_anchors
 from opd.decoding.record import SequenceRecord
-from opd.decoding.sampling import Sampling
-from opd.decoding.speculative import SpeculativeDecoder
-from opd.losses import StepNorm, acceptance_aware_loss, teacher_distribution
+from opd.distill.anchors import redraft_at_random_anchors
+from opd.distill.losses import StepNorm, acceptance_aware_loss, teacher_distribution
+from opd.distill.replay import packed_inputs, score, student_hidden
 from opd.memory import peak_cpu_bytes
 from opd.models.build import build_models
-from opd.replay import packed_inputs, score, student_hidden
 from opd.spec import LossSpec, load_spec
 from opd.tiny.micro import micro_drafter, micro_target
 from opd.train.learner import Learner

@@ -156,7 +156,7 @@ def test_gen_sft_data_vllm_writes_the_same_rows_and_resumes(micro_spec_file, tmp
 def test_rollouts_sampled_by_vllm_are_rebuilt_and_trained_on(micro_spec_file, tmp_path, fake_vllm):
     """rollout.source target, sampler vllm: one engine, one seeded request per prompt (keyed like every other
     sampler, so a sample does not depend on its batch), the blocks rebuilt by the scorer, and the run trains."""
-    from opd.data import prompt_key
+    from opd.data.prompts import prompt_key
     from opd.train.local import LocalTrainer
 
     spec = load_spec(micro_spec_file, ["rollout.source=target", "rollout.sampler=vllm", "steps=2", "eval.every=0",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-UNDRAFTED = -1  # the draft_version of a target sample whose blocks are still to be rebuilt (opd/rebuild.py)
+UNDRAFTED = -1  # the draft_version of a target sample whose blocks are still to be rebuilt (opd/sources/rebuild.py)
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SequenceRecord:
         from the response, so they are not part of the sample and no rebuild from the text could recover them.
         After clipping, a block whose accepted drafts reach the response end (anchor + accepted + 1 == response
         length) has no rejection inside the sample: replay scores none of its slots from there on
-        (`opd/replay.py`), since nothing verified them against a committed token."""
+        (`opd/distill/replay.py`), since nothing verified them against a committed token."""
         last = len(self.response_ids) - 1
         self.accepted = [min(r, last - a) for a, r in zip(self.anchors, self.accepted)]
 

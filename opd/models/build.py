@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from opd.data import load_tokenizer, mask_token_id
+from opd.data.prompts import load_tokenizer, mask_token_id
 from opd.errors import OpdError
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter

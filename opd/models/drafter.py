@@ -24,12 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opd.models.dflash_format import (CONFIG_FILE, WEIGHTS_FILE, DFlashConfig, read_config, read_tensors,
-                                      write_checkpoint)
+from opd.models.dflash_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    DFlashConfig,
+    read_config,
+    read_tensors,
+    write_checkpoint,
+)
 from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
 from opd.models.target import Target
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Building blocks (Qwen3 layout, so tensor names match the public checkpoints)

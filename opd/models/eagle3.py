@@ -11,7 +11,7 @@ load; facts in ../shared/EAGLE3.md):
   already paired g_{a−1} with x_a. Step k ≥ 1 feeds the drafted token d_k with the previous step's pre-norm output
   in place of the target's fused state, at RoPE position a−1+k, attending the columns before the anchor and the
   chain's own steps. K−1 steps give K−1 drafts, each an argmax over the draft vocabulary mapped to target ids
-  (`d2t`), so chains are point masses and the rebuild of opd/rebuild.py holds.
+  (`d2t`), so chains are point masses and the rebuild of opd/sources/rebuild.py holds.
 * Vocabulary. `lm_head` is the drafter's own, over a draft vocabulary of `draft_vocab_size` frequent target ids;
   the embedding is the target's, frozen and borrowed by reference (not a parameter, not saved).
 
@@ -29,11 +29,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from opd.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 from opd.models.drafter_cache import DrafterCache
-from opd.models.eagle3_format import CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, read_config, read_tensors, \
-    write_checkpoint
+from opd.models.eagle3_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Eagle3Config,
+    read_config,
+    read_tensors,
+    write_checkpoint,
+)
+from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.target import Target
 

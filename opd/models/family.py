@@ -1,7 +1,7 @@
 """The drafter family interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
 
 Two families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward) and EAGLE-3
-(opd/models/eagle3.py: a chain of K-1 argmax steps). Both draft point masses, so the rebuild (opd/rebuild.py) and
+(opd/models/eagle3.py: a chain of K-1 argmax steps). Both draft point masses, so the rebuild (opd/sources/rebuild.py) and
 replay hold for either, and nothing outside opd/models/ asks which family it holds. `models.drafter.kind` picks
 one (opd/models/build.py).
 """

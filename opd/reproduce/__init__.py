@@ -1,7 +1,7 @@
 """`opd reproduce`: the paper's central claims in miniature, every arm at matched training FLOPs over seeds.
 
 The full Draft-OPD arm runs `opd_steps` optimizer steps and sets, per seed, the FLOP budget (rollout + teacher
-replay + drafter training, `opd/train/flops.py`). Every other arm — continued SFT and the ablations — starts
+replay + drafter training, `opd/models/flops.py`). Every other arm — continued SFT and the ablations — starts
 from the same warm drafter and trains until it has spent that budget, with held-out greedy τ measured whenever
 it crosses the marks where the full arm was measured, so the curves share their x-axis. Arms run in a pool of
 worker processes; each finished (arm, seed) is saved, so a killed reproduction resumes where it stopped.

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from opd.data import eval_prompts, spec_prompts
+from opd.data.prompts import eval_prompts, spec_prompts
 from opd.errors import OpdError
-from opd.eval import evaluate
-from opd.eval_row import EvalRow
+from opd.eval.offline import OfflineEval, draw_eval_samples, file_digest
+from opd.eval.online import evaluate
+from opd.eval.row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
-from opd.offline_eval import OfflineEval, draw_eval_samples, file_digest
+from opd.models.flops import FlopCounter
 from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
+from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, SamplingSpec, load_spec
-from opd.train.flops import FlopCounter
 from opd.train.local import LocalTrainer
-from opd.target_sampler import build_sampler
 from opd.train.sft import SftExample, train_sft
 
 
@@ -36,7 +36,7 @@ class _Evaluator:
     end every setting on every family, with the expected-acceptance diagnostic on the main one. With
     `job.eval_samples_dir`, offline: each family's held-out samples are the warm drafter's decodes, stored once
     per seed (the arms of a seed share them; the file lock lets one draw while another waits), and every
-    point-mass setting is rebuilt on them (opd/offline_eval.py); `draft: sample` settings still decode."""
+    point-mass setting is rebuilt on them (opd/eval/offline.py); `draft: sample` settings still decode."""
 
     def __init__(self, spec: ExperimentSpec, models: Models, job: ArmJob) -> None:
         self.spec, self.models = spec, models

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
-from opd.data import train_prompts
+from opd.data.prompts import train_prompts
 from opd.errors import OpdError
 from opd.models.build import build_models
 from opd.progress import progress_bar

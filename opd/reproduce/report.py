@@ -182,7 +182,7 @@ def _diagnostic_tables(results: list[ArmResult], arms: list[str], family: str = 
     head = " | ".join(f"{rule} rule on {states} states" for states, rule in pairs)
     lines = [f"### Expected τ from p and q on the {family} prompts (token-weighted, mean over seeds)", "",
              "Rows: arm; columns: whose decoding visited the states, and which acceptance rule is applied "
-             "to the drafts there (opd/expected_acceptance.py).", "", f"| arm | {head} |", "|---|" + "---|" * len(pairs)]
+             "to the drafts there (opd/eval/expected.py).", "", f"| arm | {head} |", "|---|" + "---|" * len(pairs)]
     for arm, runs in table.items():
         lines.append(f"| {arm} | " + " | ".join(f"{mean(runs, s, r, 'tau_token_weighted'):.3f}" for s, r in pairs)
                      + " |")

@@ -43,7 +43,7 @@ class ReproduceSpec(BaseModel):
     # on identical target text (paired), and each (setting, prompt, epoch) is sampled once instead of once per arm.
     # Arms whose recipe needs the speculative engine (random anchors, or rollout.source set) decode their own.
     share_samples: bool = True
-    # Held-out τ offline (opd/offline_eval.py): the warm drafter's decodes of each family, stored once per seed in
+    # Held-out τ offline (opd/eval/offline.py): the warm drafter's decodes of each family, stored once per seed in
     # OUT/eval_samples/, and every arm's evals rebuild its blocks on them; `draft: sample` settings still decode.
     offline_eval: bool = True
     out_dir: str = "runs/reproduce"

@@ -308,8 +308,7 @@ def generate_reworded(seed: int = REWORDED_SEED, n: int = REWORDED_PROMPTS) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    from opd.tiny.build import (CORPUS_SEED, HELDOUT_SEED, TRAIN_PROMPT_SEED, BuildConfig,
-                                write_prompts)
+    from opd.tiny.build import CORPUS_SEED, HELDOUT_SEED, TRAIN_PROMPT_SEED, BuildConfig, write_prompts
 
     parser = argparse.ArgumentParser(prog="python -m opd.tiny.reworded", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="jsonl to write, e.g. "

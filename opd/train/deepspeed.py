@@ -9,12 +9,11 @@ import os
 
 import torch
 
+from opd.distill.replay import ScoredBatch, student_hidden
 from opd.errors import OpdError
 from opd.models.family import Drafter
-from opd.replay import student_hidden
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.distributed import Group, ensure_group
-from opd.train.messages import ScoredBatch
 
 
 class _Student(torch.nn.Module):

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from opd.data import eval_prompts
-from opd.eval import evaluate
-from opd.eval_row import EvalRow
+from opd.data.prompts import eval_prompts
+from opd.eval.offline import OfflineEval, draw_eval_samples
+from opd.eval.online import evaluate
+from opd.eval.row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
-from opd.offline_eval import OfflineEval, draw_eval_samples
+from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, with_eval_samples
-from opd.target_sampler import build_sampler
 from opd.train.messages import WeightSnapshot
 
 
@@ -33,7 +33,7 @@ class EvalResult:
 
 class Evaluator:
     """Evaluates the spec's held-out prompts with given drafter weights against the frozen target: offline on the
-    stored samples of `eval.samples_path` where it can (opd/offline_eval.py), by decoding otherwise."""
+    stored samples of `eval.samples_path` where it can (opd/eval/offline.py), by decoding otherwise."""
 
     def __init__(self, spec: ExperimentSpec, models: Models | None = None) -> None:
         """`models`: a target and a drafter of its own to load weights into (default: built from the spec)."""

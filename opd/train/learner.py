@@ -11,16 +11,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from opd.distill.losses import StepNorm, TopKTeacher, acceptance_aware_loss
+from opd.distill.replay import ScoredBatch, student_hidden
 from opd.errors import OpdError
-from opd.losses import StepNorm, TopKTeacher, acceptance_aware_loss
 from opd.models.family import Drafter
-from opd.replay import student_hidden
+from opd.models.flops import DrafterParams, FlopCounter
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
 from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum
-from opd.train.flops import DrafterParams, FlopCounter
 from opd.train.master_weights import adamw
-from opd.train.messages import ScoredBatch
 
 
 def lr_lambda(optim: OptimSpec, total_steps: int):

@@ -12,7 +12,7 @@ evaluates inline on a drafter copy of its own, as the Ray engine's evaluator act
 
 from __future__ import annotations
 
-from opd.data import train_prompts
+from opd.data.prompts import train_prompts
 from opd.models.build import LearnerModels, Models, build_models
 from opd.models.family import clone_drafter
 from opd.spec import ExperimentSpec

@@ -8,25 +8,24 @@ A `Ticket` travels beside every AnchorBatch and ScoredItem through the queues (o
 account of them); the driver folds the StepReports into one `TrainResult` (opd/train/result.py).
 
 Each is a plain dataclass (`Ticket` a NamedTuple: it is a heap key and a dict key in the ledger). The ones with
-large tensors (`ScoredBatch`, `WeightSnapshot`) pickle zero-copy (`ZeroCopy`). `SequenceRecord`, the
-per-sequence payload of an AnchorBatch, stays in opd/decoding/record.py: decoding produces it and sits below
-train, so it must not import from here. This module imports only from below train (decoding, losses, eval_row,
-zero_copy, weights) and train/flops.py, so replay.py can take `ScoredBatch` from it without a cycle.
+large tensors (`ScoredBatch`, `WeightSnapshot`) pickle zero-copy (`ZeroCopy`). Two live in the stage that makes
+them, below train: `SequenceRecord`, the per-sequence payload of an AnchorBatch (opd/decoding/record.py), and
+`ScoredBatch`, one micro-batch of teacher replay (opd/distill/replay.py).
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from opd.decoding.record import SequenceRecord
+from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
-from opd.eval_row import EvalRow
-from opd.losses import TopKTeacher
-from opd.train.flops import FlopCounter
-from opd.weights import checksum
+from opd.eval.row import EvalRow
+from opd.models.flops import FlopCounter
 from opd.zero_copy import ZeroCopy
 
 
@@ -52,45 +51,13 @@ class AnchorBatch:
 
 
 @dataclass
-class ScoredBatch(ZeroCopy):
-    """What the learner needs for B sequences with up to M blocks each, N of them real (padding excluded): one
-    micro-batch of teacher replay (opd/replay.py makes them).
-
-    Born on the CPU and contiguous, and pickled as numpy buffers (`ZeroCopy`), so the object store moves it
-    without torch's slow storage pickling; the learner moves one micro-batch at a time to its device.
-    """
-
-    features: torch.Tensor  # [B, S, n*H] target features of the committed prefix
-    context_valid: torch.Tensor  # [B, S] bool
-    context_ids: torch.Tensor  # [B, S] the committed tokens of the prefix
-    block_ids: torch.Tensor  # [B, M, K-1] each block's anchor, then the drafts its drafter was fed (EAGLE-3 reads them)
-    anchor_positions: torch.Tensor  # [B, M] its absolute position (prompt + response index)
-    block_valid: torch.Tensor  # [B, M] bool; the N True entries, row-major, are the blocks below
-    accepted: torch.Tensor  # [N] drafted tokens the target accepted
-    position_mask: torch.Tensor  # [N, K-1] bool: slots that exist
-    teacher: torch.Tensor | TopKTeacher  # [N, K-1, H] final-norm target hidden states, or top-k log-probs
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.accepted.shape[0])
-
-    def to(self, device: torch.device | str) -> ScoredBatch:
-        t = self.teacher
-        teacher = (TopKTeacher(t.ids.to(device), t.logprobs.to(device), t.tail_logprob.to(device))
-                   if isinstance(t, TopKTeacher) else t.to(device))
-        return ScoredBatch(self.features.to(device), self.context_valid.to(device), self.context_ids.to(device),
-                           self.block_ids.to(device), self.anchor_positions.to(device), self.block_valid.to(device), self.accepted.to(device),
-                           self.position_mask.to(device), teacher)
-
-
-@dataclass
 class ScoredItem:
     """Scorer → learner: one rollout batch after teacher replay."""
 
     batch: AnchorBatch  # records, index, draft version, rollout FLOPs
     micro_batches: list[ScoredBatch]  # the batch cut into `optim.micro_batch_size` sequences each
     scorer_flops: float = 0.0  # what the teacher replay cost
-    # Eval setting name -> expected acceptance a_k [N, K-1] of the drafted blocks (opd/expected_acceptance.py)
+    # Eval setting name -> expected acceptance a_k [N, K-1] of the drafted blocks (opd/eval/expected.py)
     acceptance: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -118,11 +85,11 @@ class TrainResult:
 
 @dataclass
 class WeightSnapshot(ZeroCopy):
-    """Learner → weight store → rollout: versioned, checksummed draft weights (see opd/weights.py)."""
+    """Learner → weight store → rollout: versioned, checksummed draft weights (see `checksum`)."""
 
     version: int  # the learner step that produced these weights
     state: dict[str, torch.Tensor]  # CPU copies of the drafter's state dict
-    checksum: str  # `opd.weights.checksum(state)`, computed once at publish
+    checksum: str  # `checksum(state)`, computed once at publish
 
     @classmethod
     def of(cls, state: dict[str, torch.Tensor], version: int) -> WeightSnapshot:
@@ -137,3 +104,19 @@ class WeightSnapshot(ZeroCopy):
         if checksum(self.state) != self.checksum:
             raise OpdError(f"weight broadcast v{self.version}: checksum mismatch (corrupted or incomplete weights)")
         return self
+
+
+def checksum(state: dict[str, torch.Tensor]) -> str:
+    """CRC-32 over names, shapes, dtypes and bytes, in name order.
+
+    A snapshot carries its version and this checksum, so a rollout actor verifies it received the complete weights of
+    the version it expects before it swaps them in: a half-loaded or corrupted drafter must never produce rollouts.
+    A Qwen3-4B drafter is ~1 GB in bf16 and is published every `broadcast_every` steps, so it is CRC-32 (zlib, ~3 GB/s
+    on one core, against 0.2-0.7 GB/s for blake2b) over the tensors' own memory without a copy, computed once at
+    publish and once where the bytes land. It guards against corruption and truncation, not tampering."""
+    crc = 0
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        crc = zlib.crc32(f"{name}:{tuple(t.shape)}:{t.dtype}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"crc32:{crc:08x}"

@@ -22,8 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from opd.errors import OpdError
-from opd.train.messages import WeightSnapshot
-from opd.weights import checksum
+from opd.train.messages import WeightSnapshot, checksum
 
 
 class Publisher:

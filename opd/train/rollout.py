@@ -3,9 +3,9 @@
 Where the samples come from is `rollout.source`:
 - `speculative` (the paper's path): target-assisted speculative decoding with a drafter copy that adopts every
   broadcast; the records carry the blocks it drafted, stamped with its version;
-- `target`: any lossless sampler of the target (opd/target_sampler.py); the records carry the text only
-  (`draft_version` -1) and the scorer rebuilds the blocks with the newest drafter (opd/rebuild.py);
-- `samples`: the same, read from a stored sample file (opd/samples.py); no model is needed here.
+- `target`: any lossless sampler of the target (opd/sources/samplers.py); the records carry the text only
+  (`draft_version` -1) and the scorer rebuilds the blocks with the newest drafter (opd/sources/rebuild.py);
+- `samples`: the same, read from a stored sample file (opd/sources/store.py); no model is needed here.
 
 The data cursor is just the rollout batch index: batch i always holds the same prompts (epochs are reshuffled
 with a seeded permutation), so a resumed run or a restarted actor re-produces exactly what it would have.
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from opd.anchors import redraft_at_random_anchors
-from opd.data import Prompt, prompt_key
+from opd.data.prompts import Prompt, prompt_key
 from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.anchors import redraft_at_random_anchors
 from opd.models.family import Drafter
+from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, drafted_text_flops
 from opd.models.target import Target
+from opd.sources.samplers import build_sampler
+from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, rollout_draw, wanted
 from opd.spec import ExperimentSpec
-from opd.samples import GEN_CHUNK, SampleStore, Wanted, rollout_draw, wanted
-from opd.target_sampler import build_sampler, decode_flops
-from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.messages import AnchorBatch
 
 
@@ -110,7 +110,7 @@ class RolloutWorker:
             responses, costs = self._target_samples(chosen, index)
             records = [SequenceRecord.from_text(key, prompt, response, self.eos_id)
                        for key, prompt, response in zip(keys, prompts, responses)]
-            return AnchorBatch(index, UNDRAFTED, records, _sum(costs))
+            return AnchorBatch(index, UNDRAFTED, records, sum(costs, FlopCounter()))
         records = self.decoder.generate(prompts, rollout_sampling(self.spec, index),
                                         max_new_tokens=self.spec.rollout.max_new_tokens,
                                         seed=self.spec.seed * 7919 + index, keys=keys)
@@ -149,18 +149,6 @@ class RolloutWorker:
         target, drafter = self.decoder.target, self.decoder.drafter
         out = [redraft_at_random_anchors(target, drafter, rec, per_seq or len(rec.anchors), gen) for rec in records]
         for rec in (new for new, old in zip(out, records) if new is not old):  # kept records cost nothing
-            # the target's decoder over the committed text (features only), one drafter block per anchor
-            committed = len(rec.prompt_ids) + len(rec.response_ids)
-            flops.target_forward += self._target_params.forward(committed)
-            flops.drafter_forward += self._drafter_params.forward(
-                context=committed, blocks=len(rec.anchors), slots=len(rec.anchors) * (drafter.block_size - 1))
+            flops += drafted_text_flops(len(rec.prompt_ids) + len(rec.response_ids), len(rec.anchors),
+                                        self._target_params, self._drafter_params)
         return out
-
-
-
-def _sum(costs: list[FlopCounter]) -> FlopCounter:
-    total = FlopCounter()
-    for cost in costs:
-        total.target_forward += cost.target_forward
-        total.drafter_forward += cost.drafter_forward
-    return total

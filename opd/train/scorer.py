@@ -1,7 +1,7 @@
 """The scorer: teacher replay of whole rollout batches (`AnchorBatch` in, `ScoredItem` out).
 
 With a rebuilt rollout source (`rollout.source: target | samples`) the batch arrives as target samples only, and
-the scorer first rebuilds its blocks (opd/rebuild.py) with the drafter it owns, which adopts every published
+the scorer first rebuilds its blocks (opd/sources/rebuild.py) with the drafter it owns, which adopts every published
 version: the batch's `draft_version` is then the scorer's, so its policy lag is measured where the blocks are
 made and rollout never waits for weights. The rebuild's cost is counted with the batch's production FLOPs.
 The rebuild and the teacher read the target over the same text (prompt + response), so one forward per
@@ -10,7 +10,7 @@ that view, and the packed (draft_opd) layout's runs the drafted blocks alone ove
 
 The local trainer calls one in-process; each `ReplayScorerActor` (actors/scorer.py) owns one. Besides the
 teacher it ships the expected-acceptance diagnostic of the rollout's drafts under every point-mass eval
-setting (opd/expected_acceptance.py): the LM head over the drafted slots, ~5% of the replay forward's FLOPs at
+setting (opd/eval/expected.py): the LM head over the drafted slots, ~5% of the replay forward's FLOPs at
 Qwen3-8B shapes (2048-token response, τ 6). It is monitoring, so `scorer_flops` leaves it out.
 """
 
@@ -21,24 +21,13 @@ from dataclasses import replace
 import torch
 
 from opd.decoding.record import UNDRAFTED, SequenceRecord
-from opd.expected_acceptance import point_mass_settings, record_drafts, teacher_acceptance
+from opd.distill.replay import CommittedView, ScoredBatch, pack, replay_mode, score, score_micro_batches
+from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.models.family import Drafter
-from opd.rebuild import rebuild_records
-from opd.replay import CommittedView, pack, replay_mode, score, score_micro_batches
+from opd.models.flops import DrafterParams, TargetParams, rebuild_flops
+from opd.sources.rebuild import rebuild_records
 from opd.spec import ExperimentSpec
-from opd.train.flops import DrafterParams, FlopCounter, TargetParams
-from opd.train.messages import AnchorBatch, ScoredBatch, ScoredItem
-
-
-def rebuild_flops(records: list[SequenceRecord], target: TargetParams, drafter: DrafterParams) -> FlopCounter:
-    """What `rebuild_records` costs: the target's decoder over each text (features only), the drafter's context
-    cache over it once, and one drafted block per walked anchor with K−1 LM-head slots (opd/rebuild.py)."""
-    flops, k = FlopCounter(), drafter.block_size
-    for rec in records:
-        text = len(rec.prompt_ids) + len(rec.response_ids)
-        flops.target_forward += target.forward(text)
-        flops.drafter_forward += drafter.forward(context=text, blocks=rec.num_steps, slots=rec.num_steps * (k - 1))
-    return flops
+from opd.train.messages import AnchorBatch, ScoredItem
 
 
 class Scorer:
@@ -105,7 +94,7 @@ class Scorer:
         return AnchorBatch(batch.index, self.draft_version, records, flops)
 
     def replay_flops(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> float:
-        """The teacher's FLOPs (opd/train/flops.py): every packed token (the committed prefix and every drafted
+        """The teacher's FLOPs (opd/models/flops.py): every packed token (the committed prefix and every drafted
         block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner).
         With a shared forward (`shares_forward`) the decoder ran over the text once, charged by `rebuild_flops` to
         the batch's production FLOPs, so only the drafted blocks' rows and the LM head are counted here."""

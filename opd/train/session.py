@@ -17,13 +17,15 @@ from typing import Protocol
 
 import torch
 
-from opd.acceptance import AcceptanceStats
+from opd.distill.losses import StepNorm
+from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
-from opd.eval_row import EvalRow
-from opd.expected_acceptance import ExpectedAcceptance
-from opd.losses import StepNorm
+from opd.eval.acceptance import AcceptanceStats
+from opd.eval.expected import ExpectedAcceptance
+from opd.eval.row import EvalRow
 from opd.models.build import LearnerModels, build_learner_models
 from opd.models.family import Drafter
+from opd.models.flops import FlopCounter
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
@@ -31,9 +33,8 @@ from opd.tracking import Tracker
 from opd.train.checkpoint import check_same_training, latest_checkpoint, load_state, save_checkpoint, training_fields
 from opd.train.distributed import Group, shard
 from opd.train.evaluator import EvalResult, Evaluations
-from opd.train.flops import FlopCounter
 from opd.train.learner import Learner, StepMetrics, step_norm
-from opd.train.messages import ScoredBatch, ScoredItem, StepReport, WeightSnapshot
+from opd.train.messages import ScoredItem, StepReport, WeightSnapshot
 from opd.train.publisher import Publisher
 
 

@@ -8,7 +8,7 @@
 Run again from a warm drafter with `sft.max_flops`, it is "continued SFT" at matched training compute.
 
 Sized for Qwen3 as Draft-OPD's learner is: the target runs without its LM head (only its features are read), the
-drafter's logits are formed `optim.loss_chunk_size` slots at a time (opd/lm_head.py), and a step runs
+drafter's logits are formed `optim.loss_chunk_size` slots at a time (opd/models/lm_head.py), and a step runs
 `sft.micro_batch_size` sequences per forward, accumulating gradients; anchors and the loss's denominator are the
 whole step's, so neither the chunk nor the micro-batch size changes the gradient. At the defaults one
 2048-token sequence with 512 anchors is 7,680 slots: 4.7 GB of fp32 logits if formed at once.
@@ -24,20 +24,20 @@ from pathlib import Path
 
 import torch
 
-from opd.data import Prompt, prompt_key, train_prompts
+from opd.data.prompts import Prompt, prompt_key, train_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
-from opd.losses import sft_log_weight_sum, sft_loss
+from opd.distill.losses import sft_log_weight_sum, sft_loss
 from opd.models.build import Models, build_models
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import draft_vocab
 from opd.models.family import Drafter
+from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.target import Target
 from opd.progress import progress_bar
 from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
-from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 from opd.train.learner import build_optimizer
 
 
@@ -109,7 +109,7 @@ class SftBatch:
 
 @dataclass
 class SftStep:
-    """What one SFT step trained on and what it cost in tokens (opd/train/flops.py turns these into FLOPs)."""
+    """What one SFT step trained on and what it cost in tokens (opd/models/flops.py turns these into FLOPs)."""
 
     loss: float
     tokens: int  # real sequence tokens: the target's forward and the drafter's context positions

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from opd.data import Prompt, load_tokenizer, train_prompts
+from opd.data.prompts import Prompt, load_tokenizer, train_prompts
 from opd.models.build import build_models
 from opd.serving.engine import generate, require_vllm, sampling_params, target_llm
 from opd.spec import ExperimentSpec

@@ -1,6 +1,6 @@
 """The launcher: a validated spec in, a `TrainResult` out, on the spec's engine.
 
-`opd train` and `opd run` (opd/main_job.py) both train through `train` here, and `opd run` evaluates before and
+`opd train` and `opd run` (opd/commands/run.py) both train through `train` here, and `opd run` evaluates before and
 after through `held_out_eval`. It is the only module of opd/ that imports actors/ (tests/test_layering.py checks
 it): `engine: local` runs `LocalTrainer` (opd/train/local.py) in this process, `engine: ray` runs the actor system
 (actors/driver.py). Both fold their step reports into the result with the same loop (opd/train/result.py).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from opd.eval_row import EvalRow
+from opd.eval.row import EvalRow
 from opd.spec import ExperimentSpec, with_eval_samples
 from opd.tracking import run_status
 from opd.train.messages import TrainResult
@@ -50,7 +50,7 @@ def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRo
 def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
     """With `eval.offline` and no `eval.samples_path`: store the held-out samples in RUN_DIR/eval_samples.jsonl
     (the warm drafter's decodes; once, resumable), where the evaluator runs, and return the spec that evaluates
-    offline on them (opd/offline_eval.py)."""
+    offline on them (opd/eval/offline.py)."""
     if not spec.eval.offline or spec.eval.samples_path:
         return spec
     path = str(spec.run_dir.resolve() / "eval_samples.jsonl")

@@ -11,7 +11,7 @@ a block exist, so such a slot would be scored as a rejection although nothing re
 for any whole block keeps the blocks its rollout verified.
 
 Sized for a long response: the target runs without its LM head (only its features are read), and the drafts are
-argmax'd a chunk of slots at a time (`opd/lm_head.py`), so no [T, V] or [slots, V] tensor is formed whole.
+argmax'd a chunk of slots at a time (`opd/models/lm_head.py`), so no [T, V] or [slots, V] tensor is formed whole.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import replace
 import torch
 
 from opd.decoding.record import SequenceRecord
-from opd.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.drafter import DFlashDrafter
+from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.target import Target
 
 

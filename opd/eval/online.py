@@ -14,14 +14,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd.acceptance import AcceptanceStats
-from opd.data import Prompt, prompt_key, spec_prompts
+from opd.data.prompts import Prompt, prompt_key, spec_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.eval_row import EvalRow
-from opd.diagnosis import Diagnosis
-from opd.expected_acceptance import point_mass_settings
+from opd.eval.acceptance import AcceptanceStats
+from opd.eval.acceptance_diagnostic import Diagnosis
+from opd.eval.expected import point_mass_settings
+from opd.eval.row import EvalRow
 from opd.models.build import Models, build_models
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec, SamplingSpec
@@ -141,7 +141,7 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
              samples: str | None = None) -> int:
     """`opd eval`: decode, or with stored samples (`samples`, else eval.samples_path) rebuild offline every
     point-mass setting and decode only the others (`draft: sample`)."""
-    from opd.offline_eval import OfflineEval
+    from opd.eval.offline import OfflineEval
 
     models = build_models(spec, draft)
     prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from opd.data import Prompt, prompt_key
+from opd.data.prompts import Prompt, prompt_key
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
+from opd.models.flops import FlopCounter
 from opd.spec import ExperimentSpec, RolloutSampling
-from opd.train.flops import FlopCounter
 
 GEN_CHUNK = 64  # samples per sampler call while filling a file; the file is flushed after each
 

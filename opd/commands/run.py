@@ -1,8 +1,8 @@
 """`opd run` (what `make run` calls): Draft-OPD from the warm drafter, with τ before and after.
 
 1. Evaluate the warm drafter on the held-out prompts (greedy and sampled, with the autoregressive baseline), where
-   the engine evaluates (`opd.launch.held_out_eval`): this process, or an evaluator actor on the Ray cluster.
-2. Train with the spec's engine (Ray by default) through the launcher, `opd.launch.train`.
+   the engine evaluates (`opd.commands.launch.held_out_eval`): this process, or an evaluator actor on the Ray cluster.
+2. Train with the spec's engine (Ray by default) through the launcher, `opd.commands.launch.train`.
 3. Evaluate the trained drafter the same way, print both as one table, plot held-out τ over training steps,
    and log the table and the plot to the run's MLflow run.
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd import launch
-from opd.eval_row import EvalRow
-from opd.preflight import check_inputs
+from opd.commands import launch
+from opd.commands.preflight import check_inputs
+from opd.eval.row import EvalRow
 from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec
 from opd.tracking import end_run, ensure_store, run_status
@@ -38,7 +38,7 @@ from opd.train.messages import TrainResult
 def open_run(spec: ExperimentSpec) -> Iterator[None]:
     """Hold the run directory for the duration of a training command, after checking, before any model or actor
     starts, what would otherwise fail minutes in: the directory is writable and no other run holds it, every input
-    is usable (opd/preflight.py), and the MLflow store exists (created atomically)."""
+    is usable (opd/commands/preflight.py), and the MLflow store exists (created atomically)."""
     with RunDirLock(spec.run_dir):
         remove_partial_checkpoints(spec.run_dir)
         check_inputs(spec)

@@ -1,11 +1,11 @@
 """What one held-out evaluation setting measured: `opd eval` prints it, training logs it, and it crosses the
-object store inside a StepReport (so it sits below opd/train and opd/eval.py alike)."""
+object store inside a StepReport (so it sits below opd/train and opd/eval/online.py alike)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opd.expected_acceptance import ExpectedAcceptance
+from opd.eval.expected import ExpectedAcceptance
 
 
 @dataclass
@@ -21,7 +21,7 @@ class EvalRow:
     speedup: float | None
     greedy_match: float | None  # share of responses identical to autoregressive decoding (greedy only)
     # On the states this setting's decoding visited: the exact expected acceptance under every point-mass setting
-    # (opd/expected_acceptance.py), keyed by setting name; empty when not diagnosed.
+    # (opd/eval/expected.py), keyed by setting name; empty when not diagnosed.
     expected: dict[str, ExpectedAcceptance] = field(default_factory=dict)
     tau_ci: float = 0.0  # half-width of the 95% interval of `tau` over the prompts
-    offline: bool = False  # τ from blocks rebuilt on stored target samples (opd/offline_eval.py), not decoded
+    offline: bool = False  # τ from blocks rebuilt on stored target samples (opd/eval/offline.py), not decoded

@@ -3,7 +3,7 @@
 With point-mass drafts a speculative decode's blocks are a function of (prompt, response, drafter), and the
 response is a target sample whatever the drafter (decoding is lossless). So store target samples of the eval
 prompts at each point-mass eval setting once (`opd gen-samples --eval`), and rebuild any drafter's blocks on them
-(opd/rebuild.py): τ, per-position acceptance and the first-rejection histogram are exactly what decoding would
+(opd/sources/rebuild.py): τ, per-position acceptance and the first-rejection histogram are exactly what decoding would
 give, in distribution. When the samples were decoded by drafter D with the eval's keyed random numbers, D's
 offline blocks equal its decoded ones block by block.
 
@@ -23,17 +23,17 @@ from pathlib import Path
 
 import torch
 
-from opd.acceptance import AcceptanceStats
-from opd.data import Prompt, prompt_key
+from opd.data.prompts import Prompt, prompt_key
 from opd.decoding.record import SequenceRecord
-from opd.diagnosis import Diagnosis
-from opd.eval_row import EvalRow
-from opd.expected_acceptance import point_mass_settings
+from opd.eval.acceptance import AcceptanceStats
+from opd.eval.acceptance_diagnostic import Diagnosis
+from opd.eval.expected import point_mass_settings
+from opd.eval.row import EvalRow
 from opd.models.build import Models
 from opd.models.target import Target
-from opd.rebuild import rebuild_records, text_features
 from opd.progress import progress_bar
-from opd.samples import GEN_CHUNK, SampleStore, Wanted, sampler_draw, setting_key
+from opd.sources.rebuild import rebuild_records, text_features
+from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, sampler_draw, setting_key
 from opd.spec import SamplingSpec
 
 CACHE_BYTES = 4 * 1024**3  # the target views kept in memory per process; older ones are dropped first
@@ -105,7 +105,7 @@ class OfflineEval:
     def evaluate(self, drafter, *, diagnose: bool = False, draft_version: int = 0,
                  names: set[str] | None = None) -> list[EvalRow]:
         """One row per point-mass setting (or those in `names`); `diagnose`: the expected-acceptance diagnostic on
-        the rebuilt states beside the realised τ (as `opd.eval.evaluate` gives it on decoded states)."""
+        the rebuilt states beside the realised τ (as `opd.eval.online.evaluate` gives it on decoded states)."""
         rows = []
         for view in self.views:
             if names is not None and view.setting.name not in names:
@@ -133,7 +133,7 @@ class OfflineEval:
 
 def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) -> Path:
     """Store one target sample of each held-out prompt at every point-mass eval setting in `path` (resumable),
-    drawn by `sampler` (opd/target_sampler.py) with the eval's length, seed and keys: drawn by the speculative
+    drawn by `sampler` (opd/sources/samplers.py) with the eval's length, seed and keys: drawn by the speculative
     decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,24 @@
 """`opd gen-samples`: target samples drawn once and kept, for `rollout.source: samples` (training prompts at every
 rollout setting) or offline evaluation (`--eval`: held-out prompts at every point-mass eval setting).
 
-Any lossless sampler will do (opd/target_sampler.py): vLLM on a GPU box, unpatched, is the fast one. Files are
+Any lossless sampler will do (opd/sources/samplers.py): vLLM on a GPU box, unpatched, is the fast one. Files are
 appended to as samples are drawn and skipped where they exist, so an interrupted run continues, and two runs on
-one file draw each sample once (opd/samples.py).
+one file draw each sample once (opd/sources/store.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from opd.data import load_tokenizer, spec_prompts, train_prompts
+from opd.data.prompts import load_tokenizer, spec_prompts, train_prompts
 from opd.errors import OpdError
+from opd.eval.offline import draw_eval_samples
 from opd.models.build import build_models
-from opd.offline_eval import draw_eval_samples
 from opd.progress import progress_bar
-from opd.samples import GEN_CHUNK, SampleStore, rollout_draw, wanted
 from opd.serving.engine import require_vllm
+from opd.sources.samplers import build_sampler
+from opd.sources.store import GEN_CHUNK, SampleStore, rollout_draw, wanted
 from opd.spec import ExperimentSpec
-from opd.target_sampler import build_sampler
 
 
 def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: str | None, *,
@@ -26,7 +26,7 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
     """`opd gen-samples`: write (or finish) a sample file with the sampler `engine`. Training prompts: `count`
     samples per prompt at every sampled rollout setting, one at every greedy one. `held_out`: one sample of each of
     eval.num_prompts held-out prompts (or of `prompts_file`) at every point-mass eval setting, with the eval's
-    length, seed and keys, for offline evaluation (opd/offline_eval.py)."""
+    length, seed and keys, for offline evaluation (opd/eval/offline.py)."""
     if count < 1:
         raise OpdError(f"--samples: {count} (expected at least 1 sample per prompt)")
     kind = engine or spec.rollout.sampler

@@ -3,7 +3,7 @@
 A served chat model never sees raw text: vLLM or SGLang wrap each request in the tokenizer's chat template, and
 Qwen3's template also carries the thinking switch. A drafter post-trained on states the served target never
 visits learns the wrong distribution, so rollout, SFT data generation, eval, serve-bench and the up-front checks
-all take their ids from `render` (through `opd.data.load_prompts`), never from their own tokenizer call.
+all take their ids from `render` (through `opd.data.prompts.load_prompts`), never from their own tokenizer call.
 
 `raw` is the tiny target's mode (trained without a template): the prompt text, tokenized as is. `chat` is the
 target tokenizer's own `apply_chat_template(messages, add_generation_prompt=True, enable_thinking=...)`; a plain

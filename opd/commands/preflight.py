@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-from opd.data import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
+from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.errors import OpdError
-from opd.samples import SampleStore
+from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
 
 

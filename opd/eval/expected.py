@@ -25,8 +25,8 @@ import torch
 
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling, target_probs
-from opd.lm_head import SLOTS_PER_CHUNK, apply_head
-from opd.losses import TopKTeacher
+from opd.distill.losses import TopKTeacher
+from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head
 
 
 def slot_acceptance(drafts: torch.Tensor, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

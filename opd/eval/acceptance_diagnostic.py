@@ -1,15 +1,15 @@
 """The expected-acceptance diagnostic on a setting's states: given records (decoded, or rebuilt offline), the exact
 expected acceptance of every point-mass setting at their drafted slots, from one packed target replay per batch
-(opd/expected_acceptance.py has the rule). `opd eval` prints it beside the realised τ."""
+(opd/eval/expected.py has the rule). `opd eval` prints it beside the realised τ."""
 
 from __future__ import annotations
 
 import torch
 
 from opd.decoding.sampling import Sampling
-from opd.expected_acceptance import ExpectedAcceptance, record_drafts, teacher_acceptance
+from opd.distill.replay import score
+from opd.eval.expected import ExpectedAcceptance, record_drafts, teacher_acceptance
 from opd.models.build import Models
-from opd.replay import score
 
 
 class Diagnosis:

@@ -13,7 +13,7 @@ processes, with the weights that token actually passes through. The convention:
   positions whose logits are formed pass through the LM head.
   - rollout: prefill and every verification block (K tokens), logits at all of them;
   - teacher replay: the packed sequence, i.e. the committed prefix plus every drafted block's K-2 appended tokens
-    (`len(opd.replay.pack(record, K, mode).ids)`), decoder only; the LM head at every scored slot (N x (K-1)),
+    (`len(opd.distill.replay.pack(record, K, mode).ids)`), decoder only; the LM head at every scored slot (N x (K-1)),
     whether the scorer (top-k) or the learner (full vocabulary) forms those logits; with a rebuilt source in the
     committed layout the rebuild's forward over the text is the teacher's too, charged once, with the rebuild;
   - SFT and random-anchor redrafting: the sequence through the decoder only (features, no logits).
@@ -21,13 +21,16 @@ processes, with the weights that token actually passes through. The convention:
   each layer's K and V projections (EAGLE-3: its whole layer); every block token (DFlash: K per block, anchor
   included; EAGLE-3: its K-2 chain steps) through the decoder layers; every drafted slot whose logits are formed
   (K-1 per block, or the loss's slots in training) through the head (EAGLE-3's own head is trained: 6x, not 4x).
+- Every composite formula (a decoder's, a sampler's, the rebuild's) is a function below; callers only count tokens.
 - Monitoring is not training compute: held-out evaluation and the scorer's expected-acceptance diagnostic are
   not counted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from torch import nn
 
@@ -98,5 +101,57 @@ class FlopCounter:
     def total(self) -> float:
         return self.target_forward + self.drafter_forward + self.drafter_train
 
+    def __add__(self, other: FlopCounter) -> FlopCounter:
+        return FlopCounter(self.target_forward + other.target_forward, self.drafter_forward + other.drafter_forward,
+                           self.drafter_train + other.drafter_train)
+
+    def __iadd__(self, other: FlopCounter) -> FlopCounter:
+        self.target_forward += other.target_forward
+        self.drafter_forward += other.drafter_forward
+        self.drafter_train += other.drafter_train
+        return self
+
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
+
+
+class Decoded(Protocol):
+    """What a formula reads of a `SequenceRecord` (opd/decoding/record.py sits above models)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    num_steps: int
+
+
+def decode_flops(records: Sequence[Decoded], target: TargetParams, drafter: DrafterParams) -> FlopCounter:
+    """Speculative decoding: logits at every prefill and verified position (K per step); the drafter's cache takes
+    them all, and each step drafts K−1 slots."""
+    flops, k = FlopCounter(), drafter.block_size
+    for rec in records:
+        seen = len(rec.prompt_ids) + k * rec.num_steps
+        flops.target_forward += target.forward(seen, logits=seen)
+        flops.drafter_forward += drafter.forward(context=seen, blocks=rec.num_steps, slots=(k - 1) * rec.num_steps)
+    return flops
+
+
+def sample_flops(target: TargetParams, prompt: int, response: int, *, prefill_logits: bool) -> FlopCounter:
+    """Plain sampling of one response: the decoder over prompt and response; logits at every position when the
+    engine forms them at the prefill too (HF), else at the sampled positions only (vLLM)."""
+    seen = prompt + response
+    return FlopCounter(target_forward=target.forward(seen, logits=seen if prefill_logits else response))
+
+
+def drafted_text_flops(text: int, blocks: int, target: TargetParams, drafter: DrafterParams) -> FlopCounter:
+    """Drafting `blocks` blocks over a known text (the rebuild, random-anchor redrafting): the target's decoder over
+    the text (features only), the drafter's context over it once, and K−1 LM-head slots per block."""
+    return FlopCounter(target_forward=target.forward(text),
+                       drafter_forward=drafter.forward(context=text, blocks=blocks,
+                                                       slots=blocks * (drafter.block_size - 1)))
+
+
+def rebuild_flops(records: Sequence[Decoded], target: TargetParams, drafter: DrafterParams) -> FlopCounter:
+    """What rebuilding `records` from their text costs (opd/sources/rebuild.py): one drafted block per walked anchor."""
+    total = FlopCounter()
+    for rec in records:
+        total += drafted_text_flops(len(rec.prompt_ids) + len(rec.response_ids), rec.num_steps, target, drafter)
+    return total

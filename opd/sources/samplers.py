@@ -2,7 +2,7 @@
 responses with.
 
 Any sampler whose output is distributed as the target's own sampling will do, because the scorer rebuilds the
-blocks from the text (opd/rebuild.py). Three are offered, chosen by `rollout.sampler`:
+blocks from the text (opd/sources/rebuild.py). Three are offered, chosen by `rollout.sampler`:
 - `speculative`: this project's speculative decoder with the warm drafter, never updated. Lossless whatever the
   drafter, and on a CPU the fastest (0.61 s against 0.98 s per tiny batch of 8).
 - `autoregressive`: plain batched decoding with a KV cache, the simplest reference.
@@ -20,13 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from opd.decoding.autoregressive import generate_autoregressive
-from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.family import Drafter
+from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, sample_flops
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
-from opd.train.flops import DrafterParams, FlopCounter, TargetParams
 
 
 @dataclass
@@ -63,17 +62,6 @@ class _SpeculativeSampler:
                        [decode_flops([rec], self.target_params, self.drafter_params) for rec in records])
 
 
-def decode_flops(records: list[SequenceRecord], target: TargetParams, drafter: DrafterParams) -> FlopCounter:
-    """What speculative decoding of `records` cost: logits at every prefill and verified position (K per step);
-    the drafter's cache takes them all, and each step drafts K−1 slots."""
-    flops, k = FlopCounter(), drafter.block_size
-    for rec in records:
-        seen = len(rec.prompt_ids) + k * rec.num_steps
-        flops.target_forward += target.forward(seen, logits=seen)
-        flops.drafter_forward += drafter.forward(context=seen, blocks=rec.num_steps, slots=(k - 1) * rec.num_steps)
-    return flops
-
-
 def _params_from_config(path: str) -> TargetParams:
     """The target's parameter counts from its config alone (a meta-device model: no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,9 +78,8 @@ class _AutoregressiveSampler:
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:
         responses = generate_autoregressive(self.target, prompts, sampling, max_new_tokens=max_new_tokens,
                                             eos_id=self.eos_id, seed=seed, keys=keys)
-        seen = [len(prompt) + len(response) for prompt, response in zip(prompts, responses)]
-        # HF forms logits at every prefill position too
-        return Samples(responses, [FlopCounter(target_forward=self.params.forward(n, logits=n)) for n in seen])
+        return Samples(responses, [sample_flops(self.params, len(p), len(r), prefill_logits=True)
+                                   for p, r in zip(prompts, responses)])
 
 
 class _VllmSampler:
@@ -110,5 +97,5 @@ class _VllmSampler:
             self.params = _params_from_config(self.spec.models.target_path)
         params = [sampling_params(sampling, max_new_tokens, seed=seed * 1_000_003 + key) for key in keys]
         responses = generate(self.llm, prompts, params)
-        return Samples(responses, [FlopCounter(target_forward=self.params.forward(len(p) + len(r), logits=len(r)))
+        return Samples(responses, [sample_flops(self.params, len(p), len(r), prefill_logits=False)
                                    for p, r in zip(prompts, responses)])

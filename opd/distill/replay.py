@@ -36,11 +36,43 @@ from dataclasses import dataclass
 import torch
 
 from opd.decoding.record import SequenceRecord
-from opd.losses import TopKTeacher, topk_teacher
+from opd.distill.losses import TopKTeacher, topk_teacher
 from opd.models.family import Drafter
 from opd.models.packed_attention import CHUNK_ROWS, PackedRow, PackedRows
 from opd.models.target import KVPrefix, Target
-from opd.train.messages import ScoredBatch
+from opd.zero_copy import ZeroCopy
+
+
+@dataclass
+class ScoredBatch(ZeroCopy):
+    """What the learner needs for B sequences with up to M blocks each, N of them real (padding excluded): one
+    micro-batch of teacher replay (opd/distill/replay.py makes them).
+
+    Born on the CPU and contiguous, and pickled as numpy buffers (`ZeroCopy`), so the object store moves it
+    without torch's slow storage pickling; the learner moves one micro-batch at a time to its device.
+    """
+
+    features: torch.Tensor  # [B, S, n*H] target features of the committed prefix
+    context_valid: torch.Tensor  # [B, S] bool
+    context_ids: torch.Tensor  # [B, S] the committed tokens of the prefix
+    block_ids: torch.Tensor  # [B, M, K-1] each block's anchor, then the drafts its drafter was fed (EAGLE-3 reads them)
+    anchor_positions: torch.Tensor  # [B, M] its absolute position (prompt + response index)
+    block_valid: torch.Tensor  # [B, M] bool; the N True entries, row-major, are the blocks below
+    accepted: torch.Tensor  # [N] drafted tokens the target accepted
+    position_mask: torch.Tensor  # [N, K-1] bool: slots that exist
+    teacher: torch.Tensor | TopKTeacher  # [N, K-1, H] final-norm target hidden states, or top-k log-probs
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.accepted.shape[0])
+
+    def to(self, device: torch.device | str) -> ScoredBatch:
+        t = self.teacher
+        teacher = (TopKTeacher(t.ids.to(device), t.logprobs.to(device), t.tail_logprob.to(device))
+                   if isinstance(t, TopKTeacher) else t.to(device))
+        return ScoredBatch(self.features.to(device), self.context_valid.to(device), self.context_ids.to(device),
+                           self.block_ids.to(device), self.anchor_positions.to(device), self.block_valid.to(device), self.accepted.to(device),
+                           self.position_mask.to(device), teacher)
 
 
 @dataclass
@@ -130,7 +162,7 @@ def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
 class CommittedView:
     """The target's view of right-padded committed texts (prompt + response): final-norm hidden states [B, T, H]
     and features [B, T, n*H] on the target's device, `mask` [B, T] (CPU, True at real tokens), and with `kv` the
-    keys and values of every layer over them. It is all a rebuild needs of the target (opd/rebuild.py), and the
+    keys and values of every layer over them. It is all a rebuild needs of the target (opd/sources/rebuild.py), and the
     teacher's forward in the committed and naive layouts; in the draft_opd layout the blocks run alone over `kv`
     (`PackedRows.cached`), since the packed row's prefix is this text. So a scorer that rebuilds blocks runs the
     target over the text once. It depends on the text alone, so a view taken before a rebuild scores the rebuilt

@@ -17,14 +17,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd.data import eval_prompts, load_tokenizer
+from opd.commands.preflight import check_target
+from opd.data.prompts import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, check_vllm_capturable
 from opd.models.eagle3_format import AUX_IDS_FIELD
 from opd.models.eagle3_format import read_config as read_eagle3_config
 from opd.models.family import checkpoint_kind
-from opd.preflight import check_target
 from opd.progress import progress_bar
 from opd.serving.engine import (
     release_gpu_memory,

@@ -14,7 +14,7 @@ plain sum over slots, and micro-batch size, chunk size and the number of learner
 Memory: at Qwen3's 151,936-token vocabulary one [slots, V] fp32 tensor is 0.6 MB per slot, so the loss never
 holds all slots' logits. It takes hidden states (the student's, and the target's final-norm states from replay),
 forms logits through the shared frozen LM head one chunk of slots at a time, and computes each chunk's gradient
-w.r.t. the hidden states right away (`opd/lm_head.py`): transient memory is set by the chunk, not the response.
+w.r.t. the hidden states right away (`opd/models/lm_head.py`): transient memory is set by the chunk, not the response.
 
 Numerics: log-softmax in fp32 at least (fp64 when the inputs are fp64). Only member slots are computed, so
 padding (garbage or NaN) never touches the maths, and an empty set gives 0 with zero (not NaN) gradients.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.lm_head import SLOTS_PER_CHUNK, apply_head, chunked_loss, map_slots
+from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head, chunked_loss, map_slots
 from opd.spec import LossSpec
 from opd.zero_copy import ZeroCopy
 

@@ -2,7 +2,7 @@
 
 A prompt file is jsonl, one object per line with a unique `id` and either a non-empty `prompt` string or chat
 `messages` ([{role, content}, ...]); other fields, such as a reference answer, are kept but unused. Each row is
-rendered to ids by `opd.prompt_render` (raw text, or the tokenizer's chat template) and its rendered length
+rendered to ids by `opd.data.render` (raw text, or the tokenizer's chat template) and its rendered length
 checked. With `skip_bad_lines` a few bad lines are skipped and counted instead of stopping the run.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from opd.data.render import Rendering, check_tokenizer, messages_of, render
 from opd.errors import OpdError
-from opd.prompt_render import Rendering, check_tokenizer, messages_of, render
 
 if TYPE_CHECKING:
     from opd.spec import DataSpec
