@@ -26,6 +26,7 @@ from opd.data.prompts import eval_prompts
 from opd.eval.offline import OfflineEval
 from opd.eval.online import evaluate
 from opd.models.build import Models, build_drafter, build_models
+from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
 from opd.sources.store import SampleStore, Wanted, sampler_draw
 from opd.spec import SamplingSpec, load_spec
@@ -50,11 +51,11 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     sampler = build_sampler(spec, "speculative", models.target, models.drafter, models.eos_id)
-    SampleStore(path, SETTINGS, prompts).fetch([Wanted(p, i, 0) for i in range(len(SETTINGS)) for p in prompts],
+    SampleStore.of(spec, path, SETTINGS, prompts, e.max_new_tokens).fetch([Wanted(p, i, 0) for i in range(len(SETTINGS)) for p in prompts],
                                                sampler_draw(sampler, SETTINGS, e.max_new_tokens, spec.seed))
     drawing = time.perf_counter() - t0
     t0 = time.perf_counter()
-    offline = OfflineEval(models, path, prompts, SETTINGS)
+    offline = OfflineEval(models, path, prompts, SETTINGS, Provenance.of(spec, e.max_new_tokens))
     view = time.perf_counter() - t0
     drafters = {"warm": models.drafter, "random": build_drafter(spec, models.target, models.tokenizer, "random")}
     rows = []

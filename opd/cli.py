@@ -121,13 +121,16 @@ def _gen_sft_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="hf: batched decoding in this process; vllm: vLLM's offline engine (GPU extra)")
     parser.add_argument("--out", metavar="FILE",
-                        help="jsonl to write (default: RUN_DIR/sft_data.jsonl, where opd sft reads)")
+                        help="jsonl to write (default: sft.samples_path, else RUN_DIR/sft_data.jsonl, where opd "
+                             "sft reads)")
 
 
 def _gen_sft_data(args: argparse.Namespace) -> int:
-    from opd.commands.gen_sft_data import run_gen_sft_data
+    """An alias of `opd gen-samples --sft`: hf is the autoregressive sampler."""
+    from opd.commands.gen_samples import run_gen_samples
 
-    return run_gen_sft_data(_load(args), args.engine, args.out)
+    engine = "autoregressive" if args.engine == "hf" else args.engine
+    return run_gen_samples(_load(args), engine, 1, args.out, purpose="sft")
 
 
 def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,9 +140,13 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=1, metavar="N",
                         help="samples per prompt at each sampled rollout setting (greedy ones get 1)")
     parser.add_argument("--out", metavar="FILE", help="jsonl to write or finish (default: rollout.samples_path, "
-                        "else RUN_DIR/samples.jsonl; with --eval RUN_DIR/eval_samples.jsonl)")
-    parser.add_argument("--eval", action="store_true",
-                        help="held-out prompts at every point-mass eval setting, for offline evaluation")
+                        "else RUN_DIR/samples.jsonl; with --eval RUN_DIR/eval_samples.jsonl; with --sft "
+                        "sft.samples_path, else RUN_DIR/sft_data.jsonl)")
+    purpose = parser.add_mutually_exclusive_group()
+    purpose.add_argument("--eval", action="store_true",
+                         help="held-out prompts at every point-mass eval setting, for offline evaluation")
+    purpose.add_argument("--sft", action="store_true",
+                         help="one response per training prompt at the SFT setting: the data opd sft trains on")
     parser.add_argument("--prompts", metavar="FILE", help="with --eval: another held-out prompt family")
 
 
@@ -148,7 +155,8 @@ def _gen_samples(args: argparse.Namespace) -> int:
 
     if args.prompts and not args.eval:
         raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")
-    return run_gen_samples(_load(args), args.engine, args.samples, args.out, held_out=args.eval,
+    purpose = "eval" if args.eval else "sft" if args.sft else "rollout"
+    return run_gen_samples(_load(args), args.engine, args.samples, args.out, purpose=purpose,
                            prompts_file=args.prompts)
 
 
@@ -202,12 +210,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                   _reproduce_arguments, _reproduce),
     "build-tiny": ("rebuild the shipped tiny target (tokenizer, prompts, weights, card); resumable",
                    _build_tiny_arguments, _build_tiny),
-    "gen-sft-data": ("the target's responses to the training prompts for opd sft (hf or vLLM); resumable",
+    "gen-sft-data": ("the SFT data: an alias of `opd gen-samples --sft` (hf or vLLM); resumable",
                      _gen_sft_data_arguments, _gen_sft_data),
     "prompt-pool": ("build the paper's prompt pool (GSM8K, MATH without MATH-500, AoPS, CodeAlpaca) with its card",
                     _prompt_pool_arguments, _prompt_pool),
-    "gen-samples": ("draw target samples of the training prompts at every rollout setting, for "
-                    "rollout.source: samples", _gen_samples_arguments, _gen_samples),
+    "gen-samples": ("draw target samples into the sample store: rollouts (every rollout setting), --eval (held-out "
+                    "prompts) or --sft (the SFT data)", _gen_samples_arguments, _gen_samples),
     "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
                     _serve_bench_arguments, _serve_bench),
 }

@@ -373,6 +373,9 @@ class SftSpec(_Section):
     # is set by this, not batch_size: at Qwen3 shapes one 2048-token sequence with 512 anchors is ~8K block tokens.
     micro_batch_size: int = Field(1, ge=1)
     response_max_new_tokens: int = Field(2048, ge=1)
+    # The SFT data: a sample file (`opd gen-samples --sft` writes it) read, and filled where it lacks a prompt's
+    # response. None: RUN_DIR/sft_data.jsonl.
+    samples_path: str | None = None
     # Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling).
     # Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode.
     response_temperature: Temperature | None = None

@@ -19,6 +19,7 @@ from opd.data.prompts import Prompt, prompt_key
 from opd.eval.offline import OfflineEval, target_identity
 from opd.eval.online import evaluate
 from opd.models.build import Models
+from opd.sources.provenance import Provenance
 from opd.sources.rebuild import rebuild_records
 from opd.sources.samplers import build_sampler
 from opd.sources.store import SampleStore, Wanted, sampler_draw
@@ -27,6 +28,7 @@ from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, MAX_NEW, SEED = 6, 7, 24, 0
 SETTINGS = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=5)]
+MADE = Provenance("micro-target", "micro-tokenizer", "raw", None, MAX_NEW)  # the micro models have no files
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def draw_samples(target, drafter, prompts, path, settings, drawn_at=None):
     but label the rows with `settings` (a plausible mistake the tests must see)."""
     spec = SimpleNamespace(rollout=SimpleNamespace(static_cache=False))
     sampler = build_sampler(spec, "speculative", target, drafter, EOS)
-    store = SampleStore(path, settings, prompts)
+    store = SampleStore(path, settings, prompts, MADE)
     store.fetch([Wanted(p, s, 0) for s in range(len(settings)) for p in prompts],
                 sampler_draw(sampler, drawn_at or settings, MAX_NEW, SEED))
 
@@ -61,7 +63,7 @@ def decoded(s, drafter) -> dict:
 
 
 def offline(s, drafter, path=None) -> dict:
-    rows = OfflineEval(Models(s.target, drafter, s.tokenizer), path or s.path, s.prompts, SETTINGS,
+    rows = OfflineEval(Models(s.target, drafter, s.tokenizer), path or s.path, s.prompts, SETTINGS, MADE,
                        batch_size=32).evaluate(drafter)
     return {r.sampling: r for r in rows}
 
@@ -73,7 +75,7 @@ def test_the_drafter_that_drew_the_samples_gets_its_decoded_tau_block_by_block(s
         assert off[name].offline and not dec[name].offline
         for field in ("tau", "tau_token_weighted", "survival", "first_rejection", "tau_ci"):
             assert getattr(off[name], field) == pytest.approx(getattr(dec[name], field), abs=1e-12), (name, field)
-    view = OfflineEval(Models(s.target, s.d, s.tokenizer), s.path, s.prompts, SETTINGS).views[1]
+    view = OfflineEval(Models(s.target, s.d, s.tokenizer), s.path, s.prompts, SETTINGS, MADE).views[1]
     rebuilt = rebuild_records(s.target, s.d, view.samples, features=view.features)
     from opd.decoding.sampling import Sampling
     from opd.decoding.speculative import SpeculativeDecoder
@@ -112,17 +114,18 @@ def tiny(tmp_path_factory):
     paths = {}
     for name, drawn_at in (("right", TINY), ("wrong", [TINY[0], SamplingSpec(name="sampled", temperature=1.2)])):
         paths[name] = tmp_path_factory.mktemp("tiny") / f"{name}.jsonl"
-        SampleStore(paths[name], TINY, prompts).fetch([Wanted(p, i, 0) for i in range(2) for p in prompts],
+        SampleStore.of(spec, paths[name], TINY, prompts, 64).fetch([Wanted(p, i, 0) for i in range(2) for p in prompts],
                                                       sampler_draw(sampler, drawn_at, 64, SEED))
     decoded_rows = evaluate(models, prompts, TINY, max_new_tokens=64, batch_size=32, seed=SEED, baseline=False)
-    return SimpleNamespace(models=models, prompts=prompts, paths=paths, decoded={r.sampling: r for r in decoded_rows})
+    return SimpleNamespace(models=models, prompts=prompts, paths=paths, decoded={r.sampling: r for r in decoded_rows},
+                           made=Provenance.of(spec, 64))
 
 
 TINY = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)]
 
 
 def test_offline_tau_on_another_samplers_samples_agrees_with_decoding(tiny):
-    rows = OfflineEval(tiny.models, tiny.paths["right"], tiny.prompts, TINY, batch_size=32).evaluate(
+    rows = OfflineEval(tiny.models, tiny.paths["right"], tiny.prompts, TINY, tiny.made, batch_size=32).evaluate(
         tiny.models.drafter)
     off, dec = {r.sampling: r for r in rows}, tiny.decoded
     assert off["greedy"].tau == pytest.approx(dec["greedy"].tau, abs=1e-9)  # the same greedy text
@@ -132,7 +135,7 @@ def test_offline_tau_on_another_samplers_samples_agrees_with_decoding(tiny):
 
 def test_samples_drawn_at_the_wrong_temperature_are_seen(tiny):
     """The agreement test has the power to see a plausible mistake: samples drawn at T=1.2 but labelled 0.6."""
-    rows = OfflineEval(tiny.models, tiny.paths["wrong"], tiny.prompts, TINY, batch_size=32).evaluate(
+    rows = OfflineEval(tiny.models, tiny.paths["wrong"], tiny.prompts, TINY, tiny.made, batch_size=32).evaluate(
         tiny.models.drafter)
     off, dec = {r.sampling: r for r in rows}, tiny.decoded
     assert not _agree(off["sampled"], dec["sampled"]), (off["sampled"].tau, dec["sampled"].tau)
@@ -145,22 +148,22 @@ def test_the_target_view_is_cached_and_invalidated_by_new_samples_or_another_tar
     original = offline_eval.text_features
     monkeypatch.setattr(offline_eval, "text_features", lambda *a, **k: made.append(1) or original(*a, **k))
     models = Models(s.target, s.d, s.tokenizer)
-    OfflineEval(models, s.path, s.prompts, SETTINGS)
-    OfflineEval(models, s.path, s.prompts, SETTINGS)  # cached: nothing computed
+    OfflineEval(models, s.path, s.prompts, SETTINGS, MADE)
+    OfflineEval(models, s.path, s.prompts, SETTINGS, MADE)  # cached: nothing computed
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(s.path.read_bytes())
-    OfflineEval(models, copy, s.prompts, SETTINGS)  # same content under another name: still cached
+    OfflineEval(models, copy, s.prompts, SETTINGS, MADE)  # same content under another name: still cached
     assert len(made) <= 2
     before = len(made)
     lines = s.path.read_text().splitlines()
     copy.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # other bytes: a new view
-    OfflineEval(models, copy, s.prompts, SETTINGS)
+    OfflineEval(models, copy, s.prompts, SETTINGS, MADE)
     assert len(made) == before + 2
-    OfflineEval(models, s.path, s.prompts[:10], SETTINGS)  # fewer prompts of the same file: their own view
+    OfflineEval(models, s.path, s.prompts[:10], SETTINGS, MADE)  # fewer prompts of the same file: their own view
     assert len(made) == before + 4
     before += 2
     other = micro_target(seed=5, vocab_size=8, layer_ids=[0, 2, 3])
-    OfflineEval(Models(other, s.d, s.tokenizer), s.path, s.prompts, SETTINGS)  # another target: a new view
+    OfflineEval(Models(other, s.d, s.tokenizer), s.path, s.prompts, SETTINGS, MADE)  # another target: a new view
     assert len(made) == before + 4
     # a target loaded from files is named by them: rewriting its weights changes its identity
     from opd.models.target import load_target

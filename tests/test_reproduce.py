@@ -20,11 +20,11 @@ def _job(micro_spec_file, tmp_path, arm: ArmSpec, marks=None, sft_data=None) -> 
                   sft_data=sft_data)
 
 
-def _sft_data(tmp_path) -> str:
+def _sft_data(micro_spec_file, tmp_path) -> str:
+    """The continued-SFT arm's data, drawn into the sample store as `opd gen-samples --sft` draws it."""
     path = tmp_path / "sft.jsonl"
-    rows = [{"id": str(i), "prompt_ids": [5, 6, 7, 8 + i % 5], "response_ids": [9 + (i + j) % 40 for j in range(20)]}
-            for i in range(64)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["gen-samples", str(micro_spec_file), "--sft", "--out", str(path),
+                 *(arg for s in SETS for arg in ("--set", s))]) == 0
     return str(path)
 
 
@@ -37,7 +37,7 @@ def test_every_arm_stops_at_the_first_step_past_the_full_methods_flops(micro_spe
     assert all(full.flops[k] > 0 for k in ("target_forward", "drafter_forward", "drafter_train"))
     assert full.initial == {"greedy": full.curve[0][1]}  # the warm drafter in every eval setting, once per seed
 
-    sft = run_arm(_job(micro_spec_file, tmp_path, ArmSpec(name="sft", kind="sft"), marks, _sft_data(tmp_path)))
+    sft = run_arm(_job(micro_spec_file, tmp_path, ArmSpec(name="sft", kind="sft"), marks, _sft_data(micro_spec_file, tmp_path)))
     per_step = sft.flops["total"] / sft.steps
     assert budget <= sft.flops["total"] < budget + per_step * 1.5  # matched: stopped at the first step past it
     assert sft.flops["drafter_forward"] == 0 and sft.flops["target_forward"] > 0 and sft.flops["drafter_train"] > 0

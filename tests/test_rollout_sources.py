@@ -93,12 +93,34 @@ def test_mixed_settings_read_their_own_samples(micro_spec_file, tmp_path):
     assert losses(spec)  # and it trains
 
 
+def test_two_different_rows_for_one_sample_are_refused(micro_spec_file, tmp_path, capsys):
+    rows = [json.loads(line) for line in open(sample_file(micro_spec_file, tmp_path))]
+    rows.append({**rows[3], "response_ids": rows[3]["response_ids"][:-1] or [1]})
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:2]))  # repeats are fine
+    code = main(["validate", str(micro_spec_file), "--set", "rollout.source=samples",
+                 "--set", f"rollout.samples_path={tmp_path / 'bad.jsonl'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "line 41: a second, different row for sample 0 of prompt" in err[0], err
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda row: row.update(sampling={"temperature": 0.7, "top_p": 1.0, "top_k": 0}),  # skipped, so one missing
      "has 0 sample.* at temperature 1, top_p 1, top_k 0, but the step budget needs 1 per prompt"),
     (lambda row: row.update(id="nobody"), "line 1: prompt id 'nobody' is not in data.train_prompts"),
     (lambda row: row.update(prompt_ids=[1, 2]), "line 1: prompt .* has other prompt_ids than this run renders"),
-    (lambda row: row.pop("sample"), "line 1: not a sample row"),
+    (lambda row: row.pop("sample"), "line 1: sample: field required"),
+    # what made the row (issue 33: each was trained on silently, or a traceback much later)
+    (lambda row: row.update(max_new_tokens=4), "line 1: max_new_tokens is 4, this run's is 12 .*opd gen-samples"),
+    (lambda row: row["made_by"].update(target="sha256:0123"), "line 1: made_by.target is sha256:0123, this run's is "),
+    (lambda row: row["made_by"].update(render="chat"), "line 1: made_by.render is chat, this run's is raw"),
+    (lambda row: row.pop("made_by"), "line 1: a row from before sample rows said what made them .*redraw"),
+    (lambda row: [row.pop(k) for k in ("sampling", "sample", "made_by", "max_new_tokens", "flops")],
+     "line 1: an SFT data row from before the sample store .*opd gen-samples CONFIG --sft"),
+    (lambda row: row["flops"].update(bogus=1), "line 1: flops.bogus: extra inputs are not permitted"),
+    (lambda row: row.update(flops=[1, 2]), "line 1: flops: "),
+    (lambda row: row.update(response_ids=[1, 10**6]), "line 1: response token 1000000 is outside the target's vocab"),
+    (lambda row: row.update(response_ids=["1", "2"]), "line 1: response_ids.0: input should be a valid integer"),
+    (lambda row: row.update(response_ids=list(range(2, 15))), "line 1: 13 response tokens, past its max_new_tokens 12"),
 ])
 def test_a_bad_sample_file_is_one_error_before_any_model_loads(micro_spec_file, tmp_path, capsys, edit, message):
     path = sample_file(micro_spec_file, tmp_path)
@@ -118,7 +140,7 @@ def test_too_few_sampled_samples_name_the_count_needed(micro_spec_file, tmp_path
                     f"rollout.samples_path={path}")
     pool = train_prompts(spec.data, load_tokenizer(spec.models.tokenizer))
     with pytest.raises(OpdError, match="has 1 sample.* but the step budget needs 2 per prompt; sampled samples may "
-                                       "not repeat across epochs .expected `opd gen-samples --samples 2`"):
+                                       "not repeat across epochs .expected `opd gen-samples CONFIG --samples 2`"):
         SampleStore.for_rollout(spec, pool).check_budget(spec)
     greedy = sample_file(micro_spec_file, tmp_path / "g", "rollout.temperature=0")
     greedy_spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(

@@ -106,22 +106,35 @@ def fake_vllm(monkeypatch) -> type[FakeLLM]:
 
 
 def test_gen_sft_data_hf_resumes_to_the_same_file_and_opd_sft_reuses_it(micro_spec_file, tmp_path):
+    """gen-sft-data is `gen-samples --sft`: rows of the sample store, stamped with what made them."""
     sets = ["--set", "rollout.temperature=0", "--set", "sft.response_max_new_tokens=6"]
     spec = load_spec(micro_spec_file)
     cache = spec.run_dir / "sft_data.jsonl"
     assert main(["gen-sft-data", str(micro_spec_file), *sets]) == 0
     full = cache.read_text()
     rows = [json.loads(line) for line in full.splitlines()]
-    assert len(rows) == 40 and all(set(r) == {"id", "prompt_ids", "response_ids"} for r in rows)
+    assert len(rows) == 40 and all(r["max_new_tokens"] == 6 and r["sample"] == 0 for r in rows)
+    assert all(r["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0} for r in rows)
     assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
 
     cache.write_text("".join(full.splitlines(keepends=True)[:13]))  # interrupted after 13 rows
-    assert main(["gen-sft-data", str(micro_spec_file), *sets]) == 0
+    assert main(["gen-samples", str(micro_spec_file), "--sft", *sets]) == 0  # the same store, by its own name
     assert cache.read_text() == full  # greedy: the resumed file equals the uninterrupted one
 
     assert main(["sft", str(micro_spec_file), "--out", str(tmp_path / "d"), *sets, "--set", "sft.epochs=1",
                  "--set", "sft.batch_size=20", "--set", "sft.anchors_per_seq=2"]) == 0
     assert cache.read_text() == full  # opd sft trained on them without generating again
+
+
+def test_sft_data_drawn_at_another_length_is_refused_before_training(micro_spec_file, tmp_path, capsys):
+    sets = ["--set", "rollout.temperature=0", "--set", "sft.response_max_new_tokens=6"]
+    assert main(["gen-sft-data", str(micro_spec_file), *sets]) == 0
+    capsys.readouterr()
+    assert main(["sft", str(micro_spec_file), "--out", str(tmp_path / "d"), "--set", "rollout.temperature=0",
+                 "--set", "sft.response_max_new_tokens=8"]) == 2
+    line = one_error_line(capsys)
+    assert "line 1: max_new_tokens is 6, this run's is 8" in line and "opd gen-samples CONFIG --sft" in line
+    assert not (tmp_path / "d").exists()
 
 
 def test_gen_sft_data_vllm_without_vllm_is_one_line(micro_spec_file, no_vllm, capsys):
@@ -133,21 +146,24 @@ def test_gen_sft_data_vllm_writes_the_same_rows_and_resumes(micro_spec_file, tmp
     out = tmp_path / "data" / "sft.jsonl"
     args = ["gen-sft-data", str(micro_spec_file), "--engine", "vllm", "--out", str(out),
             "--set", "sft.response_temperature=0.7", "--set", "sft.response_max_new_tokens=5"]
-    out.parent.mkdir()
-    out.write_text("".join(json.dumps({"id": f"done{i}", "prompt_ids": [1], "response_ids": [2]}) + "\n"
-                           for i in range(30)))
     assert main(args) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 40 and rows[0]["id"] == "done0"  # the 30 done rows kept, the other 10 appended
+    full = out.read_text()
+    rows = [json.loads(line) for line in full.splitlines()]
+    assert len(rows) == 40 and all(r["response_ids"] == r["prompt_ids"][:2] + [9] for r in rows)
     (llm,) = fake_vllm.made
     prompts, params = llm.calls[0]
-    assert len(llm.calls) == 1 and [p["prompt_token_ids"] for p in prompts] == [r["prompt_ids"] for r in rows[30:]]
-    assert all(r["response_ids"] == r["prompt_ids"][:2] + [9] for r in rows[30:])
-    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.7, -1, 1.0, 5)
+    assert [p["prompt_token_ids"] for p in prompts] == [r["prompt_ids"] for r in rows]
+    assert {(q.temperature, q.top_k, q.top_p, q.max_tokens) for q in params} == {(0.7, -1, 1.0, 5)}
     spec = load_spec(micro_spec_file)
     assert llm.kwargs["model"] == spec.models.target_path and llm.kwargs["dtype"] == "float32"
 
-    assert main(args) == 0 and len(fake_vllm.made) == 1  # all done: no engine is even started
+    out.write_text("".join(full.splitlines(keepends=True)[:30]))  # interrupted after 30 rows
+    assert main(args) == 0
+    resumed = fake_vllm.made[1]
+    assert len(resumed.calls) == 1 and [p["prompt_token_ids"] for p in resumed.calls[0][0]] == \
+        [r["prompt_ids"] for r in rows[30:]]  # only the 10 missing prompts
+    assert out.read_text() == full
+    assert main(args) == 0 and len(fake_vllm.made) == 2  # all done: no engine is even started
 
 
 # ------------------------------------------------------------------------------------------ rollout from vLLM

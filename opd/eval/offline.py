@@ -25,6 +25,7 @@ import torch
 
 from opd.data.prompts import Prompt, prompt_key
 from opd.decoding.record import SequenceRecord
+from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.eval.acceptance_diagnostic import Diagnosis
 from opd.eval.expected import point_mass_settings
@@ -32,6 +33,7 @@ from opd.eval.row import EvalRow
 from opd.models.build import Models
 from opd.models.target import Target
 from opd.progress import progress_bar
+from opd.sources.provenance import Provenance
 from opd.sources.rebuild import rebuild_records, text_features
 from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, sampler_draw, setting_key
 from opd.spec import SamplingSpec
@@ -92,11 +94,16 @@ class OfflineEval:
     """Held-out τ of any drafter on the stored samples in `path` of `prompts`, for every point-mass setting in
     `settings` (the others are the caller's to decode)."""
 
-    def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec], *,
-                 batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
+    def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec],
+                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
+        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`)."""
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
-        store = SampleStore(path, self.settings, prompts, field=field, pool_name=None)
+        if not Path(path).is_file():
+            raise OpdError(f"{field}: {path} is not a file (expected held-out target samples; draw them with "
+                           "`opd gen-samples CONFIG --eval`)")
+        store = SampleStore(path, self.settings, prompts, made, vocab_size=models.target.vocab_size, field=field,
+                            pool_name=None, redraw="opd gen-samples CONFIG --eval")
         # the view depends on the target, the samples' bytes, which prompts are read and at which setting
         base = (target_identity(models.target), file_digest(store.path), tuple(p.id for p in prompts))
         self.views = [cached_view((*base, setting_key(s), s.name), lambda i=i, s=s: self._view(store, prompts, i, s))
@@ -137,7 +144,8 @@ def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) ->
     decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    store = SampleStore(path, settings, prompts, field="eval.samples_path", pool_name="the held-out prompts")
+    store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field="eval.samples_path",
+                           pool_name="the held-out prompts", redraw="opd gen-samples CONFIG --eval")
     wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
     draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
     with progress_bar() as bar:

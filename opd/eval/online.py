@@ -18,12 +18,14 @@ from opd.data.prompts import Prompt, prompt_key, spec_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.eval.acceptance_diagnostic import Diagnosis
 from opd.eval.expected import point_mass_settings
 from opd.eval.row import EvalRow
 from opd.models.build import Models, build_models
 from opd.progress import progress_bar
+from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec, SamplingSpec
 
 
@@ -143,12 +145,15 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
     point-mass setting and decode only the others (`draft: sample`)."""
     from opd.eval.offline import OfflineEval
 
+    samples = samples or spec.eval.samples_path
+    if samples and not Path(samples).is_file():
+        raise OpdError(f"--samples: {samples} is not a file (expected held-out target samples; draw them with "
+                       "`opd gen-samples CONFIG --eval`)")
     models = build_models(spec, draft)
     prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)
-    samples = samples or spec.eval.samples_path
     e = spec.eval
-    offline = (OfflineEval(models, samples, prompts.prompts, e.sampling, field="--samples").evaluate(
-        models.drafter, diagnose=True) if samples else [])
+    offline = (OfflineEval(models, samples, prompts.prompts, e.sampling, Provenance.of(spec, e.max_new_tokens),
+                           field="--samples").evaluate(models.drafter, diagnose=True) if samples else [])
     decoded = [s for s in e.sampling if s.name not in {r.sampling for r in offline}]
     rows = offline + (evaluate(models, prompts.prompts, decoded, max_new_tokens=e.max_new_tokens,
                                batch_size=e.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,

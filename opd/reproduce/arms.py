@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from opd.data.prompts import eval_prompts, spec_prompts
+from opd.data.prompts import eval_prompts, spec_prompts, train_prompts
 from opd.errors import OpdError
 from opd.eval.offline import OfflineEval, draw_eval_samples, file_digest
 from opd.eval.online import evaluate
@@ -25,10 +25,12 @@ from opd.eval.row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
 from opd.models.flops import FlopCounter
 from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
+from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, SamplingSpec, load_spec
 from opd.train.local import LocalTrainer
-from opd.train.sft import SftExample, train_sft
+from opd.train.sft import train_sft
+from opd.train.sft_data import sft_examples, sft_store
 
 
 class _Evaluator:
@@ -57,7 +59,8 @@ class _Evaluator:
         for name, prompts in self.families.items():
             path = draw_eval_samples(self.spec, sampler, prompts,
                                      Path(job.eval_samples_dir) / f"seed{job.seed}-{name}.jsonl")
-            out[name] = OfflineEval(m, path, prompts, self.spec.eval.sampling)
+            out[name] = OfflineEval(m, path, prompts, self.spec.eval.sampling,
+                                    Provenance.of(self.spec, self.spec.eval.max_new_tokens))
         return out
 
     def __call__(self, drafter, samplings: list[SamplingSpec] | None = None) -> dict[str, float]:
@@ -218,8 +221,8 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
     spec = arm_spec(job, job.opd_steps)
     spec.sft.max_flops = job.marks[-1]
     models = build_models(spec)
-    examples = [SftExample(d["prompt_ids"], d["response_ids"])
-                for d in map(json.loads, Path(job.sft_data).read_text().splitlines())]
+    prompts = train_prompts(spec.data, models.tokenizer)
+    examples = sft_examples(spec, sft_store(spec, prompts, job.sft_data, field="sft_data"), prompts)
     evaluator = _Evaluator(spec, models, job)
     curve = [(0.0, evaluator(models.drafter)["greedy"])]
     marks = list(job.marks)

@@ -14,8 +14,9 @@ from opd.models.build import build_models
 from opd.progress import progress_bar
 from opd.reproduce.arms import run_arm, shares_samples
 from opd.reproduce.spec import BUDGET_ARM, ArmJob, ArmResult, ArmSpec, ReproduceSpec
+from opd.sources.samplers import build_sampler
 from opd.spec import load_spec
-from opd.train.sft import generate_responses
+from opd.train.sft_data import sft_examples, sft_store
 
 
 def _marks(result: ArmResult) -> list[float]:
@@ -26,12 +27,15 @@ def _sft_data(spec: ReproduceSpec, out: Path) -> str:
     """The continued-SFT arm's data: the warm drafter's own SFT data, shipped or regenerated once and cached."""
     if spec.sft_data:
         if not Path(spec.sft_data).is_file():
-            raise OpdError(f"sft_data: {spec.sft_data} does not exist (expected the warm drafter's SFT jsonl)")
+            raise OpdError(f"sft_data: {spec.sft_data} does not exist (expected the warm drafter's SFT data, as "
+                           "`opd gen-samples CONFIG --sft` writes it)")
         return spec.sft_data
     experiment = load_spec(spec.experiment, spec.set)
     path = out / "sft_data.jsonl"
     models = build_models(experiment)
-    generate_responses(experiment, models, train_prompts(experiment.data, models.tokenizer), path)
+    prompts = train_prompts(experiment.data, models.tokenizer)
+    sampler = build_sampler(experiment, "autoregressive", models.target, None, models.eos_id)
+    sft_examples(experiment, sft_store(experiment, prompts, path, field="sft_data"), prompts, sampler)
     return str(path)
 
 

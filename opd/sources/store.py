@@ -1,13 +1,20 @@
-"""Stored target samples: the files `opd gen-samples` writes, rollout reads (`rollout.source: samples`) or fills as
-a shared cache (`rollout.source: target` with a `samples_path`), and offline evaluation reads (held-out prompts).
+"""The one store of target samples: the files `opd gen-samples` writes, rollout reads (`rollout.source: samples`)
+or fills as a shared cache (`rollout.source: target` with a `samples_path`), offline evaluation reads (held-out
+prompts, `--eval`) and `opd sft` trains on (`--sft`: the SFT data).
 
 A target sample does not depend on the drafter, so it can be drawn once (on vLLM, unpatched) and trained on by any
 number of runs: every arm of a seed in `opd reproduce`, and every epoch when rollouts are greedy. One jsonl row per
-sample, carrying what drawing it cost (every run that trains on it is charged that):
+sample, carrying what made it (opd/sources/provenance.py) and what drawing it cost (every run that trains on it is
+charged that):
 
     {"id": prompt id, "prompt_ids": [...], "response_ids": [...],
-     "sampling": {"temperature": T, "top_p": P, "top_k": K}, "sample": j,
+     "sampling": {"temperature": T, "top_p": P, "top_k": K}, "sample": j, "max_new_tokens": N,
+     "made_by": {"target": digest, "tokenizer": digest, "render": "raw" | "chat", "enable_thinking": ...},
      "flops": {"target_forward": ..., "drafter_forward": ..., "drafter_train": 0}}
+
+Every field is type-checked as the row is read, before any compute, and a row made under another provenance is
+refused in one line naming the field and both values. Rows at other sampling settings are skipped, so one file
+serves runs with different settings; two different rows for one (setting, prompt, sample) are refused.
 
 Rollout batch i of a run reads, for each of its (prompt, epoch) pairs, sample `epoch` of that prompt at the batch's
 setting (`rollout.settings`, i mod their count): the data cursor's order, so a resumed or re-produced batch reads
@@ -19,17 +26,62 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from opd.data.prompts import Prompt, prompt_key
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.models.flops import FlopCounter
+from opd.sources.provenance import Provenance, target_vocab_size
 from opd.spec import ExperimentSpec, RolloutSampling
 
 GEN_CHUNK = 64  # samples per sampler call while filling a file; the file is flushed after each
+Key = tuple[tuple[float, float, int], str, int]  # (setting, prompt id, sample number)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _SamplingRow(_Strict):
+    temperature: StrictFloat | StrictInt
+    top_p: StrictFloat | StrictInt
+    top_k: StrictInt
+
+
+class _MadeByRow(_Strict):
+    target: StrictStr
+    tokenizer: StrictStr
+    render: StrictStr
+    enable_thinking: StrictBool | None
+
+
+class _FlopsRow(_Strict):
+    target_forward: StrictFloat | StrictInt = 0.0
+    drafter_forward: StrictFloat | StrictInt = 0.0
+    drafter_train: StrictFloat | StrictInt = 0.0
+
+
+class SampleRow(_Strict):
+    """One stored sample as read from a file: every field typed, unknown ones refused."""
+
+    id: StrictStr
+    prompt_ids: list[StrictInt]
+    response_ids: list[StrictInt]
+    sampling: _SamplingRow
+    sample: StrictInt
+    max_new_tokens: StrictInt
+    made_by: _MadeByRow
+    flops: _FlopsRow = _FlopsRow()
+
+    @property
+    def provenance(self) -> Provenance:
+        return Provenance(**self.made_by.model_dump(), max_new_tokens=self.max_new_tokens)
 
 
 def setting_key(setting: RolloutSampling | Sampling | dict) -> tuple[float, float, int]:
@@ -86,21 +138,33 @@ class SampleStore:
     pool. Rows at other settings are skipped, so one file can serve runs with different settings. With a `Draw`,
     `fetch` draws what the file lacks and appends it (a cache shared by every run that names the file)."""
 
-    def __init__(self, path: str | Path, settings: list, prompts: list[Prompt], *,
-                 field: str = "rollout.samples_path", pool_name: str | None = "data.train_prompts") -> None:
-        """`settings`: the run's sampling settings (rollout's, or eval's point-mass ones), indexed by `Wanted`;
-        `field` and `pool_name` name the file and the prompts in error messages. A row of a prompt outside
-        `prompts` is an error naming `pool_name`, or skipped when that is None (an eval reading a subset)."""
-        self.path, self.field, self.pool_name = Path(path), field, pool_name
+    def __init__(self, path: str | Path, settings: list, prompts: list[Prompt], made: Provenance, *,
+                 vocab_size: int | None = None, field: str = "rollout.samples_path",
+                 pool_name: str | None = "data.train_prompts", redraw: str = "opd gen-samples CONFIG") -> None:
+        """`settings`: the run's sampling settings (rollout's, eval's point-mass ones, or SFT's one), indexed by
+        `Wanted`; `made`: what the run's samples must have been made by; token ids must be below `vocab_size`.
+        `field` and `pool_name` name the file and the prompts in error messages, `redraw` the command that draws
+        the file's samples. A row of a prompt outside `prompts` is an error naming `pool_name`, or skipped when
+        that is None (an eval reading a subset)."""
+        self.path, self.field, self.pool_name, self.redraw = Path(path), field, pool_name, redraw
+        self.made, self.vocab_size = made, vocab_size
         self.settings = [setting_key(s) for s in settings]
         self.pool = {p.id: p for p in prompts}
-        self.rows: dict[tuple[tuple[float, float, int], str, int], StoredSample] = {}
+        self.rows: dict[Key, StoredSample] = {}
+        self._contents: dict[Key, tuple] = {}  # what each key's row holds, to tell a repeat from a conflict
         self._read = self._lines = 0  # bytes and lines of the file already read
         self.refresh()
 
     @classmethod
     def for_rollout(cls, spec: ExperimentSpec, prompts: list[Prompt]) -> SampleStore:
-        return cls(spec.rollout.samples_path, spec.rollout.settings, prompts)
+        return cls.of(spec, spec.rollout.samples_path, spec.rollout.settings, prompts, spec.rollout.max_new_tokens)
+
+    @classmethod
+    def of(cls, spec: ExperimentSpec, path: str | Path, settings: list, prompts: list[Prompt], max_new_tokens: int,
+           **kwargs) -> SampleStore:
+        """The store of `spec`'s target, tokenizer and rendering at `max_new_tokens` (keywords as for `__init__`)."""
+        return cls(path, settings, prompts, Provenance.of(spec, max_new_tokens),
+                   vocab_size=target_vocab_size(spec.models.target_path), **kwargs)
 
     def fetch(self, wanted: list[Wanted], draw: Draw | None = None) -> list[StoredSample]:
         """The stored samples of `wanted`, in order. With `draw`, missing ones are drawn and appended first, under
@@ -115,15 +179,16 @@ class SampleStore:
                     for w, response, cost in zip(group, responses, costs):
                         row = {"id": w.prompt.id, "prompt_ids": w.prompt.ids, "response_ids": response,
                                "sampling": dict(zip(("temperature", "top_p", "top_k"), self.settings[w.setting])),
-                               "sample": w.j, "flops": asdict(cost)}
+                               "sample": w.j, **self.made.as_row(), "flops": asdict(cost)}
                         f.write(json.dumps(row) + "\n")
                         self.rows[self._key(w)] = StoredSample(response, cost)
+                        self._contents[self._key(w)] = (tuple(response),)
                     f.flush()
                 self._read = f.tell()
         if missing := self.missing(wanted):
             w = missing[0]
             raise OpdError(f"{self.field}: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
-                           f"{describe(self.settings[w.setting])} (expected `opd gen-samples` to have drawn it)")
+                           f"{describe(self.settings[w.setting])} (expected `{self.redraw}` to have drawn it)")
         return [self.rows[self._key(w)] for w in wanted]
 
     def check_budget(self, spec: ExperimentSpec) -> None:
@@ -135,7 +200,7 @@ class SampleStore:
                     rule = "" if key[0] == 0 else "; sampled samples may not repeat across epochs"
                     raise OpdError(f"{self.field}: {self.path} has {have} sample(s) of prompt {prompt.id!r} "
                                    f"at {describe(key)}, but the step budget needs {count} per prompt{rule} "
-                                   f"(expected `opd gen-samples --samples {count}`)")
+                                   f"(expected `{self.redraw} --samples {count}`)")
 
     def refresh(self) -> None:
         """Read the complete lines appended since the last read (other processes may be filling the file)."""
@@ -154,32 +219,64 @@ class SampleStore:
                 self._add(_parse(line, f"{self.field}: {self.path}", self._lines), self._lines)
         self._read += len(complete)
 
-    def _add(self, row: dict, line_no: int) -> None:
+    def _add(self, raw: dict, line_no: int) -> None:
         where = f"{self.field}: {self.path} line {line_no}"
-        try:
-            key = setting_key(row["sampling"])
-            ok = (isinstance(row["response_ids"], list) and row["response_ids"] and isinstance(row["sample"], int)
-                  and isinstance(row["id"], str))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            ok = False
-        if not ok:
-            raise OpdError(f"{where}: not a sample row (expected id, prompt_ids, response_ids, sampling "
-                           "{temperature, top_p, top_k} and sample, as `opd gen-samples` writes)")
+        row = self._typed(raw, where)
+        key = setting_key(row.sampling.model_dump())
         if key not in self.settings:
             return  # another run's setting
-        prompt = self.pool.get(row["id"])
+        prompt = self.pool.get(row.id)
         if prompt is None and self.pool_name is None:
             return  # a prompt this reader does not evaluate
         if prompt is None:
-            raise OpdError(f"{where}: prompt id {row['id']!r} is not in {self.pool_name} (expected samples of "
-                           "this run's prompt pool)")
-        if row.get("prompt_ids") != prompt.ids:
-            raise OpdError(f"{where}: prompt {row['id']!r} has other prompt_ids than this run renders (expected the "
+            raise OpdError(f"{where}: prompt id {row.id!r} is not in {self.pool_name} (expected samples of "
+                           f"this run's prompt pool, as `{self.redraw}` draws them)")
+        if difference := self.made.mismatch(row.provenance):
+            raise OpdError(f"{where}: {difference} (expected samples made as this run makes them; redraw them with "
+                           f"`{self.redraw}`)")
+        if row.prompt_ids != prompt.ids:
+            raise OpdError(f"{where}: prompt {row.id!r} has other prompt_ids than this run renders (expected the "
                            "same data.render, enable_thinking and tokenizer as the run that drew it)")
-        self.rows[(key, row["id"], row["sample"])] = StoredSample(row["response_ids"],
-                                                                   FlopCounter(**row.get("flops", {})))
+        self._check_tokens(row, where)
+        self._keep((key, row.id, row.sample), row, where)
 
-    def _key(self, w: Wanted) -> tuple[tuple[float, float, int], str, int]:
+    def _typed(self, raw: dict, where: str) -> SampleRow:
+        if "sampling" in raw and "made_by" not in raw:
+            raise OpdError(f"{where}: a row from before sample rows said what made them (no made_by); redraw the "
+                           f"file with `{self.redraw}`")
+        if "sampling" not in raw and {"id", "prompt_ids", "response_ids"} <= raw.keys():
+            raise OpdError(f"{where}: an SFT data row from before the sample store (no sampling); redraw it with "
+                           "`opd gen-samples CONFIG --sft`")
+        try:
+            return SampleRow.model_validate(raw)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            name = ".".join(str(part) for part in err["loc"]) or "row"
+            raise OpdError(f"{where}: {name}: {err['msg'].lower()} (expected a sample row as `opd gen-samples` "
+                           "writes it)") from None
+
+    def _check_tokens(self, row: SampleRow, where: str) -> None:
+        if not row.response_ids:
+            raise OpdError(f"{where}: response_ids is empty (expected at least one token)")
+        if len(row.response_ids) > row.max_new_tokens:
+            raise OpdError(f"{where}: {len(row.response_ids)} response tokens, past its max_new_tokens "
+                           f"{row.max_new_tokens}")
+        bad = [t for t in row.response_ids if not 0 <= t < (self.vocab_size or math.inf)]
+        if bad:
+            raise OpdError(f"{where}: response token {bad[0]} is outside the target's vocabulary "
+                           f"[0, {self.vocab_size}) (expected samples of this target)")
+
+    def _keep(self, key: Key, row: SampleRow, where: str) -> None:
+        contents = (tuple(row.response_ids),)
+        if key in self._contents:
+            if self._contents[key] != contents:
+                raise OpdError(f"{where}: a second, different row for sample {row.sample} of prompt {row.id!r} at "
+                               f"{describe(key[0])} (expected one row per sample; remove one of them)")
+            return
+        self._contents[key] = contents
+        self.rows[key] = StoredSample(row.response_ids, FlopCounter(**row.flops.model_dump()))
+
+    def _key(self, w: Wanted) -> Key:
         return self.settings[w.setting], w.prompt.id, w.j
 
     def missing(self, wanted: list[Wanted]) -> list[Wanted]:
@@ -205,9 +302,10 @@ def _parse(line: str, where: str, line_no: int) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise OpdError(f"{where} line {line_no} is not JSON ({exc.msg})") from None
+        raise OpdError(f"{where} line {line_no} is not JSON ({exc.msg}; expected a jsonl file of sample rows, as "
+                       "`opd gen-samples` writes)") from None
     if not isinstance(row, dict):
-        raise OpdError(f"{where} line {line_no} is not a JSON object")
+        raise OpdError(f"{where} line {line_no} is not a JSON object (expected a jsonl file of sample rows)")
     return row
 
 

@@ -18,6 +18,7 @@ from opd.eval.offline import OfflineEval, draw_eval_samples
 from opd.eval.online import evaluate
 from opd.eval.row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
+from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, with_eval_samples
 from opd.train.messages import WeightSnapshot
@@ -88,7 +89,7 @@ class Evaluator:
         """The offline evaluator of `eval.samples_path` (its target view computed once), or None."""
         if self._offline is None and self.spec.eval.samples_path:
             self._offline = OfflineEval(self.models, self.spec.eval.samples_path, self.prompts,
-                                        self.spec.eval.sampling)
+                                        self.spec.eval.sampling, Provenance.of(self.spec, self.spec.eval.max_new_tokens))
         return self._offline
 
     def _decode(self, models: Models, prompts, samplings, *, baseline: bool, diagnose: bool,

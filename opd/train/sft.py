@@ -1,7 +1,7 @@
 """`opd sft`: the DFlash SFT stage — the warm start Draft-OPD begins from, and the matched-compute baseline.
 
-1. The target answers the prompt pool (batched autoregressive decoding); the responses are cached in the run
-   directory so a restart does not regenerate them.
+1. The target answers the prompt pool: the SFT data, drawn once into the sample store (opd/train/sft_data.py)
+   and reused, so a restart does not draw it again.
 2. The drafter learns to predict those responses from random anchors: block [y_a, MASK...] must produce
    y_a+1 .. y_a+K−1, cross-entropy weighted exp(−(k−1)/γ_sft) (DFlash's recipe).
 
@@ -16,7 +16,6 @@ whole step's, so neither the chunk nor the micro-batch size changes the gradient
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +23,7 @@ from pathlib import Path
 
 import torch
 
-from opd.data.prompts import Prompt, prompt_key, train_prompts
-from opd.decoding.autoregressive import generate_autoregressive
-from opd.decoding.sampling import Sampling
+from opd.data.prompts import train_prompts
 from opd.distill.losses import sft_log_weight_sum, sft_loss
 from opd.models.build import Models, build_models
 from opd.models.eagle3 import Eagle3Drafter
@@ -36,53 +33,11 @@ from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.target import Target
 from opd.progress import progress_bar
 from opd.run_dir import RunDirLock
+from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
 from opd.train.learner import build_optimizer
-
-
-@dataclass
-class SftExample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-
-
-def response_sampling(spec: ExperimentSpec) -> Sampling:
-    """sft.response_temperature when set, else the rollout's sampling (both data engines use this rule)."""
-    r, temperature = spec.rollout, spec.sft.response_temperature
-    return Sampling.of(r) if temperature is None else Sampling(temperature, 0, 1.0)
-
-
-def append_responses(prompts: list[Prompt], cache: Path, generate: Callable[[list[Prompt]], list[list[int]]],
-                     chunk_size: int, label: str) -> list[SftExample]:
-    """Responses for every prompt, appended to `cache` chunk by chunk, so a restart (with either engine) resumes
-    after the rows already written; `generate` only runs for prompts still to do."""
-    done = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
-    todo = prompts[len(done):]
-    with progress_bar() as bar, cache.open("a") as f:
-        task = bar.add_task(label, total=len(prompts), completed=len(done))
-        for i in range(0, len(todo), chunk_size):
-            chunk = todo[i : i + chunk_size]
-            for p, resp in zip(chunk, generate(chunk)):
-                row = {"id": p.id, "prompt_ids": p.ids, "response_ids": resp}
-                f.write(json.dumps(row) + "\n")
-                done.append(row)
-            f.flush()
-            bar.update(task, completed=len(done))
-    return [SftExample(d["prompt_ids"], d["response_ids"]) for d in done]
-
-
-def generate_responses(spec: ExperimentSpec, models: Models, prompts: list[Prompt], cache: Path,
-                       batch_size: int = 32) -> list[SftExample]:
-    """The target's responses by batched HF decoding, sampled per prompt id (chunking does not change them)."""
-    sampling = response_sampling(spec)
-
-    def generate(chunk: list[Prompt]) -> list[list[int]]:
-        return generate_autoregressive(models.target, [p.ids for p in chunk], sampling,
-                                       max_new_tokens=spec.sft.response_max_new_tokens, eos_id=models.eos_id,
-                                       seed=spec.seed, keys=[prompt_key(p.id) for p in chunk])
-
-    return append_responses(prompts, cache, generate, batch_size, "sft data")
+from opd.train.sft_data import SftExample, sft_examples, sft_store
 
 
 @dataclass
@@ -212,7 +167,9 @@ def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
 def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     models = build_models(spec)
     run_dir = spec.run_dir
-    examples = generate_responses(spec, models, train_prompts(spec.data, models.tokenizer), run_dir / "sft_data.jsonl")
+    prompts = train_prompts(spec.data, models.tokenizer)
+    sampler = build_sampler(spec, "autoregressive", models.target, None, models.eos_id)
+    examples = sft_examples(spec, sft_store(spec, prompts), prompts, sampler)
     if isinstance(models.drafter, Eagle3Drafter) and spec.models.drafter_path is None:
         fit_draft_vocab(models.drafter, examples)
     tracker = Tracker(spec)
