@@ -1,0 +1,57 @@
+"""Output paths (issue 33): a command's output path is checked before any model loads, in one line naming the flag
+and what is expected; results and drafters are written whole or not at all (opd/outputs.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from opd.outputs import atomic_dir, write_text_atomic
+
+
+def test_a_directory_write_that_fails_leaves_the_old_one_whole(micro_assets, tmp_path):
+    out = tmp_path / "drafter"
+    shutil.copytree(micro_assets["drafter"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{")  # half written when the process dies
+        raise RuntimeError("killed")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with atomic_dir(out) as tmp:
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+    assert [p.name for p in out.iterdir()] == ["config.json"]  # replaced whole: no stale weights beside it
+    assert [p.name for p in tmp_path.iterdir()] == ["drafter"]  # no temporary left behind
+
+
+def test_a_directory_that_cannot_be_moved_in_puts_the_old_one_back(micro_assets, tmp_path, monkeypatch):
+    out = tmp_path / "drafter"
+    shutil.copytree(micro_assets["drafter"], out)
+    real = os.replace
+
+    def refuse_the_new_one(src, dst):
+        if ".tmp" in str(src) and not str(src).endswith("-old"):  # the new directory, not the one set aside
+            raise OSError("no space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr("os.replace", refuse_the_new_one)
+    with pytest.raises(OSError), atomic_dir(out) as tmp:
+        tmp.mkdir()
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["drafter"]
+
+
+def test_a_file_write_that_fails_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "results.json"
+    path.write_text("old")
+
+    def die(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("os.replace", die)
+    with pytest.raises(OSError):
+        write_text_atomic(path, "new")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
