@@ -126,7 +126,10 @@ def _gen_sft_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _gen_sft_data(args: argparse.Namespace) -> int:
     from opd.commands.gen_sft_data import run_gen_sft_data
+    from opd.outputs import check_output_file
 
+    if args.out:
+        check_output_file(args.out, "--out", "the SFT data (jsonl)")
     return run_gen_sft_data(_load(args), args.engine, args.out)
 
 
@@ -146,8 +149,12 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
 def _gen_samples(args: argparse.Namespace) -> int:
     from opd.commands.gen_samples import run_gen_samples
 
+    from opd.outputs import check_output_file
+
     if args.prompts and not args.eval:
         raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")
+    if args.out:
+        check_output_file(args.out, "--out", "the target samples (jsonl)")
     return run_gen_samples(_load(args), args.engine, args.samples, args.out, held_out=args.eval,
                            prompts_file=args.prompts)
 

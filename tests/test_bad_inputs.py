@@ -8,7 +8,46 @@ import shutil
 
 import pytest
 
+from opd.cli import main
 from opd.outputs import atomic_dir, write_text_atomic
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    return err[0]
+
+
+def no_compute(monkeypatch, module) -> None:
+    monkeypatch.setattr(module, "build_models", lambda *a, **k: pytest.fail("compute started before the output was "
+                                                                            "checked"))
+
+
+def test_eval_json_naming_a_directory_is_refused_before_decoding(micro_spec_file, tmp_path, capsys, monkeypatch):
+    import opd.eval.online
+
+    no_compute(monkeypatch, opd.eval.online)
+    assert main(["eval", str(micro_spec_file), "--draft", "random", "--json", str(tmp_path)]) == 2
+    assert one_error(capsys) == f"error: --json: {tmp_path} is a directory (expected a file path for the results)"
+    (tmp_path / "a-file").write_text("")
+    under_a_file = tmp_path / "a-file" / "eval.json"
+    assert main(["eval", str(micro_spec_file), "--json", str(under_a_file)]) == 2
+    assert one_error(capsys) == (f"error: --json: {under_a_file} cannot be written ({tmp_path / 'a-file'} is a file; "
+                                 "expected a file path for the results)")
+
+
+@pytest.mark.parametrize("command, module", [("gen-samples", "opd.commands.gen_samples.run_gen_samples"),
+                                             ("gen-sft-data", "opd.commands.gen_sft_data.run_gen_sft_data")])
+def test_sample_and_sft_data_out_naming_a_directory_is_refused_first(micro_spec_file, tmp_path, capsys, monkeypatch,
+                                                                     command, module):
+    monkeypatch.setattr(module, lambda *a, **k: pytest.fail("the command ran before --out was checked"))
+    assert main([command, str(micro_spec_file), "--out", str(tmp_path)]) == 2
+    assert one_error(capsys).startswith(f"error: --out: {tmp_path} is a directory (expected a file path for the ")
+
+
+def test_serve_bench_json_naming_a_directory_is_refused_first(micro_spec_file, micro_assets, tmp_path, capsys):
+    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"], "--json", str(tmp_path)]) == 2
+    assert one_error(capsys) == f"error: --json: {tmp_path} is a directory (expected a file path for the results)"
 
 
 def test_a_directory_write_that_fails_leaves_the_old_one_whole(micro_assets, tmp_path):
