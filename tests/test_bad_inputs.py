@@ -50,6 +50,31 @@ def test_serve_bench_json_naming_a_directory_is_refused_first(micro_spec_file, m
     assert one_error(capsys) == f"error: --json: {tmp_path} is a directory (expected a file path for the results)"
 
 
+def test_sft_out_naming_a_file_is_refused_before_training(micro_spec_file, tmp_path, capsys, monkeypatch):
+    import opd.train.sft
+
+    no_compute(monkeypatch, opd.train.sft)
+    out = tmp_path / "drafter.safetensors"
+    out.write_text("kept")
+    assert main(["sft", str(micro_spec_file), "--out", str(out)]) == 2
+    assert one_error(capsys) == f"error: --out: {out} is a file (expected a directory for the drafter)"
+    assert out.read_text() == "kept"
+
+
+def test_sft_out_holding_other_files_is_refused_not_deleted(micro_spec_file, tmp_path, capsys, monkeypatch):
+    import opd.train.sft
+
+    no_compute(monkeypatch, opd.train.sft)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    assert main(["sft", str(micro_spec_file), "--out", str(out)]) == 2
+    assert one_error(capsys) == (f"error: --out: {out} holds notes.txt, which is not a drafter file (expected a new "
+                                 "or empty directory, or a drafter directory to replace: config.json, "
+                                 "model.safetensors)")
+    assert (out / "notes.txt").read_text() == "kept"
+
+
 def test_a_directory_write_that_fails_leaves_the_old_one_whole(micro_assets, tmp_path):
     out = tmp_path / "drafter"
     shutil.copytree(micro_assets["drafter"], out)
