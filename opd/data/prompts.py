@@ -114,7 +114,7 @@ def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str], r
     except UnicodeDecodeError:
         raise ValueError("not UTF-8") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg})") from None
+        raise ValueError(f"not JSON ({exc.msg}; expected JSONL, one JSON object per line)") from None
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object with id and prompt or messages")
     if "id" not in record:
