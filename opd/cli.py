@@ -129,7 +129,7 @@ def _gen_sft_data(args: argparse.Namespace) -> int:
     from opd.outputs import check_output_file
 
     if args.out:
-        check_output_file(args.out, "--out", "the SFT data (jsonl)")
+        check_output_file(args.out, "--out", "the SFT data")
     return run_gen_sft_data(_load(args), args.engine, args.out)
 
 
@@ -154,7 +154,7 @@ def _gen_samples(args: argparse.Namespace) -> int:
     if args.prompts and not args.eval:
         raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")
     if args.out:
-        check_output_file(args.out, "--out", "the target samples (jsonl)")
+        check_output_file(args.out, "--out", "the target samples")
     return run_gen_samples(_load(args), args.engine, args.samples, args.out, held_out=args.eval,
                            prompts_file=args.prompts)
 
