@@ -128,7 +128,10 @@ def _gen_sft_data_arguments(parser: argparse.ArgumentParser) -> None:
 def _gen_sft_data(args: argparse.Namespace) -> int:
     """An alias of `opd gen-samples --sft`: hf is the autoregressive sampler."""
     from opd.commands.gen_samples import run_gen_samples
+    from opd.outputs import check_output_file
 
+    if args.out:
+        check_output_file(args.out, "--out", "the SFT data")
     engine = "autoregressive" if args.engine == "hf" else args.engine
     return run_gen_samples(_load(args), engine, 1, args.out, purpose="sft")
 
@@ -152,9 +155,12 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _gen_samples(args: argparse.Namespace) -> int:
     from opd.commands.gen_samples import run_gen_samples
+    from opd.outputs import check_output_file
 
     if args.prompts and not args.eval:
         raise OpdError("--prompts: only with --eval (training samples are of data.train_prompts)")
+    if args.out:
+        check_output_file(args.out, "--out", "the SFT data" if args.sft else "the target samples")
     purpose = "eval" if args.eval else "sft" if args.sft else "rollout"
     return run_gen_samples(_load(args), args.engine, args.samples, args.out, purpose=purpose,
                            prompts_file=args.prompts)

@@ -18,6 +18,7 @@ import socket
 from pathlib import Path
 
 from opd.errors import OpdError
+from opd.outputs import blocked
 from opd.spec import ExperimentSpec
 from opd.tracking import sqlite_path
 
@@ -68,14 +69,8 @@ def unwritable(run_dir: Path, why: str, field: str = "tracking.run_dir") -> str:
 
 def writable_problem(run_dir: Path) -> str | None:
     """Why `run_dir` could not be created or written (found without creating it), or None; for `opd validate`."""
-    existing = Path(run_dir).absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return unwritable(run_dir, f"{existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return unwritable(run_dir, f"{existing} does not allow writes")
-    return None
+    why = blocked(run_dir)
+    return unwritable(run_dir, why) if why else None
 
 
 def lock_holder(run_dir: Path) -> str | None:

@@ -55,9 +55,10 @@ def _num(x: float) -> str:
 
 
 class _Section(BaseModel):
-    """Base of every spec model: unknown keys are errors, because a typo must not silently fall back to a default."""
+    """Base of every spec model: unknown keys are errors, because a typo must not silently fall back to a default;
+    so are infinite and NaN floats (`.inf` is valid YAML), since no temperature, rate or weight means them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------------- models

@@ -79,6 +79,11 @@ BAD_ROWS = {
     "turn without role": ({"id": "b", "messages": [{"content": "hi"}]}, "'role' and 'content'"),
     "both forms": ({"id": "b", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "both"),
     "too long": ({"id": "b", "messages": [{"role": "user", "content": "word " * 60}]}, "rendered prompt has"),
+    "ends on the answer": ({"id": "b", "messages": [{"role": "user", "content": "1 + 1?"},
+                                                    {"role": "assistant", "content": "2"}]},
+                           "'messages' ends on the assistant's turn (expected the user's turn last"),
+    "empty content": ({"id": "b", "messages": [{"role": "user", "content": " "}]},
+                      "messages[0].content is empty (expected non-empty text"),
 }
 
 

@@ -75,6 +75,11 @@ MALFORMED = [
      "optim.batch_size: 12 is not a multiple of rollout.batch_size 8"),
     ("lambdas both zero", on_tiny("loss: {lambda_acc: 0, lambda_rej: 0}"), [], {}, "loss.lambda_rej: lambda_acc + "),
     ("negative temperature", on_tiny("rollout: {temperature: -0.5}"), [], {}, "rollout.temperature: got -0.5"),
+    ("infinite temperature", on_tiny(""), ["rollout.temperature=.inf"], {},
+     "rollout.temperature: got inf (should be a finite number)"),
+    ("NaN lr", on_tiny("optim: {lr: .nan}"), [], {}, "optim.lr: got nan (should be a finite number)"),
+    ("infinite top_p", on_tiny(""), ["eval.sampling.0.top_p=-.inf"], {}, "eval.sampling[0].top_p: got -inf (should "
+                                                                          "be a finite number)"),
     ("eval top_p 0", on_tiny("eval: {sampling: [{name: g, top_p: 0}]}"), [], {}, "eval.sampling[0].top_p: got 0"),
     ("duplicate sampling names", on_tiny("eval: {sampling: [{name: g}, {name: g}]}"), [], {},
      "eval.sampling: name 'g' is used twice"),

@@ -13,6 +13,7 @@ BAD_LINES = {
     "too long": (b'{"id": "b", "prompt": "' + b"word " * 400 + b'"}', "more than data.max_prompt_tokens"),
     "not utf-8": (b'{"id": "b", "prompt": "\xff\xfe"}', "not UTF-8"),
     "garbage": (b"this is not json", "not JSON"),
+    "a CSV row": (b"id,prompt", "not JSON (Expecting value; expected JSONL, one JSON object per line)"),
     "missing prompt": (b'{"id": "b"}', "missing field 'prompt'"),
     "missing id": (b'{"prompt": "hi"}', "missing field 'id'"),
     "not an object": (b"[1, 2]", "expected a JSON object"),

@@ -112,3 +112,32 @@ def test_bad_input_is_one_line(sources, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     assert main(["prompt-pool", "--out", str(tmp_path / "p"), "--math500", sources["math500"]]) == 2
     assert "pip install datasets" in one_error(capsys)
+
+
+def test_a_corrupt_parquet_file_is_one_line(sources, tmp_path, capsys):
+    whole = open(sources["aops"], "rb").read()
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole[: len(whole) // 2])  # a download that stopped halfway
+    assert main(pool_args({**sources, "aops": str(cut)}, tmp_path / "p")) == 2
+    assert one_error(capsys).startswith(f"error: prompt-pool: {cut}: unreadable (Could not open Parquet input "
+                                        "source") and not (tmp_path / "p").exists()
+
+
+def test_a_csv_given_as_jsonl_names_jsonl(sources, tmp_path, capsys):
+    csv = tmp_path / "gsm8k.csv"
+    csv.write_text("question,answer\nSam has 3 pens.,#### 3\n")
+    assert main(pool_args({**sources, "gsm8k": str(csv)}, tmp_path / "p")) == 2
+    assert one_error(capsys) == (f"error: prompt-pool: {csv}: unreadable (line 1: Expecting value); expected "
+                                 "JSONL, one JSON object per line")
+
+
+def test_an_out_that_is_a_file_is_refused_before_any_read(sources, tmp_path, capsys, monkeypatch):
+    import opd.data.pool
+
+    monkeypatch.setattr(opd.data.pool, "_read", lambda *a: pytest.fail("sources read before --out was checked"))
+    out = tmp_path / "pool.jsonl"
+    out.write_text("kept\n")
+    assert main(pool_args(sources, out)) == 2
+    assert one_error(capsys) == (f"error: --out: {out} is a file (expected a directory for prompts.jsonl, "
+                                 "eval_prompts.jsonl and card.json)")
+    assert out.read_text() == "kept\n"

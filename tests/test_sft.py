@@ -3,6 +3,8 @@ and `opd sft` writes a drafter that loads back."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -92,8 +94,9 @@ def test_a_micro_batch_size_that_does_not_divide_the_batch_is_one_line(micro_spe
         "sft.micro_batch_size: 4 does not divide batch_size 6 (expected a divisor)"]
 
 
-def test_opd_sft_writes_a_loadable_drafter(micro_spec_file, tmp_path):
+def test_opd_sft_writes_a_loadable_drafter(micro_spec_file, micro_assets, tmp_path):
     out = tmp_path / "warm"
+    shutil.copytree(micro_assets["drafter"], out)  # a drafter saved before: replaced whole, atomically
     assert main(["sft", str(micro_spec_file), "--out", str(out), "--set", "sft.epochs=1", "--set", "sft.batch_size=8",
                  "--set", "sft.response_max_new_tokens=8", "--set", "sft.anchors_per_seq=4"]) == 0
     spec = load_spec(micro_spec_file)
@@ -101,6 +104,7 @@ def test_opd_sft_writes_a_loadable_drafter(micro_spec_file, tmp_path):
     before = build_models(spec).drafter.state_dict()
     after = build_models(spec, str(out)).drafter.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # no temporary left beside it
 
 
 def test_opd_sft_logs_an_mlflow_run(micro_spec_file, tmp_path):

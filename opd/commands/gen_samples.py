@@ -36,8 +36,6 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
     if count < 1:
         raise OpdError(f"--samples: {count} (expected at least 1 sample per prompt)")
     path = Path(out or _default_path(spec, purpose))
-    if path.is_dir():
-        raise OpdError(f"--out: {path} is a directory (expected a jsonl file to write or finish)")
     path.parent.mkdir(parents=True, exist_ok=True)
     kind = engine or DEFAULT_ENGINE[purpose] or spec.rollout.sampler
     tokenizer, sampler = _sampler(spec, kind)

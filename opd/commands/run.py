@@ -27,6 +27,7 @@ from rich.table import Table
 from opd.commands import launch
 from opd.commands.preflight import check_inputs
 from opd.eval.row import EvalRow
+from opd.outputs import write_text_atomic
 from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec
 from opd.tracking import end_run, ensure_store, run_status
@@ -142,7 +143,7 @@ def _after_training(spec: ExperimentSpec, console: Console, before: list[EvalRow
     console.print(table)
     summary = {"before": [vars(r) for r in before], "after": [vars(r) for r in after], "history": history,
                "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     _log_to_mlflow(spec, result.run_id, before, after, [plot, run_dir / "summary.json"])
     return summary
 

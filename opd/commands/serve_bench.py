@@ -25,6 +25,7 @@ from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, check_vllm_captu
 from opd.models.eagle3_format import AUX_IDS_FIELD
 from opd.models.eagle3_format import read_config as read_eagle3_config
 from opd.models.family import checkpoint_kind
+from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar
 from opd.serving.engine import (
     release_gpu_memory,
@@ -105,6 +106,8 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
                     baseline: bool = True) -> int:
     """Check the arguments and drafters, then serve and report; every user error comes before vLLM starts."""
     levels = parse_concurrency(concurrency)
+    if json_out:
+        check_output_file(json_out, "--json", "the results")
     engines = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
     require_vllm("opd serve-bench")
     if baseline:
@@ -126,8 +129,7 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
              f"sampling {setting.name}")
     print_rows(rows, title)
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps({
+        write_text_atomic(json_out, json.dumps({
             "target": spec.models.target_path, "prompts": len(prompts), "max_new_tokens": e.max_new_tokens,
             "sampling": setting.model_dump(), "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     return 0

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opd.errors import OpdError
+from opd.outputs import check_output_dir, write_text_atomic
 
 
 def _codealpaca(row: dict) -> str:
@@ -93,10 +94,9 @@ def build_pool(out: Path, *, seed: int, heldout: int, files: dict[str, str], cou
         train += [_row(s.name, i, text) for i, text in picked[heldout:]]
         sha = _sha256(files[s.name]) if s.name in files else None
         card.sources.append(SourceCard(s.name, origin, sha, len(problems), len(problems) - len(fresh), want, heldout))
-    out.mkdir(parents=True, exist_ok=True)
     for name, part in (("prompts.jsonl", train), ("eval_prompts.jsonl", held)):
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    (out / "card.json").write_text(json.dumps(asdict(card), indent=2) + "\n")
+        write_text_atomic(out / name, "".join(json.dumps(r) + "\n" for r in part))
+    write_text_atomic(out / "card.json", json.dumps(asdict(card), indent=2) + "\n")
     return card
 
 
@@ -132,19 +132,33 @@ def _read(dataset: str, config: str | None, split: str, path: str | None,
 
 
 def _read_file(path: str) -> list[dict]:
+    """A local source's rows by its suffix: .parquet, .json (one array), anything else JSONL."""
     file = Path(path)
     if not file.is_file():
         raise OpdError(f"prompt-pool: {path} not found")
+    kind = {".parquet": "a parquet file", ".json": "a JSON array of rows"}.get(
+        file.suffix, "JSONL, one JSON object per line")
     try:
         if file.suffix == ".parquet":
             import pyarrow.parquet as pq
 
             return pq.read_table(file).to_pylist()
         text = file.read_text()
-        lines = [line for line in text.splitlines() if line.strip()]
-        return json.loads(text) if file.suffix == ".json" else [json.loads(line) for line in lines]
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise OpdError(f"prompt-pool: {path}: unreadable ({str(exc).splitlines()[0]})") from None
+        return json.loads(text) if file.suffix == ".json" else _jsonl(text)
+    except (ValueError, OSError) as exc:  # JSON, Unicode and Arrow's ArrowInvalid errors are ValueErrors
+        raise OpdError(f"prompt-pool: {path}: unreadable ({str(exc).splitlines()[0]}); expected {kind}") from None
+
+
+def _jsonl(text: str) -> list:
+    """One row per non-blank line; an error names the file's line, not the position inside that line."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"line {number}: {exc.msg}") from None
+    return rows
 
 
 def _read_hub(dataset: str, config: str | None, split: str) -> tuple[list[dict], str]:
@@ -174,6 +188,7 @@ def _sha256(path: str) -> str:
 def run_prompt_pool(out: str, files: list[str], counts: list[str], math500: str | None, heldout: int,
                     seed: int) -> int:
     """The CLI's entry: parse SOURCE=VALUE pairs, build, and print one line per source."""
+    check_output_dir(out, "--out", "prompts.jsonl, eval_prompts.jsonl and card.json")
     if heldout < 0:
         raise OpdError(f"--heldout: {heldout} (expected a count >= 0)")
     parsed = {name: int(n) for name, n in _pairs(counts, "--count", number=True).items()}

@@ -1,7 +1,8 @@
 """Prompt files and the tokenizer: checked up front, so bad input fails before any compute, naming the line.
 
 A prompt file is jsonl, one object per line with a unique `id` and either a non-empty `prompt` string or chat
-`messages` ([{role, content}, ...]); other fields, such as a reference answer, are kept but unused. Each row is
+`messages` ([{role, content}, ...], roles system, user and assistant, every content non-empty, the last turn the
+user's: the one the target answers); other fields, such as a reference answer, are kept but unused. Each row is
 rendered to ids by `opd.data.render` (raw text, or the tokenizer's chat template) and its rendered length
 checked. With `skip_bad_lines` a few bad lines are skipped and counted instead of stopping the run.
 """
@@ -113,7 +114,7 @@ def _parse_line(raw: bytes, tokenizer, max_prompt_tokens: int, seen: set[str], r
     except UnicodeDecodeError:
         raise ValueError("not UTF-8") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg})") from None
+        raise ValueError(f"not JSON ({exc.msg}; expected JSONL, one JSON object per line)") from None
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object with id and prompt or messages")
     if "id" not in record:

@@ -57,7 +57,11 @@ def check_tokenizer(tokenizer, rendering: Rendering) -> None:
 
 
 def messages_of(record: dict) -> list[dict[str, str]] | None:
-    """The row's chat turns, checked; None for a plain `prompt` row. Raises ValueError naming what is wrong."""
+    """The row's chat turns, checked; None for a plain `prompt` row. Raises ValueError naming what is wrong.
+
+    Every turn has non-empty content and the last is the user's: the generation prompt opens the assistant turn
+    that answers it. A row ending on the assistant's answer would put the answer in the prompt and open a second
+    assistant turn after it."""
     if "messages" not in record:
         return None
     if "prompt" in record:
@@ -72,8 +76,13 @@ def messages_of(record: dict) -> list[dict[str, str]] | None:
             raise ValueError(f"messages[{number}] has unknown role {turn['role']!r} (expected one of {ROLES})")
         if not isinstance(turn["content"], str):
             raise ValueError(f"messages[{number}].content is not a string")
+        if not turn["content"].strip():
+            raise ValueError(f"messages[{number}].content is empty (expected non-empty text, as for 'prompt')")
     if not any(turn["role"] == "user" for turn in messages):
         raise ValueError("'messages' has no user turn")
+    if messages[-1]["role"] != "user":  # the template would open a second assistant turn after it
+        raise ValueError(f"'messages' ends on the {messages[-1]['role']}'s turn (expected the user's turn last: the "
+                         f"target answers it; keep a reference answer in another field)")
     return messages
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -24,6 +23,7 @@ from opd.eval.acceptance_diagnostic import Diagnosis
 from opd.eval.expected import point_mass_settings
 from opd.eval.row import EvalRow
 from opd.models.build import Models, build_models
+from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar
 from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec, SamplingSpec
@@ -149,6 +149,8 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
     if samples and not Path(samples).is_file():
         raise OpdError(f"--samples: {samples} is not a file (expected held-out target samples; draw them with "
                        "`opd gen-samples CONFIG --eval`)")
+    if json_out:
+        check_output_file(json_out, "--json", "the results")
     models = build_models(spec, draft)
     prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)
     e = spec.eval
@@ -160,7 +162,6 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
                                diagnose=True) if decoded else [])
     print_rows(rows)
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps({"draft": draft or spec.models.drafter_path,
-                                              "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        write_text_atomic(json_out, json.dumps({"draft": draft or spec.models.drafter_path,
+                                                "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     return 0

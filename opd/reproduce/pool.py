@@ -11,6 +11,7 @@ from pathlib import Path
 from opd.data.prompts import train_prompts
 from opd.errors import OpdError
 from opd.models.build import build_models
+from opd.outputs import write_text_atomic
 from opd.progress import progress_bar
 from opd.reproduce.arms import run_arm, shares_samples
 from opd.reproduce.spec import BUDGET_ARM, ArmJob, ArmResult, ArmSpec, ReproduceSpec
@@ -103,7 +104,7 @@ def run_jobs(spec: ReproduceSpec, out: Path) -> list[ArmResult]:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
                 finished_job, result = pending.pop(future), future.result()
-                (saved / f"{result.arm}-seed{result.seed}.json").write_text(json.dumps(asdict(result)) + "\n")
+                write_text_atomic(saved / f"{result.arm}-seed{result.seed}.json", json.dumps(asdict(result)) + "\n")
                 track(finished_job, result, out)
                 finish(result)
     return results

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from opd.outputs import write_text_atomic
 from opd.reproduce.arms import shares_samples
 from opd.reproduce.spec import BUDGET_ARM, ArmResult, ReproduceSpec
 
@@ -307,5 +308,5 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
     lines += _histogram_table(results)
     lines += ["![held-out τ vs FLOPs](tau_vs_flops.png)", "", "![first rejected position](first_rejection.png)", ""]
     path = out / "results.md"
-    path.write_text("\n".join(lines))
+    write_text_atomic(path, "\n".join(lines))
     return path

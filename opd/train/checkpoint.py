@@ -1,20 +1,19 @@
 """Checkpoints: the drafter in the public DFlash format plus everything needed to resume exactly.
 
 A checkpoint directory is written under a temporary name of its own (two writers never share one) and renamed
-into place, so a crash mid-write never leaves a half checkpoint that a restart would pick up.
+into place (opd/outputs.py), so a crash mid-write never leaves a half checkpoint that a restart would pick up.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 from pathlib import Path
 
 import torch
 
 from opd.errors import OpdError
 from opd.models.family import Drafter
+from opd.outputs import atomic_dir
 from opd.spec import ExperimentSpec, field_default, flatten
 
 STATE_FILE = "trainer_state.pt"
@@ -34,12 +33,9 @@ def save_checkpoint(run_dir: Path, step: int, drafter: Drafter, state: dict, *, 
     """Write step `step`'s checkpoint; then, with `keep_last`, delete all but the newest `keep_last` (see
     `prune_checkpoints`)."""
     final = checkpoint_dir(run_dir) / f"step-{step:07d}"
-    tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        drafter.save_pretrained(tmp)
+        torch.save(state, tmp / STATE_FILE)
     if keep_last is not None:
         prune_checkpoints(run_dir, keep_last, resumed_from)
     return final

@@ -25,12 +25,15 @@ import torch
 
 from opd.data.prompts import train_prompts
 from opd.distill.losses import sft_log_weight_sum, sft_loss
+from opd.errors import OpdError
 from opd.models.build import Models, build_models
+from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import draft_vocab
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.target import Target
+from opd.outputs import atomic_dir, check_output_dir
 from opd.progress import progress_bar
 from opd.run_dir import RunDirLock
 from opd.sources.samplers import build_sampler
@@ -158,10 +161,25 @@ def _random_anchors(prompt_len: int, length: int, count: int, generator: torch.G
 
 
 def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
-    """Generate (or reuse) target responses, train the drafter, save it in DFlash format; the run directory is
-    locked first, as `opd train` locks it, so a second `opd sft` there is refused instead of interleaving."""
+    """Generate (or reuse) target responses, train the drafter, save it in DFlash format; the output directory is
+    checked and the run directory locked first, as `opd train` locks it, so neither a bad `--out` nor a second
+    `opd sft` there is found after the training."""
+    check_drafter_out(Path(out_dir or spec.run_dir / "drafter"), "--out" if out_dir else "tracking.run_dir")
     with RunDirLock(spec.run_dir):
         return _run_sft(spec, out_dir)
+
+
+DRAFTER_FILES = {CONFIG_FILE, WEIGHTS_FILE}  # what save_pretrained writes, in either family
+
+
+def check_drafter_out(out: Path, field: str) -> None:
+    """`out` may be new, empty or a saved drafter, which the new one replaces whole; any other content is the
+    user's and is refused rather than deleted."""
+    check_output_dir(out, field, "the drafter")
+    foreign = sorted({p.name for p in out.iterdir()} - DRAFTER_FILES) if out.is_dir() else []
+    if foreign:
+        raise OpdError(f"{field}: {out} holds {foreign[0]}, which is not a drafter file (expected a new or empty "
+                       f"directory, or a drafter directory to replace: {', '.join(sorted(DRAFTER_FILES))})")
 
 
 def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
@@ -178,7 +196,8 @@ def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     finally:
         tracker.close()
     out = Path(out_dir or run_dir / "drafter")
-    models.drafter.save_pretrained(out)
+    with atomic_dir(out) as tmp:
+        models.drafter.save_pretrained(tmp)
     print(f"SFT drafter saved to {out} ({flops.total:.3g} training FLOPs); MLflow run {tracker.run_id} in "
           f"{spec.tracking_uri}")
     return 0
