@@ -41,6 +41,7 @@ from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.tracking import end_run, run_status
 from opd.train.distributed import free_address
+from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
 from opd.train.result import run_to
 
@@ -334,10 +335,10 @@ def _first_line(exc: BaseException) -> str:
     return lines[-1] if _init_failed(exc) else lines[0]
 
 
-def evaluate_in_actor(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
-    """`opd run`'s before/after held-out table for a drafter directory (None: the warm drafter), decoded by an
+def evaluate_in_actor(spec: ExperimentSpec, drafters: list[Checkpoint]) -> list[list[EvalRow]]:
+    """`opd run`'s before/after held-out table for drafter directories (None: the warm drafter), decoded by one
     evaluator actor on the cluster's GPUs (`resources.evaluator`), not in this driver process."""
-    return _in_evaluator(spec, lambda actor: actor.checkpoint.remote(drafter_path))
+    return _in_evaluator(spec, lambda actor: actor.checkpoints.remote(drafters))
 
 
 def draw_samples_in_actor(spec: ExperimentSpec, path: str) -> None:

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.spec import ExperimentSpec
-from opd.train.evaluator import EvalResult, Evaluator
+from opd.train.evaluator import Checkpoint, EvalResult, Evaluator
 from opd.train.messages import WeightSnapshot
 
 NAME = "evaluator"
@@ -31,8 +31,8 @@ class EvaluatorActor:
     def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
         return self.evaluator(snapshot)
 
-    def checkpoint(self, drafter_path: str | None) -> list[EvalRow]:
-        return self.evaluator.checkpoint(drafter_path)
+    def checkpoints(self, drafters: list[Checkpoint]) -> list[list[EvalRow]]:
+        return self.evaluator.checkpoints(drafters)
 
     def draw_samples(self, path: str) -> None:
         self.evaluator.draw_samples(path)

@@ -7,7 +7,7 @@ before/after table run, for the speedup), and offline (`opd.eval.offline.Offline
 once by the warm drafter's decodes, with the target's view cached. Prints τ ± 95% interval both ways and the
 seconds, writes JSON:
 
-    python bench/offline_eval.py                  # 200 prompts x 2 settings, 128 tokens (configs/tiny.yaml)
+    python bench/offline_eval.py                  # 200 prompts x 2 settings, 128 tokens (configs/tiny-paper.yaml)
     python bench/offline_eval.py --prompts 64
 """
 
@@ -37,7 +37,7 @@ SETTINGS = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperatur
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny-paper.yaml")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8, help="decoding batch (eval.batch_size)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offline_eval.json"))

@@ -171,7 +171,7 @@ def actor_threads(num_cpus: float) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny-paper.yaml")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="rollout.max_new_tokens")
     parser.add_argument("--drafter", choices=("auto", "random", "warm"), default="auto",

@@ -193,7 +193,7 @@ def bench_length(target, drafter, length: int, batches: list[int], args, block_s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny-paper.yaml")
     parser.add_argument("--random-target", action="store_true",
                         help="a random target shaped like the shipped one (for before the asset exists)")
     parser.add_argument("--lengths", default="256,512")

@@ -1,6 +1,6 @@
 """Where a Draft-OPD step's time and FLOPs go, per rollout source, and what the paper's Qwen3-4B stage would cost.
 
-1. Measured on this CPU with the shipped tiny models (configs/tiny.yaml: batches of 8 prompts, 128 tokens), side
+1. Measured on this CPU with the shipped tiny models (configs/tiny-paper.yaml: batches of 8 prompts, 128 tokens), side
    by side in one process: per source, rollout samples/s, the scorer's rebuild and scoring time, one learner step,
    and the FLOPs per trained slot by role (the project's own counters, opd/models/flops.py).
 2. A projection of the paper's Qwen3-4B OPD stage (5.3K steps x 24 sequences, 2048-token responses, K 16, τ 6)
@@ -189,7 +189,7 @@ def match_rate(config: str, prompts: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny-paper.yaml")
     parser.add_argument("--batches", type=int, default=6, help="rollout batches measured per source")
     parser.add_argument("--decode-mfu", type=float, default=0.10)
     parser.add_argument("--prefill-mfu", type=float, default=0.40)

@@ -68,7 +68,7 @@ def measure(models, prompts: list[list[int]], max_new_tokens: int, static: bool,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny-paper.yaml")
     parser.add_argument("--max-new-tokens", default="128,256,512")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--static", action="store_true", help="also measure rollout.static_cache (experimental)")

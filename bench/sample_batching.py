@@ -6,7 +6,7 @@ premise on the speculative sampler (the frozen warm drafter; `rollout.sampler: s
 at greedy and Qwen3's T=0.6 serving setting, and checks that the samples are the same either way (they are
 keyed by prompt, so the batch they are drawn in must not matter). Prints a table, writes JSON:
 
-    python bench/sample_batching.py               # 64 training prompts, 128 tokens (configs/tiny.yaml)
+    python bench/sample_batching.py               # 64 training prompts, 128 tokens (configs/tiny-paper.yaml)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def draw(sampler, prompts, sampling: Sampling, size: int, max_new_tokens: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--config", default="configs/tiny-paper.yaml")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--small", type=int, default=8, help="prompts per call in the small-batch arm")
     args = parser.parse_args()

@@ -5,8 +5,8 @@ The paper's path (`speculative`: rollout decodes with a drafter copy that adopts
 the whole main job (held-out eval before, training, eval after) in a fresh process; a run whose summary.json
 exists is not run again, so an interrupted sweep continues. Prints the table and writes JSON and markdown:
 
-    python bench/sources.py                     # configs/tiny.yaml and configs/tiny-sampled.yaml, seeds 0-2
-    python bench/sources.py --seeds 0 --configs configs/tiny.yaml
+    python bench/sources.py                     # configs/tiny-paper.yaml and configs/tiny.yaml, seeds 0-2
+    python bench/sources.py --seeds 0 --configs configs/tiny-paper.yaml
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def markdown(summary: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["configs/tiny.yaml", "configs/tiny-sampled.yaml"])
+    parser.add_argument("--configs", nargs="+", default=["configs/tiny-paper.yaml", "configs/tiny.yaml"])
     parser.add_argument("--sources", nargs="+", default=["speculative", "target"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-sources")

@@ -554,6 +554,9 @@ class EvalSpec(_Section):
     # RUN_DIR/eval_samples.jsonl (once; its τ is then exact) and evaluate offline on them. false: always decode.
     offline: bool = True
     speedup_prompts: int = Field(32, ge=1)  # offline: prompts still decoded for the before/after speedup column
+    # The periodic eval's expected-acceptance diagnostic (every rule on every setting's states, `eval_expected_*`
+    # in MLflow): a packed target replay per batch, ~7x the offline τ itself on a CPU. `opd eval` always gives it.
+    diagnostic: bool = True
     sampling: list[SamplingSpec] = Field(
         default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
                                  SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],

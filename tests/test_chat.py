@@ -244,6 +244,6 @@ def test_the_tiny_target_decodes_the_chat_rendered_prompts(tmp_path, monkeypatch
     monkeypatch.chdir(root)
     assert main(["eval", "configs/tiny.yaml", "--set", f"models.tokenizer_path={tmp_path}", "--set", "data.render=chat",
                  "--set", "data.enable_thinking=false", "--set", "eval.num_prompts=2",
-                 "--set", "eval.max_new_tokens=4"]) == 0
+                 "--set", "eval.max_new_tokens=4", "--set", "eval.samples_path=null"]) == 0  # decode: no raw samples
     assert decoded and all(batch == heldout for batch in decoded)
     assert tokenizer.decode(heldout[0]).endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -92,3 +92,14 @@ def test_a_ray_run_is_quiet_and_shows_the_dashboard_while_it_is_live(micro_spec_
     for noise in ("Token authentication", "core_worker.cc", "Creating initial MLflow", "alembic", "Context impl"):
         assert noise not in run.stdout + run.stderr, noise
     assert run.stdout.index("Ray dashboard (while the run is live): http") < run.stdout.index("trained to step")
+
+
+def test_the_table_names_the_recipe_that_ran():
+    """`make run`'s table caption says which recipe trained: the recommended preset, or the paper's loss."""
+    from opd.commands.run import describe_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    tiny = describe_recipe(load_spec(root / "configs/tiny.yaml", check_paths=False))
+    paper = describe_recipe(load_spec(root / "configs/tiny-paper.yaml", check_paths=False))
+    assert tiny == "forward KL on the accepted prefix and the first rejected slot; rollouts at T=0 and T=0.6"
+    assert paper.startswith("the paper's loss") and paper.endswith("; greedy rollouts")

@@ -10,13 +10,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd.spec import ExperimentSpec, SpecError, check_paths, default_target_layer_ids, flatten, load_spec, validate_spec
+from opd.spec import (
+    ExperimentSpec,
+    LossSpec,
+    ReplaySpec,
+    SpecError,
+    check_paths,
+    default_target_layer_ids,
+    flatten,
+    load_spec,
+    validate_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")
                  if p.parent.name not in ("reproduce", "presets"))  # reproduce specs and presets are not experiments
 PRESETS = sorted((ROOT / "configs" / "presets").glob("*.yaml"))
-TINY = ROOT / "configs" / "tiny.yaml"
+TINY = ROOT / "configs" / "tiny.yaml"  # the embedded default: the paper's setup with the recommended recipe
+PAPER = ROOT / "configs" / "tiny-paper.yaml"  # the same with the paper's exact loss
 MINIMAL = {"steps": 10, "models": {"target_path": "t"}, "data": {"train_prompts": "a", "eval_prompts": "b"}}
 
 
@@ -62,16 +73,44 @@ def test_config_set_is_complete() -> None:
     names = {str(p.relative_to(ROOT / "configs")) for p in CONFIGS}
     ablations = {"no_decay", "all_forward", "all_reverse", "random_anchors", "naive_rollout",
                  "first_rejected_only", "accepted_decay"}
-    assert {"tiny.yaml", "qwen3-4b.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"} <= names
+    assert {"tiny.yaml", "tiny-paper.yaml", "qwen3-4b.yaml", "qwen3-8b.yaml", "qwen3-30b-a3b.yaml"} <= names
     assert {f"ablations/{a}.yaml" for a in ablations} <= names
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "ablations").glob("*.yaml")), ids=lambda p: p.stem)
 def test_ablation_differs_from_base_in_one_field(path: Path) -> None:
-    base, ablation = flatten(load_spec(TINY, check_paths=False)), flatten(load_spec(path, check_paths=False))
+    base, ablation = flatten(load_spec(PAPER, check_paths=False)), flatten(load_spec(path, check_paths=False))
     changed = {key for key in base if base[key] != ablation[key]}
     assert base.keys() == ablation.keys()
     assert len(changed - {"name"}) == 1 and "name" in changed
+
+
+def _flat(value, prefix: str = "") -> dict[str, str]:
+    """A raw YAML mapping keyed and valued as `flatten` keys and values a spec."""
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else key).items()}
+    if isinstance(value, list):
+        return {k: v for i, sub in enumerate(value) for k, v in _flat(sub, f"{prefix}.{i}").items()}
+    return {prefix: value if isinstance(value, str) else json.dumps(value)}
+
+
+def test_make_run_runs_the_recommended_preset_on_the_papers_setup() -> None:
+    """`make run` runs configs/tiny.yaml, which is tiny-paper.yaml with exactly the sampled-serving preset's fields
+    changed (and its name), the recipe the README recommends."""
+    assert ".venv/bin/opd run configs/tiny.yaml" in (ROOT / "Makefile").read_text()
+    preset = _flat(yaml.safe_load((ROOT / "configs" / "presets" / "sampled-serving.yaml").read_text()))
+    paper, tiny = flatten(load_spec(PAPER, check_paths=False)), flatten(load_spec(TINY, check_paths=False))
+    changed = {key for key in tiny.keys() | paper.keys() if tiny.get(key) != paper.get(key)}
+    assert changed == {"name", "rollout.mix", *preset}  # rollout.mix: the paper's empty list, flattened as one key
+    assert all(tiny[key] == value for key, value in preset.items())
+    assert "configs/presets/sampled-serving.yaml" in (ROOT / "README.md").read_text()
+
+
+def test_the_paper_config_keeps_the_papers_loss() -> None:
+    """tiny-paper.yaml: the paper's exact objective (the schema defaults of loss and replay) on every slot."""
+    spec = load_spec(PAPER, check_paths=False)
+    assert spec.loss == LossSpec() and spec.replay.anchors == ReplaySpec().anchors
+    assert [(s.temperature, s.top_p, s.top_k) for s in spec.rollout.settings] == [(0.0, 1.0, 0)]
 
 
 def test_base_chain_merges_deeply_and_child_wins(tmp_path: Path) -> None:
@@ -92,7 +131,7 @@ def test_every_preset_layers_onto_every_experiment(preset: Path, tmp_path: Path)
     experiment and changes nothing but those fields."""
     raw = yaml.safe_load(preset.read_text())
     assert "base" not in raw and set(raw) <= {"rollout", "replay", "loss"}
-    for experiment in [TINY, *sorted((ROOT / "configs").glob("qwen3-*.yaml"))]:
+    for experiment in [PAPER, *sorted((ROOT / "configs").glob("qwen3-*.yaml"))]:
         write(tmp_path / "run.yaml", {"base": [str(experiment), str(preset)]})
         layered = flatten(load_spec(tmp_path / "run.yaml", check_paths=False))
         plain = flatten(load_spec(experiment, check_paths=False))
@@ -143,7 +182,7 @@ def test_overrides_address_list_items(tmp_path: Path) -> None:
 ])
 def test_a_bad_list_override_is_one_line(override: str, expected: str) -> None:
     with pytest.raises(SpecError) as err:
-        load_spec(TINY, [override], check_paths=False)
+        load_spec(PAPER, [override], check_paths=False)
     assert str(err.value).startswith(f"--set {override!r}: {expected}")
     assert len(str(err.value).splitlines()) == 1
 

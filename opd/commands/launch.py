@@ -13,6 +13,7 @@ import contextlib
 from opd.eval.row import EvalRow
 from opd.spec import ExperimentSpec, with_eval_samples
 from opd.tracking import run_status
+from opd.train.evaluator import Checkpoint
 from opd.train.messages import TrainResult
 
 
@@ -34,17 +35,17 @@ def train(spec: ExperimentSpec) -> TrainResult:
         raise
 
 
-def held_out_eval(spec: ExperimentSpec, drafter_path: str | None) -> list[EvalRow]:
-    """`opd run`'s before/after table for a drafter directory (None: the warm drafter), with the autoregressive
-    baseline: in this process for `engine: local`, in an evaluator actor on the cluster for `engine: ray` (the
+def held_out_eval(spec: ExperimentSpec, drafters: list[Checkpoint]) -> list[list[EvalRow]]:
+    """`opd run`'s before/after table for drafter directories (None: the warm drafter), with the autoregressive
+    baseline: in this process for `engine: local`, in one evaluator actor on the cluster for `engine: ray` (the
     driver is often a CPU pod)."""
     if spec.engine == "ray":
         from actors.driver import evaluate_in_actor
 
-        return evaluate_in_actor(spec, drafter_path)
+        return evaluate_in_actor(spec, drafters)
     from opd.train.evaluator import Evaluator
 
-    return Evaluator(spec).checkpoint(drafter_path)
+    return Evaluator(spec).checkpoints(drafters)
 
 
 def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:

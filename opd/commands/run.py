@@ -1,10 +1,11 @@
 """`opd run` (what `make run` calls): Draft-OPD from the warm drafter, with τ before and after.
 
-1. Evaluate the warm drafter on the held-out prompts (greedy and sampled, with the autoregressive baseline), where
-   the engine evaluates (`opd.commands.launch.held_out_eval`): this process, or an evaluator actor on the Ray cluster.
-2. Train with the spec's engine (Ray by default) through the launcher, `opd.commands.launch.train`.
-3. Evaluate the trained drafter the same way, print both as one table, plot held-out τ over training steps,
-   and log the table and the plot to the run's MLflow run.
+1. Train with the spec's engine (Ray by default) through the launcher, `opd.commands.launch.train`. Its
+   periodic evaluations measure held-out τ of the warm drafter (step 0) and of the trained one (the last step).
+2. Measure the speedup of both, side by side in one evaluator (`opd.commands.launch.held_out_eval`: this process,
+   or an evaluator actor on the Ray cluster), reusing the τ the training run measured rather than measuring it
+   again; print both as one table, plot held-out τ over training steps, and log the table and the plot to the
+   run's MLflow run.
 
 `opd train` is step 2 alone. Both first lock the run directory and check every input (`open_run`), so a second
 run in the same directory, an unwritable directory or a bad prompt line is one line before any compute.
@@ -19,6 +20,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -29,9 +31,10 @@ from opd.commands.preflight import check_inputs
 from opd.eval.row import EvalRow
 from opd.outputs import write_text_atomic
 from opd.run_dir import RunDirLock
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, LossSpec
 from opd.tracking import end_run, ensure_store, run_status
-from opd.train.checkpoint import remove_partial_checkpoints
+from opd.train.checkpoint import checkpoint_step, remove_partial_checkpoints
+from opd.train.evaluator import Checkpoint
 from opd.train.messages import TrainResult
 
 
@@ -72,9 +75,28 @@ def mlflow_ui(spec: ExperimentSpec) -> str:
     return f"{command('mlflow')} ui --backend-store-uri {shlex.quote(spec.tracking_uri)}"
 
 
-def comparison_table(before: list[EvalRow], after: list[EvalRow]) -> Table:
+def describe_recipe(spec: ExperimentSpec) -> str:
+    """The recipe a run trained with, in words, so a table says what produced it."""
+    loss, kinds = spec.loss, {"mixed": "forward KL on accepted, reverse KL on rejected slots",
+                              "all_forward": "forward KL", "all_reverse": "reverse KL"}
+    if loss == LossSpec():
+        words = "the paper's loss (forward KL on accepted, γ-decayed reverse KL on rejected slots)"
+    else:
+        words = kinds[loss.kl_mode]
+        if loss.first_rejected_only:
+            words += " on the accepted prefix and the first rejected slot"
+        if loss.acceptance_weight:
+            words += f", expected-acceptance term x{loss.acceptance_weight:g}"
+    temperatures = sorted({s.temperature for s in spec.rollout.settings})
+    rollouts = "greedy rollouts" if temperatures == [0.0] else \
+        "rollouts at " + " and ".join(f"T={t:g}" for t in temperatures)
+    return f"{words}; {rollouts}"
+
+
+def comparison_table(spec: ExperimentSpec, before: list[EvalRow], after: list[EvalRow]) -> Table:
     n = before[0].prompts
-    table = Table(title=f"Held-out τ (± 95% interval over {n} prompts) and speedup: warm drafter → Draft-OPD")
+    table = Table(title=f"Held-out τ (± 95% interval over {n} prompts) and speedup: warm drafter → Draft-OPD",
+                  caption=f"{spec.name}: {describe_recipe(spec)}")
     for column in ("sampling", "τ before", "τ after", "Δτ", "speedup before", "speedup after"):
         table.add_column(column, justify="right")
     for b, a in zip(before, after):
@@ -115,10 +137,9 @@ def run_main(spec: ExperimentSpec) -> int:
         console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "
                       f"run directory {spec.run_dir}", soft_wrap=True)  # a path to copy: never wrapped
         spec = launch.held_out_samples(spec)  # held-out τ offline from here on (eval.offline)
-        before = launch.held_out_eval(spec, spec.models.drafter_path)
         result = launch.train(spec)
         try:
-            summary = _after_training(spec, console, before, result, started)
+            summary = _after_training(spec, console, result, started)
         except BaseException as exc:
             with contextlib.suppress(Exception):  # the learner closed the run FINISHED; never mask `exc`
                 end_run(spec, result.run_id, run_status(exc))
@@ -130,18 +151,25 @@ def run_main(spec: ExperimentSpec) -> int:
     return 0
 
 
-def _after_training(spec: ExperimentSpec, console: Console, before: list[EvalRow], result: TrainResult,
-                    started: float) -> dict:
-    """Evaluate the trained drafter, print the table, write the plot and summary, and log them to MLflow."""
+def before_and_after(spec: ExperimentSpec, result: TrainResult) -> list[Checkpoint]:
+    """The warm and the trained drafter, each with the held-out rows this process's training run measured of
+    those very weights: step 0 when it started fresh, and the step of its final checkpoint. A resumed run did not
+    measure step 0 here, so the evaluator measures it."""
+    final = result.evals.get(checkpoint_step(result.checkpoint)) if result.checkpoint else None
+    return [Checkpoint(spec.models.drafter_path, result.evals.get(0)), Checkpoint(result.checkpoint, final)]
+
+
+def _after_training(spec: ExperimentSpec, console: Console, result: TrainResult, started: float) -> dict:
+    """Measure both drafters' speedup, print the table, write the plot and summary, and log them to MLflow."""
     run_dir = spec.run_dir
-    after = launch.held_out_eval(spec, result.checkpoint)
+    before, after = launch.held_out_eval(spec, before_and_after(spec, result))
     evals = {**result.evals, 0: before}  # step 0 is the warm drafter, measured before training
     history = {step: {f"eval_tau_{r.sampling}": r.tau for r in rows} for step, rows in sorted(evals.items())}
     plot = run_dir / "tau_over_steps.png"
     plot_tau(history, plot)
-    table = comparison_table(before, after)
+    table = comparison_table(spec, before, after)
     console.print(table)
-    summary = {"before": [vars(r) for r in before], "after": [vars(r) for r in after], "history": history,
+    summary = {"before": [asdict(r) for r in before], "after": [asdict(r) for r in after], "history": history,
                "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60}
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     _log_to_mlflow(spec, result.run_id, before, after, [plot, run_dir / "summary.json"])

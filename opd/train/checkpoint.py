@@ -41,6 +41,11 @@ def save_checkpoint(run_dir: Path, step: int, drafter: Drafter, state: dict, *, 
     return final
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The learner step a checkpoint directory holds (`step-0000060` → 60)."""
+    return int(Path(path).name.removeprefix("step-"))
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Every complete checkpoint, oldest first."""
     root = checkpoint_dir(run_dir)

@@ -10,7 +10,7 @@ in its own actor (actors/evaluator.py), so the learner steps on while the evalua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from opd.data.prompts import eval_prompts
@@ -22,6 +22,15 @@ from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, with_eval_samples
 from opd.train.messages import WeightSnapshot
+
+
+@dataclass
+class Checkpoint:
+    """`opd run` → evaluator: a drafter directory to evaluate (None: the warm drafter), and the rows the training
+    run already measured of those weights, if any."""
+
+    path: str | None
+    measured: list[EvalRow] | None = None
 
 
 @dataclass
@@ -44,16 +53,25 @@ class Evaluator:
         self._offline: OfflineEval | None = None
 
     def __call__(self, snapshot: WeightSnapshot) -> EvalResult:
-        """The periodic eval of published weights: every eval setting, with the expected-acceptance diagnostic."""
+        """The periodic eval of published weights: every eval setting, with the expected-acceptance diagnostic
+        where `eval.diagnostic` asks for it."""
         self.models.drafter.load_state_dict(snapshot.verified().state)
-        return EvalResult(snapshot.version, self._rows(self.models, baseline=False, diagnose=True,
-                                                       version=snapshot.version))
+        rows = self._rows(self.models, baseline=False, diagnose=self.spec.eval.diagnostic, version=snapshot.version)
+        return EvalResult(snapshot.version, rows)
 
-    def checkpoint(self, drafter_path: str | None) -> list[EvalRow]:
-        """A drafter directory (None: the spec's warm drafter), with the autoregressive baseline's speedup."""
+    def checkpoints(self, drafters: list[Checkpoint]) -> list[list[EvalRow]]:
+        """Drafter directories with the autoregressive baseline's speedup, one after another in this process, so
+        their speedups are measured side by side."""
+        return [self.checkpoint(c.path, c.measured) for c in drafters]
+
+    def checkpoint(self, drafter_path: str | None, measured: list[EvalRow] | None = None) -> list[EvalRow]:
+        """A drafter directory (None: the spec's warm drafter), with the autoregressive baseline's speedup.
+        `measured`: the rows a training run's periodic eval already took of these very weights; their offline
+        rows are kept (copied), so only what needs decoding decodes."""
         m = self.models
         drafter = build_drafter(self.spec, m.target, m.tokenizer, drafter_path)
-        return self._rows(Models(m.target, drafter, m.tokenizer), baseline=True, diagnose=False, version=0)
+        return self._rows(Models(m.target, drafter, m.tokenizer), baseline=True, diagnose=False, version=0,
+                          measured=measured)
 
     def draw_samples(self, path: str) -> None:
         """Store the held-out samples in `path` (resumable), decoded by the spec's warm drafter, so its offline τ
@@ -64,12 +82,16 @@ class Evaluator:
                           self.prompts, path)
         self.spec, self._offline = with_eval_samples(self.spec, path), None
 
-    def _rows(self, models: Models, *, baseline: bool, diagnose: bool, version: int) -> list[EvalRow]:
-        """Point-mass settings offline when samples exist, the rest decoded; with `baseline`, the speedup (a
-        wall-clock ratio) is still decoded, on the first `eval.speedup_prompts` prompts."""
+    def _rows(self, models: Models, *, baseline: bool, diagnose: bool, version: int,
+              measured: list[EvalRow] | None = None) -> list[EvalRow]:
+        """Point-mass settings offline when samples exist (or as `measured` already), the rest decoded; with
+        `baseline`, the speedup (a wall-clock ratio) is still decoded, on the first `eval.speedup_prompts` prompts."""
         e = self.spec.eval
-        offline = self.offline()
-        rows = offline.evaluate(models.drafter, diagnose=diagnose, draft_version=version) if offline else []
+        if measured is not None:
+            rows = [replace(r) for r in measured if r.offline]
+        else:
+            offline = self.offline()
+            rows = offline.evaluate(models.drafter, diagnose=diagnose, draft_version=version) if offline else []
         done = {r.sampling for r in rows}
         decode = [s for s in e.sampling if s.name not in done]
         if decode:
