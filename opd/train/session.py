@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from opd.distill.losses import StepNorm
+from opd.distill.micro_batches import sequence_rows
 from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
@@ -174,7 +175,9 @@ class TrainingSession:
         items = sorted(items, key=lambda it: it.batch.index)
         micro = self.learner.trainable([mb for it in items for mb in it.micro_batches])
         world, norm = self.learner.group.world, step_norm(micro, self.spec)
-        if self.spec.optim.backend == "deepspeed" and len(micro) % world:
+        if self.spec.optim.micro_batch_tokens is not None:  # ranks share sequences; each packs its own under the budget
+            micro = [row for mb in micro for row in sequence_rows(mb)]
+        elif self.spec.optim.backend == "deepspeed" and len(micro) % world:
             raise OpdError(f"optim.backend deepspeed: {len(micro)} micro-batches per step do not split evenly over "
                            f"{world} learner ranks (make rollout.batch_size a multiple of optim.micro_batch_size)")
         if self.peers:
