@@ -209,7 +209,9 @@ class TrainingSession:
         out = {"loss": m.loss, "loss_acc": m.loss_acc, "loss_rej": m.loss_rej, "grad_norm": m.grad_norm, "lr": m.lr,
                "skipped_nonfinite": float(m.skipped), "rollout_tau": stats.tau_token_weighted,
                "policy_lag": max(self.step - 1 - it.batch.draft_version for it in items),
-               "step_time_s": step_time, "stale_batches": self.counters.stale_batches}
+               "step_time_s": step_time, "stale_batches": self.counters.stale_batches,
+               # the paper's x-axis: its "steps" are rollout batches (the authors' global_steps)
+               "rollout_batches": self.counters.trained_batches, "sequences": self.counters.trained_sequences}
         out.update({f"accept_ge_{k}": v for k, v in enumerate(stats.survival, start=1)})
         out.update({f"first_reject_{k}": v for k, v in enumerate(stats.first_rejection[:-1], start=1)})
         out["first_reject_full_accept"] = stats.first_rejection[-1]
