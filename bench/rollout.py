@@ -3,8 +3,9 @@
 1. Measured on this CPU with the shipped tiny models (configs/tiny-paper.yaml: batches of 8 prompts, 128 tokens), side
    by side in one process: per source, rollout samples/s, the scorer's rebuild and scoring time, one learner step,
    and the FLOPs per trained slot by role (the project's own counters, opd/models/flops.py).
-2. A projection of the paper's Qwen3-4B OPD stage (5.3K steps x 24 sequences, 2048-token responses, K 16, τ 6)
-   in H200 GPU-hours per source, from the same counters applied to Qwen3-4B's parameter counts (meta-device models:
+2. A projection of the Qwen3-4B OPD stage per recipe (the faithful configs/qwen3-4b.yaml and its thinking variant:
+   534 updates x 210 sequences, responses at their 2048 / 4096-token caps; and the 5,300 x 24 recipe they replace),
+   K 16, τ 6, in H200 GPU-hours per source, from the same counters applied to Qwen3-4B's parameter counts (meta-device models:
    no weights) and a stated utilisation: decode-like work (rollout decoding, target sampling, the rebuild's
    sequential drafter steps) runs at `--decode-mfu` of the H200's dense bf16 peak, prefill-like work (the
    rebuild's target forward, teacher replay, learner) at `--prefill-mfu`. Speculative verification (K tokens per
@@ -43,7 +44,12 @@ from opd.train.local import LocalTrainer
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 H200_BF16_DENSE = 989e12  # FLOP/s, dense (no sparsity)
-PAPER = {"steps": 5300, "batch": 24, "response": 2048, "prompt": 200, "tau": 6.0, "gpu_hours": 120}
+PAPER = {"prompt": 200, "tau": 6.0, "gpu_hours": 120}
+# The recipes projected: the faithful configs (sequences = updates x rollout batches an update x prompts a batch,
+# responses at their cap), and the recipe they replace (5,300 updates of 24 sequences) for comparison.
+RECIPES = {"qwen3-4b": ["configs/qwen3-4b.yaml"], "qwen3-4b-thinking": ["configs/qwen3-4b-thinking.yaml"],
+           "previous (5,300 x 24)": ["configs/qwen3-4b.yaml", "epochs=null", "steps=5300", "rollout.batch_size=4",
+                                     "optim.batch_size=24"]}
 SOURCES = {"speculative": [], "target (speculative sampler)": ["rollout.source=target"],
            "target (autoregressive)": ["rollout.source=target", "rollout.sampler=autoregressive"]}
 
@@ -115,13 +121,14 @@ def qwen3_4b_params() -> tuple[TargetParams, DrafterParams]:
     return TargetParams.of(target.model), DrafterParams.of(drafter)
 
 
-def per_sequence(target: TargetParams, drafter: DrafterParams, first_rejection: bool) -> dict[str, dict[str, float]]:
-    """FLOPs per sequence by role and kind of work, for each source, on a synthetic τ-6 rollout at the paper's
-    shapes, through the project's own counting functions."""
+def per_sequence(target: TargetParams, drafter: DrafterParams, first_rejection: bool,
+                 response: int) -> dict[str, dict[str, float]]:
+    """FLOPs per sequence by role and kind of work, for each source, on a synthetic τ-6 rollout of `response`
+    tokens at the paper's shapes, through the project's own counting functions."""
     g = torch.Generator().manual_seed(0)
     k, p = drafter.block_size, PAPER
-    rec = synthetic_record(0, p["response"], p["prompt"], 1000, k, 1 - 1 / p["tau"], g)
-    text = p["prompt"] + p["response"]
+    rec = synthetic_record(0, response, p["prompt"], 1000, k, 1 - 1 / p["tau"], g)
+    text = p["prompt"] + response
     mode = "committed" if first_rejection else "draft_opd"
     scored_slots = sum(min(r + 1, k - 1) for r in rec.accepted) if first_rejection else len(rec.anchors) * (k - 1)
     packed, slots = pack(rec, k, mode), len(rec.anchors) * (k - 1)
@@ -130,23 +137,31 @@ def per_sequence(target: TargetParams, drafter: DrafterParams, first_rejection: 
     score_rebuilt = target.forward(len(packed.ids) - packed.prefix_len, logits=slots)
     learn = drafter.train(context=p["prompt"] + rec.anchors[-1], blocks=len(rec.anchors), slots=scored_slots)
     speculative = decode_flops([rec], target, drafter).total
-    sampling = target.forward(text, logits=p["response"])  # vLLM forms logits at sampled positions only
+    sampling = target.forward(text, logits=response)  # vLLM forms logits at sampled positions only
     rebuild = rebuild_flops([rec], target, drafter)  # the walk's drafter steps are small calls: decode-like
     return {"speculative": {"decode": speculative, "prefill": score + learn},
             "target (vLLM sampling)": {"decode": sampling + rebuild.drafter_forward,
                                        "prefill": rebuild.target_forward + score_rebuilt + learn}}
 
 
+def recipe_size(config: list[str]) -> tuple[int, int, int]:
+    """(optimizer updates, sequences, response cap) of a recipe: its config and overrides."""
+    spec = load_spec(config[0], config[1:], check_paths=False)
+    return spec.steps, spec.steps * spec.batches_per_step * spec.rollout.batch_size, spec.rollout.max_new_tokens
+
+
 def projection(decode_mfu: float, prefill_mfu: float) -> list[dict]:
     target, drafter = qwen3_4b_params()
-    sequences = PAPER["steps"] * PAPER["batch"]
     rows = []
-    for loss, first_rejection in (("paper's loss", False), ("first-rejection presets", True)):
-        for source, work in per_sequence(target, drafter, first_rejection).items():
-            seconds = sequences * (work["decode"] / (decode_mfu * H200_BF16_DENSE)
-                                   + work["prefill"] / (prefill_mfu * H200_BF16_DENSE))
-            rows.append({"loss": loss, "source": source, "decode_tflop_per_seq": work["decode"] / 1e12,
-                         "prefill_tflop_per_seq": work["prefill"] / 1e12, "gpu_hours": seconds / 3600})
+    for recipe, config in RECIPES.items():
+        updates, sequences, response = recipe_size(config)
+        for loss, first_rejection in (("paper's loss", False), ("first-rejection presets", True)):
+            for source, work in per_sequence(target, drafter, first_rejection, response).items():
+                seconds = sequences * (work["decode"] / (decode_mfu * H200_BF16_DENSE)
+                                       + work["prefill"] / (prefill_mfu * H200_BF16_DENSE))
+                rows.append({"recipe": recipe, "updates": updates, "sequences": sequences, "response": response,
+                             "loss": loss, "source": source, "decode_tflop_per_seq": work["decode"] / 1e12,
+                             "prefill_tflop_per_seq": work["prefill"] / 1e12, "gpu_hours": seconds / 3600})
     return rows
 
 
@@ -239,14 +254,15 @@ def match_table(rows: list[dict]) -> Table:
 
 
 def projection_table(rows: list[dict], args) -> Table:
-    t = Table(title=f"Qwen3-4B OPD stage ({PAPER['steps']} steps x {PAPER['batch']} sequences, {PAPER['response']} "
-                    f"tokens, τ {PAPER['tau']:g}): H200 GPU-hours at {args.decode_mfu:.0%} decode / "
-                    f"{args.prefill_mfu:.0%} prefill utilisation; the paper: ~{PAPER['gpu_hours']}")
-    for column in ("loss", "source", "decode TFLOP/seq", "prefill TFLOP/seq", "GPU-hours"):
+    t = Table(title=f"Qwen3-4B OPD stage per recipe (responses at the cap, τ {PAPER['tau']:g}): H200 GPU-hours at "
+                    f"{args.decode_mfu:.0%} decode / {args.prefill_mfu:.0%} prefill utilisation; the paper: "
+                    f"~{PAPER['gpu_hours']}")
+    for column in ("recipe", "updates", "sequences", "response", "loss", "source", "decode TFLOP/seq",
+                   "prefill TFLOP/seq", "GPU-hours"):
         t.add_column(column, justify="right")
     for r in rows:
-        t.add_row(r["loss"], r["source"], f"{r['decode_tflop_per_seq']:.1f}", f"{r['prefill_tflop_per_seq']:.1f}",
-                  f"{r['gpu_hours']:.1f}")
+        t.add_row(r["recipe"], f"{r['updates']:,}", f"{r['sequences']:,}", str(r["response"]), r["loss"], r["source"],
+                  f"{r['decode_tflop_per_seq']:.1f}", f"{r['prefill_tflop_per_seq']:.1f}", f"{r['gpu_hours']:.1f}")
     return t
 
 

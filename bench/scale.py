@@ -437,7 +437,8 @@ def config_fields(path: str) -> dict:
     """The shipped config's sizes the projection uses (the spec's defaults where the config leaves a field out)."""
     s = load_spec(path, check_paths=False)
     return {"prompt": s.data.max_prompt_tokens, "rollout_rows": s.rollout.batch_size, "micro": s.optim.micro_batch_size,
-            "step_sequences": s.optim.batch_size, "chunk": s.optim.loss_chunk_size, "eval_rows": s.eval.batch_size,
+            "step_sequences": s.optim.batch_size, "learner_budget": s.optim.micro_batch_tokens,
+            "scorer_budget": s.replay.micro_batch_tokens, "chunk": s.optim.loss_chunk_size, "eval_rows": s.eval.batch_size,
             "eval_tokens": s.eval.max_new_tokens, "drafter_layers": s.models.drafter.num_layers,
             "features": len(s.models.drafter.target_layer_ids or range(s.models.drafter.num_layers)),
             "block": s.models.drafter.block_size}
@@ -562,6 +563,65 @@ def parts_rows(projected: list[dict]) -> tuple[list[str], list[list[str]]]:
             parts = ", ".join(f"{label[k]} {v:,.1f}" for k, v in r["parts"][role].items())
             cells.append([r["config"], role, parts, f"{r[f'{role}_gb']:,.1f}"])
     return header, cells
+
+
+BUDGET_CONFIGS = {"Qwen3-4B": "configs/qwen3-4b-thinking.yaml", "Qwen3-8B": "configs/qwen3-8b-thinking.yaml"}
+BUDGET_POINTS = [(tokens, tau) for tokens in (1024, 4096, 8192) for tau in (6, 1.5)]
+
+
+def micro_batch_shape(c: dict, tokens: int, tau: float, budget: int | None, count: int) -> tuple[float, float, float]:
+    """(sequences, context tokens, block rows) of the learner's largest micro-batch when every response has
+    `tokens` tokens: `count` whole sequences, or under a token budget as many as fit, or one part of a sequence
+    cut at block boundaries (opd/distill/micro_batches.py)."""
+    context, rows = c["prompt"] + tokens, tokens / tau * c["block"]
+    if budget is None:
+        return count, count * context, count * rows
+    if context + rows <= budget:
+        fit_count = budget // (context + rows)
+        return fit_count, fit_count * context, fit_count * rows
+    return 1, context, (budget - context) // c["block"] * c["block"]
+
+
+def budget_projection(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, attention: list[dict],
+                      count: int) -> list[dict]:
+    """The learner's and the scorer's GPU GB at thinking-length responses: `count` sequences per micro-batch (the
+    fixed layout) against each thinking config's token budgets; everything but the micro-batch as `project`."""
+    teacher, student = fit(attention, "teacher_peak_new", "packed_len"), fit(attention, "student_peak_new",
+                                                                            "student_rows")
+    out = []
+    for name, path in BUDGET_CONFIGS.items():
+        q, c = QWEN3[name], config_fields(path)
+        for tokens, tau in BUDGET_POINTS:
+            row = {"config": name, "tokens": tokens, "tau": tau, "learner_budget": c["learner_budget"],
+                   "scorer_budget": c["scorer_budget"]}
+            for layout, budget, scorer_budget in (("fixed", None, None),
+                                                  ("budget", c["learner_budget"], c["scorer_budget"])):
+                n, context, rows = micro_batch_shape(c, tokens, tau, budget, count)
+                per_token = sequence_bytes(q, c, tokens, tau) / (c["prompt"] + tokens + tokens / tau * c["block"])
+                layers = c["drafter_layers"]
+                activations = layers * (student[0] + student[1] * rows + rows * q.student_row_bytes()
+                                        + context * q.context_row_bytes())
+                learner = (q.drafter_params(layers, c["features"]) * 20 + q.head_bytes() + (context + rows) * per_token
+                           + activations + chunk_bytes_per_slot * c["chunk"])
+                length = packed_length(c, tokens, tau)
+                packed = count * length if scorer_budget is None else min(
+                    max(1, scorer_budget // length) * length, max(scorer_budget, c["prompt"] + tokens))
+                scorer = q.target_params() * 2 + teacher[0] + packed * (teacher[1] + q.scorer_row_bytes(c["features"]))
+                row[f"{layout}_sequences"], row[f"{layout}_learner_gb"] = n, learner / GB
+                row[f"{layout}_scorer_gb"] = scorer / GB
+            out.append(row)
+    return out
+
+
+def print_budget(rows: list[dict], count: int) -> None:
+    header = ["config", "tokens", "τ", f"learner GB, {count} seq/MB", "learner GB, budget (seqs or part)",
+              f"scorer GB, {count} seq/MB", "scorer GB, budget"]
+    cells = [[r["config"], str(r["tokens"]), f"{r['tau']:g}", f"{r['fixed_learner_gb']:,.1f}",
+              f"{r['budget_learner_gb']:,.1f} ({r['budget_sequences']:g})", f"{r['fixed_scorer_gb']:,.1f}",
+              f"{r['budget_scorer_gb']:,.1f}"] for r in rows]
+    print(f"token budgets: learner {rows[0]['learner_budget']:,}, scorer {rows[0]['scorer_budget']:,} tokens "
+          "(the thinking configs)")
+    print(markdown(header, cells))
 
 
 def markdown(header: list[str], cells: list[list[str]]) -> str:
@@ -710,6 +770,10 @@ def main() -> None:
     parser.add_argument("--data-path-only", action="store_true",
                         help="measure the per-sequence data path and object store only (minutes, not the attention "
                              "and SFT sections' half hour); attention for the projection from --attention-json")
+    parser.add_argument("--budget-only", action="store_true",
+                        help="project learner and scorer memory at thinking lengths, fixed micro-batches of "
+                             "--budget-count sequences against the thinking configs' token budgets (from --json)")
+    parser.add_argument("--budget-count", type=int, default=4, help="sequences per fixed micro-batch compared")
     args = parser.parse_args()
     if args.attention_only:
         run_attention_only(args)
@@ -723,6 +787,13 @@ def main() -> None:
         print_sft(sft, args)
         Path(args.sft_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.sft_json).write_text(json.dumps({"args": vars(args), **sft}, indent=1, default=str))
+        return
+    if args.budget_only:
+        result = json.loads(Path(args.json).read_text())
+        measured = {int(h): rows for h, rows in result["measured"].items()}
+        attention = result.get("attention") or json.loads(Path(args.attention_json).read_text())["attention"]
+        print_budget(budget_projection(measured, result["chunk_bytes_per_slot"], attention, args.budget_count),
+                     args.budget_count)
         return
     if args.project_only:
         result = json.loads(Path(args.json).read_text())

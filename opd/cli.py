@@ -36,7 +36,7 @@ def _load(args: argparse.Namespace) -> ExperimentSpec:
 def _validate(args: argparse.Namespace) -> int:
     """With path checks, also everything `opd train` checks before it starts (opd/commands/preflight.py): a spec that
     validates does not then fail on its inputs. Derived fields are printed resolved (opd/commands/validate.py)."""
-    from opd.commands.validate import resolved_yaml
+    from opd.commands.validate import resolved_yaml, run_length
 
     spec = _load(args)
     if not args.no_path_check:
@@ -46,7 +46,7 @@ def _validate(args: argparse.Namespace) -> int:
         if problem := writable_problem(spec.run_dir):
             raise OpdError(problem)
         first = check_inputs(spec)
-    sys.stdout.write(resolved_yaml(spec))
+    sys.stdout.write(resolved_yaml(spec) + run_length(spec))
     if not args.no_path_check:  # what the target sees, as YAML comments so the output stays a loadable spec
         sys.stdout.write(f"# the first training prompt as the target sees it (data.render: {spec.data.render}, "
                          f"{len(first.ids)} tokens; the target writes on from the end of the last line):\n")

@@ -255,13 +255,42 @@ class DataSpec(_Section):
     # Passed to the chat template (Qwen3's thinking switch): false adds an empty think block to the generation
     # prompt, true thinks; null = the template's default (Qwen3 thinks). Responses keep the thinking whole.
     enable_thinking: bool | None = None
+    # Prompts in train_prompts (its non-blank lines), which a run length in `epochs` is counted over: read from the
+    # file when it exists, else as written (so `opd validate --no-path-check` can size a cluster run); a written
+    # value must agree with the file, or the epochs would silently mean another number of rollout batches.
+    train_pool_size: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> DataSpec:
+        issues = []
         if self.render == "raw" and self.enable_thinking is not None:
-            _issues([f"enable_thinking: {str(self.enable_thinking).lower()} but render is raw, which has no "
-                     "template to pass it to (expected render: chat, or enable_thinking: null)"])
+            issues.append(f"enable_thinking: {str(self.enable_thinking).lower()} but render is raw, which has no "
+                          "template to pass it to (expected render: chat, or enable_thinking: null)")
+        lines = _count_lines(Path(self.train_prompts))
+        if lines is not None and self.train_pool_size is None:
+            self.train_pool_size = lines
+        elif lines is not None and self.train_pool_size != lines:
+            issues.append(f"train_pool_size: {self.train_pool_size} disagrees with the {lines} prompts in "
+                          f"{self.train_prompts} (expected {lines} or unset)")
+        _issues(issues)
         return self
+
+
+def _count_lines(path: Path) -> int | None:
+    """Non-blank lines of a prompt file, or None when it cannot be read; once per unchanged file, like `_read_json`."""
+    try:
+        stat = path.resolve().stat()
+    except (OSError, RuntimeError):
+        return None
+    return _count_lines_once(path.resolve(), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _count_lines_once(path: Path, inode: int, mtime_ns: int, size: int) -> int | None:
+    try:
+        return sum(1 for line in path.read_bytes().splitlines() if line.strip())
+    except OSError:
+        return None
 
 
 # Target sampling; the same rule applies in rollout and evaluation so τ means the same thing in both.
@@ -336,6 +365,12 @@ class ReplaySpec(_Section):
     random_anchors_per_seq: int | None = Field(None, ge=1)  # None = as many as the rollout's error anchors
     teacher_temperature: float = Field(1.0, gt=0)
     teacher_topk: int | None = Field(None, gt=0)  # None = full vocabulary; k = top-k log-probs + tail bucket
+    # The scorer's micro-batch as a token budget: each micro-batch's padded teacher rows (sequences x the longest
+    # packed row: text plus K-2 slots per drafted block) stay within it, and a sequence over it alone is scored in
+    # parts cut at block boundaries (exact: a block sees only the text up to its anchor and itself). None = cut
+    # rollout batches into optim.micro_batch_size sequences. With a rebuilt rollout source the groups are formed on
+    # the text, before the blocks exist; the blocks then run over each group's cached text.
+    micro_batch_tokens: int | None = Field(None, ge=1)
 
 
 class LossSpec(_Section):
@@ -373,6 +408,10 @@ class SftSpec(_Section):
     # Sequences per forward; their gradients accumulate into one step (the same gradient at any size), so memory
     # is set by this, not batch_size: at Qwen3 shapes one 2048-token sequence with 512 anchors is ~8K block tokens.
     micro_batch_size: int = Field(1, ge=1)
+    # Or a token budget: each micro-batch's padded rows (sequences x (the longest sequence + anchors x K block
+    # rows)) stay within it, so long and short responses share one memory bound; at least one sequence at max_length
+    # with every anchor, so no sequence is ever over it (checked here, before any compute). None: micro_batch_size.
+    micro_batch_tokens: int | None = Field(None, ge=1)
     response_max_new_tokens: int = Field(2048, ge=1)
     # The SFT data: a sample file (`opd gen-samples --sft` writes it) read, and filled where it lacks a prompt's
     # response. None: RUN_DIR/sft_data.jsonl.
@@ -389,6 +428,10 @@ class SftSpec(_Section):
                      "(expected a divisor)"])
         return self
 
+    def longest_sequence_tokens(self, block_size: int) -> int:
+        """One SFT sequence's rows at most: max_length tokens for the target, anchors_per_seq blocks of K rows."""
+        return self.max_length + self.anchors_per_seq * block_size
+
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
@@ -404,8 +447,16 @@ class OptimSpec(_Section):
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 = off
-    batch_size: int = Field(24, ge=1)  # global batch: sequences per optimizer step
+    # Sequences per optimizer update (a step): whole rollout batches, batch_size / rollout.batch_size of them, whose
+    # loss is normalised over the whole update (the authors' trainer.update_accumulation_steps x train_batch_size).
+    batch_size: int = Field(24, ge=1)
     micro_batch_size: int = Field(1, ge=1)
+    # The learner's micro-batch as a token budget instead of micro_batch_size sequences: the update's sequences are
+    # packed, longest first, into micro-batches whose padded rows (sequences x (longest context + K x most blocks))
+    # stay within it; a sequence over it alone is cut at block boundaries (exact: DFlash blocks never see each
+    # other), so memory is bounded by the budget, not by the longest response times a count. The step's loss is
+    # still normalised over the whole update, so the budget never changes the gradient. None: micro_batch_size.
+    micro_batch_tokens: int | None = Field(None, ge=1)
     # Drafted slots whose [slots, vocabulary] logits the loss holds at once: the loss's transient memory is about
     # 8 x this x V x 4 bytes (2 GB at 400 slots and Qwen3's 151,936 tokens; bench/scale.py), whatever the length.
     loss_chunk_size: int = Field(400, ge=1)
@@ -454,7 +505,10 @@ class ResourcesSpec(_Section):
     learner: RoleSpec = Field(default_factory=RoleSpec)
     evaluator: RoleSpec = Field(default_factory=lambda: RoleSpec(num_cpus=0))
     queue_size: int = Field(4, ge=1)  # bounded queues: producers block, nothing is dropped
-    max_policy_lag: int = Field(1, ge=0)  # older batches are counted and discarded
+    # In optimizer updates: update s trains only on rollout batches drafted with weights of version >= s - lag,
+    # every one of its batches_per_step batches alike (older ones are counted and discarded). 0 is the authors'
+    # synchronous trainer: all batches of an update come from the weights of the update before.
+    max_policy_lag: int = Field(1, ge=0)
     broadcast_every: int = Field(1, ge=1)  # learner steps between weight publications
 
     @model_validator(mode="after")
@@ -575,12 +629,21 @@ class EvalSpec(_Section):
 
 
 class ExperimentSpec(_Section):
-    """Everything one Draft-OPD experiment needs; the single source of truth passed to every actor."""
+    """Everything one Draft-OPD experiment needs; the single source of truth passed to every actor.
+
+    A step is one optimizer update, everywhere: the progress bar, checkpoint names (step-0000050), MLflow's step
+    axis, `eval.every`, `tracking.checkpoint_every` and the learning-rate schedule count updates. An update trains
+    on `batches_per_step` whole rollout batches (the paper's "~5.3K steps" are the authors' rollout batches:
+    533 updates of 10). The run's length is given once, as `steps` (updates), `rollout_batches` or `epochs` over
+    the prompt pool, and the other two are rounded up to whole updates; `steps` is then filled in, so a resolved
+    spec that states both agrees with itself."""
 
     name: str = "experiment"
     seed: int = 0
     engine: Literal["local", "ray"] = "ray"
-    steps: int = Field(gt=0)  # optimizer-step budget
+    steps: int | None = Field(None, gt=0)  # optimizer updates
+    rollout_batches: int | None = Field(None, gt=0)  # or rollout batches, rounded up to whole updates
+    epochs: float | None = Field(None, gt=0)  # or passes over data.train_pool_size prompts, rounded up likewise
     models: ModelsSpec
     data: DataSpec
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
@@ -594,15 +657,9 @@ class ExperimentSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
-        issues = []
-        per_step = self.optim.micro_batch_size * self.resources.learner.replicas
-        if self.optim.batch_size % per_step:
-            issues.append(f"optim.batch_size: {self.optim.batch_size} is not divisible by optim.micro_batch_size "
-                          f"{self.optim.micro_batch_size} x resources.learner.replicas "
-                          f"{self.resources.learner.replicas} = {per_step} (expected a multiple of {per_step})")
-        if self.optim.batch_size % self.rollout.batch_size:
-            issues.append(f"optim.batch_size: {self.optim.batch_size} is not a multiple of rollout.batch_size "
-                          f"{self.rollout.batch_size} (a step trains on whole rollout batches)")
+        issues = self._accumulation_issues() + self._budget_issues()
+        if not issues:
+            issues += self._take_run_length()
         if self.models.drafter.kind == "eagle3":
             issues += [f"{field}: {value} with an eagle3 drafter (a DFlash-only option; expected {fix})"
                        for field, value, fix in (("replay.anchors", self.replay.anchors, "error"),
@@ -613,6 +670,68 @@ class ExperimentSpec(_Section):
                           "random anchors are redrafted by a speculative rollout's drafter)")
         _issues(issues)
         return self
+
+    def _accumulation_issues(self) -> list[str]:
+        """An update is whole rollout batches, and its sequences must split over the learner ranks."""
+        o, replicas = self.optim, self.resources.learner.replicas
+        issues = []
+        if o.batch_size % self.rollout.batch_size:
+            issues.append(f"optim.batch_size: {o.batch_size} is not a multiple of rollout.batch_size "
+                          f"{self.rollout.batch_size} (a step trains on whole rollout batches)")
+        if o.micro_batch_tokens is None and o.batch_size % (o.micro_batch_size * replicas):
+            per_step = o.micro_batch_size * replicas
+            issues.append(f"optim.batch_size: {o.batch_size} is not divisible by optim.micro_batch_size "
+                          f"{o.micro_batch_size} x resources.learner.replicas {replicas} = {per_step} (expected a "
+                          f"multiple of {per_step})")
+        if o.micro_batch_tokens is not None and o.batch_size % replicas:
+            issues.append(f"optim.batch_size: {o.batch_size} sequences per update do not split over "
+                          f"resources.learner.replicas {replicas} (expected a multiple of {replicas})")
+        if o.micro_batch_tokens is not None and o.backend == "deepspeed" and replicas > 1:
+            issues.append(f"optim.micro_batch_tokens: with backend deepspeed and {replicas} learner replicas "
+                          "(ranks would take different numbers of micro-batches, which DeepSpeed's accumulation "
+                          "cannot; expected backend torch, one replica, or micro_batch_size)")
+        return issues
+
+    def _budget_issues(self) -> list[str]:
+        """Token budgets must hold one block, and the longest sequence's unsplittable part: refused here, before
+        any compute, rather than on the first long response hours into a run."""
+        k, text = self.models.drafter.block_size, self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        wanted = [("optim.micro_batch_tokens", self.optim.micro_batch_tokens, text + k,
+                   f"the longest context, data.max_prompt_tokens + rollout.max_new_tokens = {text}, plus one block"),
+                  ("replay.micro_batch_tokens", self.replay.micro_batch_tokens, text + k - 2,
+                   f"the longest text, data.max_prompt_tokens + rollout.max_new_tokens = {text}, plus one block's "
+                   f"{k - 2} packed slots"),
+                  ("sft.micro_batch_tokens", self.sft.micro_batch_tokens, self.sft.longest_sequence_tokens(k),
+                   f"one sequence of sft.max_length {self.sft.max_length} plus sft.anchors_per_seq "
+                   f"{self.sft.anchors_per_seq} blocks of {k}")]
+        issues = []
+        for field, budget, least, what in wanted:
+            if budget is not None and budget < k:
+                issues.append(f"{field}: {budget} tokens is smaller than one block of {k} (expected at least {least})")
+            elif budget is not None and budget < least:
+                issues.append(f"{field}: {budget} tokens is below {what} (expected at least {least})")
+        return issues
+
+    def _take_run_length(self) -> list[str]:
+        """Fill `steps` from `rollout_batches` or `epochs` (rounded up to whole updates), or cross-check them."""
+        derived = {}
+        if self.rollout_batches is not None:
+            derived["rollout_batches"] = -(-self.rollout_batches // self.batches_per_step)
+        if self.epochs is not None:
+            pool = self.data.train_pool_size
+            if pool is None:
+                return [f"epochs: {self.epochs:g} but the prompt pool's size is unknown (expected "
+                        "data.train_pool_size, or a readable data.train_prompts)"]
+            derived["epochs"] = -(-round(self.epochs * pool) // self.optim.batch_size)  # sequences, then updates
+        if self.steps is None and not derived:
+            return ["steps: missing (expected the run's length as steps, rollout_batches or epochs)"]
+        values = {self.steps, *derived.values()} - {None}
+        if len(values) > 1:
+            said = ", ".join([f"steps {self.steps}"] * (self.steps is not None) +
+                             [f"{k} {getattr(self, k):g} = {v} updates" for k, v in derived.items()])
+            return [f"steps: the run's length is given twice and disagrees ({said}; expected one of them)"]
+        self.steps = values.pop()
+        return []
 
     @property
     def batches_per_step(self) -> int:

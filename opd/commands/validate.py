@@ -38,6 +38,17 @@ def resolved_yaml(spec: ExperimentSpec) -> str:
     return text.replace(flag, flag[:-1] + f"  # {STATIC_CACHE_NOTE}\n", 1)
 
 
+def run_length(spec: ExperimentSpec) -> str:
+    """The run's length in every unit a reader compares with a paper: updates, rollout batches, sequences, epochs;
+    as YAML comments, so the printed spec stays loadable."""
+    batches = spec.steps * spec.batches_per_step
+    sequences = batches * spec.rollout.batch_size
+    pool = spec.data.train_pool_size
+    epochs = f", {sequences / pool:.2f} epochs over {pool:,} prompts" if pool else ""
+    return (f"# run length: {spec.steps:,} optimizer updates (steps) x {spec.batches_per_step} rollout batches of "
+            f"{spec.rollout.batch_size} prompts = {batches:,} rollout batches, {sequences:,} sequences{epochs}\n")
+
+
 def tokenizer_mask_id(directory: Path) -> int | None:
     """The id of the tokenizer's mask token, read from its JSON files; None when they do not say."""
     config = _json(directory / "tokenizer_config.json")

@@ -17,11 +17,13 @@ from opd.outputs import atomic_dir
 from opd.spec import ExperimentSpec, field_default, flatten
 
 STATE_FILE = "trainer_state.pt"
-# Sections a resumed run may change: how long it runs, how it is placed, evaluated and logged.
-# The memory layout of a step (micro-batch, loss chunk) is one too: the step's loss is normalised over the whole
-# step, so changing it to fit memory does not change the gradient.
-RESUMABLE_CHANGES = ("name", "steps", "engine", "resources.", "tracking.", "eval.", "optim.micro_batch_size",
-                     "optim.loss_chunk_size")
+# Sections a resumed run may change: how long it runs (in any unit, and the pool size it is counted over), how it
+# is placed, evaluated and logged. The memory layout of a step (micro-batches by count or token budget, the
+# scorer's, the loss chunk) is one too: the step's loss is normalised over the whole step, so changing it to fit
+# memory does not change the gradient.
+RESUMABLE_CHANGES = ("name", "steps", "rollout_batches", "epochs", "data.train_pool_size", "engine", "resources.",
+                     "tracking.", "eval.", "optim.micro_batch_size", "optim.micro_batch_tokens",
+                     "replay.micro_batch_tokens", "optim.loss_chunk_size")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from opd.distill.losses import StepNorm, TopKTeacher, acceptance_aware_loss
+from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
 from opd.errors import OpdError
 from opd.models.family import Drafter
@@ -126,12 +127,13 @@ class Learner:
         """Backward of each micro-batch's share of the step loss, one micro-batch on the device at a time; returns
         this rank's sums of (loss, L_acc, L_rej, the student's training FLOPs) in float64, for the all-reduce."""
         sums = torch.zeros(4, dtype=torch.float64)
-        for i, batch in enumerate(micro_batches):
-            batch = batch.to(self._device)
+        groups = self._plan(micro_batches)
+        for i, group in enumerate(groups):
+            batch = merge(group).to(self._device)
             if self.engine is None:
                 hidden = student_hidden(self.drafter, batch)
             else:  # the last backward of the step is DeepSpeed's accumulation boundary (its reduction)
-                self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                self.engine.set_gradient_accumulation_boundary(i == len(groups) - 1)
                 hidden = self.engine(batch)
             terms = acceptance_aware_loss(
                 hidden, batch.teacher, batch.accepted, self.spec.loss, batch.position_mask,
@@ -146,6 +148,14 @@ class Learner:
                                                      slots=terms.num_acc + terms.num_rej)], dtype=torch.float64)
             del batch, hidden, terms  # free this micro-batch's device copy before the next arrives
         return sums.to(self._device)
+
+    def _plan(self, micro_batches: list[ScoredBatch]) -> list[list[ScoredBatch]]:
+        """What each forward runs: the scorer's micro-batches as they came, or with `optim.micro_batch_tokens` this
+        rank's sequences repacked under the budget (opd/distill/micro_batches.py)."""
+        budget = self.spec.optim.micro_batch_tokens
+        if budget is None:
+            return [[mb] for mb in micro_batches]
+        return learner_plan(micro_batches, budget, self.drafter.block_size)
 
     @property
     def _device(self) -> torch.device:

@@ -55,7 +55,7 @@ class ScoredItem:
     """Scorer → learner: one rollout batch after teacher replay."""
 
     batch: AnchorBatch  # records, index, draft version, rollout FLOPs
-    micro_batches: list[ScoredBatch]  # the batch cut into `optim.micro_batch_size` sequences each
+    micro_batches: list[ScoredBatch]  # the batch cut into `optim.micro_batch_size` sequences or `replay.micro_batch_tokens`
     scorer_flops: float = 0.0  # what the teacher replay cost
     # Eval setting name -> expected acceptance a_k [N, K-1] of the drafted blocks (opd/eval/expected.py)
     acceptance: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -21,7 +21,8 @@ from dataclasses import replace
 import torch
 
 from opd.decoding.record import UNDRAFTED, SequenceRecord
-from opd.distill.replay import CommittedView, ScoredBatch, pack, replay_mode, score, score_micro_batches
+from opd.distill.micro_batches import replay_groups
+from opd.distill.replay import CommittedView, ScoredBatch, pack, replay_mode, score
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, TargetParams, rebuild_flops
@@ -53,34 +54,44 @@ class Scorer:
 
     def __call__(self, batch: AnchorBatch) -> ScoredItem:
         if self.shares_forward:
-            views = self.committed_views(batch.records)
+            groups = self.groups(batch.records, "committed")  # on the text: the blocks do not exist yet
+            views = [self.committed_view(group) for group in groups]
             batch = self.rebuild(batch, features=[row for view in views for row in view.rows()])
-            micro = self.score_views(batch.records, views)
+            groups = _regroup(batch.records, [len(g) for g in groups])
+            micro = [self.score(group, view) for group, view in zip(groups, views)]
         else:
             if self.spec.rollout.rebuilt:
                 batch = self.rebuild(batch)
-            micro = score_micro_batches(self.target, batch, self.spec)
-        return ScoredItem(batch, micro, scorer_flops=self.replay_flops(batch.records, micro),
-                          acceptance=self.expected_acceptance(batch, micro))
+            groups = self.groups(batch.records, replay_mode(self.spec))
+            micro = [self.score(group) for group in groups]
+        scored = [r for group in groups for r in group]
+        return ScoredItem(batch, micro, scorer_flops=self.replay_flops(scored, micro),
+                          acceptance=self.expected_acceptance(scored, micro))
 
-    def committed_views(self, records: list[SequenceRecord]) -> list[CommittedView]:
-        """The target's view of each micro-batch's text (`score_micro_batches`' grouping), one forward each. The
-        whole batch's views live until it is scored: about the rebuild's own feature tensors, plus 1/n for the
-        hidden states (n target layers feed the drafter), plus in the draft_opd layout every layer's keys and
-        values over the text (at Qwen3-8B, 147 KB a token in bf16: 4.8 GB for 8 sequences of 4K tokens)."""
-        size, block_size = self.spec.optim.micro_batch_size, self.spec.models.drafter.block_size
+    def groups(self, records: list[SequenceRecord], mode: str) -> list[list[SequenceRecord]]:
+        """The micro-batches, in record order: `optim.micro_batch_size` records each, or under
+        `replay.micro_batch_tokens` (a record over it cut into parts at block boundaries; opd/distill/micro_batches.py),
+        measured as `mode` lays the teacher's rows out."""
+        budget, block_size = self.spec.replay.micro_batch_tokens, self.spec.models.drafter.block_size
+        if budget is None:
+            size = self.spec.optim.micro_batch_size
+            return [records[i : i + size] for i in range(0, len(records), size)]
+        return replay_groups(records, budget, block_size, mode)
+
+    def committed_view(self, records: list[SequenceRecord]) -> CommittedView:
+        """The target's view of one micro-batch's text, one forward. The whole batch's views live until it is
+        scored: about the rebuild's own feature tensors, plus 1/n for the hidden states (n target layers feed the
+        drafter), plus in the draft_opd layout every layer's keys and values over the text (at Qwen3-8B, 147 KB a
+        token in bf16: 4.8 GB for 8 sequences of 4K tokens)."""
         keep_kv = replay_mode(self.spec) == "draft_opd"
-        return [CommittedView.of(self.target, records[i : i + size], block_size, keep_kv=keep_kv)
-                for i in range(0, len(records), size)]
+        return CommittedView.of(self.target, records, self.spec.models.drafter.block_size, keep_kv=keep_kv)
 
-    def score_views(self, records: list[SequenceRecord], views: list[CommittedView]) -> list[ScoredBatch]:
-        """`score_micro_batches` reading each micro-batch's precomputed view: the view of the text taken before
-        the rebuild holds for the rebuilt records, whose text is unchanged."""
-        size, r = self.spec.optim.micro_batch_size, self.spec.replay
-        return [score(self.target, records[j * size : (j + 1) * size], block_size=self.spec.models.drafter.block_size,
-                      mode=replay_mode(self.spec), teacher_temperature=r.teacher_temperature,
-                      teacher_topk=r.teacher_topk, view=view)
-                for j, view in enumerate(views)]
+    def score(self, records: list[SequenceRecord], view: CommittedView | None = None) -> ScoredBatch:
+        """One micro-batch's teacher replay; with `view`, reading the text's forward taken before the rebuild, which
+        holds for the rebuilt records, whose text is unchanged."""
+        r = self.spec.replay
+        return score(self.target, records, block_size=self.spec.models.drafter.block_size, mode=replay_mode(self.spec),
+                     teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk, view=view)
 
     def rebuild(self, batch: AnchorBatch, features: list[torch.Tensor] | None = None) -> AnchorBatch:
         """The batch's blocks as the current drafter would have drafted them, stamped with its version; the cost
@@ -103,14 +114,21 @@ class Scorer:
         tokens = sum(len(p.ids) - (p.prefix_len if self.shares_forward else 0) for p in packed)
         return self.params.forward(tokens, logits=sum(int(m.position_mask.sum()) for m in micro))
 
-    def expected_acceptance(self, batch: AnchorBatch, micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
-        """a_k [N, K-1] of the batch's drafted blocks per eval setting. Only the packed layout has the target's
-        view of every drafted slot (naive and committed teachers read committed positions), so the others have none."""
+    def expected_acceptance(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
+        """a_k [N, K-1] of the scored records' drafted blocks per eval setting (parts of a record follow each other,
+        so this is the batch's block order). Only the packed layout has the target's view of every drafted slot
+        (naive and committed teachers read committed positions), so the others have none."""
         settings = point_mass_settings(self.spec.eval.sampling)
-        drafts, _ = record_drafts(batch.records)  # every block in replay's order: micro-batch by micro-batch
+        drafts, _ = record_drafts(records)  # every block in replay's order: micro-batch by micro-batch
         if replay_mode(self.spec) != "draft_opd" or not settings or not len(drafts):
             return {}
         parts = [teacher_acceptance(d, mb.teacher, self.target.lm_head, settings,
                                     teacher_temperature=self.spec.replay.teacher_temperature)
                  for d, mb in zip(drafts.split([mb.num_blocks for mb in micro]), micro)]
         return {name: torch.cat([part[name] for part in parts]) for name in settings}
+
+
+def _regroup(records: list[SequenceRecord], sizes: list[int]) -> list[list[SequenceRecord]]:
+    """`records` cut into consecutive groups of `sizes` (the groups their texts were viewed in)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [records[start : start + size] for start, size in zip(starts, sizes)]

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from opd.distill.losses import StepNorm
+from opd.distill.micro_batches import sequence_rows
 from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
@@ -174,7 +175,9 @@ class TrainingSession:
         items = sorted(items, key=lambda it: it.batch.index)
         micro = self.learner.trainable([mb for it in items for mb in it.micro_batches])
         world, norm = self.learner.group.world, step_norm(micro, self.spec)
-        if self.spec.optim.backend == "deepspeed" and len(micro) % world:
+        if self.spec.optim.micro_batch_tokens is not None:  # ranks share sequences; each packs its own under the budget
+            micro = [row for mb in micro for row in sequence_rows(mb)]
+        elif self.spec.optim.backend == "deepspeed" and len(micro) % world:
             raise OpdError(f"optim.backend deepspeed: {len(micro)} micro-batches per step do not split evenly over "
                            f"{world} learner ranks (make rollout.batch_size a multiple of optim.micro_batch_size)")
         if self.peers:
@@ -206,7 +209,9 @@ class TrainingSession:
         out = {"loss": m.loss, "loss_acc": m.loss_acc, "loss_rej": m.loss_rej, "grad_norm": m.grad_norm, "lr": m.lr,
                "skipped_nonfinite": float(m.skipped), "rollout_tau": stats.tau_token_weighted,
                "policy_lag": max(self.step - 1 - it.batch.draft_version for it in items),
-               "step_time_s": step_time, "stale_batches": self.counters.stale_batches}
+               "step_time_s": step_time, "stale_batches": self.counters.stale_batches,
+               # the paper's x-axis: its "steps" are rollout batches (the authors' global_steps)
+               "rollout_batches": self.counters.trained_batches, "sequences": self.counters.trained_sequences}
         out.update({f"accept_ge_{k}": v for k, v in enumerate(stats.survival, start=1)})
         out.update({f"first_reject_{k}": v for k, v in enumerate(stats.first_rejection[:-1], start=1)})
         out["first_reject_full_accept"] = stats.first_rejection[-1]

@@ -9,8 +9,8 @@ Run again from a warm drafter with `sft.max_flops`, it is "continued SFT" at mat
 
 Sized for Qwen3 as Draft-OPD's learner is: the target runs without its LM head (only its features are read), the
 drafter's logits are formed `optim.loss_chunk_size` slots at a time (opd/models/lm_head.py), and a step runs
-`sft.micro_batch_size` sequences per forward, accumulating gradients; anchors and the loss's denominator are the
-whole step's, so neither the chunk nor the micro-batch size changes the gradient. At the defaults one
+`sft.micro_batch_size` sequences (or `sft.micro_batch_tokens` padded rows) per forward, accumulating gradients;
+anchors and the loss's denominator are the whole step's, so neither the chunk nor the micro-batch size changes the gradient. At the defaults one
 2048-token sequence with 512 anchors is 7,680 slots: 4.7 GB of fp32 logits if formed at once.
 """
 
@@ -25,6 +25,7 @@ import torch
 
 from opd.data.prompts import train_prompts
 from opd.distill.losses import sft_log_weight_sum, sft_loss
+from opd.distill.micro_batches import group_by_budget
 from opd.errors import OpdError
 from opd.models.build import Models, build_models
 from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
@@ -76,13 +77,20 @@ class SftStep:
 
 
 def sft_micro_batches(examples: list[SftExample], *, anchors_per_seq: int, max_length: int, block_size: int,
-                      micro_batch_size: int, generator: torch.Generator) -> list[SftBatch]:
-    """The batch's anchors (drawn example by example, so the micro-batch size never changes them), laid out
-    `micro_batch_size` examples at a time."""
+                      micro_batch_size: int, generator: torch.Generator,
+                      micro_batch_tokens: int | None = None) -> list[SftBatch]:
+    """The batch's anchors (drawn example by example, so the micro-batch layout never changes them), laid out
+    `micro_batch_size` examples at a time, or longest first under `micro_batch_tokens` padded rows (the sequence
+    for the target, K rows per anchor for the drafter; the spec keeps one whole sequence within it)."""
     seqs = [(e.prompt_ids + e.response_ids)[:max_length] for e in examples]
     anchors = [_random_anchors(len(e.prompt_ids), len(s), anchors_per_seq, generator) for e, s in zip(examples, seqs)]
-    return [_layout(seqs[i : i + micro_batch_size], anchors[i : i + micro_batch_size], block_size)
-            for i in range(0, len(seqs), micro_batch_size)]
+    if micro_batch_tokens is None:
+        groups = [list(range(i, min(i + micro_batch_size, len(seqs)))) for i in range(0, len(seqs), micro_batch_size)]
+    else:
+        sizes = [(len(s), len(a) * block_size) for s, a in zip(seqs, anchors)]
+        order = sorted(range(len(seqs)), key=lambda i: sum(sizes[i]), reverse=True)
+        groups = [[order[j] for j in g] for g in group_by_budget([sizes[i] for i in order], micro_batch_tokens)]
+    return [_layout([seqs[i] for i in g], [anchors[i] for i in g], block_size) for g in groups]
 
 
 def _layout(seqs: list[list[int]], anchors: list[list[int]], k: int) -> SftBatch:
@@ -130,7 +138,7 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
     share of the step's weighted mean, so `sft.micro_batch_size` never changes the gradient."""
     micro = sft_micro_batches(examples, anchors_per_seq=sft.anchors_per_seq, max_length=sft.max_length,
                               block_size=drafter.block_size, micro_batch_size=sft.micro_batch_size,
-                              generator=generator)
+                              generator=generator, micro_batch_tokens=sft.micro_batch_tokens)
     log_norm = float(torch.logsumexp(torch.tensor([sft_log_weight_sum(b.position_mask, sft.gamma) for b in micro],
                                                   dtype=torch.float64), dim=0))
     loss = 0.0
