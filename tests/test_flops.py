@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from opd.decoding.record import SequenceRecord
-from opd.distill.replay import score_micro_batches
 from opd.models.build import build_models
 from opd.models.flops import DrafterParams, TargetParams
 from opd.spec import load_spec
@@ -53,7 +52,7 @@ def test_replay_counts_the_packed_blocks_and_the_teachers_head(models):
     spec, m = models
     scorer = Scorer(spec, m.target)
     batch = AnchorBatch(0, 0, [RECORD, RECORD], flops=None)
-    micro = score_micro_batches(m.target, batch, spec)
+    micro = scorer(batch).micro_batches
     assert scorer.replay_flops(batch.records, micro) == 2 * 2.0 * (TARGET_BODY * PACKED + head(m) * SLOTS)
     assert scorer(batch).scorer_flops == 2 * 2.0 * (TARGET_BODY * PACKED + head(m) * SLOTS)
     # The old count: the prefix only, through body and head: 9 of the 15 tokens the target actually ran.
@@ -63,7 +62,7 @@ def test_replay_counts_the_packed_blocks_and_the_teachers_head(models):
 def test_the_learner_counts_context_blocks_and_the_loss_slots(models):
     spec, m = models
     learner = Learner(spec, m.drafter)
-    micro = score_micro_batches(m.target, AnchorBatch(0, 0, [RECORD], flops=None), spec)
+    micro = Scorer(spec, m.target)(AnchorBatch(0, 0, [RECORD], flops=None)).micro_batches
     learner.train_step(micro)
     trainable = CONTEXT * PREFIX + BLOCK * 3 * K
     assert learner.flops.drafter_train == 6.0 * trainable + 4.0 * head(m) * SLOTS  # the frozen head: no weight grad

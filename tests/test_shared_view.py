@@ -1,7 +1,7 @@
 """The scorer of a rebuilt source runs the target over each micro-batch's text once (`CommittedView`): the rebuild's
 features and the teacher's states come from that forward, which is charged once; the packed layout's teacher adds
 a forward of the drafted blocks alone over the view's keys and values. Compared with the unshared path (the
-rebuild's own forward, then `score_micro_batches`) on the micro models."""
+rebuild's own forward, then the scorer's micro-batches) on the micro models."""
 
 from __future__ import annotations
 

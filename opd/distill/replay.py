@@ -311,12 +311,3 @@ def student_hidden(drafter: Drafter, batch: ScoredBatch) -> torch.Tensor:
     hidden = drafter.block_hidden(batch.features, batch.context_ids, batch.context_valid, batch.anchor_positions,
                                   batch.block_ids)
     return hidden[batch.block_valid]
-
-
-def score_micro_batches(target: Target, batch, spec) -> list[ScoredBatch]:
-    """An AnchorBatch scored in chunks of `optim.micro_batch_size` records, as the learner consumes them."""
-    micro, r = spec.optim.micro_batch_size, spec.replay
-    records = batch.records
-    return [score(target, records[i : i + micro], block_size=spec.models.drafter.block_size, mode=replay_mode(spec),
-                  teacher_temperature=r.teacher_temperature, teacher_topk=r.teacher_topk)
-            for i in range(0, len(records), micro)]
