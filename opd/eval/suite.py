@@ -30,7 +30,7 @@ from opd.eval.offline import OfflineEval, SettingView, draw_eval_samples
 from opd.models.build import Models, build_drafter, build_models
 from opd.progress import progress_bar
 from opd.sources.samplers import build_sampler
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, SamplingSpec
 
 CEILING = "ceiling"  # the argmax oracle's row in every table
 
@@ -66,6 +66,7 @@ class SuiteResult:
     settings: list[str]
     benchmarks: list[str]
     drafters: dict[str, str]  # label -> path
+    sampling: dict[str, str] = field(default_factory=dict)  # setting -> "T=0.6, top-p 0.95, top-k 20"
     cells: list[Cell] = field(default_factory=list)
     seconds: float = 0.0
     # (benchmark, setting, drafter) -> its rebuilt records: kept for checks in this process, not written out
@@ -89,9 +90,9 @@ def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, draft
     loaded = {label: build_drafter(spec, models.target, models.tokenizer, path) for label, path in drafters.items()}
     sampler = build_sampler(spec, spec.rollout.sampler, models.target, models.drafter, models.eos_id)
     rendering = Rendering.of(spec.data)
-    settings = [s.name for s in spec.eval.sampling if s.draft == "argmax"]
-    result = SuiteResult(card.suite, spec.name, thinking(rendering), settings, [b.name for b in card.benchmarks],
-                         dict(drafters))
+    settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
+    result = SuiteResult(card.suite, spec.name, thinking(rendering), [s.name for s in settings],
+                         [b.name for b in card.benchmarks], dict(drafters), {s.name: _described(s) for s in settings})
     for bench in card.benchmarks:
         views = _benchmark_views(spec, models, sampler, rendering, suite_dir, bench, out)
         with progress_bar() as bar:
@@ -101,6 +102,12 @@ def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, draft
                        lambda: bar.advance(task))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _described(setting: SamplingSpec) -> str:
+    if setting.temperature == 0:
+        return "T=0"
+    return f"T={setting.temperature:g}, top-p {setting.top_p:g}, top-k {setting.top_k}"
 
 
 View = tuple[OfflineEval, SettingView]

@@ -33,7 +33,7 @@ def _drafters(result: SuiteResult) -> list[str]:
 
 
 def _tau_table(result: SuiteResult, setting: str, *, pooled: bool) -> str:
-    title = f"### {setting}: τ {'pooled' if pooled else '(authors)'}\n"
+    title = f"### {setting} ({result.sampling[setting]}): τ {'pooled' if pooled else '(authors)'}\n"
     head = ["drafter", *result.benchmarks, "avg", "% of ceiling"]
     lines = [title, _row(head), _row(["---"] * len(head))]
     ceiling = result.average(setting, CEILING, pooled)
@@ -51,7 +51,8 @@ def _positions(result: SuiteResult, setting: str) -> str:
     """Acceptance per position P(accepted >= k), and how often a drafter's block beat the oracle's."""
     k = len(result.cells[0].survival)
     head = ["drafter", "benchmark", *(str(i) for i in range(1, k + 1)), "blocks beating the oracle"]
-    lines = [f"### {setting}: acceptance per position, P(accepted >= k)\n", _row(head), _row(["---"] * len(head))]
+    lines = [f"### {setting} ({result.sampling[setting]}): acceptance per position, P(accepted >= k)\n", _row(head),
+             _row(["---"] * len(head))]
     for drafter in _drafters(result):
         for b in result.benchmarks:
             c = result.cell(b, setting, drafter)
@@ -90,7 +91,7 @@ def bar_chart(result: SuiteResult, path: Path) -> None:
             taus = _taus(result, setting, drafter)
             ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(columns))], taus, width, label=drafter)
         ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right")
-        ax.set_title(setting)
+        ax.set_title(f"{setting} ({result.sampling[setting]})")
         ax.set_ylabel("τ (authors': mean of per-sequence means)")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)
