@@ -127,3 +127,18 @@ def test_mt_bench_two_turns_feed_the_targets_own_first_answer_back(chat_assets, 
                 served, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False)
     saved = json.loads((out / "suite.json").read_text())
     assert {c["sequences"] for c in saved["cells"]} == {6}  # both turns of 3 questions
+
+
+def test_an_interrupted_sample_draw_resumes_without_duplicates(tiny):
+    """A draw killed mid-file (a partial last line) is finished by the next eval: every (prompt, setting) once."""
+    spec, result, tmp = tiny
+    path = tmp / "out" / "samples" / "tiny-math.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:5]) + lines[5][:20])
+    again = evaluate_suite(spec, built_suite(tmp / "suite"), tmp / "suite", {"warm": result.drafters["warm"]},
+                           tmp / "out")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    keys = [(r["id"], r["sampling"]["temperature"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 12
+    for setting in result.settings:
+        assert again.cell("tiny-math", setting, "warm") == result.cell("tiny-math", setting, "warm")
