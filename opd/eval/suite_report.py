@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from opd.eval.suite import CEILING, SuiteResult
@@ -66,8 +66,9 @@ def _row(cells: list[str]) -> str:
 
 
 def to_json(result: SuiteResult) -> dict:
-    data = asdict(result)
-    data.pop("records")
+    """Everything but the rebuilt records (asdict would first deep-copy them all)."""
+    data = {f.name: getattr(result, f.name) for f in fields(result) if f.name not in ("records", "cells")}
+    data["cells"] = [asdict(c) for c in result.cells]
     data["averages"] = {s: {d: {"tau": result.average(s, d), "tau_pooled": result.average(s, d, True)}
                             for d in _drafters(result)} for s in result.settings}
     return data
