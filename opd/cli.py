@@ -202,6 +202,34 @@ def _serve_bench(args: argparse.Namespace) -> int:
     return run_serve_bench(_load(args), args.draft, args.concurrency, args.json, baseline=not args.no_baseline)
 
 
+def _suite_arguments(parser: argparse.ArgumentParser) -> None:
+    """`opd suite build` and `opd suite eval`, as subcommands of their own."""
+    sub = parser.add_subparsers(dest="suite_command", required=True, metavar="SUBCOMMAND")
+    build = sub.add_parser("build", help="write a suite's prompt files (one per benchmark) and its card")
+    build.add_argument("--suite", required=True, metavar="NAME",
+                       help="configs/suites/NAME.yaml (paper, tiny) or a suite YAML's path")
+    build.add_argument("--out", required=True, metavar="DIR", help="writes <benchmark>.jsonl and card.json there")
+    build.add_argument("--file", dest="files", action="append", default=[], metavar="BENCH=PATH",
+                       help="a benchmark's source from a local jsonl/parquet in the source's own columns "
+                            "(repeatable; default: an installed package's file, else the hub through `datasets`)")
+    evaluate = sub.add_parser("eval", help="τ of each drafter per benchmark and setting, beside the ceiling")
+    _spec_arguments(evaluate)
+    evaluate.add_argument("--suite", required=True, metavar="DIR", help="a directory `opd suite build` wrote")
+    evaluate.add_argument("--draft", dest="drafts", action="append", required=True, metavar="[LABEL=]PATH",
+                          help="a drafter directory, or random (repeatable; the label names its table row)")
+    evaluate.add_argument("--out", metavar="DIR", help="samples, table.md, suite.json, tau.png and the MLflow "
+                                                       "store (default: SUITE/results/<experiment name>)")
+    evaluate.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
+
+
+def _suite(args: argparse.Namespace) -> int:
+    from opd.commands.suite import run_suite_build, run_suite_eval
+
+    if args.suite_command == "build":
+        return run_suite_build(args.suite, args.out, args.files)
+    return run_suite_eval(_load(args), args.suite, args.drafts, args.out, track=not args.no_mlflow)
+
+
 # name -> (one-line help, argument setup, handler); each handler imports its module inside the function.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check a spec and print it fully resolved as YAML", _spec_arguments, _validate),
@@ -224,6 +252,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                     "prompts) or --sft (the SFT data)", _gen_samples_arguments, _gen_samples),
     "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
                     _serve_bench_arguments, _serve_bench),
+    "suite": ("benchmark suites: build the prompt files (GSM8K, MATH-500, AIME, MBPP, HumanEval, MT-Bench), then "
+              "the paper's τ table of several drafters with the ceiling", _suite_arguments, _suite),
 }
 
 

@@ -145,8 +145,8 @@ def test_the_target_view_is_cached_and_invalidated_by_new_samples_or_another_tar
                                                                                      micro_assets):
     s = setup
     made = []
-    original = offline_eval.text_features
-    monkeypatch.setattr(offline_eval, "text_features", lambda *a, **k: made.append(1) or original(*a, **k))
+    original = offline_eval.text_view
+    monkeypatch.setattr(offline_eval, "text_view", lambda *a, **k: made.append(1) or original(*a, **k))
     models = Models(s.target, s.d, s.tokenizer)
     OfflineEval(models, s.path, s.prompts, SETTINGS, MADE)
     OfflineEval(models, s.path, s.prompts, SETTINGS, MADE)  # cached: nothing computed

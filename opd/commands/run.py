@@ -97,11 +97,12 @@ def comparison_table(spec: ExperimentSpec, before: list[EvalRow], after: list[Ev
     n = before[0].prompts
     table = Table(title=f"Held-out τ (± 95% interval over {n} prompts) and speedup: warm drafter → Draft-OPD",
                   caption=f"{spec.name}: {describe_recipe(spec)}")
-    for column in ("sampling", "τ before", "τ after", "Δτ", "speedup before", "speedup after"):
+    for column in ("sampling", "τ before", "τ after", "Δτ", "ceiling", "speedup before", "speedup after"):
         table.add_column(column, justify="right")
     for b, a in zip(before, after):
+        ceiling = "-" if b.ceiling is None else f"{b.ceiling:.3f}"  # the argmax oracle on the same samples
         table.add_row(b.sampling, f"{b.tau:.3f} ± {b.tau_ci:.3f}", f"{a.tau:.3f} ± {a.tau_ci:.3f}",
-                      f"{(a.tau / b.tau - 1):+.1%}", _speedup(b), _speedup(a))
+                      f"{(a.tau / b.tau - 1):+.1%}", ceiling, _speedup(b), _speedup(a))
     return table
 
 

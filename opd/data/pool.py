@@ -14,13 +14,13 @@ of cleaned AoPS forum problems, with a `source` column that says which rows they
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from opd.data.source_rows import read_file_rows, read_hub_rows, sha256_of
 from opd.errors import OpdError
 from opd.outputs import check_output_dir, write_text_atomic
 
@@ -80,7 +80,7 @@ def build_pool(out: Path, *, seed: int, heldout: int, files: dict[str, str], cou
             raise OpdError(f"prompt-pool: unknown source '{name}' (expected one of {', '.join(SOURCES)})")
     excluded_rows, excluded = _read(MATH500[0], None, MATH500[1], math500, ("problem",))
     seen = {_key(r["problem"]) for r in excluded_rows}
-    card, train, held = PoolCard(seed, heldout, excluded, _sha256(math500) if math500 else None), [], []
+    card, train, held = PoolCard(seed, heldout, excluded, sha256_of(math500) if math500 else None), [], []
     for s in SOURCES.values():
         rows, origin = _read(s.dataset, s.config, s.split, files.get(s.name), s.columns)
         problems = [(i, text) for i, r in enumerate(rows) if (text := s.problem(r)) and text.strip()]
@@ -92,7 +92,7 @@ def build_pool(out: Path, *, seed: int, heldout: int, files: dict[str, str], cou
         picked = random.Random(f"{seed}/{s.name}").sample(fresh, want + heldout)
         held += [_row(s.name, i, text) for i, text in picked[:heldout]]
         train += [_row(s.name, i, text) for i, text in picked[heldout:]]
-        sha = _sha256(files[s.name]) if s.name in files else None
+        sha = sha256_of(files[s.name]) if s.name in files else None
         card.sources.append(SourceCard(s.name, origin, sha, len(problems), len(problems) - len(fresh), want, heldout))
     for name, part in (("prompts.jsonl", train), ("eval_prompts.jsonl", held)):
         write_text_atomic(out / name, "".join(json.dumps(r) + "\n" for r in part))
@@ -122,67 +122,14 @@ def _row(source: str, index: int, text: str) -> dict:
 def _read(dataset: str, config: str | None, split: str, path: str | None,
           columns: tuple[str, ...]) -> tuple[list[dict], str]:
     """A source's rows, from `path` when given, else from the hub; and where they came from."""
-    rows, origin = (_read_file(path), f"file:{path}") if path else _read_hub(dataset, config, split)
+    rows, origin = (read_file_rows(path, "prompt-pool"), f"file:{path}") if path else read_hub_rows(
+        dataset, config, split, "prompt-pool", "pass a local file: --file SOURCE=PATH, --math500 PATH")
     for number, row in enumerate(rows, start=1):
         missing = [c for c in columns if not isinstance(row, dict) or not isinstance(row.get(c), str)]
         if missing:
             raise OpdError(f"prompt-pool: {path or dataset} row {number}: no string column '{missing[0]}' "
                            f"(expected the {dataset} layout: {', '.join(columns)})")
     return rows, origin
-
-
-def _read_file(path: str) -> list[dict]:
-    """A local source's rows by its suffix: .parquet, .json (one array), anything else JSONL."""
-    file = Path(path)
-    if not file.is_file():
-        raise OpdError(f"prompt-pool: {path} not found")
-    kind = {".parquet": "a parquet file", ".json": "a JSON array of rows"}.get(
-        file.suffix, "JSONL, one JSON object per line")
-    try:
-        if file.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(file).to_pylist()
-        text = file.read_text()
-        return json.loads(text) if file.suffix == ".json" else _jsonl(text)
-    except (ValueError, OSError) as exc:  # JSON, Unicode and Arrow's ArrowInvalid errors are ValueErrors
-        raise OpdError(f"prompt-pool: {path}: unreadable ({str(exc).splitlines()[0]}); expected {kind}") from None
-
-
-def _jsonl(text: str) -> list:
-    """One row per non-blank line; an error names the file's line, not the position inside that line."""
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"line {number}: {exc.msg}") from None
-    return rows
-
-
-def _read_hub(dataset: str, config: str | None, split: str) -> tuple[list[dict], str]:
-    """Read at the commit the hub names now, and record that commit: the card then pins what was read."""
-    try:
-        import datasets
-        from huggingface_hub import HfApi
-    except ImportError:
-        raise OpdError(f"prompt-pool: no local file for {dataset} and no `datasets` library to fetch it "
-                       f"(pip install datasets, or pass a local file: --file SOURCE=PATH, --math500 PATH)") from None
-    try:
-        commit = HfApi().dataset_info(dataset).sha
-        configs = [config]
-        if dataset == "EleutherAI/hendrycks_math":  # one hub config per subject
-            configs = datasets.get_dataset_config_names(dataset, revision=commit)
-        parts = [datasets.load_dataset(dataset, c, split=split, revision=commit) for c in configs]
-    except Exception as exc:  # network, auth or a moved dataset: one line, with the offline way out
-        raise OpdError(f"prompt-pool: reading {dataset} from the hub failed ({str(exc).strip().splitlines()[0]}); "
-                       f"download it elsewhere and pass --file SOURCE=PATH (--math500 PATH)") from None
-    return [row for part in parts for row in part], f"hub:{dataset}@{commit}"
-
-
-def _sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def run_prompt_pool(out: str, files: list[str], counts: list[str], math500: str | None, heldout: int,

@@ -51,3 +51,16 @@ def interval(values: list[float]) -> float:
         return 0.0
     mean = sum(values) / n
     return Z95 * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def pooled_interval(records: list[SequenceRecord]) -> float:
+    """Half-width of the 95% interval of the pooled τ (committed tokens / verifications) over the responses: a
+    ratio of sums, so its standard error is the delta method's, sqrt(sum (t_i - τ s_i)^2 / (n (n-1))) / mean s_i,
+    with t_i the response's committed tokens and s_i its verifications (0 for fewer than two responses)."""
+    pairs = [(sum(r + 1 for r in rec.accepted), len(rec.accepted)) for rec in records if rec.accepted]
+    n = len(pairs)
+    if n < 2:
+        return 0.0
+    tau = sum(t for t, _ in pairs) / sum(s for _, s in pairs)
+    mean_steps = sum(s for _, s in pairs) / n
+    return Z95 * math.sqrt(sum((t - tau * s) ** 2 for t, s in pairs) / (n * (n - 1))) / mean_steps

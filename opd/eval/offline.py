@@ -28,13 +28,14 @@ from opd.decoding.record import SequenceRecord
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.eval.acceptance_diagnostic import Diagnosis
+from opd.eval.ceiling import oracle_records, text_view
 from opd.eval.expected import point_mass_settings
 from opd.eval.row import EvalRow
 from opd.models.build import Models
 from opd.models.target import Target
 from opd.progress import progress_bar
 from opd.sources.provenance import Provenance
-from opd.sources.rebuild import rebuild_records, text_features
+from opd.sources.rebuild import rebuild_records
 from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, sampler_draw, setting_key
 from opd.spec import SamplingSpec
 
@@ -52,6 +53,7 @@ class SettingView:
     setting: SamplingSpec
     samples: list[SequenceRecord]
     features: list[torch.Tensor]
+    argmax: list[torch.Tensor]  # the target's argmax at each response position, from the same forward (ceiling)
 
     @property
     def nbytes(self) -> int:
@@ -117,8 +119,7 @@ class OfflineEval:
         for view in self.views:
             if names is not None and view.setting.name not in names:
                 continue
-            records = rebuild_records(self.models.target, drafter, view.samples, features=view.features,
-                                      batch_size=self.batch_size, draft_version=draft_version)
+            records = self.records(view, drafter, draft_version)
             stats = AcceptanceStats.from_records(records, drafter.block_size)
             diagnosis = Diagnosis(Models(self.models.target, drafter, self.models.tokenizer),
                                   point_mass_settings(self.settings) if diagnose else {})
@@ -128,14 +129,23 @@ class OfflineEval:
                                 tau_token_weighted=stats.tau_token_weighted, survival=stats.survival,
                                 first_rejection=stats.first_rejection, spec_tokens_per_s=None, ar_tokens_per_s=None,
                                 speedup=None, greedy_match=None, expected=diagnosis.result(), tau_ci=stats.tau_ci,
-                                offline=True))
+                                offline=True, ceiling=self.ceiling(view, drafter.block_size).tau))
         return rows
+
+    def records(self, view: SettingView, drafter, draft_version: int = 0) -> list[SequenceRecord]:
+        """`drafter`'s blocks on one setting's samples, as its decoding would have recorded them."""
+        return rebuild_records(self.models.target, drafter, view.samples, features=view.features,
+                               batch_size=self.batch_size, draft_version=draft_version)
+
+    def ceiling(self, view: SettingView, block_size: int) -> AcceptanceStats:
+        """The argmax oracle's acceptance on one setting's samples (opd/eval/ceiling.py)."""
+        return AcceptanceStats.from_records(oracle_records(view.samples, view.argmax, block_size), block_size)
 
     def _view(self, store: SampleStore, prompts: list[Prompt], index: int, setting: SamplingSpec) -> SettingView:
         stored = store.fetch([Wanted(p, index, 0) for p in prompts])
         eos = self.models.eos_id
         samples = [SequenceRecord.from_text(prompt_key(p.id), p.ids, s.response, eos) for p, s in zip(prompts, stored)]
-        return SettingView(setting, samples, text_features(self.models.target, samples, self.batch_size))
+        return SettingView(setting, samples, *text_view(self.models.target, samples, self.batch_size))
 
 
 def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) -> Path:

@@ -82,16 +82,17 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
 def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
     console = console or Console()
     main = Table(title="Speculative decoding on held-out prompts")
-    for column in ("sampling", "n", "τ (95% CI over prompts)", "τ tok-wt", "how", "spec tok/s", "AR tok/s",
-                   "speedup", "greedy=AR"):
+    for column in ("sampling", "n", "τ (95% CI over prompts)", "τ tok-wt", "ceiling", "how", "spec tok/s",
+                   "AR tok/s", "speedup", "greedy=AR"):
         main.add_column(column, justify="right")
     for r in rows:
         main.add_row(r.sampling, str(r.prompts), f"{r.tau:.3f} ± {r.tau_ci:.3f}", f"{r.tau_token_weighted:.3f}",
-                     "offline" if r.offline else "decoded", _opt(r.spec_tokens_per_s, "{:.1f}"),
+                     _opt(r.ceiling, "{:.3f}"), "offline" if r.offline else "decoded", _opt(r.spec_tokens_per_s, "{:.1f}"),
                      _opt(r.ar_tokens_per_s, "{:.1f}"), _opt(r.speedup, "{:.2f}x"), _opt(r.greedy_match, "{:.0%}"))
     console.print(main)
-    console.print("τ: mean of per-response means; τ tok-wt: committed tokens / verification steps; offline: blocks "
-                  "rebuilt on stored target samples (exact in distribution), decoded: speculative decoding.")
+    console.print("τ: mean of per-response means; τ tok-wt: committed tokens / verification steps; ceiling: τ of the "
+                  "argmax oracle on the same samples; offline: blocks rebuilt on stored target samples (exact in "
+                  "distribution), decoded: speculative decoding.")
     drafted = len(rows[0].survival)
     survival = Table(title="Per-position acceptance P(accepted >= k)")
     hist = Table(title="First rejected position (share of blocks)")

@@ -1,0 +1,157 @@
+"""Suite evaluation: every drafter's τ on every benchmark of a built suite, at every point-mass eval setting,
+beside the ceiling (the argmax oracle, opd/eval/ceiling.py), offline from target samples.
+
+The target's samples of a benchmark do not depend on the drafter (decoding is lossless), so each benchmark's are
+drawn once per setting into OUT/samples/<benchmark>.jsonl (by the spec's sampler with the warm drafter: resumable,
+and the warm drafter's offline τ is then its decoded τ block by block) and every drafter's blocks are rebuilt on
+them (opd/eval/offline.py). n drafters cost one target pass per benchmark plus n drafter walks.
+
+τ is reported both ways, because papers and this project differ: the authors' (DFlash's benchmark, SGLang's
+`spec_accept_length`) is the mean over sequences of each sequence's mean acceptance length; this project's pools
+every verification (committed tokens / verifications). Both carry a 95% interval over the prompts.
+
+MT-Bench with two turns evaluates both: the second turn's context holds the target's own first answer from the
+samples (opd/data/suite.py `second_turn_rows`), so each setting has its own second-turn prompts and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opd.data.prompts import Prompt
+from opd.data.render import Rendering
+from opd.data.suite import BenchmarkCard, SuiteCard, read_rows, second_turn_rows, suite_prompts, thinking
+from opd.decoding.record import SequenceRecord
+from opd.eval.acceptance import AcceptanceStats, pooled_interval
+from opd.eval.ceiling import beats_oracle, oracle_records
+from opd.eval.offline import OfflineEval, SettingView, draw_eval_samples
+from opd.models.build import Models, build_drafter, build_models
+from opd.progress import progress_bar
+from opd.sources.provenance import Provenance
+from opd.sources.samplers import build_sampler
+from opd.spec import ExperimentSpec, SamplingSpec
+
+CEILING = "ceiling"  # the argmax oracle's row in every table
+
+
+@dataclass
+class Cell:
+    """One drafter (or the ceiling) on one benchmark at one setting."""
+
+    benchmark: str
+    setting: str
+    drafter: str
+    sequences: int
+    tau: float  # the authors': mean over sequences of each sequence's mean acceptance length
+    tau_ci: float
+    tau_pooled: float  # this project's: committed tokens / verifications over every sequence
+    tau_pooled_ci: float
+    survival: list[float]  # acceptance per position: P(accepted >= k), k = 1..K-1
+    beats_oracle: float | None  # share of blocks accepting more than the oracle from the same anchor
+
+    @classmethod
+    def of(cls, benchmark: str, setting: str, drafter: str, records: list[SequenceRecord], block_size: int,
+           beats: float | None) -> Cell:
+        stats = AcceptanceStats.from_records(records, block_size)
+        return cls(benchmark, setting, drafter, len(records), stats.tau, stats.tau_ci, stats.tau_token_weighted,
+                   pooled_interval(records), stats.survival, beats)
+
+
+@dataclass
+class SuiteResult:
+    suite: str
+    experiment: str
+    thinking: bool
+    settings: list[str]
+    benchmarks: list[str]
+    drafters: dict[str, str]  # label -> path
+    sampling: dict[str, str] = field(default_factory=dict)  # setting -> "T=0.6, top-p 0.95, top-k 20"
+    cells: list[Cell] = field(default_factory=list)
+    seconds: float = 0.0
+    # (benchmark, setting, drafter) -> its rebuilt records: kept for checks in this process, not written out
+    records: dict[tuple[str, str, str], list[SequenceRecord]] = field(default_factory=dict, repr=False)
+
+    def cell(self, benchmark: str, setting: str, drafter: str) -> Cell:
+        return next(c for c in self.cells if (c.benchmark, c.setting, c.drafter) == (benchmark, setting, drafter))
+
+    def average(self, setting: str, drafter: str, pooled: bool = False) -> float:
+        """The table's average column: the unweighted mean over benchmarks, as the paper averages."""
+        cells = [self.cell(b, setting, drafter) for b in self.benchmarks]
+        return sum(c.tau_pooled if pooled else c.tau for c in cells) / len(cells)
+
+
+def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, drafters: dict[str, str],
+                   out: Path) -> SuiteResult:
+    """Every drafter in `drafters` (label -> path, or "random") on every benchmark of the built suite in
+    `suite_dir`, at `spec.eval.sampling`'s point-mass settings; samples stored under OUT/samples/."""
+    started = time.perf_counter()
+    models = build_models(spec)  # the target, its tokenizer and the warm drafter that draws the samples
+    loaded = {label: build_drafter(spec, models.target, models.tokenizer, path) for label, path in drafters.items()}
+    sampler = build_sampler(spec, spec.rollout.sampler, models.target, models.drafter, models.eos_id)
+    rendering = Rendering.of(spec.data)
+    settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
+    result = SuiteResult(card.suite, spec.name, thinking(rendering), [s.name for s in settings],
+                         [b.name for b in card.benchmarks], dict(drafters), {s.name: _described(s) for s in settings})
+    for bench in card.benchmarks:
+        views = _benchmark_views(spec, models, sampler, rendering, suite_dir, bench, out)
+        with progress_bar() as bar:
+            task = bar.add_task(f"{bench.name}: drafters", total=len(views) * len(loaded))
+            for setting, parts in views.items():
+                _score(result, bench.name, setting, parts, loaded, spec.models.drafter.block_size,
+                       lambda: bar.advance(task))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _described(setting: SamplingSpec) -> str:
+    if setting.temperature == 0:
+        return "T=0"
+    return f"T={setting.temperature:g}, top-p {setting.top_p:g}, top-k {setting.top_k}"
+
+
+View = tuple[OfflineEval, SettingView]
+
+
+def _benchmark_views(spec: ExperimentSpec, models: Models, sampler, rendering: Rendering, suite_dir: Path,
+                     bench: BenchmarkCard, out: Path) -> dict[str, list[View]]:
+    """Per setting, the stored samples of the benchmark (both turns with turns: 2) and the target's view of them."""
+    rows = read_rows(suite_dir / bench.file)
+    where = f"--suite {suite_dir / bench.file}"
+    prompts = suite_prompts(rows, models.tokenizer, rendering, spec.data.max_prompt_tokens, where)
+    tokens = bench.max_new_tokens["thinking_on" if thinking(rendering) else "thinking_off"]
+    spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"max_new_tokens": tokens})})
+    first = _drawn(spec, models, sampler, prompts, out / "samples" / f"{bench.name}.jsonl")
+    views = {view.setting.name: [(first, view)] for view in first.views}
+    if bench.turns == 2:
+        for view in first.views:
+            answers = [models.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in view.samples]
+            second = suite_prompts(second_turn_rows(rows, answers, view.setting.name), models.tokenizer, rendering,
+                                   spec.data.max_prompt_tokens, f"{where} (second turn)")
+            one = spec.model_copy(update={"eval": spec.eval.model_copy(update={"sampling": [view.setting]})})
+            path = out / "samples" / f"{bench.name}-turn2-{view.setting.name}.jsonl"
+            offline = _drawn(one, models, sampler, second, path)
+            views[view.setting.name].append((offline, offline.views[0]))
+    return views
+
+
+def _drawn(spec: ExperimentSpec, models: Models, sampler, prompts: list[Prompt], path: Path) -> OfflineEval:
+    """The offline evaluator of `prompts`' samples in `path`, drawing what the file lacks first."""
+    draw_eval_samples(spec, sampler, prompts, path)
+    return OfflineEval(models, path, prompts, spec.eval.sampling, Provenance.of(spec, spec.eval.max_new_tokens),
+                       field="suite samples")
+
+
+def _score(result: SuiteResult, benchmark: str, setting: str, parts: list[View], drafters: dict,
+           block_size: int, tick) -> None:
+    """The ceiling's cell and each drafter's, pooled over the parts (MT-Bench's turns)."""
+    argmax = [a for _, view in parts for a in view.argmax]
+    oracle = [rec for _, view in parts for rec in oracle_records(view.samples, view.argmax, block_size)]
+    result.cells.append(Cell.of(benchmark, setting, CEILING, oracle, block_size, None))
+    for label, drafter in drafters.items():
+        records = [rec for offline, view in parts for rec in offline.records(view, drafter)]
+        beats = beats_oracle(records, argmax, drafter.block_size)
+        result.cells.append(Cell.of(benchmark, setting, label, records, drafter.block_size, beats))
+        result.records[(benchmark, setting, label)] = records
+        tick()
