@@ -70,6 +70,20 @@ def _eval(args: argparse.Namespace) -> int:
     return run_eval(_load(args), args.draft, args.prompts, args.json, args.samples)
 
 
+def _gap_arguments(parser: argparse.ArgumentParser) -> None:
+    _spec_arguments(parser)
+    parser.add_argument("--draft", dest="drafts", action="append", required=True, metavar="NAME=PATH",
+                        help="a drafter dir to diagnose (repeatable)")
+    parser.add_argument("--samples", metavar="FILE", help="held-out target samples (default: eval.samples_path)")
+    parser.add_argument("--json", metavar="OUT", help="also write the tables as JSON")
+
+
+def _gap(args: argparse.Namespace) -> int:
+    from opd.commands.gap import parse_drafters, run_gap
+
+    return run_gap(_load(args), parse_drafters(args.drafts), args.samples, args.json)
+
+
 def _train(args: argparse.Namespace) -> int:
     from opd.commands.run import run_train
 
@@ -250,6 +264,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                     _prompt_pool_arguments, _prompt_pool),
     "gen-samples": ("draw target samples into the sample store: rollouts (every rollout setting), --eval (held-out "
                     "prompts) or --sft (the SFT data)", _gen_samples_arguments, _gen_samples),
+    "gap": ("where each drafter loses to the ceiling (the argmax oracle), slot by slot, on stored held-out samples",
+            _gap_arguments, _gap),
     "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
                     _serve_bench_arguments, _serve_bench),
     "suite": ("benchmark suites: build the prompt files (GSM8K, MATH-500, AIME, MBPP, HumanEval, MT-Bench), then "

@@ -77,3 +77,38 @@ def test_slot_facts_equal_the_full_logits(sampling):
         assert torch.allclose(fact.top1.double(), probs.max(-1).values.double(), atol=1e-6)
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         assert torch.allclose(fact.entropy.double(), entropy.double(), atol=1e-6)
+
+
+def test_opd_gap_reports_every_drafter_on_every_stored_setting(micro_spec_file, micro_assets, tmp_path, capsys):
+    """End to end on the micro models: held-out samples drawn by `opd gen-samples --eval`, two drafters diagnosed;
+    each report's outcomes cover its live slots, and the warm drafter that drew the samples has the τ that
+    `opd eval` gives offline on them."""
+    import json
+
+    from opd.cli import main
+    from opd.spec import load_spec
+
+    samples, out = tmp_path / "eval.jsonl", tmp_path / "gap.json"
+    assert main(["gen-samples", str(micro_spec_file), "--eval", "--engine", "speculative", "--out", str(samples)]) == 0
+    assert main(["gap", str(micro_spec_file), "--samples", str(samples), "--draft", f"warm={micro_assets['drafter']}",
+                 "--draft", f"again={micro_assets['drafter']}", "--json", str(out)]) == 0
+    reports = json.loads(out.read_text())
+    settings = [s.name for s in load_spec(micro_spec_file).eval.sampling if s.draft == "argmax"]
+    assert [(r["setting"], r["drafter"]) for r in reports] == [(s, d) for s in settings for d in ("warm", "again")]
+    for r in reports:
+        assert sum(r["totals"].values()) == pytest.approx(1.0)
+        assert sum(row["slots"] for row in r["by_position"]) == sum(row["slots"] for row in r["by_top1"])
+        assert 1.0 <= r["tau"] and r["ceiling_share"] == pytest.approx((r["tau"] - 1) / (r["ceiling"] - 1))
+    greedy = reports[0]
+    assert greedy["totals"]["won"] == 0 and greedy["totals"]["neither"] == 0  # every greedy token is the argmax
+    assert reports[0]["tau"] == reports[1]["tau"]  # the same weights, the same blocks
+    assert main(["eval", str(micro_spec_file), "--samples", str(samples), "--json", str(tmp_path / "eval.json")]) == 0
+    offline = {row["sampling"]: row["tau"] for row in json.loads((tmp_path / "eval.json").read_text())["rows"]}
+    assert offline["greedy"] == pytest.approx(greedy["tau"])
+
+
+def test_a_drafter_named_twice_is_one_line(micro_spec_file, capsys):
+    from opd.cli import main
+
+    assert main(["gap", str(micro_spec_file), "--draft", "a=x", "--draft", "a=y"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --draft: the name 'a' is used twice (expected one name per drafter)"
