@@ -72,16 +72,17 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _gap_arguments(parser: argparse.ArgumentParser) -> None:
     _spec_arguments(parser)
-    parser.add_argument("--draft", dest="drafts", action="append", required=True, metavar="NAME=PATH",
+    parser.add_argument("--draft", dest="drafts", action="append", required=True, metavar="[LABEL=]PATH",
                         help="a drafter dir to diagnose (repeatable)")
     parser.add_argument("--samples", metavar="FILE", help="held-out target samples (default: eval.samples_path)")
     parser.add_argument("--json", metavar="OUT", help="also write the tables as JSON")
 
 
 def _gap(args: argparse.Namespace) -> int:
-    from opd.commands.gap import parse_drafters, run_gap
+    from opd.commands.gap import run_gap
+    from opd.commands.suite import parse_drafts
 
-    return run_gap(_load(args), parse_drafters(args.drafts), args.samples, args.json)
+    return run_gap(_load(args), parse_drafts(args.drafts), args.samples, args.json)
 
 
 def _train(args: argparse.Namespace) -> int:

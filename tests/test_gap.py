@@ -111,4 +111,5 @@ def test_a_drafter_named_twice_is_one_line(micro_spec_file, capsys):
     from opd.cli import main
 
     assert main(["gap", str(micro_spec_file), "--draft", "a=x", "--draft", "a=y"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --draft: the name 'a' is used twice (expected one name per drafter)"
+    assert capsys.readouterr().err.strip() == ("error: --draft 'a=y': label 'a' is used twice (expected LABEL=PATH to "
+                                               "tell them apart)")

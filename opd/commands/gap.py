@@ -26,19 +26,6 @@ from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec
 
 
-def parse_drafters(items: list[str]) -> dict[str, str]:
-    """`NAME=PATH` pairs (a bare PATH is named by its directory)."""
-    out = {}
-    for item in items:
-        name, _, path = item.rpartition("=") if "=" in item else (Path(item).name, "", item)
-        if not name or not path:
-            raise OpdError(f"--draft: {item!r} (expected NAME=PATH or PATH)")
-        if name in out:
-            raise OpdError(f"--draft: the name {name!r} is used twice (expected one name per drafter)")
-        out[name] = path
-    return out
-
-
 def run_gap(spec: ExperimentSpec, drafters: dict[str, str], samples: str | None, json_out: str | None) -> int:
     path = samples or spec.eval.samples_path
     if not path or not Path(path).is_file():
