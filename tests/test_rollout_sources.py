@@ -194,3 +194,46 @@ def test_processes_filling_one_sample_file_draw_each_sample_once(micro_spec_file
     assert all(p.wait(timeout=300) == 0 for p in procs), [p.stderr.read() for p in procs]
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 80 and len({(r["id"], r["sample"]) for r in rows}) == 80
+
+
+# ------------------------------------------------------------------------------- opd eval --samples (issue 33)
+
+
+def _eval_error(micro_spec_file, samples, capsys) -> str:
+    code = main(["eval", str(micro_spec_file), "--samples", str(samples)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --samples: "), err
+    return err[0]
+
+
+def test_eval_samples_missing_is_one_line_before_any_model_loads(micro_spec_file, tmp_path, capsys, monkeypatch):
+    import opd.eval.online
+
+    monkeypatch.setattr(opd.eval.online, "build_models", lambda *a, **k: pytest.fail("models loaded first"))
+    line = _eval_error(micro_spec_file, tmp_path / "nope.jsonl", capsys)
+    assert line.endswith("is not a file (expected held-out target samples; draw them with `opd gen-samples CONFIG "
+                         "--eval`)")
+
+
+def test_eval_samples_from_another_target_are_refused(micro_spec_file, tmp_path, capsys):
+    """Offline τ on another target's samples measured 1.071 against 1.000 decoded: now the row's target digest
+    differs from the run's, and the read stops there."""
+    samples = tmp_path / "eval.jsonl"
+    assert main(["gen-samples", str(micro_spec_file), "--eval", "--out", str(samples)]) == 0
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    for row in rows:
+        row["made_by"]["target"] = "sha256:another0target00"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert "line 1: made_by.target is sha256:another0target00, this run's is sha256:" in _eval_error(
+        micro_spec_file, samples, capsys)
+
+
+def test_training_samples_given_as_eval_samples_name_the_eval_draw(micro_spec_file, tmp_path, capsys):
+    """A rollout sample file holds the training prompts: the held-out ones are missing, and the hint names
+    `--eval`, the draw that makes them."""
+    path = sample_file(micro_spec_file, tmp_path, "rollout.temperature=0")
+    capsys.readouterr()
+    line = _eval_error(micro_spec_file, path, capsys)
+    assert "has no sample 0 of prompt" in line and line.endswith("(expected `opd gen-samples CONFIG --eval` to have "
+                                                                 "drawn it)")
