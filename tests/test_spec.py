@@ -24,7 +24,7 @@ from opd.spec import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")
-                 if p.parent.name not in ("reproduce", "presets"))  # reproduce specs and presets are not experiments
+                 if p.parent.name not in ("reproduce", "presets", "suites"))  # nor are reproduce specs, presets, suites
 PRESETS = sorted((ROOT / "configs" / "presets").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"  # the embedded default: the paper's setup with the recommended recipe
 PAPER = ROOT / "configs" / "tiny-paper.yaml"  # the same with the paper's exact loss
