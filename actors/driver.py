@@ -37,6 +37,7 @@ from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
+from opd.eval.suite import SuiteResult
 from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.tracking import end_run, run_status
@@ -344,6 +345,12 @@ def evaluate_in_actor(spec: ExperimentSpec, drafters: list[Checkpoint]) -> list[
 def draw_samples_in_actor(spec: ExperimentSpec, path: str) -> None:
     """The held-out samples for offline evaluation, drawn by an evaluator actor (`Evaluator.draw_samples`)."""
     _in_evaluator(spec, lambda actor: actor.draw_samples.remote(path))
+
+
+def suite_in_actor(spec: ExperimentSpec, drafters: dict[str, str], out: str) -> SuiteResult:
+    """`opd run`'s benchmark suite table (`eval.suite`) of drafter directories, drawn and scored by an evaluator
+    actor (`Evaluator.suite`), which writes the samples under `out` (the run directory, shared storage)."""
+    return _in_evaluator(spec, lambda actor: actor.suite.remote(drafters, out))
 
 
 def _in_evaluator(spec: ExperimentSpec, call):

@@ -2,8 +2,9 @@
 prompts with the snapshots the learner hands it, so no learner step waits for an evaluation.
 
 The learner reaches it through `ActorEvaluations` (non-blocking submits, results collected between steps).
-`opd run`'s before/after evaluation runs in the same actor class (`evaluate_in_actor`, actors/driver.py), on the
-cluster's GPUs rather than in the driver process, which on a cluster is usually a CPU pod. Its resources are
+`opd run`'s before/after evaluation and its suite table run in the same actor class (`evaluate_in_actor`,
+`suite_in_actor`, actors/driver.py), on the cluster's GPUs rather than in the driver process, which on a cluster
+is usually a CPU pod. Its resources are
 `resources.evaluator`; when that reserves anything it gets a placement group of its own, so a cluster that cannot
 hold it is one error line instead of an evaluation that never starts.
 """
@@ -16,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
+from opd.eval.suite import SuiteResult
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import Checkpoint, EvalResult, Evaluator
 from opd.train.messages import WeightSnapshot
@@ -36,6 +38,9 @@ class EvaluatorActor:
 
     def draw_samples(self, path: str) -> None:
         self.evaluator.draw_samples(path)
+
+    def suite(self, drafters: dict[str, str], out: str) -> SuiteResult:
+        return self.evaluator.suite(drafters, out)
 
 
 class ActorEvaluations:

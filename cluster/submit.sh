@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Submit `opd train CONFIG` to a running Ray cluster as a Ray job.
-#   cluster/submit.sh [--dry-run] [--address URL] [--token-file FILE] [--python PY] CONFIG [opd train args...]
+# Submit `opd train CONFIG` (with --run: `opd run CONFIG`) to a running Ray cluster as a Ray job.
+#   cluster/submit.sh [--dry-run] [--run] [--address URL] [--token-file FILE] [--python PY] CONFIG [args...]
+# --run: training, then the before/after table and, with eval.suite, the benchmark suite's table (the paper's).
 # The address is the cluster's dashboard (http://HOST:8265), from --address or RAY_ADDRESS. CONFIG must lie
 # inside this checkout: the checkout is uploaded as the job's working directory and CONFIG is read from there.
 # Token auth (on by default since Ray 2.60): the head's token from --token-file, RAY_AUTH_TOKEN_PATH,
 # RAY_AUTH_TOKEN or ~/.ray/auth_token is sent; RAY_AUTH_MODE=disabled sends none. The job runs
-# `PY -m opd.cli train ...` (PY: --python, default python), so it needs no `opd` on the head's PATH.
+# `PY -m opd.cli train|run ...` (PY: --python, default python), so it needs no `opd` on the head's PATH.
 # The job is submitted without waiting; the script prints the job id, the dashboard URL and how to follow it.
 set -euo pipefail
 
@@ -14,9 +15,11 @@ die() { echo "error: $*" >&2; exit 2; }
 dry_run=0
 address="${RAY_ADDRESS:-}"
 python=python
+command=train
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) dry_run=1; shift ;;
+    --run) command=run; shift ;;
     --address) [[ $# -ge 2 ]] || die "--address needs a URL (e.g. http://HEAD:8265)"; address="$2"; shift 2 ;;
     --address=*) address="${1#--address=}"; shift ;;
     --token-file) [[ $# -ge 2 ]] || die "--token-file needs a file (the head's ~/.ray/auth_token)"
@@ -60,7 +63,7 @@ if [[ -z "${RAY_AUTH_MODE:-}" ]] && [[ -n "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_P
 fi
 
 cmd=(ray job submit --address "${address:-\$RAY_ADDRESS}" --runtime-env cluster/runtime_env.yaml
-     --submission-id "$submission_id" --no-wait -- "$python" -m opd.cli train "$config" "$@")
+     --submission-id "$submission_id" --no-wait -- "$python" -m opd.cli "$command" "$config" "$@")
 if [[ $dry_run -eq 1 ]]; then
   printf '%q ' "${cmd[@]}" | sed 's/ $//; s/\\\$RAY_ADDRESS/$RAY_ADDRESS/'
   echo

@@ -611,6 +611,10 @@ class EvalSpec(_Section):
     # The periodic eval's expected-acceptance diagnostic (every rule on every setting's states, `eval_expected_*`
     # in MLflow): a packed target replay per batch, ~7x the offline τ itself on a CPU. `opd eval` always gives it.
     diagnostic: bool = True
+    # A built benchmark suite (the directory `opd suite build --out DIR` wrote): `opd run` ends with its table in
+    # the paper's layout, the warm and the trained drafter beside the ceiling at every point-mass setting, with
+    # max new tokens per benchmark and thinking mode from the suite's card (opd/eval/suite.py). None: no suite.
+    suite: str | None = None
     sampling: list[SamplingSpec] = Field(
         default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
                                  SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],
@@ -773,7 +777,8 @@ def check_paths(spec: ExperimentSpec) -> list[str]:
               ("models.drafter_path", m.drafter_path, "model"),
               ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
               ("rollout.samples_path", spec.rollout.samples_path if spec.rollout.source == "samples" else None,
-               "file"), ("eval.samples_path", spec.eval.samples_path, "file")]
+               "file"), ("eval.samples_path", spec.eval.samples_path, "file"),
+              ("eval.suite", spec.eval.suite, "suite")]
     return [msg for field, path, kind in wanted
             if path is not None and (msg := _path_problem(field, Path(path), kind))]
 
@@ -782,7 +787,8 @@ _path_problems = check_paths  # load_spec's keyword `check_paths` shadows the fu
 
 
 def _path_problem(field: str, path: Path, kind: str) -> str | None:
-    expected = {"model": "a model directory with config.json", "dir": "a directory", "file": "a jsonl file"}[kind]
+    expected = {"model": "a model directory with config.json", "dir": "a directory", "file": "a jsonl file",
+                "suite": "the directory `opd suite build --suite NAME --out DIR` wrote"}[kind]
     if not path.exists():
         problem = "does not exist"
     elif kind == "file" and not path.is_file():

@@ -121,6 +121,12 @@ def test_runtime_env_and_launcher():
     assert any("--num-gpus=0" in command for command in launcher["head_start_ray_commands"])
 
 
+def test_submit_run_submits_opd_run_so_the_job_ends_with_the_suite_table():
+    result = _submit("--dry-run", "--run", "configs/qwen3-4b.yaml", env_extra={"RAY_ADDRESS": "http://head:8265"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(" --no-wait -- python -m opd.cli run configs/qwen3-4b.yaml\n")
+
+
 def test_submit_dry_run_prints_the_exact_command():
     result = _submit("--dry-run", "configs/qwen3-4b.yaml", env_extra={"RAY_ADDRESS": "http://127.0.0.1:8265"})
     assert result.returncode == 0, result.stderr

@@ -1,16 +1,18 @@
 """The launcher: a validated spec in, a `TrainResult` out, on the spec's engine.
 
 `opd train` and `opd run` (opd/commands/run.py) both train through `train` here, and `opd run` evaluates before and
-after through `held_out_eval`. It is the only module of opd/ that imports actors/ (tests/test_layering.py checks
-it): `engine: local` runs `LocalTrainer` (opd/train/local.py) in this process, `engine: ray` runs the actor system
-(actors/driver.py). Both fold their step reports into the result with the same loop (opd/train/result.py).
+after through `held_out_eval` and on its benchmark suite through `suite_eval`. It is the only module of opd/ that
+imports actors/ (tests/test_layering.py checks it): `engine: local` runs `LocalTrainer` (opd/train/local.py) in
+this process, `engine: ray` runs the actor system (actors/driver.py). Both fold their step reports into the result with the same loop (opd/train/result.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 from opd.eval.row import EvalRow
+from opd.eval.suite import SuiteResult
 from opd.spec import ExperimentSpec, with_eval_samples
 from opd.tracking import run_status
 from opd.train.evaluator import Checkpoint
@@ -46,6 +48,21 @@ def held_out_eval(spec: ExperimentSpec, drafters: list[Checkpoint]) -> list[list
     from opd.train.evaluator import Evaluator
 
     return Evaluator(spec).checkpoints(drafters)
+
+
+def suite_eval(spec: ExperimentSpec, drafters: dict[str, str], out: Path) -> SuiteResult:
+    """`opd run`'s benchmark suite table (`eval.suite`) of drafter directories (label -> path), samples under
+    OUT/samples/: in this process for `engine: local`, in one evaluator actor for `engine: ray`, where the held-out
+    eval runs too. Paths go to the actor absolute, as this process names them."""
+    suite = spec.eval.model_copy(update={"suite": str(Path(spec.eval.suite).resolve())})
+    spec, out = spec.model_copy(update={"eval": suite}), out.resolve()
+    if spec.engine == "ray":
+        from actors.driver import suite_in_actor
+
+        return suite_in_actor(spec, drafters, str(out))
+    from opd.train.evaluator import Evaluator
+
+    return Evaluator(spec).suite(drafters, str(out))
 
 
 def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
+from opd.data.render import Rendering
+from opd.data.suite import built_suite, read_rows, suite_prompts
 from opd.errors import OpdError
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
@@ -22,8 +24,8 @@ from opd.spec import ExperimentSpec
 
 def check_inputs(spec: ExperimentSpec) -> Prompt:
     """Raise OpdError naming the first unusable input: tokenizer, prompt files (every row rendered as the target
-    will see it, its length checked), target, warm drafter or sample file. Returns the first training prompt as
-    rendered."""
+    will see it, its length checked), target, warm drafter, sample file or benchmark suite. Returns the first
+    training prompt as rendered."""
     m = spec.models
     no_gpu = [role for role in ("learner", "scorer", "rollout") if not getattr(spec.resources, role).num_gpus]
     if m.device == "cuda" and spec.engine == "ray" and no_gpu:
@@ -43,7 +45,18 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":
         SampleStore.for_rollout(spec, prompts).check_budget(spec)  # prompt ids and enough samples for the step budget
+    if spec.eval.suite is not None:
+        check_suite(spec, tokenizer)
     return prompts[0]
+
+
+def check_suite(spec: ExperimentSpec, tokenizer) -> None:
+    """`eval.suite` is a finished build and every prompt of it renders within data.max_prompt_tokens: found after
+    training, either would cost a cluster run its table hours in."""
+    suite = Path(spec.eval.suite)
+    for bench in built_suite(suite, field="eval.suite:").benchmarks:
+        suite_prompts(read_rows(suite / bench.file), tokenizer, Rendering.of(spec.data), spec.data.max_prompt_tokens,
+                      f"eval.suite: {suite / bench.file}")
 
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:

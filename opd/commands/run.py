@@ -6,6 +6,8 @@
    or an evaluator actor on the Ray cluster), reusing the τ the training run measured rather than measuring it
    again; print both as one table, plot held-out τ over training steps, and log the table and the plot to the
    run's MLflow run.
+3. With `eval.suite`, evaluate both on that benchmark suite (the same evaluator place) and print, write and log
+   its table in the paper's layout, beside the ceiling (opd/eval/suite.py).
 
 `opd train` is step 2 alone. Both first lock the run directory and check every input (`open_run`), so a second
 run in the same directory, an unwritable directory or a bad prompt line is one line before any compute.
@@ -29,6 +31,7 @@ from rich.table import Table
 from opd.commands import launch
 from opd.commands.preflight import check_inputs
 from opd.eval.row import EvalRow
+from opd.eval.suite_report import markdown, metrics, write_report
 from opd.outputs import write_text_atomic
 from opd.run_dir import RunDirLock
 from opd.spec import ExperimentSpec, LossSpec
@@ -145,9 +148,11 @@ def run_main(spec: ExperimentSpec) -> int:
             with contextlib.suppress(Exception):  # the learner closed the run FINISHED; never mask `exc`
                 end_run(spec, result.run_id, run_status(exc))
             raise
+    suite = f"  suite table: {spec.run_dir / 'suite' / 'table.md'}\n" if spec.eval.suite is not None else ""
     print(f"Done in {summary['minutes']:.1f} min.\n"
           f"  checkpoint (DFlash format): {result.checkpoint}\n"
           f"  τ plot: {spec.run_dir / 'tau_over_steps.png'}\n"
+          f"{suite}"
           f"  MLflow run {result.run_id}: {mlflow_ui(spec)}")
     return 0
 
@@ -161,7 +166,8 @@ def before_and_after(spec: ExperimentSpec, result: TrainResult) -> list[Checkpoi
 
 
 def _after_training(spec: ExperimentSpec, console: Console, result: TrainResult, started: float) -> dict:
-    """Measure both drafters' speedup, print the table, write the plot and summary, and log them to MLflow."""
+    """Measure both drafters' speedup, print the table (and the suite's), write the plot and summary, and log them
+    to MLflow."""
     run_dir = spec.run_dir
     before, after = launch.held_out_eval(spec, before_and_after(spec, result))
     evals = {**result.evals, 0: before}  # step 0 is the warm drafter, measured before training
@@ -170,23 +176,37 @@ def _after_training(spec: ExperimentSpec, console: Console, result: TrainResult,
     plot_tau(history, plot)
     table = comparison_table(spec, before, after)
     console.print(table)
+    suite_metrics, suite_files = suite_table(spec, result) if spec.eval.suite is not None else ({}, [])
     summary = {"before": [asdict(r) for r in before], "after": [asdict(r) for r in after], "history": history,
                "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60}
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    _log_to_mlflow(spec, result.run_id, before, after, [plot, run_dir / "summary.json"])
+    _log_to_mlflow(spec, result.run_id, before, after, [plot, run_dir / "summary.json", *suite_files], suite_metrics)
     return summary
 
 
-def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, artifacts: list[Path]) -> None:
-    """Add the before/after table and the plot to the training run (the learner opened it)."""
+def suite_table(spec: ExperimentSpec, result: TrainResult) -> tuple[dict[str, float], list[Path]]:
+    """The benchmark table a paper reports (`eval.suite`): the warm and the trained drafter per benchmark beside
+    the ceiling, printed and written under RUN_DIR/suite/ (samples included, so a rerun resumes them). Returns its
+    MLflow metrics and files."""
+    out = spec.run_dir / "suite"
+    drafters = {"warm": spec.models.drafter_path or "random", "draft-opd": result.checkpoint}
+    suite = launch.suite_eval(spec, drafters, out)
+    print(markdown(suite))
+    return metrics(suite), write_report(suite, out)
+
+
+def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, artifacts: list[Path],
+                   extra: dict[str, float]) -> None:
+    """Add the before/after table, the plot and the suite's metrics (`extra`) to the training run (the learner
+    opened it)."""
     if run_id is None:
         return
     from opd.tracking import Tracker
 
     tracker = Tracker(spec, run_id, resume=False)
-    metrics = {f"heldout_{name}_{r.sampling}_{when}": value
-               for when, rows in (("before", before), ("after", after)) for r in rows
-               for name, value in (("tau", r.tau), ("tau_ci", r.tau_ci), ("speedup", r.speedup)) if value is not None}
-    tracker.log(metrics, spec.steps)
+    held_out = {f"heldout_{name}_{r.sampling}_{when}": value
+                for when, rows in (("before", before), ("after", after)) for r in rows
+                for name, value in (("tau", r.tau), ("tau_ci", r.tau_ci), ("speedup", r.speedup)) if value is not None}
+    tracker.log({**held_out, **extra}, spec.steps)
     for path in artifacts:
         tracker.artifact(path)

@@ -138,15 +138,16 @@ def read_card(out: Path) -> SuiteCard | None:
                        "empty --out directory)") from None
 
 
-def built_suite(out: str | Path) -> SuiteCard:
-    """A built suite directory's card, every benchmark's file present, or one line naming the fix."""
+def built_suite(out: str | Path, field: str = "--suite") -> SuiteCard:
+    """A built suite directory's card, every benchmark's file present, or one line naming the fix; `field` names
+    where the directory was given (the flag, or a spec's `eval.suite`)."""
     out = Path(out)
     card = read_card(out)
     if card is None or not card.benchmarks:
-        raise OpdError(f"--suite {out}: no {CARD} (expected a directory `opd suite build --out {out}` wrote)")
+        raise OpdError(f"{field} {out}: no {CARD} (expected a directory `opd suite build --out {out}` wrote)")
     for b in card.benchmarks:
         if not (out / b.file).is_file():
-            raise OpdError(f"--suite {out}: {b.file} is missing (expected `opd suite build` to finish writing it)")
+            raise OpdError(f"{field} {out}: {b.file} is missing (expected `opd suite build` to finish writing it)")
     return card
 
 

@@ -83,11 +83,13 @@ class SuiteResult:
 
 
 def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, drafters: dict[str, str],
-                   out: Path) -> SuiteResult:
+                   out: Path, models: Models | None = None) -> SuiteResult:
     """Every drafter in `drafters` (label -> path, or "random") on every benchmark of the built suite in
-    `suite_dir`, at `spec.eval.sampling`'s point-mass settings; samples stored under OUT/samples/."""
+    `suite_dir`, at `spec.eval.sampling`'s point-mass settings; samples stored under OUT/samples/. `models`: the
+    target, its tokenizer and the warm drafter that draws the samples (default: built from the spec), so an
+    evaluator that holds a target already does not load a second one."""
     started = time.perf_counter()
-    models = build_models(spec)  # the target, its tokenizer and the warm drafter that draws the samples
+    models = models or build_models(spec)
     loaded = {label: build_drafter(spec, models.target, models.tokenizer, path) for label, path in drafters.items()}
     sampler = build_sampler(spec, spec.rollout.sampler, models.target, models.drafter, models.eos_id)
     rendering = Rendering.of(spec.data)

@@ -2,8 +2,10 @@
 
 An `Evaluator` owns a target, a drafter copy and the held-out prompts, and evaluates them (offline on stored
 target samples where `eval.samples_path` gives them, else by decoding) with whatever weights it is handed: a
-`WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or a drafter directory (`opd run`'s before/after table, with the autoregressive baseline for the speedup). The learner
-never decodes: it hands snapshots over through `Evaluations` and logs the results when they come back.
+`WeightSnapshot` the learner published (the periodic eval, logged at the snapshot's step), or drafter
+directories (`opd run`'s before/after table, with the autoregressive baseline for the speedup, and its benchmark
+suite table). The learner never decodes: it hands snapshots over through `Evaluations` and logs the results when
+they come back.
 `engine: local` evaluates inline (`InlineEvaluations`, the same object in the same process); `engine: ray` runs it
 in its own actor (actors/evaluator.py), so the learner steps on while the evaluator decodes.
 """
@@ -11,12 +13,15 @@ in its own actor (actors/evaluator.py), so the learner steps on while the evalua
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from opd.data.prompts import eval_prompts
+from opd.data.suite import built_suite
 from opd.eval.offline import OfflineEval, draw_eval_samples
 from opd.eval.online import evaluate
 from opd.eval.row import EvalRow
+from opd.eval.suite import SuiteResult, evaluate_suite
 from opd.models.build import Models, build_drafter, build_models
 from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
@@ -81,6 +86,16 @@ class Evaluator:
         draw_eval_samples(self.spec, build_sampler(self.spec, "speculative", m.target, drafter, m.eos_id),
                           self.prompts, path)
         self.spec, self._offline = with_eval_samples(self.spec, path), None
+
+    def suite(self, drafters: dict[str, str], out: str) -> SuiteResult:
+        """`opd run`'s benchmark table (`eval.suite`) of drafter directories (label -> path) on this evaluator's
+        target, the samples drawn by a fresh copy of the warm drafter into OUT/samples/. Returned without the
+        rebuilt records: only the cells are reported, and from an actor the records would cross to the driver."""
+        m, suite = self.models, Path(self.spec.eval.suite)
+        warm = Models(m.target, build_drafter(self.spec, m.target, m.tokenizer), m.tokenizer)
+        result = evaluate_suite(self.spec, built_suite(suite, field="eval.suite:"), suite, drafters, Path(out), warm)
+        result.records = {}
+        return result
 
     def _rows(self, models: Models, *, baseline: bool, diagnose: bool, version: int,
               measured: list[EvalRow] | None = None) -> list[EvalRow]:
