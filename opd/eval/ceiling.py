@@ -14,6 +14,7 @@ a reference; `beats_oracle` counts how often a drafter's block does.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -25,20 +26,28 @@ from opd.models.target import Target
 
 
 @torch.no_grad()
-def text_view(target: Target, samples: list[SequenceRecord],
-              batch_size: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sample, from one decoder forward over its text: the features a drafter reads [T_i, n*H] (as
-    `opd.sources.rebuild.text_features` gives them) and the target's argmax at each response position [n_i]
-    (entry j is what the target's argmax would commit as response token j), both on the CPU."""
-    features, predicted = [], []
+def text_states(target: Target, samples: list[SequenceRecord],
+                batch_size: int = 8) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, from one decoder forward per batch over its text: the features a drafter reads [T_i, n*H] and
+    the final-norm hidden states that predict each response token [n_i, H] (row j predicts response token j)."""
     for start in range(0, len(samples), batch_size):
         part = samples[start : start + batch_size]
         ids, mask = right_pad([r.prompt_ids + r.response_ids for r in part], pad_id=0, device=target.device)
         hidden, view = target.hidden_states(ids, attention_mask=mask)
         for i, rec in enumerate(part):
             length, prompt = int(mask[i].sum()), len(rec.prompt_ids)
-            features.append(view[i, :length].cpu())
-            predicted.append(argmax(target.lm_head, hidden[i, prompt - 1 : length - 1], SLOTS_PER_CHUNK).cpu())
+            yield view[i, :length], hidden[i, prompt - 1 : length - 1]
+
+
+def text_view(target: Target, samples: list[SequenceRecord],
+              batch_size: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sample: the features a drafter reads [T_i, n*H] (as `opd.sources.rebuild.text_features` gives them)
+    and the target's argmax at each response position [n_i] (entry j is what the target's argmax would commit as
+    response token j), both on the CPU."""
+    features, predicted = [], []
+    for view, hidden in text_states(target, samples, batch_size):
+        features.append(view.cpu())
+        predicted.append(argmax(target.lm_head, hidden, SLOTS_PER_CHUNK).cpu())
     return features, predicted
 
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling, target_probs
+from opd.eval.ceiling import text_states
 from opd.models.lm_head import SLOTS_PER_CHUNK, map_slots
 from opd.models.target import Target
 
@@ -56,15 +56,9 @@ def slot_facts(target: Target, samples: list[SequenceRecord], sampling: Sampling
         return logits.argmax(-1), probs.max(-1).values, entropy
 
     out = []
-    for start in range(0, len(samples), batch_size):
-        part = samples[start : start + batch_size]
-        ids, mask = right_pad([r.prompt_ids + r.response_ids for r in part], pad_id=0, device=target.device)
-        hidden, _ = target.hidden_states(ids, attention_mask=mask)
-        for i, rec in enumerate(part):
-            length, prompt = int(mask[i].sum()), len(rec.prompt_ids)
-            argmax, top1, entropy = map_slots(target.lm_head, hidden[i, prompt - 1 : length - 1], reduce,
-                                              SLOTS_PER_CHUNK)
-            out.append(SlotFacts(argmax.cpu(), top1.float().cpu(), entropy.float().cpu()))
+    for _, hidden in text_states(target, samples, batch_size):
+        argmax, top1, entropy = map_slots(target.lm_head, hidden, reduce, SLOTS_PER_CHUNK)
+        out.append(SlotFacts(argmax.cpu(), top1.float().cpu(), entropy.float().cpu()))
     return out
 
 
