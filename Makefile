@@ -15,8 +15,14 @@ $(VENV_STAMP): pyproject.toml
 run: $(VENV_STAMP)
 	.venv/bin/opd run configs/tiny.yaml
 
+# The suite on both cores (pytest-xdist). loadfile: a module runs on one worker, so a module-scoped fixture (a Ray
+# cluster, a model) is built once; without xdist's reordering by test count, the longest modules, which
+# tests/conftest.py moves to the front, start first. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: $(VENV_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_XDIST)
 
 # DeepSpeed's CPU build (no compiled ops) for tests/test_deepspeed.py; only test-all installs it, so `make test`
 # stays as light as before.
@@ -25,7 +31,7 @@ $(DS_STAMP): $(VENV_STAMP)
 	touch $(DS_STAMP)
 
 test-all: $(DS_STAMP)
-	$(PY) -m pytest -m 'not gpu'
+	$(PY) -m pytest $(PYTEST_XDIST) -m 'not gpu'
 
 bench: $(VENV_STAMP)
 	$(PY) bench/decode.py

@@ -4,6 +4,9 @@ trainers run their real code paths in seconds."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,33 @@ import torch
 import yaml
 
 torch.set_num_threads(1)  # tests are tiny; fewer threads means less contention on 2-core CI machines
+
+
+def pytest_configure(config):
+    """Every Ray this process starts (test_ray.py's, test_multinode.py's two-node cluster, `opd ... engine=ray`)
+    keeps its session files and `ray_current_cluster` in a directory private to this process. Under pytest-xdist
+    each worker is one such process, so a cluster one worker starts is never joined by a bare `ray.init()` or
+    `init_ray` in the other (nor is a `ray start` head someone else runs on this machine). Short: Ray's socket
+    paths must fit in 107 bytes."""
+    config.ray_tmpdir = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="opd-ray-", dir="/tmp")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config.ray_tmpdir, ignore_errors=True)
+
+
+# Under `make test` (pytest-xdist, --dist loadfile: a module runs on one worker, so its module-scoped fixtures
+# are built once) these modules are sent first: they are the longest chains (Ray clusters and their actors,
+# subprocesses, samples drawn on the tiny model), and the other worker takes the rest meanwhile.
+FIRST = ("test_ray.py", "test_rollout_sources.py", "test_offline_eval.py", "test_multinode.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, move the modules in FIRST to the front (the Makefile turns off xdist's own reordering, which
+    sends the files with the most tests first); a plain run keeps the files' order."""
+    if hasattr(config, "workerinput"):
+        rank = {name: i for i, name in enumerate(FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
 
 
 def _write_prompts(path: Path, problems) -> None:

@@ -46,8 +46,9 @@ def _free_port() -> int:
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any Ray address or auth setting, and without the venv on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    """This environment without any Ray address, auth setting or temp dir (tests/conftest.py sets RAY_TMPDIR, which
+    would override the TMPDIR given here), and without the venv on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != VENV_BIN)
     return env | extra
 
