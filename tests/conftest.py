@@ -32,7 +32,7 @@ def pytest_unconfigure(config):
 # Under `make test` (pytest-xdist, --dist loadfile: a module runs on one worker, so its module-scoped fixtures
 # are built once) these modules are sent first: they are the longest chains (Ray clusters and their actors,
 # subprocesses, samples drawn on the tiny model), and the other worker takes the rest meanwhile.
-FIRST = ("test_ray.py", "test_rollout_sources.py", "test_offline_eval.py", "test_multinode.py")
+FIRST = ("test_ray.py", "test_ray_sources.py", "test_rollout_sources.py", "test_offline_eval.py", "test_multinode.py")
 
 
 def pytest_collection_modifyitems(config, items):
