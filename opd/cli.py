@@ -235,6 +235,9 @@ def _suite_arguments(parser: argparse.ArgumentParser) -> None:
     evaluate.add_argument("--out", metavar="DIR", help="samples, table.md, suite.json, tau.png and the MLflow "
                                                        "store (default: SUITE/results/<experiment name>)")
     evaluate.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
+    evaluate.add_argument("--speedup-prompts", type=int, default=0, metavar="N",
+                          help="decode each drafter and the target alone on each benchmark's first N prompts for "
+                               "the speedup column (default 0: τ only)")
 
 
 def _suite(args: argparse.Namespace) -> int:
@@ -242,7 +245,10 @@ def _suite(args: argparse.Namespace) -> int:
 
     if args.suite_command == "build":
         return run_suite_build(args.suite, args.out, args.files)
-    return run_suite_eval(_load(args), args.suite, args.drafts, args.out, track=not args.no_mlflow)
+    if args.speedup_prompts < 0:
+        raise OpdError(f"--speedup-prompts: {args.speedup_prompts} (expected 0 or more prompts per benchmark)")
+    return run_suite_eval(_load(args), args.suite, args.drafts, args.out, track=not args.no_mlflow,
+                          speedup_prompts=args.speedup_prompts)
 
 
 # name -> (one-line help, argument setup, handler); each handler imports its module inside the function.

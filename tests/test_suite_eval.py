@@ -142,3 +142,21 @@ def test_an_interrupted_sample_draw_resumes_without_duplicates(tiny):
     assert len(keys) == len(set(keys)) == 12
     for setting in result.settings:
         assert again.cell("tiny-math", setting, "warm") == result.cell("tiny-math", setting, "warm")
+
+
+def test_the_speedup_column_decodes_each_drafter_on_the_subset(tiny):
+    """With speedup prompts, every drafter's cell gets a decoded speedup over the target alone (the ceiling, never
+    decoded, gets none), and the report leads each setting with the paper's speedup table."""
+    from opd.eval.suite_report import markdown, metrics
+
+    spec, first, tmp = tiny
+    result = evaluate_suite(spec, built_suite(tmp / "suite"), tmp / "suite", {"warm": first.drafters["warm"]},
+                            tmp / "out", speedup_prompts=2)
+    warm = [c for c in result.cells if c.drafter == "warm"]
+    assert warm and all(c.speedup is not None and c.speedup > 0 for c in warm)
+    assert all(c.speedup is None for c in result.cells if c.drafter == "ceiling")
+    assert [c.tau for c in warm] == [first.cell(c.benchmark, c.setting, "warm").tau for c in warm]  # same samples
+    text = markdown(result)
+    assert "speedup over the target alone (decoded subset)" in text
+    assert all(f"{c.speedup:.2f}x" in text for c in warm)
+    assert metrics(result)[f"suite_{warm[0].benchmark}_{warm[0].setting}_warm_speedup"] == warm[0].speedup

@@ -42,12 +42,13 @@ def parse_drafts(items: list[str]) -> dict[str, str]:
 
 
 def run_suite_eval(spec: ExperimentSpec, suite_dir: str, drafts: list[str], out: str | None, *,
-                   track: bool = True) -> int:
+                   track: bool = True, speedup_prompts: int = 0) -> int:
     """Evaluate, print the τ tables, write table.md, suite.json and tau.png under OUT (default
     SUITE_DIR/results/<experiment name>) and, with `track`, log them to an MLflow run in OUT."""
     card = built_suite(suite_dir)
     out_dir = Path(out) if out else Path(suite_dir) / "results" / spec.name
-    result = evaluate_suite(spec, card, Path(suite_dir), parse_drafts(drafts), out_dir)
+    result = evaluate_suite(spec, card, Path(suite_dir), parse_drafts(drafts), out_dir,
+                            speedup_prompts=speedup_prompts)
     paths = write_report(result, out_dir)
     print(markdown(result))
     print(f"{len(result.benchmarks)} benchmarks x {len(result.settings)} settings x {len(result.drafters)} drafters "

@@ -10,6 +10,9 @@ them (opd/eval/offline.py). n drafters cost one target pass per benchmark plus n
 `spec_accept_length`) is the mean over sequences of each sequence's mean acceptance length; this project's pools
 every verification (committed tokens / verifications). Both carry a 95% interval over the prompts.
 
+The speedup is a wall-clock ratio, so it decodes: each drafter against the target alone, side by side in this
+process, on the first `speedup_prompts` prompts of each benchmark (0: τ only); MT-Bench's on its first turn.
+
 MT-Bench with two turns evaluates both: the second turn's context holds the target's own first answer from the
 samples (opd/data/suite.py `second_turn_rows`), so each setting has its own second-turn prompts and samples.
 """
@@ -27,6 +30,7 @@ from opd.decoding.record import SequenceRecord
 from opd.eval.acceptance import AcceptanceStats, pooled_interval
 from opd.eval.ceiling import beats_oracle, oracle_records
 from opd.eval.offline import OfflineEval, SettingView, draw_eval_samples
+from opd.eval.online import evaluate
 from opd.models.build import Models, build_drafter, build_models
 from opd.progress import progress_bar
 from opd.sources.provenance import Provenance
@@ -50,6 +54,7 @@ class Cell:
     tau_pooled_ci: float
     survival: list[float]  # acceptance per position: P(accepted >= k), k = 1..K-1
     beats_oracle: float | None  # share of blocks accepting more than the oracle from the same anchor
+    speedup: float | None = None  # decoded tokens/s over the target alone's, on the benchmark's speedup subset
 
     @classmethod
     def of(cls, benchmark: str, setting: str, drafter: str, records: list[SequenceRecord], block_size: int,
@@ -83,11 +88,12 @@ class SuiteResult:
 
 
 def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, drafters: dict[str, str],
-                   out: Path, models: Models | None = None) -> SuiteResult:
+                   out: Path, models: Models | None = None, speedup_prompts: int = 0) -> SuiteResult:
     """Every drafter in `drafters` (label -> path, or "random") on every benchmark of the built suite in
     `suite_dir`, at `spec.eval.sampling`'s point-mass settings; samples stored under OUT/samples/. `models`: the
     target, its tokenizer and the warm drafter that draws the samples (default: built from the spec), so an
-    evaluator that holds a target already does not load a second one."""
+    evaluator that holds a target already does not load a second one. `speedup_prompts`: prompts per benchmark
+    decoded for the speedup (0: none)."""
     started = time.perf_counter()
     models = models or build_models(spec)
     loaded = {label: build_drafter(spec, models.target, models.tokenizer, path) for label, path in drafters.items()}
@@ -103,8 +109,24 @@ def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, draft
             for setting, parts in views.items():
                 _score(result, bench.name, setting, parts, loaded, spec.models.drafter.block_size,
                        lambda: bar.advance(task))
+        if speedup_prompts:
+            _speedups(result, spec, models, bench, views, loaded, speedup_prompts)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _speedups(result: SuiteResult, spec: ExperimentSpec, models: Models, bench: BenchmarkCard,
+              views: dict[str, list[View]], drafters: dict, count: int) -> None:
+    """Each drafter's decoded speedup over the target alone on the benchmark's first `count` (first-turn) prompts,
+    per setting, with the benchmark's own response cap."""
+    for setting, parts in views.items():
+        view = parts[0][1]
+        prompts = [Prompt(str(s.key), "", s.prompt_ids) for s in view.samples[:count]]
+        tokens = bench.max_new_tokens["thinking_on" if result.thinking else "thinking_off"]
+        for label, drafter in drafters.items():
+            row = evaluate(Models(models.target, drafter, models.tokenizer), prompts, [view.setting],
+                           max_new_tokens=tokens, batch_size=spec.eval.batch_size, seed=spec.seed, baseline=True)[0]
+            result.cell(bench.name, setting, label).speedup = row.speedup
 
 
 def _described(setting: SamplingSpec) -> str:

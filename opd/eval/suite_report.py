@@ -22,6 +22,8 @@ def markdown(result: SuiteResult) -> str:
              "prompts. τ pooled: this project's (committed tokens / verifications). ceiling: τ of the argmax "
              "oracle on the same target samples; % of ceiling: the average τ over the average ceiling.\n"]
     for setting in result.settings:
+        if any(c.speedup is not None for c in result.cells if c.setting == setting):
+            parts.append(_speedup_table(result, setting))
         parts.append(_tau_table(result, setting, pooled=False))
         parts.append(_tau_table(result, setting, pooled=True))
         parts.append(_positions(result, setting))
@@ -44,6 +46,18 @@ def _tau_table(result: SuiteResult, setting: str, *, pooled: bool) -> str:
         average = result.average(setting, drafter, pooled)
         share = "" if drafter == CEILING else f"{average / ceiling:.0%}"
         lines.append(_row([drafter, *values, f"{average:.2f}", share]))
+    return "\n".join(lines) + "\n"
+
+
+def _speedup_table(result: SuiteResult, setting: str) -> str:
+    """The paper's main cells: each drafter's decoded speedup over the target alone per benchmark, and its τ."""
+    head = ["drafter", *result.benchmarks, "τ (avg)"]
+    lines = [f"### {setting} ({result.sampling[setting]}): speedup over the target alone (decoded subset)\n",
+             _row(head), _row(["---"] * len(head))]
+    for drafter in result.drafters:
+        cells = [result.cell(b, setting, drafter) for b in result.benchmarks]
+        values = ["-" if c.speedup is None else f"{c.speedup:.2f}x" for c in cells]
+        lines.append(_row([drafter, *values, f"{result.average(setting, drafter):.2f}"]))
     return "\n".join(lines) + "\n"
 
 
@@ -116,6 +130,8 @@ def metrics(result: SuiteResult) -> dict[str, float]:
         out.update({f"{key}_accept_{k}": s for k, s in enumerate(c.survival, start=1)})
         if c.beats_oracle is not None:
             out[f"{key}_beats_oracle"] = c.beats_oracle
+        if c.speedup is not None:
+            out[f"{key}_speedup"] = c.speedup
     for setting in result.settings:
         for drafter in _drafters(result):
             out[f"{_key('avg', setting, drafter)}_tau"] = result.average(setting, drafter)

@@ -93,7 +93,8 @@ class Evaluator:
         rebuilt records: only the cells are reported, and from an actor the records would cross to the driver."""
         m, suite = self.models, Path(self.spec.eval.suite)
         warm = Models(m.target, build_drafter(self.spec, m.target, m.tokenizer), m.tokenizer)
-        result = evaluate_suite(self.spec, built_suite(suite, field="eval.suite:"), suite, drafters, Path(out), warm)
+        result = evaluate_suite(self.spec, built_suite(suite, field="eval.suite:"), suite, drafters, Path(out), warm,
+                                speedup_prompts=self.spec.eval.speedup_prompts)
         result.records = {}
         return result
 
