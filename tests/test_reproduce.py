@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from opd.cli import main
+from opd.errors import OpdError
 from opd.reproduce import ArmJob, ArmSpec, load_reproduce_spec, run_arm, run_jobs, write_report
 from opd.spec import load_spec
 
@@ -171,3 +173,36 @@ def test_shipped_reproduce_specs_validate_with_every_arm(path):
     root = path.parents[2]
     for arm in spec.arms:
         load_spec(root / spec.experiment, [*spec.set, *arm.set], check_paths=False)
+
+
+def test_a_built_suite_is_one_held_out_family_per_benchmark(tmp_path):
+    """`families: {paper: SUITE_DIR}` evaluates each benchmark of the suite as its own family, its prompts rendered
+    as `opd suite eval` renders them; the reproduce spec accepts the directory, and a missing one is one line."""
+    from test_suites import suite_yaml
+
+    from opd.data.prompts import load_tokenizer
+    from opd.data.render import Rendering
+    from opd.data.suite import built_suite, load_suite, read_rows, suite_prompts
+    from opd.data.suite_build import build_suite
+    from opd.reproduce.arms import family_prompts
+
+    root = Path(__file__).resolve().parents[1]
+    build_suite(load_suite(suite_yaml(tmp_path, [{"name": "tiny-math", "count": 5}, {"name": "tiny-reworded",
+                                                                                   "count": 4}])),
+                tmp_path / "suite", {}, log=lambda _: None)
+    spec = load_spec(root / "configs/tiny-paper.yaml", check_paths=False)
+    tokenizer = load_tokenizer(spec.models.tokenizer)
+    families = family_prompts(spec, tokenizer, "mini", str(tmp_path / "suite"), 3)
+    assert list(families) == ["mini-tiny-math", "mini-tiny-reworded"]
+    card = built_suite(tmp_path / "suite")
+    expected = suite_prompts(read_rows(tmp_path / "suite" / card.benchmarks[0].file), tokenizer,
+                             Rendering.of(spec.data), spec.data.max_prompt_tokens, "x")[:3]
+    assert [p.ids for p in families["mini-tiny-math"]] == [p.ids for p in expected] and len(expected) == 3
+
+    config = tmp_path / "r.yaml"
+    config.write_text(yaml.safe_dump({"experiment": str(root / "configs/tiny-paper.yaml"), "opd_steps": 2,
+                                      "families": {"mini": str(tmp_path / "suite")},
+                                      "arms": [{"name": "draft-opd"}, {"name": "sft", "kind": "sft"}]}))
+    assert load_reproduce_spec(config).families == {"mini": str(tmp_path / "suite")}
+    with pytest.raises(OpdError, match="families: mini: .*nowhere does not exist .expected a prompts jsonl or a built"):
+        load_reproduce_spec(config, [f"families={{mini: {tmp_path / 'nowhere'}}}"])

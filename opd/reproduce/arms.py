@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from opd.data.prompts import eval_prompts, spec_prompts, train_prompts
+from opd.data.prompts import Prompt, eval_prompts, spec_prompts, train_prompts
+from opd.data.render import Rendering
+from opd.data.suite import CARD, built_suite, read_rows, suite_prompts
 from opd.errors import OpdError
 from opd.eval.offline import OfflineEval, draw_eval_samples, file_digest
 from opd.eval.online import evaluate
@@ -44,9 +46,9 @@ class _Evaluator:
         self.spec, self.models = spec, models
         n, d = job.eval_prompts, spec.data
         self.prompts = eval_prompts(d, models.tokenizer, n)
-        self.families = {"heldout": self.prompts, **{
-            name: spec_prompts(d, path, models.tokenizer, n).prompts
-            for name, path in job.families.items()}}
+        self.families = {"heldout": self.prompts}
+        for name, path in job.families.items():
+            self.families.update(family_prompts(spec, models.tokenizer, name, path, n))
         started = time.perf_counter()
         self.offline = self._offline(job) if job.eval_samples_dir else {}
         self.seconds = time.perf_counter() - started  # all evaluation time, samples and target views included
@@ -110,6 +112,22 @@ class _Evaluator:
         return sorted(rows, key=lambda r: order.index(r.sampling))
 
 
+def family_prompts(spec: ExperimentSpec, tokenizer, name: str, path: str, limit: int) -> dict[str, list[Prompt]]:
+    """A held-out family's first `limit` prompts: a prompt file, or a built suite directory (`opd suite build`),
+    which is one family per benchmark, `<name>-<benchmark>`, rendered as `opd suite eval` renders them."""
+    if not Path(path).is_dir():
+        return {name: spec_prompts(spec.data, path, tokenizer, limit).prompts}
+    card, rendering = built_suite(path, field=f"families: {name}:"), Rendering.of(spec.data)
+    return {f"{name}-{bench.name}": suite_prompts(read_rows(Path(path) / bench.file), tokenizer, rendering,
+                                                 spec.data.max_prompt_tokens, f"families: {name}: {bench.file}")[:limit]
+            for bench in card.benchmarks}
+
+
+def _family_digest(path: str) -> str:
+    """A prompt file's content, or a built suite's card (which holds every benchmark file's sha256)."""
+    return file_digest(Path(path) / CARD if Path(path).is_dir() else Path(path))
+
+
 def _warm_key(spec: ExperimentSpec, job: ArmJob) -> str:
     """What the warm drafter's eval rows depend on: the models (and the warm drafter's files), the eval and data
     settings, the prompt files' and the seed's held-out samples' content, the prompt count and the seed."""
@@ -120,7 +138,7 @@ def _warm_key(spec: ExperimentSpec, job: ArmJob) -> str:
     parts = {"models": spec.models.model_dump(mode="json"), "eval": spec.eval.model_dump(mode="json"),
              "data": spec.data.model_dump(mode="json"), "seed": job.seed, "prompts": job.eval_prompts,
              "drafter": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files],
-             "files": {name: file_digest(Path(p)) for name, p in prompt_files.items()},
+             "files": {name: _family_digest(p) for name, p in prompt_files.items()},
              "samples": {f.name: file_digest(f) for f in samples}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

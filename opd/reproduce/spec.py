@@ -33,8 +33,10 @@ class ReproduceSpec(BaseModel):
     opd_steps: int = Field(ge=2)  # the full method's steps; their FLOPs are every arm's budget
     eval_points: int = Field(4, ge=1)  # held-out τ measured at this many evenly spaced marks
     eval_prompts: int = Field(64, ge=1)
-    # Further held-out prompt families (name -> jsonl), measured with every eval setting at the start and the end
-    # (the experiment's data.eval_prompts is "heldout"): does a result hold on prompts nothing was tuned on?
+    # Further held-out prompt families (name -> jsonl, or a directory `opd suite build` wrote: one family per
+    # benchmark, named <name>-<benchmark>), measured with every eval setting at the start and the end (the
+    # experiment's data.eval_prompts is "heldout"): does a result hold on prompts nothing was tuned on? A suite's
+    # benchmarks are evaluated at the experiment's eval.max_new_tokens.
     families: dict[str, str] = Field(default_factory=dict)
     sft_data: str | None = None  # the warm drafter's SFT data (jsonl); None: regenerate it with the spec's sft:
     workers: int = Field(2, ge=1)
@@ -71,9 +73,10 @@ def load_reproduce_spec(path: str | Path, overrides: list[str] | None = None) ->
         raise OpdError(f"{path}: {where}: {err['msg']}") from None
     if "heldout" in spec.families:
         raise OpdError(f"{path}: families: 'heldout' is the experiment's data.eval_prompts (expected other names)")
-    missing = [f"{name}: {file}" for name, file in spec.families.items() if not Path(file).is_file()]
+    missing = [f"{name}: {file}" for name, file in spec.families.items() if not Path(file).exists()]
     if missing:
-        raise OpdError(f"{path}: families: {missing[0]} does not exist (expected a prompts jsonl)")
+        raise OpdError(f"{path}: families: {missing[0]} does not exist (expected a prompts jsonl or a built suite "
+                       "directory)")
     names = [a.name for a in spec.arms]
     if BUDGET_ARM not in names or len(set(names)) != len(names):
         raise OpdError(f"{path}: arms: expected unique names including {BUDGET_ARM!r} (it sets the FLOP budget)")
