@@ -109,7 +109,8 @@ def test_every_module_imports_only_its_own_floor_or_below():
 
 
 def test_the_launcher_is_the_one_edge_from_the_library_to_the_actors():
-    edges = {(m, i) for m, imports in _graph().items() if m.startswith("opd") for i in imports if i.startswith("actors")}
+    edges = {(m, i) for m, imports in _graph().items() if m.startswith("opd")
+             for i in imports if i.startswith("actors")}
     assert {m for m, _ in edges} == {LAUNCHER}
 
 

@@ -44,8 +44,9 @@ class Provenance:
 
     @classmethod
     def of(cls, spec: ExperimentSpec, max_new_tokens: int) -> Provenance:
-        return cls(directory_digest(spec.models.target_path, "model"), directory_digest(spec.models.tokenizer, "tokenizer"),
-                   spec.data.render, spec.data.enable_thinking, max_new_tokens)
+        return cls(directory_digest(spec.models.target_path, "model"),
+                   directory_digest(spec.models.tokenizer, "tokenizer"), spec.data.render, spec.data.enable_thinking,
+                   max_new_tokens)
 
     def as_row(self) -> dict:
         """The row's `made_by` object and `max_new_tokens` field."""
