@@ -16,9 +16,8 @@ from rich.table import Table
 
 from opd.data.prompts import eval_prompts
 from opd.decoding.sampling import Sampling
-from opd.errors import OpdError
 from opd.eval.gap import OUTCOMES, GapReport, gap_report, slot_facts
-from opd.eval.offline import OfflineEval
+from opd.eval.offline import OfflineEval, check_samples_file
 from opd.models.build import build_drafter, build_models
 from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar
@@ -28,9 +27,7 @@ from opd.spec import ExperimentSpec
 
 def run_gap(spec: ExperimentSpec, drafters: dict[str, str], samples: str | None, json_out: str | None) -> int:
     path = samples or spec.eval.samples_path
-    if not path or not Path(path).is_file():
-        raise OpdError(f"--samples: {path} is not a file (expected held-out target samples; draw them with "
-                       "`opd gen-samples CONFIG --eval`)")
+    check_samples_file(path, "--samples")
     if json_out:
         check_output_file(json_out, "--json", "the results")
     models = build_models(spec)

@@ -46,7 +46,7 @@ from opd.zero_copy import ZeroCopy
 @dataclass
 class ScoredBatch(ZeroCopy):
     """What the learner needs for B sequences with up to M blocks each, N of them real (padding excluded): one
-    micro-batch of teacher replay (opd/distill/replay.py makes them).
+    micro-batch of teacher replay (`score` below makes them).
 
     Born on the CPU and contiguous, and pickled as numpy buffers (`ZeroCopy`), so the object store moves it
     without torch's slow storage pickling; the learner moves one micro-batch at a time to its device.

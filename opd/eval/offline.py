@@ -92,6 +92,13 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def check_samples_file(path: str | Path | None, field: str) -> None:
+    """Held-out samples exist, or one line naming the draw; commands call it before loading any model."""
+    if not path or not Path(path).is_file():
+        raise OpdError(f"{field}: {path} is not a file (expected held-out target samples; draw them with "
+                       "`opd gen-samples CONFIG --eval`)")
+
+
 class OfflineEval:
     """Held-out τ of any drafter on the stored samples in `path` of `prompts`, for every point-mass setting in
     `settings` (the others are the caller's to decode)."""
@@ -101,9 +108,7 @@ class OfflineEval:
         """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`)."""
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
-        if not Path(path).is_file():
-            raise OpdError(f"{field}: {path} is not a file (expected held-out target samples; draw them with "
-                           "`opd gen-samples CONFIG --eval`)")
+        check_samples_file(path, field)
         store = SampleStore(path, self.settings, prompts, made, vocab_size=models.target.vocab_size, field=field,
                             pool_name=None, redraw="opd gen-samples CONFIG --eval")
         # the view depends on the target, the samples' bytes, which prompts are read and at which setting

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -18,7 +17,6 @@ from opd.data.prompts import Prompt, prompt_key, spec_prompts
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.eval.acceptance_diagnostic import Diagnosis
 from opd.eval.expected import point_mass_settings
@@ -145,12 +143,11 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
              samples: str | None = None) -> int:
     """`opd eval`: decode, or with stored samples (`samples`, else eval.samples_path) rebuild offline every
     point-mass setting and decode only the others (`draft: sample`)."""
-    from opd.eval.offline import OfflineEval
+    from opd.eval.offline import OfflineEval, check_samples_file
 
     samples = samples or spec.eval.samples_path
-    if samples and not Path(samples).is_file():
-        raise OpdError(f"--samples: {samples} is not a file (expected held-out target samples; draw them with "
-                       "`opd gen-samples CONFIG --eval`)")
+    if samples:
+        check_samples_file(samples, "--samples")
     if json_out:
         check_output_file(json_out, "--json", "the results")
     models = build_models(spec, draft)

@@ -151,7 +151,6 @@ class SampleStore:
         self.settings = [setting_key(s) for s in settings]
         self.pool = {p.id: p for p in prompts}
         self.rows: dict[Key, StoredSample] = {}
-        self._contents: dict[Key, tuple] = {}  # what each key's row holds, to tell a repeat from a conflict
         self._read = self._lines = 0  # bytes and lines of the file already read
         self.refresh()
 
@@ -182,7 +181,6 @@ class SampleStore:
                                "sample": w.j, **self.made.as_row(), "flops": asdict(cost)}
                         f.write(json.dumps(row) + "\n")
                         self.rows[self._key(w)] = StoredSample(response, cost)
-                        self._contents[self._key(w)] = (tuple(response),)
                     f.flush()
                 self._read = f.tell()
         if missing := self.missing(wanted):
@@ -267,13 +265,12 @@ class SampleStore:
                            f"[0, {self.vocab_size}) (expected samples of this target)")
 
     def _keep(self, key: Key, row: SampleRow, where: str) -> None:
-        contents = (tuple(row.response_ids),)
-        if key in self._contents:
-            if self._contents[key] != contents:
+        """A repeat of a kept row is skipped (two writers may race to a line); a different one is refused."""
+        if key in self.rows:
+            if self.rows[key].response != row.response_ids:
                 raise OpdError(f"{where}: a second, different row for sample {row.sample} of prompt {row.id!r} at "
                                f"{describe(key[0])} (expected one row per sample; remove one of them)")
             return
-        self._contents[key] = contents
         self.rows[key] = StoredSample(row.response_ids, FlopCounter(**row.flops.model_dump()))
 
     def _key(self, w: Wanted) -> Key:
