@@ -13,8 +13,10 @@ import torch
 from test_offline_eval import EOS, MADE, MASK, draw_samples
 
 from opd.data.prompts import Prompt
-from opd.eval.ceiling import beats_oracle, oracle_records
+from opd.eval.acceptance import AcceptanceStats
+from opd.eval.ceiling import beats_oracle, full_acceptance, oracle_records
 from opd.eval.offline import OfflineEval
+from opd.eval.online import evaluate
 from opd.models.build import Models
 from opd.spec import SamplingSpec
 from opd.tiny.micro import micro_drafter, micro_target
@@ -33,7 +35,7 @@ def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("ceiling") / "samples.jsonl"
     draw_samples(target, drafters[0], prompts, path, SETTINGS)
     offline = OfflineEval(Models(target, drafters[0], SimpleNamespace(eos_token_id=EOS)), path, prompts, SETTINGS, MADE)
-    return SimpleNamespace(target=target, drafters=drafters, offline=offline)
+    return SimpleNamespace(target=target, drafters=drafters, offline=offline, prompts=prompts)
 
 
 def test_at_greedy_the_oracle_accepts_everything_but_at_each_sequences_end(setup):
@@ -86,3 +88,20 @@ def test_at_greedy_no_drafter_exceeds_the_ceiling_and_at_t_above_0_wins_are_coun
         view = offline.views[1]
         share = beats_oracle(offline.records(view, drafter), view.argmax, K)
         assert 0 <= share < 0.5
+
+
+def test_sampled_drafts_are_measured_against_full_acceptance_on_their_own_text(setup):
+    """q = p accepts every sampled draft: K−1 per block but at a response's end, whatever the target's argmax."""
+    sampled = setup.offline.views[1]
+    for rec in full_acceptance(sampled.samples, K):
+        last = len(rec.response_ids) - 1
+        assert rec.accepted == [min(K - 1, last - a) for a in rec.anchors]
+    settings = [SamplingSpec(name="greedy"),
+                SamplingSpec(name="sampled-q", temperature=0.6, top_p=0.95, top_k=5, draft="sample")]
+    models = Models(setup.target, setup.drafters[0], SimpleNamespace(eos_token_id=EOS))
+    greedy, sampled_q = evaluate(models, setup.prompts[:32], settings, max_new_tokens=24, batch_size=16,
+                                 baseline=False)
+    assert greedy.ceiling is None  # a point-mass setting's ceiling needs stored samples and the target's argmax
+    assert sampled_q.tau < sampled_q.ceiling <= K
+    stats = AcceptanceStats.from_records(full_acceptance(sampled.samples, K), K)
+    assert stats.tau > AcceptanceStats.from_records(oracle_records(sampled.samples, sampled.argmax, K), K).tau

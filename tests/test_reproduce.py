@@ -59,7 +59,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     spec_file.write_text(json.dumps({
         "experiment": str(micro_spec_file), "set": SETS, "seeds": [0, 1], "opd_steps": 2, "eval_points": 1,
         "eval_prompts": 2, "workers": 1, "out_dir": str(tmp_path / "out"),
-        "families": {"again": load_spec(micro_spec_file).data.eval_prompts},
+        "families": {"again": load_spec(micro_spec_file).data.eval_prompts}, "keep_drafters": True,
         "arms": [{"name": "draft-opd"}, {"name": "no-decay", "set": ["loss.rejected_decay=false"]}]}))
     spec = load_reproduce_spec(spec_file)
     results = run_jobs(spec, tmp_path / "out")
@@ -78,6 +78,8 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
         assert run.data.metrics["final_tau_again_greedy"] == run.data.metrics["final_tau_heldout_greedy"]
         assert run.data.params["loss.rejected_decay"] == ("false" if arm == "no-decay" else "true")
     saved = sorted(p.name for p in (tmp_path / "out" / "arms").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "out" / "drafters").iterdir() if (p / "config.json").is_file())
+    assert kept == [name.removesuffix(".json") for name in saved]  # every arm's final drafter, whole
     assert saved == ["draft-opd-seed0.json", "draft-opd-seed1.json", "no-decay-seed0.json", "no-decay-seed1.json"]
     marked = tmp_path / "out" / "arms" / "no-decay-seed1.json"
     row = json.loads(marked.read_text())
@@ -93,6 +95,7 @@ def test_the_pool_resumes_from_saved_arms_and_writes_the_tables(micro_spec_file,
     assert "### All arms" in report and "### Table 3: loss ablations" in report and "| no-decay |" in report and "Table 10" in report
     assert "| arm | heldout greedy | again greedy |" in report and "worst vs warm" in report
     assert "| arm | greedy rule on greedy states |" in report
+    assert "### Share of the reachable gain" in report and "| ceiling (τ) |" in report
     assert "### Expected τ on each arm's own training rollouts" in report
     assert (tmp_path / "out" / "tau_vs_flops.png").stat().st_size > 1000
     # each seed's arms trained on one shared sample file, every sample drawn once
@@ -206,3 +209,27 @@ def test_a_built_suite_is_one_held_out_family_per_benchmark(tmp_path):
     assert load_reproduce_spec(config).families == {"mini": str(tmp_path / "suite")}
     with pytest.raises(OpdError, match="families: mini: .*nowhere does not exist .expected a prompts jsonl or a built"):
         load_reproduce_spec(config, [f"families={{mini: {tmp_path / 'nowhere'}}}"])
+
+
+def test_the_ceiling_table_gives_each_arms_share_of_the_reachable_gain():
+    from opd.reproduce.report import _ceiling_table
+    from opd.reproduce.spec import ArmResult
+
+    def rows(greedy: float, sampled_q: float, q_ceiling: float) -> dict[str, list[dict]]:
+        return {"heldout": [{"sampling": "greedy", "tau": greedy, "ceiling": 5.0},
+                            {"sampling": "sampled-q", "tau": sampled_q, "ceiling": q_ceiling},
+                            {"sampling": "decoded", "tau": 2.0, "ceiling": None}]}
+
+    def result(arm: str, seed: int, final: dict, initial: dict | None = None) -> ArmResult:
+        return ArmResult(arm, seed, steps=1, flops={"total": 1.0}, curve=[], final={}, final_rows=final,
+                         initial_rows=initial or {})
+
+    warm = rows(3.0, 2.0, 8.0)
+    results = [result("draft-opd", 0, rows(4.0, 3.0, 8.0), warm), result("draft-opd", 1, rows(4.2, 3.4, 7.8), warm),
+               result("sft", 0, rows(2.0, 1.0, 8.0))]
+    table = "\n".join(_ceiling_table(results, ["draft-opd", "sft"]))
+    assert "| arm | heldout greedy | heldout sampled-q |" in table  # no column without a ceiling
+    assert "| ceiling (τ) | 5.000 | 8.000 |" in table
+    assert "| warm drafter | 50% | 14% |" in table
+    assert "| draft-opd | 78% | 32% |" in table  # (3/4 + 3.2/4) / 2; (2/7 + 2.4/6.8) / 2
+    assert "| sft | 25% | 0% |" in table

@@ -10,6 +10,9 @@ At greedy every committed token is the argmax, so the oracle accepts K−1 on ev
 an exact upper bound. At T>0 it bounds each slot's acceptance probability given its state (p_T(d) ≤ max p_T),
 but over a block a less likely draft leading to a more predictable continuation can accept more, so there it is
 a reference; `beats_oracle` counts how often a drafter's block does.
+
+Sampled drafts verified with min(1, p/q) have another ceiling: q = p accepts every draft, so a drafter served that
+way can reach K per block (fewer at a response's end) on any text; `full_acceptance` gives it on the same text.
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ def oracle_records(samples: list[SequenceRecord], predicted: list[torch.Tensor],
             anchor += r + 1
         out.append(replace(rec, anchors=anchors, drafts=[], accepted=accepted))
     return out
+
+
+def full_acceptance(samples: list[SequenceRecord], block_size: int) -> list[SequenceRecord]:
+    """Each sample's record as a drafter with q = p, served with sampled drafts, would have decoded it: every draft
+    accepted, K−1 per block up to the response's end (the sampled-draft rule's ceiling)."""
+    return oracle_records(samples, [torch.tensor(rec.response_ids) for rec in samples], block_size)
 
 
 def beats_oracle(records: list[SequenceRecord], predicted: list[torch.Tensor], block_size: int) -> float:

@@ -19,6 +19,7 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.eval.acceptance import AcceptanceStats
 from opd.eval.acceptance_diagnostic import Diagnosis
+from opd.eval.ceiling import full_acceptance
 from opd.eval.expected import point_mass_settings
 from opd.eval.row import EvalRow
 from opd.models.build import Models, build_models
@@ -66,7 +67,12 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
             ar_tokens += sum(len(r) for r in ar)
             matches += sum(a == r.response_ids for a, r in zip(ar, out))
         tick()
-    stats = AcceptanceStats.from_records(records, models.drafter.block_size)
+    block_size = models.drafter.block_size
+    stats = AcceptanceStats.from_records(records, block_size)
+    # a sampled-draft setting's ceiling is full acceptance (q = p) on the text it decoded; a point-mass one's needs
+    # the target's argmax on stored samples (opd/eval/offline.py)
+    ceiling = (AcceptanceStats.from_records(full_acceptance(records, block_size), block_size).tau
+               if setting.draft == "sample" else None)
     spec_tps = sum(len(r.response_ids) for r in records) / spec_time
     ar_tps = ar_tokens / ar_time if baseline else None
     return EvalRow(
@@ -74,7 +80,7 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
         survival=stats.survival, first_rejection=stats.first_rejection, spec_tokens_per_s=spec_tps,
         ar_tokens_per_s=ar_tps, speedup=spec_tps / ar_tps if baseline else None,
         greedy_match=matches / len(records) if baseline and sampling.greedy else None, expected=expected.result(),
-        tau_ci=stats.tau_ci)
+        tau_ci=stats.tau_ci, ceiling=ceiling)
 
 
 def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
@@ -89,8 +95,8 @@ def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
                      _opt(r.ar_tokens_per_s, "{:.1f}"), _opt(r.speedup, "{:.2f}x"), _opt(r.greedy_match, "{:.0%}"))
     console.print(main)
     console.print("τ: mean of per-response means; τ tok-wt: committed tokens / verification steps; ceiling: τ of the "
-                  "argmax oracle on the same samples; offline: blocks rebuilt on stored target samples (exact in "
-                  "distribution), decoded: speculative decoding.")
+                  "argmax oracle on the same samples (sampled drafts: full acceptance, q = p); offline: blocks "
+                  "rebuilt on stored target samples (exact in distribution), decoded: speculative decoding.")
     drafted = len(rows[0].survival)
     survival = Table(title="Per-position acceptance P(accepted >= k)")
     hist = Table(title="First rejected position (share of blocks)")

@@ -25,4 +25,6 @@ class EvalRow:
     expected: dict[str, ExpectedAcceptance] = field(default_factory=dict)
     tau_ci: float = 0.0  # half-width of the 95% interval of `tau` over the prompts
     offline: bool = False  # τ from blocks rebuilt on stored target samples (opd/eval/offline.py), not decoded
-    ceiling: float | None = None  # offline: the argmax oracle's τ on the same samples (opd/eval/ceiling.py)
+    # τ's ceiling on the same text (opd/eval/ceiling.py): offline, the argmax oracle's; for sampled drafts, full
+    # acceptance (q = p); None for point-mass settings decoded without stored samples
+    ceiling: float | None = None

@@ -26,6 +26,7 @@ from opd.eval.online import evaluate
 from opd.eval.row import EvalRow
 from opd.models.build import Models, build_drafter, build_models
 from opd.models.flops import FlopCounter
+from opd.outputs import atomic_dir
 from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
 from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
@@ -203,11 +204,19 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
         if end:
             break
     final_rows = evaluator.every_family(session.drafter)
+    _keep(session.drafter, job)
     curve = _with_final(curve, final_rows)
     return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, _tau(final_rows),
                      _first_rejection_halves(records_by_step, session.drafter.block_size),
                      initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows,
                      rollout_expected=_rollout_expected(records_by_step), eval_minutes=evaluator.seconds / 60)
+
+
+def _keep(drafter, job: ArmJob) -> None:
+    """The arm's final drafter, saved whole or not at all (`keep_drafters`)."""
+    if job.drafter_dir is not None:
+        with atomic_dir(job.drafter_dir) as tmp:
+            drafter.save_pretrained(tmp)
 
 
 def _with_final(curve: list[tuple[float, float | None]],
@@ -257,6 +266,7 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
     if marks:
         raise OpdError(f"arm {job.arm.name}: SFT data ran out before the FLOP budget; raise sft.epochs")
     final_rows = evaluator.every_family(models.drafter)
+    _keep(models.drafter, job)
     curve = _with_final(curve, final_rows)
     return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, _tau(final_rows), final_rows=final_rows,
                      eval_minutes=evaluator.seconds / 60)

@@ -72,7 +72,8 @@ def run_jobs(spec: ReproduceSpec, out: Path) -> list[ArmResult]:
         samples = str(out / "samples" / f"seed{seed}.jsonl") if arm.name in sharing else None
         return ArmJob(arm, seed, spec.experiment, spec.set, str(out / "work" / f"{arm.name}-seed{seed}"),
                       spec.opd_steps, spec.eval_points, spec.eval_prompts, marks, sft_data, spec.families, samples,
-                      str(out / "eval_samples") if spec.offline_eval else None)
+                      str(out / "eval_samples") if spec.offline_eval else None,
+                      str(out / "drafters" / f"{arm.name}-seed{seed}") if spec.keep_drafters else None)
 
     def done(arm: str, seed: int) -> ArmResult | None:
         path = saved / f"{arm}-seed{seed}.json"

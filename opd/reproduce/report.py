@@ -162,6 +162,40 @@ def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
     return lines + ratios + [""]
 
 
+def _ceiling_table(results: list[ArmResult], arms: list[str]) -> list[str]:
+    """Each arm's share of the reachable gain, (τ − 1) / (ceiling − 1), mean over seeds, at every (family, setting)
+    whose rows carry a ceiling: the argmax oracle on the seed's stored samples for point-mass settings, full
+    acceptance for sampled drafts (opd/eval/ceiling.py). A τ ratio says which arm is ahead; this says how much of
+    what the drafter could take on that text it takes."""
+    by_arm = _by_arm(results)
+    warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+    if not warm_runs:
+        return []
+    cols = [(f, s) for f, rows in warm_runs[0].initial_rows.items() for s, row in _cells(rows).items()
+            if row.get("ceiling") is not None]
+    if not cols:
+        return []
+
+    def share(rows_of: list[dict[str, list[dict]]], c: tuple[str, str]) -> str:
+        cells = [_cells(rows[c[0]])[c[1]] for rows in rows_of]
+        if any(cell.get("ceiling") is None for cell in cells):
+            return ""
+        return f"{statistics.fmean((x['tau'] - 1) / max(1e-9, x['ceiling'] - 1) for x in cells):.0%}"
+
+    warm = [r.initial_rows for r in warm_runs]
+    ceiling = [statistics.fmean(_cells(rows[f])[s]["ceiling"] for rows in warm) for f, s in cols]
+    lines = ["### Share of the reachable gain, (τ − 1) / (ceiling − 1), mean over seeds", "",
+             "Ceiling: the argmax oracle on the same stored samples (point-mass drafts), full acceptance q = p on "
+             "the decoded text (sampled drafts).", "",
+             f"| arm | {' | '.join(f'{f} {s}' for f, s in cols)} |", "|---|" + "---|" * len(cols),
+             "| ceiling (τ) | " + " | ".join(f"{c:.3f}" for c in ceiling) + " |",
+             "| warm drafter | " + " | ".join(share(warm, c) for c in cols) + " |"]
+    for arm in [a for a in arms if a in by_arm]:
+        rows_of = [r.final_rows for r in by_arm[arm].values()]
+        lines.append(f"| {arm} | " + " | ".join(share(rows_of, c) for c in cols) + " |")
+    return lines + [""]
+
+
 def _diagnostic_tables(results: list[ArmResult], arms: list[str], family: str = "heldout") -> list[str]:
     """The expected-acceptance diagnostic on one family: every (states, rule) pair, then a_k per position for
     the sampled rule. Rule on the other setting's states vs its own separates 'which states' from 'the loss'."""
@@ -301,6 +335,7 @@ def write_report(spec: ReproduceSpec, results: list[ArmResult], out: Path, minut
              f"({'offline' if spec.offline_eval else 'decoded'})."), "", _rollouts_line(spec), ""]
     lines += _table("All arms", [a.name for a in spec.arms], summary, warm)
     lines += _families_tables(results, [a.name for a in spec.arms])
+    lines += _ceiling_table(results, [a.name for a in spec.arms])
     lines += _diagnostic_tables(results, [a.name for a in spec.arms])
     lines += _rollout_table(results, [a.name for a in spec.arms])
     for title, arms in TABLES:

@@ -49,6 +49,9 @@ class ReproduceSpec(BaseModel):
     # OUT/eval_samples/, and every arm's evals rebuild its blocks on them; `draft: sample` settings still decode.
     offline_eval: bool = True
     out_dir: str = "runs/reproduce"
+    # Save every arm's final drafter in OUT/drafters/<arm>-seed<S> (the DFlash format), so `opd gap` and `opd eval`
+    # can take it apart afterwards; off by default, as each is a full drafter.
+    keep_drafters: bool = False
     arms: list[ArmSpec] = Field(min_length=2)
 
 
@@ -99,6 +102,7 @@ class ArmJob:
     families: dict[str, str] = field(default_factory=dict)
     samples_path: str | None = None  # the seed's shared sample file (None: the arm decodes its own rollouts)
     eval_samples_dir: str | None = None  # where each seed's held-out samples are stored (None: decode evals)
+    drafter_dir: str | None = None  # where to save the final drafter (None: not saved)
 
 
 @dataclass
