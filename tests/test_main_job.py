@@ -101,5 +101,6 @@ def test_the_table_names_the_recipe_that_ran():
     root = Path(__file__).resolve().parents[1]
     tiny = describe_recipe(load_spec(root / "configs/tiny.yaml", check_paths=False))
     paper = describe_recipe(load_spec(root / "configs/tiny-paper.yaml", check_paths=False))
-    assert tiny == "forward KL on the accepted prefix and the first rejected slot; rollouts at T=0 and T=0.6"
+    assert tiny == ("forward KL on the accepted prefix and the first rejected slot, teacher at T=0.1; rollouts at T=0 "
+                    "and T=0.6")
     assert paper.startswith("the paper's loss") and paper.endswith("; greedy rollouts")

@@ -90,6 +90,8 @@ def describe_recipe(spec: ExperimentSpec) -> str:
             words += " on the accepted prefix and the first rejected slot"
         if loss.acceptance_weight:
             words += f", expected-acceptance term x{loss.acceptance_weight:g}"
+    if spec.replay.teacher_temperature != 1.0:
+        words += f", teacher at T={spec.replay.teacher_temperature:g}"
     temperatures = sorted({s.temperature for s in spec.rollout.settings})
     rollouts = "greedy rollouts" if temperatures == [0.0] else \
         "rollouts at " + " and ".join(f"T={t:g}" for t in temperatures)
