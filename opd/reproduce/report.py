@@ -185,8 +185,8 @@ def _ceiling_table(results: list[ArmResult], arms: list[str]) -> list[str]:
     warm = [r.initial_rows for r in warm_runs]
     ceiling = [statistics.fmean(_cells(rows[f])[s]["ceiling"] for rows in warm) for f, s in cols]
     lines = ["### Share of the reachable gain, (τ − 1) / (ceiling − 1), mean over seeds", "",
-             "Ceiling: the argmax oracle on the same stored samples (point-mass drafts), full acceptance q = p on "
-             "the decoded text (sampled drafts).", "",
+             ("Ceiling: the argmax oracle on the same stored samples (point-mass drafts), full acceptance q = p on "
+              "the decoded text (sampled drafts)."), "",
              f"| arm | {' | '.join(f'{f} {s}' for f, s in cols)} |", "|---|" + "---|" * len(cols),
              "| ceiling (τ) | " + " | ".join(f"{c:.3f}" for c in ceiling) + " |",
              "| warm drafter | " + " | ".join(share(warm, c) for c in cols) + " |"]
