@@ -116,12 +116,17 @@ def _by_arm(results: list[ArmResult]) -> dict[str, dict[int, ArmResult]]:
     return out
 
 
+def _warm_runs(by_arm: dict[str, dict[int, ArmResult]]) -> list[ArmResult]:
+    """The runs that measured the warm drafter's rows (the budget arm's, one per seed)."""
+    return [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+
+
 def _families_tables(results: list[ArmResult], arms: list[str]) -> list[str]:
     """Every arm on every prompt family and setting: τ, its ratio to continued SFT (paired by seed) and to the
     warm drafter, the numbers issue 17's goals are stated in. Each arm is compared with its own drafter family's
     SFT arm (`baseline_arm`) and its own warm drafter (its runs' initial rows); the warm row is the budget arm's."""
     by_arm = _by_arm(results)
-    warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+    warm_runs = _warm_runs(by_arm)
     if not warm_runs:
         return []
     cols = [(f, s) for f, rows in warm_runs[0].initial_rows.items() for s in _cells(rows)]
@@ -168,7 +173,7 @@ def _ceiling_table(results: list[ArmResult], arms: list[str]) -> list[str]:
     acceptance for sampled drafts (opd/eval/ceiling.py). A τ ratio says which arm is ahead; this says how much of
     what the drafter could take on that text it takes."""
     by_arm = _by_arm(results)
-    warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+    warm_runs = _warm_runs(by_arm)
     if not warm_runs:
         return []
     cols = [(f, s) for f, rows in warm_runs[0].initial_rows.items() for s, row in _cells(rows).items()
@@ -200,7 +205,7 @@ def _diagnostic_tables(results: list[ArmResult], arms: list[str], family: str = 
     """The expected-acceptance diagnostic on one family: every (states, rule) pair, then a_k per position for
     the sampled rule. Rule on the other setting's states vs its own separates 'which states' from 'the loss'."""
     by_arm = _by_arm(results)
-    warm_runs = [r for r in by_arm.get(BUDGET_ARM, {}).values() if r.initial_rows]
+    warm_runs = _warm_runs(by_arm)
     if not warm_runs:
         return []
     first = _cells(warm_runs[0].initial_rows[family])
