@@ -10,6 +10,7 @@ $(VENV_STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
 	touch $(VENV_STAMP)
 
 run: $(VENV_STAMP)
