@@ -17,7 +17,7 @@ from actors.signal import Signal
 from opd.spec import ExperimentSpec
 from opd.train.ledger import Ledger
 from opd.train.messages import Ticket
-from opd.train.rollout import claim_version
+from opd.train.policy_lag import claim_version
 
 
 @ray.remote(num_cpus=0)

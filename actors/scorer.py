@@ -19,7 +19,7 @@ from opd.models.build import build_drafter, build_target
 from opd.spec import ExperimentSpec
 from opd.train.ledger import VersionGate
 from opd.train.messages import AnchorBatch, Ticket, WeightSnapshot
-from opd.train.rollout import required_version
+from opd.train.policy_lag import required_version
 from opd.train.scorer import Scorer
 
 WAIT_S = 1.0  # with batches set aside, how long one wait for the inbox lasts before versions are checked again

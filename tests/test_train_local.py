@@ -91,7 +91,7 @@ def test_rollout_diagnostic_is_the_greedy_acceptance_it_recorded(micro_spec_file
 
 
 def test_required_version_bounds_how_far_rollout_runs_ahead(micro_spec_file):
-    from opd.train.rollout import required_version
+    from opd.train.policy_lag import required_version
 
     # 2 rollout batches per step (optim 4 / rollout 2)
     lag0 = load_spec(micro_spec_file, ["resources.max_policy_lag=0"])

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from opd.decoding.record import SequenceRecord
-from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
-from opd.eval.row import EvalRow
-from opd.models.flops import FlopCounter
 from opd.zero_copy import ZeroCopy
+
+if TYPE_CHECKING:  # annotations only: the queue and ledger actors unpickle a Ticket without loading the models
+    from opd.decoding.record import SequenceRecord
+    from opd.distill.replay import ScoredBatch
+    from opd.eval.row import EvalRow
+    from opd.models.flops import FlopCounter
 
 
 class Ticket(NamedTuple):

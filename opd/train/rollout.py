@@ -29,26 +29,6 @@ from opd.spec import ExperimentSpec
 from opd.train.messages import AnchorBatch
 
 
-def required_version(index: int, spec: ExperimentSpec) -> int:
-    """The oldest published version batch `index` may be drafted with: rollout never runs further ahead of the
-    learner than `max_policy_lag` allows, so (absent failures) the learner never has to discard a batch.
-    Versions are published every `broadcast_every` steps, so the requirement is rounded up to the next of them
-    (published by step `step` because the spec keeps max_policy_lag >= broadcast_every - 1)."""
-    r = spec.resources
-    step = index // spec.batches_per_step
-    return max(0, -(-(step - r.max_policy_lag) // r.broadcast_every) * r.broadcast_every)
-
-
-def claim_version(index: int, spec: ExperimentSpec) -> int:
-    """The oldest published version with which rollout may start batch `index`. A speculative rollout drafts it,
-    so that is `required_version`. A rebuilt one only samples the target: the scorer applies max_policy_lag when
-    it rebuilds (`required_version` again, waiting there if it must), so rollout may run `queue_size` batches
-    further ahead, which bounds what waits at the scorer."""
-    if not spec.rollout.rebuilt:
-        return required_version(index, spec)
-    return required_version(max(0, index - spec.resources.queue_size), spec)
-
-
 def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
     """How batch `index` is decoded: the rollout's own setting, or in turn each of `rollout.mix`."""
     settings = spec.rollout.settings
