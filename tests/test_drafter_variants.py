@@ -46,8 +46,9 @@ VARIANTS = {
     "scaled": {"input_embedding_scale": 3.0, "dflash_config": {"output_multiplier": 0.7,
                                                                "final_logit_softcapping": 0.5}},
     "dflash2-shaped": {"layer_types": [SLIDING, SLIDING], "use_sliding_window": True, "sliding_window": 5,
-                       "is_causal": False, "dflash_config": {"output_multiplier": 0.196, "final_logit_softcapping": 20.0,
-                                                             "block_size": BLOCK}},
+                       "is_causal": False,
+                       "dflash_config": {"output_multiplier": 0.196, "final_logit_softcapping": 20.0,
+                                         "block_size": BLOCK}},
 }
 
 
@@ -179,7 +180,8 @@ def _reference_block(drafter, hf, features, context_positions, block_ids, anchor
             out[:, head] = torch.softmax(scores, dim=-1) @ v[:, group]
         h = h + out.reshape(len(block_ids), -1) @ attn.o_proj.weight.T
         y = _rms(h, layer.post_attention_layernorm.weight, eps)
-        h = h + (F.silu(y @ layer.mlp.gate_proj.weight.T) * (y @ layer.mlp.up_proj.weight.T)) @ layer.mlp.down_proj.weight.T
+        mlp = layer.mlp
+        h = h + (F.silu(y @ mlp.gate_proj.weight.T) * (y @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
     return _rms(h, drafter.norm.weight, eps)
 
 
@@ -251,7 +253,8 @@ def test_the_logit_transform_is_the_drafters_q(target):
     flipped.extend_cache(cache, target(ids).features, torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool))
     tokens, _ = flipped.draft(cache, torch.tensor([5]), torch.tensor([4]))
     with torch.no_grad():
-        hidden = flipped.forward_blocks(flipped.project_context(target(ids).features), torch.ones(1, 4, dtype=torch.bool),
+        context = flipped.project_context(target(ids).features)
+        hidden = flipped.forward_blocks(context, torch.ones(1, 4, dtype=torch.bool),
                                         torch.tensor([[[5, MASK, MASK, MASK]]]), torch.tensor([[4]]))
     assert torch.equal(tokens[0], target.lm_head(hidden[0, 0, 1:]).argmin(-1))
 
