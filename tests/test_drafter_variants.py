@@ -218,6 +218,53 @@ def test_packed_blocks_and_drafts_equal_the_dense_definition(target, name):
             assert torch.equal(tokens, logits.argmax(-1))
 
 
+def _dense_masks(hf: dict, valid: torch.Tensor, anchors: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, bool [B,1,M*K,C+M*K] over [context; all blocks] from positions: block m sees valid context
+    before its anchor and its own block, both under the layer's rule."""
+    batch, context = valid.shape
+    positions = (anchors[:, :, None] + torch.arange(BLOCK)).reshape(batch, -1)
+    block = torch.arange(positions.shape[1]) // BLOCK
+    masks = []
+    for layer in range(len(hf["layer_types"])):
+        rows = []
+        for b in range(batch):
+            ctx = valid[b][None, :] & (torch.arange(context)[None, :] < anchors[b][block][:, None])
+            own = block[:, None] == block[None, :]
+            rule = _visible(positions[b], torch.cat([torch.arange(context), positions[b]]), *_rule(hf, layer))
+            rows.append(torch.cat([ctx, own], dim=1) & rule)
+        masks.append(torch.stack(rows)[:, None])
+    return masks
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_packed_gradients_equal_the_dense_masks(target, name):
+    """With autograd (checkpointed chunks of one block, each cut to the context its window reaches): hidden
+    states and every gradient equal one forward over dense per-layer masks."""
+    drafter = variant_drafter(target, name, scale=0.3)
+    hf = with_change(micro_drafter(target, num_layers=2, block_size=BLOCK).config.to_hf_dict(), VARIANTS[name])
+    ids = torch.randint(0, 8, (2, 12), generator=torch.Generator().manual_seed(5))
+    features = target(ids).features
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, 9:], valid[1, 3] = False, False
+    block_ids = torch.full((2, 4, BLOCK), MASK, dtype=torch.long)
+    block_ids[:, :, 0] = ids.gather(1, ANCHORS)
+    positions = (ANCHORS[:, :, None] + torch.arange(BLOCK)).reshape(2, -1)
+
+    def run(forward):
+        hidden = forward(drafter.project_context(features))
+        hidden.pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+        drafter.zero_grad(set_to_none=True)
+        return hidden.detach().reshape(2, -1, target.hidden_size), grads
+
+    got, got_grads = run(lambda c: drafter.forward_blocks(c, valid, block_ids, ANCHORS, chunk_rows=BLOCK))
+    want, want_grads = run(lambda c: drafter._run_blocks(block_ids.reshape(2, -1), positions,
+                                                         drafter._context_kv(c, torch.arange(12).expand(2, -1)),
+                                                         _dense_masks(hf, valid, ANCHORS)))
+    assert (got - want).abs().max() < 1e-9
+    assert all((got_grads[n] - want_grads[n]).abs().max() < 1e-9 for n in want_grads)
+
+
 def test_the_rules_change_the_forward(target):
     """The definition's masks are not vacuous here: every attention variant drafts other hidden states than the
     plain drafter with the same weights."""
