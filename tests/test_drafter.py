@@ -372,6 +372,8 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
          r"'layer_types' makes layer 0 'chunked_attention'; DFlash drafters take 'full_attention' or"),
         ({"layer_types": ["full_attention"]}, r"'layer_types' must list 2 layer types"),
         ({"use_sliding_window": True, "sliding_window": 0}, r"'sliding_window' must be a positive integer, got 0"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+         r"'layer_types' makes layer 1 'sliding_attention' but no window is in force"),
         ({"is_causal": "yes"}, r"'is_causal' must be true, false or null, got 'yes'"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "causal": True}},
          r"'dflash_config\.causal' is True, which z-lab's DFlashDraftModel does not read"),
@@ -385,7 +387,7 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
         ({"final_logit_softcapping": True}, r"'final_logit_softcapping' must be a finite number, got True"),
         ({"dflash_config": {"target_layer_ids": [0, 2, 3]}}, r"'dflash_config\.mask_token_id' is missing"),
     ],
-    ids=["unknown-layer-type", "layer-count", "zero-window", "is-causal-not-bool", "dflash-causal",
+    ids=["unknown-layer-type", "layer-count", "zero-window", "window-off", "is-causal-not-bool", "dflash-causal",
          "dflash2-selector", "dflash2-architecture", "unknown-key", "multiplier-not-number", "softcap-bool",
          "no-mask-token"],
 )

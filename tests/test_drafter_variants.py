@@ -42,7 +42,6 @@ VARIANTS = {
     "sliding-bidirectional": {"layer_types": [SLIDING, SLIDING], "use_sliding_window": True, "sliding_window": 2,
                               "is_causal": False},
     "causal": {"is_causal": True},
-    "sliding-no-window": {"layer_types": [FULL, SLIDING], "sliding_window": 3},  # Qwen3Config drops the window
     "scaled": {"input_embedding_scale": 3.0, "dflash_config": {"output_multiplier": 0.7,
                                                                "final_logit_softcapping": 0.5}},
     "dflash2-shaped": {"layer_types": [SLIDING, SLIDING], "use_sliding_window": True, "sliding_window": 5,
@@ -87,16 +86,17 @@ def target():
 @pytest.mark.parametrize(("change", "rules"), [
     ({}, [(False, None), (False, None)]),
     ({"layer_types": [SLIDING, FULL], "use_sliding_window": True, "sliding_window": 7}, [(True, 7), (False, None)]),
-    ({"layer_types": [SLIDING, FULL], "sliding_window": 7}, [(True, None), (False, None)]),
     ({"layer_types": [SLIDING, FULL], "use_sliding_window": True, "sliding_window": 7, "is_causal": False},
      [(False, 7), (False, None)]),
     ({"is_causal": True}, [(True, None), (True, None)]),
     ({"layer_types": None, "use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1},
      [(False, None), (True, 7)]),
-], ids=["plain", "sliding", "window-off", "sliding-non-causal", "all-causal", "max-window-layers"])
+    ({"use_sliding_window": False, "sliding_window": 7}, [(False, None), (False, None)]),
+    ({"layer_types": [FULL, SLIDING], "use_sliding_window": True}, [(False, None), (True, 4096)]),
+], ids=["plain", "sliding", "sliding-non-causal", "all-causal", "max-window-layers", "window-off", "default-window"])
 def test_layer_rules_are_read_as_zlab_reads_them(target, change, rules):
-    """Per layer (causal, window): a sliding layer is causal unless `is_causal` says otherwise, the window holds
-    only under `use_sliding_window`, and without `layer_types` layers from `max_window_layers` on slide."""
+    """Per layer (causal, window): a sliding layer is causal unless `is_causal` says otherwise, and without
+    `layer_types` layers from `max_window_layers` on slide when `use_sliding_window` is on."""
     hf = with_change(micro_drafter(target, num_layers=2, block_size=BLOCK).config.to_hf_dict(), change)
     config = DFlashConfig.from_hf_dict({k: v for k, v in hf.items() if v is not None})
     got = [config.layer_attention(i) for i in range(2)]
@@ -276,7 +276,7 @@ def test_the_rules_change_the_forward(target):
     anchors = torch.tensor([[10]])
     with torch.no_grad():
         base = plain.forward_blocks(plain.project_context(features), valid, block_ids, anchors)
-        for name in ("sliding-causal", "sliding-bidirectional", "causal", "sliding-no-window", "scaled"):
+        for name in ("sliding-causal", "sliding-bidirectional", "causal", "scaled"):
             drafter = variant_drafter(target, name, scale=0.3)
             got = drafter.forward_blocks(drafter.project_context(features), valid, block_ids, anchors)
             assert not torch.allclose(got, base), name

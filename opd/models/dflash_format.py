@@ -217,6 +217,7 @@ DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num
 DFLASH2_KEYS = frozenset({"selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size"})
 DFLASH_HOME = frozenset({"mask_token_id", "target_layer_ids", *SCALAR_KEYS})  # where exports write these
 QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config's default, used when a config enables sliding windows without it
+QWEN3_SLIDING_WINDOW = 4096  # Qwen3Config's default window, in force when use_sliding_window comes without one
 
 
 def _draft_value(hf: dict[str, Any], dflash: dict[str, Any], name: str) -> tuple[dict[str, Any], str, str]:
@@ -249,8 +250,9 @@ def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
 
 def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """layer_types, the window in force and is_causal, as transformers' Qwen3Config resolves them for z-lab:
-    the window only under `use_sliding_window`; without `layer_types`, layers from `max_window_layers` on slide."""
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    the window only under `use_sliding_window` (4096 when unstated); without `layer_types`, layers from
+    `max_window_layers` on slide. A sliding layer without a window is refused: z-lab's cache cannot hold it."""
+    window = hf.get("sliding_window", QWEN3_SLIDING_WINDOW) if hf.get("use_sliding_window") else None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise OpdError(f"config field 'sliding_window' must be a positive integer, got {window!r}")
     types = hf.get("layer_types")
@@ -263,6 +265,9 @@ def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if bad:
         raise OpdError(f"config field 'layer_types' makes layer {bad[0][0]} {bad[0][1]!r}; DFlash drafters take "
                        f"'{FULL}' or '{SLIDING}'")
+    if window is None and SLIDING in types:  # z-lab's sliding-window cache cannot be built without one
+        raise OpdError(f"config field 'layer_types' makes layer {types.index(SLIDING)} '{SLIDING}' but no window "
+                       "is in force (expected use_sliding_window true and a positive sliding_window)")
     return {"layer_types": list(types), "sliding_window": window, "is_causal": hf.get("is_causal")}
 
 
