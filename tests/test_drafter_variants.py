@@ -26,10 +26,12 @@ from opd.models.drafter import DFlashDrafter
 from opd.models.flops import DrafterParams
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
+from opd.spec import SpecError
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
 from tests.test_drafter import _rms, _rope
 from tests.test_rollout_sources import losses, spec_for
+from tests.test_spec import MINIMAL, make_model_dir, validate_spec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 BLOCK = 4
@@ -123,6 +125,18 @@ def test_save_load_round_trip_is_bit_exact(target, name, tmp_path):
     assert [loaded.config.layer_attention(i) for i in range(2)] == drafter.attention
     saved, restored = drafter.state_dict(), loaded.state_dict()
     assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
+def test_the_spec_reads_a_warm_drafters_block_size_where_zlab_does(tmp_path):
+    """`dflash_config.block_size` wins over the top level, as in z-lab's code (and `DFlashConfig`)."""
+    drafter = make_model_dir(tmp_path / "drafter", {"block_size": 8, "num_hidden_layers": 2,
+                                                    "dflash_config": {"block_size": 16, "target_layer_ids": [1, 3]}})
+    models = {"target_path": "t", "target_num_layers": 6, "drafter_path": drafter,
+              "drafter": {"block_size": 16, "num_layers": 2}}
+    validate_spec({**MINIMAL, "models": models}, check_paths=False)
+    models["drafter"] = {"block_size": 8, "num_layers": 2}
+    with pytest.raises(SpecError, match=r"^models.drafter.block_size: 8 disagrees with the warm drafter's 16"):
+        validate_spec({**MINIMAL, "models": models}, check_paths=False)
 
 
 def test_a_plain_drafters_config_json_is_unchanged(target, tmp_path):
