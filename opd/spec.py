@@ -229,9 +229,11 @@ class ModelsSpec(_Section):
             found = {"block_size": config.get("block_size"), "draft_vocab_size": config.get("draft_vocab_size")}
             ours = {"block_size": self.drafter.block_size, "draft_vocab_size": self.drafter.draft_vocab_size}
         else:
-            dflash = config.get("dflash_config") or {}
-            found = {"block_size": config.get("block_size"), "num_layers": config.get("num_hidden_layers"),
-                     "target_layer_ids": dflash.get("target_layer_ids"), "mask_token_id": dflash.get("mask_token_id")}
+            dflash = config.get("dflash_config") or {}  # read first, then the top level, as z-lab's code does
+            found = {"block_size": dflash.get("block_size", config.get("block_size")),
+                     "num_layers": config.get("num_hidden_layers"),
+                     "target_layer_ids": dflash.get("target_layer_ids", config.get("target_layer_ids")),
+                     "mask_token_id": dflash.get("mask_token_id", config.get("mask_token_id"))}
             ours = {"block_size": self.drafter.block_size, "num_layers": self.drafter.num_layers,
                     "target_layer_ids": self.layer_ids, "mask_token_id": self.drafter.mask_token_id}
         return [f"drafter.{key}: {ours[key]} disagrees with the warm drafter's {found[key]} in "

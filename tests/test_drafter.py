@@ -362,23 +362,34 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
         DFlashDrafter.from_pretrained(tmp_path, target)
 
 
-# The public DFlash code runs a `sliding_attention` layer (or `is_causal: true`) causal with a window; this
-# drafter is full attention, bidirectional in the block, so such configs must be refused, not loaded silently.
+# What z-lab's DFlashDraftModel does not run (DFlash 2, unknown keys and layer types, a `dflash_config.causal` it
+# never reads) must be refused in one line, not loaded to draft wrongly; its variants load
+# (tests/test_drafter_variants.py).
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048},
-         r"'layer_types' makes layer 0 'sliding_attention'; only 'full_attention'"),
+        ({"layer_types": ["chunked_attention", "full_attention"]},
+         r"'layer_types' makes layer 0 'chunked_attention'; DFlash drafters take 'full_attention' or"),
         ({"layer_types": ["full_attention"]}, r"'layer_types' must list 2 layer types"),
-        ({"layer_types": None, "use_sliding_window": True, "sliding_window": 2048, "max_window_layers": 1},
-         r"'use_sliding_window \(sliding_window 2048, max_window_layers 1\)' makes layer 1 'sliding_attention'"),
-        ({"is_causal": True}, r"'is_causal' is True; only block-bidirectional"),
+        ({"use_sliding_window": True, "sliding_window": 0}, r"'sliding_window' must be a positive integer, got 0"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+         r"'layer_types' makes layer 1 'sliding_attention' but no window is in force"),
+        ({"is_causal": "yes"}, r"'is_causal' must be true, false or null, got 'yes'"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "causal": True}},
-         r"'dflash_config\.causal' is True"),
+         r"'dflash_config\.causal' is True, which z-lab's DFlashDraftModel does not read"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "selector_rank": 256}},
-         r"'dflash_config\.selector_rank' belongs to a DFlash variant"),
+         r"'dflash_config\.selector_rank' makes this a DFlash 2 drafter"),
+        ({"architectures": ["DFlash2DraftModel"]}, r"'architectures' makes this a DFlash 2 drafter"),
+        ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "attention_sink_bias": True}},
+         r"'dflash_config\.attention_sink_bias' belongs to a DFlash variant"),
+        ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "output_multiplier": "2"}},
+         r"'dflash_config\.output_multiplier' must be a finite number, got '2'"),
+        ({"final_logit_softcapping": True}, r"'final_logit_softcapping' must be a finite number, got True"),
+        ({"dflash_config": {"target_layer_ids": [0, 2, 3]}}, r"'dflash_config\.mask_token_id' is missing"),
     ],
-    ids=["sliding-layer", "layer-count", "qwen3-sliding-window", "is-causal", "dflash-causal", "dflash2-selector"],
+    ids=["unknown-layer-type", "layer-count", "zero-window", "window-off", "is-causal-not-bool", "dflash-causal",
+         "dflash2-selector", "dflash2-architecture", "unknown-key", "multiplier-not-number", "softcap-bool",
+         "no-mask-token"],
 )
 def test_unsupported_dflash_variants_are_refused_in_one_line(setup, tmp_path, change, message):
     target, *_ = setup

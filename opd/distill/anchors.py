@@ -45,7 +45,7 @@ def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: Se
     context = drafter.project_context(features.to(drafter.fc.weight.dtype))
     valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
     hidden = drafter.forward_blocks(context, valid, block_ids, anchor_positions)
-    drafts = argmax(drafter.lm_head, hidden[0, :, 1:], SLOTS_PER_CHUNK).tolist()
+    drafts = argmax(drafter.student_head, hidden[0, :, 1:], SLOTS_PER_CHUNK).tolist()
     accepted = [_matching_prefix(d, response[a + 1 : a + 1 + k1]) for a, d in zip(pick, drafts)]
     return replace(record, anchors=pick, drafts=drafts, accepted=accepted)
 

@@ -3,14 +3,21 @@
 A drafter directory holds config.json (Qwen3 fields plus `block_size`, `num_target_layers` and `dflash_config`)
 and model.safetensors (tensor names without a `model.` prefix, no embedding and no LM head: those are the
 target's). It is the layout of the public DFlash drafters (z-lab/dflash), so drafters trained here load in
-vLLM/SGLang (`method: dflash`) and public drafters load here. Anything this drafter does not implement (other
-DFlash variants, sliding-window layers, scaled RoPE) is refused with a one-line OpdError naming the field.
+vLLM/SGLang (`method: dflash`) and z-lab's `DFlashDraftModel`, and public drafters load here.
+
+Every variant z-lab's `DFlashDraftModel` (dflash 0.1.0) runs is read with its meaning there: per-layer
+`sliding_attention` with `sliding_window` (Qwen3Config keeps the window only under `use_sliding_window`), the
+top-level `is_causal`, and the scalars `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping`;
+like z-lab's `_draft_value`, a DFlash value is read from `dflash_config` first, then the top level. Anything else
+(DFlash 2's selector and convolutions, other `dflash_config` keys, scaled RoPE) is refused with a one-line
+OpdError naming the field: loading it would draft wrongly, silently.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,11 +26,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from opd.errors import OpdError
+from opd.models.layer_attention import LayerAttention
 from opd.spec import default_target_layer_ids
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+FULL, SLIDING = "full_attention", "sliding_attention"
 # Tensors a checkpoint may carry but that we always take from the target.
 SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
 
@@ -62,6 +71,22 @@ class DFlashConfig:
     target_layer_ids: list[int]
     num_target_layers: int
     attention_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)  # empty: every layer full attention
+    sliding_window: int | None = None  # in force (None unless the config's use_sliding_window)
+    is_causal: bool | None = None  # top-level: every layer's causality; None: sliding layers causal, others not
+    input_embedding_scale: float | None = None  # on the block tokens' embeddings
+    output_multiplier: float | None = None  # on the drafter's logits, then
+    final_logit_softcapping: float | None = None  # cap · tanh(logits / cap) when > 0
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer `layer`'s rule, as z-lab's `Qwen3DFlashAttention` derives it."""
+        sliding = self.layer_types[layer] == SLIDING
+        causal = sliding if self.is_causal is None else self.is_causal
+        return LayerAttention(causal=causal, window=self.sliding_window if sliding else None)
 
     @classmethod
     def for_target(
@@ -113,7 +138,7 @@ class DFlashConfig:
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
             "max_position_embeddings": self.max_position_embeddings,
             "num_attention_heads": self.num_attention_heads,
             "num_hidden_layers": self.num_hidden_layers,
@@ -124,7 +149,22 @@ class DFlashConfig:
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": False,
             "vocab_size": self.vocab_size,
-        }
+        } | self._variant_fields()
+
+    def _variant_fields(self) -> dict[str, Any]:
+        """The variant's fields, only where set, so a plain drafter's config.json is unchanged: the window with
+        `use_sliding_window` (Qwen3Config drops it otherwise), `is_causal` at the top level (where z-lab reads
+        it) and the scalars inside `dflash_config` (where z-lab looks first)."""
+        out: dict[str, Any] = {}
+        if self.sliding_window is not None:
+            out |= {"use_sliding_window": True, "sliding_window": self.sliding_window}
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        scalars = {name: getattr(self, name) for name in SCALAR_KEYS if getattr(self, name) is not None}
+        if scalars:
+            out["dflash_config"] = {"mask_token_id": self.mask_token_id,
+                                    "target_layer_ids": list(self.target_layer_ids)} | scalars
+        return out
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> DFlashConfig:
@@ -139,12 +179,9 @@ class DFlashConfig:
             raise OpdError("config field 'dflash_config' must be an object")
         _check_variant(hf, dflash)
         num_hidden_layers = _int_field(hf, "num_hidden_layers")
-        _check_full_attention(hf, num_hidden_layers)
-        num_target_layers = _int_field(hf if "num_target_layers" in hf else dflash, "num_target_layers")
-        block_size = hf.get("block_size", dflash.get("block_size"))
-        if block_size is None:
-            raise OpdError("config field 'block_size' is missing")
-        layer_ids = dflash.get("target_layer_ids")
+        num_target_layers = _int_field(*_draft_value(hf, dflash, "num_target_layers"))
+        block_size = _int_field(*_draft_value(hf, dflash, "block_size"))
+        layer_ids = _draft_value(hf, dflash, "target_layer_ids")[0].get("target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
         if not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
@@ -162,50 +199,85 @@ class DFlashConfig:
             rope_theta=_rope_theta(hf),
             vocab_size=_int_field(hf, "vocab_size"),
             max_position_embeddings=_int_field(hf, "max_position_embeddings"),
-            block_size=int(block_size),
-            mask_token_id=_int_field(dflash, "mask_token_id", prefix="dflash_config."),
+            block_size=block_size,
+            mask_token_id=_int_field(*_draft_value(hf, dflash, "mask_token_id")),
             target_layer_ids=list(layer_ids),
             num_target_layers=num_target_layers,
             attention_bias=bool(hf.get("attention_bias", False)),
+            **_attention_fields(hf, num_hidden_layers),
+            **{name: _scalar(*_draft_value(hf, dflash, name)) for name in SCALAR_KEYS},
         )
 
 
-# `dflash_config` keys of the model implemented here; others (selector_*, conv_*, projector_type,
-# final_logit_softcapping, input_embedding_scale, ...) belong to other DFlash variants and change the forward.
-DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "causal"})
+# `dflash_config` keys z-lab's DFlashDraftModel reads (and `causal`, which it ignores: refused unless false);
+# DFlash 2's keys (selector_*, conv_*) and any other key change the forward in a way not implemented here.
+SCALAR_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "causal",
+                         *SCALAR_KEYS})
+DFLASH2_KEYS = frozenset({"selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size"})
+DFLASH_HOME = frozenset({"mask_token_id", "target_layer_ids", *SCALAR_KEYS})  # where exports write these
 QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config's default, used when a config enables sliding windows without it
+QWEN3_SLIDING_WINDOW = 4096  # Qwen3Config's default window, in force when use_sliding_window comes without one
+
+
+def _draft_value(hf: dict[str, Any], dflash: dict[str, Any], name: str) -> tuple[dict[str, Any], str, str]:
+    """(the dict holding `name`, name, its field prefix): `dflash_config` first, then the top level, as z-lab's
+    `_draft_value` reads; when neither has it, where the public exports put it (so a missing field is named
+    there)."""
+    if name in dflash or (name not in hf and name in DFLASH_HOME):
+        return dflash, name, "dflash_config."
+    return hf, name, ""
 
 
 def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
     """Refuse DFlash variants this drafter does not implement; loading them would draft wrongly, silently."""
+    architectures = hf.get("architectures") or []
+    dflash2 = sorted(set(dflash) & DFLASH2_KEYS)
+    if "DFlash2DraftModel" in architectures or dflash2:
+        name = f"dflash_config.{dflash2[0]}" if dflash2 else "architectures"
+        raise OpdError(f"config field '{name}' makes this a DFlash 2 drafter (candidate selector, convolutions), "
+                       "which is not supported; DFlash drafters (DFlashDraftModel) are")
     unknown = sorted(set(dflash) - DFLASH_KEYS)
     if unknown:
         raise OpdError(f"config field 'dflash_config.{unknown[0]}' belongs to a DFlash variant this drafter does not "
                        f"implement (supported keys: {', '.join(sorted(DFLASH_KEYS))})")
-    for name, value in (("is_causal", hf.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
-        if value:
-            raise OpdError(f"config field '{name}' is {value!r}; only block-bidirectional DFlash drafters are "
-                           "supported (expected false or absent)")
+    if dflash.get("causal"):
+        raise OpdError(f"config field 'dflash_config.causal' is {dflash['causal']!r}, which z-lab's DFlashDraftModel "
+                       "does not read (expected false or absent; the top-level 'is_causal' sets causal layers)")
+    if hf.get("is_causal") is not None and not isinstance(hf["is_causal"], bool):
+        raise OpdError(f"config field 'is_causal' must be true, false or null, got {hf['is_causal']!r}")
 
 
-def _check_full_attention(hf: dict[str, Any], num_layers: int) -> None:
-    """Every layer must be full attention: a sliding layer runs causal with a window in the public code, which
-    the block mask here does not do. Layer types are read as transformers derives them for Qwen3."""
+def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """layer_types, the window in force and is_causal, as transformers' Qwen3Config resolves them for z-lab:
+    the window only under `use_sliding_window` (4096 when unstated); without `layer_types`, layers from
+    `max_window_layers` on slide. A sliding layer without a window is refused: z-lab's cache cannot hold it."""
+    window = hf.get("sliding_window", QWEN3_SLIDING_WINDOW) if hf.get("use_sliding_window") else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise OpdError(f"config field 'sliding_window' must be a positive integer, got {window!r}")
     types = hf.get("layer_types")
     if types is None:
-        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         first = hf.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(num_layers)]
-        field = f"use_sliding_window (sliding_window {window}, max_window_layers {first})"
-    else:
-        field = "layer_types"
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         raise OpdError(f"config field 'layer_types' must list {num_layers} layer types, got {types!r}")
-    bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
+    bad = [(i, t) for i, t in enumerate(types) if t not in (FULL, SLIDING)]
     if bad:
-        raise OpdError(f"config field '{field}' makes layer {bad[0][0]} {bad[0][1]!r}; only 'full_attention' "
-                       "DFlash drafters are supported (sliding-window layers would run without their causal window)")
+        raise OpdError(f"config field 'layer_types' makes layer {bad[0][0]} {bad[0][1]!r}; DFlash drafters take "
+                       f"'{FULL}' or '{SLIDING}'")
+    if window is None and SLIDING in types:  # z-lab's sliding-window cache cannot be built without one
+        raise OpdError(f"config field 'layer_types' makes layer {types.index(SLIDING)} '{SLIDING}' but no window "
+                       "is in force (expected use_sliding_window true and a positive sliding_window)")
+    return {"layer_types": list(types), "sliding_window": window, "is_causal": hf.get("is_causal")}
+
+
+def _scalar(d: dict[str, Any], name: str, prefix: str) -> float | None:
+    value = d.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise OpdError(f"config field '{prefix}{name}' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def check_vllm_capturable(config: DFlashConfig) -> None:
@@ -219,6 +291,8 @@ def check_vllm_capturable(config: DFlashConfig) -> None:
 
 def _int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
     value = d.get(name)
+    if value is None:
+        raise OpdError(f"config field '{prefix}{name}' is missing")
     if not isinstance(value, int) or isinstance(value, bool):
         raise OpdError(f"config field '{prefix}{name}' must be an integer, got {value!r}")
     return value

@@ -10,6 +10,10 @@ How it works (DFlash, arXiv 2602.06036; public code z-lab/dflash):
   hidden states at block positions 1..K-1 go through the target's LM head: K-1 draft tokens per forward.
 * The drafter owns no embedding and no LM head; it borrows the target's (frozen) ones by reference, so they are
   neither parameters nor checkpoint tensors of the drafter.
+* Variants (z-lab's `DFlashDraftModel`): a layer may be causal and/or windowed (`LayerAttention`, per layer, on
+  top of the block rule above, in decoding and training alike), the block's embeddings may be scaled
+  (`input_embedding_scale`) and the logits scaled and soft-capped (`DraftHead`), which is the drafter's q wherever
+  it is formed: drafts, the losses, SFT.
 
 The checkpoint layout (config.json + model.safetensors) is the public one, so drafters trained here load in
 vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/models/dflash_format.py` reads and writes it,
@@ -33,6 +37,7 @@ from opd.models.dflash_format import (
     write_checkpoint,
 )
 from opd.models.drafter_cache import DrafterCache
+from opd.models.layer_attention import LayerAttention
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
 from opd.models.target import Target
 
@@ -157,6 +162,28 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DraftHead(nn.Module):
+    """The target's LM head followed by a variant's logit transform: × `multiplier`, then `cap` · tanh(· / cap),
+    in the logits' dtype and in z-lab's order (`compute_logits`), so argmax drafts match z-lab's bit for bit."""
+
+    def __init__(self, lm_head: nn.Linear, multiplier: float | None, cap: float | None) -> None:
+        super().__init__()
+        self.lm_head, self.multiplier, self.cap = lm_head, multiplier, cap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The head's weight (callers cast hidden rows to its dtype)."""
+        return self.lm_head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.cap is not None and self.cap > 0:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The drafter
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,6 +199,11 @@ class DFlashDrafter(nn.Module):
         self.config = config
         # A tuple is not registered by nn.Module: the shared modules stay out of parameters() and state_dict().
         self._shared = (embed_tokens, lm_head)
+        head = lm_head
+        if config.output_multiplier is not None or config.final_logit_softcapping is not None:
+            head = DraftHead(lm_head, config.output_multiplier, config.final_logit_softcapping)
+        self._student_head = (head,)
+        self.attention = [config.layer_attention(i) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -206,9 +238,10 @@ class DFlashDrafter(nn.Module):
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
 
     @property
-    def student_head(self) -> nn.Linear:
-        """Hidden -> the drafter's logits: the target's frozen LM head, which the loss applies chunk by chunk."""
-        return self.lm_head
+    def student_head(self) -> nn.Module:
+        """Hidden -> the drafter's logits (its q): the target's frozen LM head, with a variant's logit transform
+        (`DraftHead`); the loss applies it chunk by chunk."""
+        return self._student_head[0]
 
     @property
     def teacher_head(self) -> nn.Linear:
@@ -237,7 +270,7 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Token logits from final (already normed) drafter hidden states."""
-        return self.lm_head(hidden)
+        return self.student_head(hidden)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.fc.weight.dtype)
@@ -252,12 +285,14 @@ class DFlashDrafter(nn.Module):
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor | BlockChunks,
+        masks: list[torch.Tensor] | list[BlockChunks],
     ) -> torch.Tensor:
-        """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers."""
+        """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers (`masks`: one per layer)."""
         cos, sin = self._rope(block_positions)
         h = self.embed_tokens(block_ids)
-        for layer, kv in zip(self.layers, context_kv):
+        if self.config.input_embedding_scale is not None:
+            h = h * self.config.input_embedding_scale
+        for layer, kv, mask in zip(self.layers, context_kv, masks):
             h = layer(h, cos, sin, kv, mask)
         return self.norm(h)
 
@@ -284,9 +319,9 @@ class DFlashDrafter(nn.Module):
         block_positions = (anchor_positions[:, :, None] + offsets).reshape(batch, -1)
         context_positions = torch.arange(context.shape[1], device=context.device).expand(batch, -1)
         chunks = BlockChunks.of(context_valid, anchor_positions, block_size, chunk_rows)
-        hidden = self._run_blocks(
-            block_ids.reshape(batch, -1), block_positions, self._context_kv(context, context_positions), chunks
-        )
+        hidden = self._run_blocks(block_ids.reshape(batch, -1), block_positions,
+                                  self._context_kv(context, context_positions),
+                                  [chunks.for_layer(attention) for attention in self.attention])
         return hidden.view(batch, num_blocks, block_size, hidden.shape[-1])
 
     def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
@@ -338,8 +373,8 @@ class DFlashDrafter(nn.Module):
         )
         block_ids[:, 0] = anchor_ids
         block_positions = anchor_positions[:, None] + offsets
-        mask = _block_mask(cache.visible_before(anchor_positions), block_size)
-        hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), mask)
+        masks = _block_masks(cache, anchor_positions, block_size, self.attention)
+        hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks)
         logits = self.logits(hidden[:, 1:])
         return logits.argmax(dim=-1), logits
 
@@ -358,9 +393,16 @@ class DFlashDrafter(nn.Module):
         return drafter
 
 
-def _block_mask(sees_context: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Bool mask [B,1,K,C+K] for one block per row (decoding): the block sees the cached context it may
-    (`DrafterCache.visible_before`, [B,C]) and all of itself."""
-    sees_context = sees_context[:, None, :].expand(-1, block_size, -1)
-    sees_block = sees_context.new_ones(len(sees_context), block_size, block_size)
-    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+def _block_masks(cache: DrafterCache, anchor_positions: torch.Tensor, block_size: int,
+                 attention: list[LayerAttention]) -> list[torch.Tensor]:
+    """Bool masks [B,1,K,C+K] for one block per row (decoding), one per layer: the block sees the cached context
+    it may (`DrafterCache.visible_before`) and all of itself, narrowed by each layer's rule (built once per rule)."""
+    sees_context = cache.visible_before(anchor_positions)[:, None, :].expand(-1, block_size, -1)
+    base = torch.cat([sees_context, sees_context.new_ones(len(sees_context), block_size, block_size)], dim=-1)
+    query = anchor_positions[:, None] + torch.arange(block_size, device=anchor_positions.device)  # [B,K]
+    keys = torch.cat([cache.positions, query], dim=1)  # [B,C+K]
+    masks: dict[LayerAttention, torch.Tensor] = {}
+    for rule in attention:
+        if rule not in masks:
+            masks[rule] = base if rule.plain else base & rule.sees(query[:, :, None], keys[:, None, :])
+    return [masks[rule][:, None] for rule in attention]

@@ -21,6 +21,8 @@ processes, with the weights that token actually passes through. The convention:
   each layer's K and V projections (EAGLE-3: its whole layer); every block token (DFlash: K per block, anchor
   included; EAGLE-3: its K-2 chain steps) through the decoder layers; every drafted slot whose logits are formed
   (K-1 per block, or the loss's slots in training) through the head (EAGLE-3's own head is trained: 6x, not 4x).
+  A DFlash variant's sliding window and causal layers narrow only attention's length term, left out above, and
+  its embedding scale and logit transform are elementwise: it counts what the plain drafter of its shape counts.
 - Every composite formula (a decoder's, a sampler's, the rebuild's) is a function below; callers only count tokens.
 - Monitoring is not training compute: held-out evaluation and the scorer's expected-acceptance diagnostic are
   not counted.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
+from opd.models.layer_attention import LayerAttention
 
 CHUNK_ROWS = 1024  # block query rows per attention call: bounds its mask at CHUNK_ROWS x (prefix + CHUNK_ROWS)
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
@@ -205,32 +206,44 @@ _register()
 @dataclass(frozen=True)
 class BlockChunks:
     """The drafter's training attention: M blocks of K rows per batch row, block m seeing the valid context
-    positions before anchors[b, m] and its whole own block (DFlash blocks are bidirectional), run a chunk of
-    blocks at a time. Context index == position (`forward_blocks`' contract)."""
+    positions before anchors[b, m] and its own block, run a chunk of blocks at a time. Context index == position
+    (`forward_blocks`' contract). `attention` is the layer's rule on top (z-lab's causality and sliding window,
+    opd/models/layer_attention.py); the plain DFlash layer sees its whole own block. A windowed layer's chunk skips
+    the context keys that no query of the chunk can reach."""
 
     context_valid: torch.Tensor  # [B, C] bool
     anchors: torch.Tensor  # [B, M]
     block_size: int
-    chunks: tuple[tuple[int, int, int], ...]  # (first block, end block, context keys seen)
+    chunks: tuple[tuple[int, int, int, int], ...]  # (first block, end block, lowest anchor, context keys seen)
+    attention: LayerAttention = LayerAttention()
 
     @classmethod
     def of(cls, context_valid: torch.Tensor, anchors: torch.Tensor, block_size: int,
            chunk_rows: int = CHUNK_ROWS) -> BlockChunks:
-        """Plan the chunks; reads the anchors' per-block maximum once (one host sync per forward)."""
+        """Plan the chunks; reads the anchors' per-block extremes once (one host sync per forward)."""
         per, num_blocks, context = max(1, chunk_rows // block_size), anchors.shape[1], context_valid.shape[1]
-        ends = anchors.amax(0).tolist() if anchors.numel() else []
-        chunks = tuple((m, min(m + per, num_blocks), min(context, max(ends[m : m + per])))
+        highs, lows = torch.stack([anchors.amax(0), anchors.amin(0)]).tolist() if anchors.numel() else ([], [])
+        chunks = tuple((m, min(m + per, num_blocks), min(lows[m : m + per]), min(context, max(highs[m : m + per])))
                        for m in range(0, num_blocks, per))
         return cls(context_valid.bool(), anchors, block_size, chunks)
 
-    def chunk_mask(self, first: int, end: int, keys: int) -> torch.Tensor:
-        """Bool [B, 1, rows, keys + rows] for blocks first..end-1 over [context 0..keys-1; their own rows]."""
+    def for_layer(self, attention: LayerAttention) -> BlockChunks:
+        """The same plan under one layer's rule."""
+        return replace(self, attention=attention)
+
+    def chunk_mask(self, first: int, end: int, lo: int, keys: int) -> torch.Tensor:
+        """Bool [B, 1, rows, keys - lo + rows] for blocks first..end-1 over [context lo..keys-1; their own rows]."""
         device = self.anchors.device
-        block = torch.arange((end - first) * self.block_size, device=device) // self.block_size
+        rows = torch.arange((end - first) * self.block_size, device=device)
+        block, offset = rows // self.block_size, rows % self.block_size
         anchors = self.anchors[:, first:end][:, block]  # [B, rows]
-        sees_context = self.context_valid[:, None, :keys] & (
-            torch.arange(keys, device=device)[None, None, :] < anchors[:, :, None])
+        context_positions = torch.arange(lo, keys, device=device)
+        sees_context = self.context_valid[:, None, lo:keys] & (context_positions[None, None, :] < anchors[:, :, None])
         sees_own = (block[:, None] == block[None, :]).expand(len(anchors), -1, -1)
+        if not self.attention.plain:
+            positions = anchors + offset  # [B, rows]
+            sees_context = sees_context & self.attention.sees(positions[:, :, None], context_positions[None, None, :])
+            sees_own = sees_own & self.attention.sees(offset[:, None], offset[None, :])
         return torch.cat([sees_context, sees_own], dim=2)[:, None]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -240,18 +253,19 @@ class BlockChunks:
         With autograd on, each chunk is checkpointed: backward keeps only its output and recomputes the chunk's
         keys and mask, so what training holds stays linear in the blocks instead of chunks x context."""
         outs = []
-        for first, end, keys in self.chunks:
+        for first, end, low_anchor, keys in self.chunks:
+            lo = min(self.attention.first_key(low_anchor), keys)
             if torch.is_grad_enabled():
-                outs.append(checkpoint(self._chunk, q, k, v, *context_kv, first, end, keys, scale,
+                outs.append(checkpoint(self._chunk, q, k, v, *context_kv, first, end, lo, keys, scale,
                                        use_reentrant=False))
             else:
-                outs.append(self._chunk(q, k, v, *context_kv, first, end, keys, scale))
+                outs.append(self._chunk(q, k, v, *context_kv, first, end, lo, keys, scale))
         return torch.cat(outs, dim=2) if outs else torch.zeros_like(q)
 
     def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_k: torch.Tensor,
-               context_v: torch.Tensor, first: int, end: int, keys: int, scale: float) -> torch.Tensor:
-        """Blocks first..end-1 against [context 0..keys-1; their own rows]."""
+               context_v: torch.Tensor, first: int, end: int, lo: int, keys: int, scale: float) -> torch.Tensor:
+        """Blocks first..end-1 against [context lo..keys-1; their own rows]."""
         r0, r1 = first * self.block_size, end * self.block_size
-        keys_k = torch.cat([context_k[:, :, :keys], k[:, :, r0:r1]], dim=2)
-        keys_v = torch.cat([context_v[:, :, :keys], v[:, :, r0:r1]], dim=2)
-        return grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, self.chunk_mask(first, end, keys), scale)
+        keys_k = torch.cat([context_k[:, :, lo:keys], k[:, :, r0:r1]], dim=2)
+        keys_v = torch.cat([context_v[:, :, lo:keys], v[:, :, r0:r1]], dim=2)
+        return grouped_sdpa(q[:, :, r0:r1], keys_k, keys_v, self.chunk_mask(first, end, lo, keys), scale)
