@@ -1,4 +1,5 @@
-"""The frozen target model: any Hugging Face causal LM, plus the hidden-state features a DFlash drafter reads.
+"""The frozen target model: a Hugging Face causal LM of full-attention layers (README "Target families"), plus the
+hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
