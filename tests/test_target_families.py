@@ -29,11 +29,10 @@ from opd.errors import OpdError
 from opd.models.flops import TargetParams
 from opd.models.target import Target, load_target
 from opd.sources.rebuild import rebuild_records
-from opd.spec import SamplingSpec
 from opd.tiny.micro import micro_drafter
 from tests.test_decoding import (EOS, MASK, MIXED_PROMPTS, PROMPT, chi_square, constant_drafter, exact_joint,
                                  sampled_joint)
-from tests.test_offline_eval import draw_samples, offline
+from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
 FAMILIES = ("qwen3", "llama", "qwen3_moe")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
@@ -116,14 +115,13 @@ def test_offline_tau_equals_decoded_tau(family, tmp_path):
     gen = torch.Generator().manual_seed(0)
     prompts = [Prompt(f"p{i}", "", torch.randint(0, 6, (int(torch.randint(1, 6, (1,), generator=gen)),),
                                                    generator=gen).tolist()) for i in range(12)]
-    settings = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=5)]
     s = SimpleNamespace(target=family.target, prompts=prompts, path=tmp_path / "samples.jsonl",
                         tokenizer=SimpleNamespace(eos_token_id=EOS))
-    draw_samples(family.target, family.drafter, prompts, s.path, settings)
+    draw_samples(family.target, family.drafter, prompts, s.path, SETTINGS)  # greedy and sampled
 
     def decoded_tau(drafter) -> dict[str, float]:
-        rows = evaluate(Models(family.target, drafter, s.tokenizer), prompts, settings, max_new_tokens=24,
-                        batch_size=12, seed=0, baseline=False)
+        rows = evaluate(Models(family.target, drafter, s.tokenizer), prompts, SETTINGS, max_new_tokens=MAX_NEW,
+                        batch_size=12, seed=SEED, baseline=False)
         return {r.sampling: r.tau for r in rows}
 
     drew, other = decoded_tau(family.drafter), decoded_tau(family.other)
