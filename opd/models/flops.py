@@ -6,7 +6,8 @@ processes, with the weights that token actually passes through. The convention:
 - A forward costs 2 x (weights a token passes through) per token; a training forward + backward costs 6x for
   trainable weights (activation and weight gradients) and 4x for the frozen shared LM head (activation gradient
   only). Embedding lookups and attention's sequence-length term are left out: small at these lengths, and alike
-  for every arm. A mixture-of-experts target is counted as dense (all experts), an overestimate for every arm.
+  for every arm. A mixture-of-experts target counts the experts a token passes through (`num_experts_per_tok`
+  of them), not all of them.
 - Only real tokens count, not padding: a batch's padding is an artefact of how it was batched (micro-batch size,
   the longest row), not of the method.
 - Target (`TargetParams`): every token its decoder runs passes through the body (decoder layers); only the
@@ -50,14 +51,32 @@ class TargetParams:
 
     @classmethod
     def of(cls, model: nn.Module) -> TargetParams:
-        """Everything but the input embedding and the LM head is body; the head counts even when tied."""
+        """Everything but the input embedding and the LM head is body, the routed experts at the share a token
+        passes through; the head counts even when tied."""
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        body = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
-        return cls(body, head.numel())
+        experts, (per_token, total) = _expert_params(model), _experts_per_token(model.config)
+        body = sum(p.numel() for p in model.parameters()
+                   if p is not embed and p is not head and id(p) not in experts)
+        return cls(body + sum(p.numel() for p in experts.values()) * per_token // total, head.numel())
 
     def forward(self, tokens: int, logits: int = 0) -> float:
         """FLOPs of a forward over `tokens` tokens forming `logits` rows of logits."""
         return 2.0 * (self.body * tokens + self.head * logits)
+
+
+def _experts_per_token(config) -> tuple[int, int]:
+    """(experts a token is routed to, experts per layer) of a mixture-of-experts config; (1, 1) for a dense one."""
+    text = config.get_text_config(decoder=True)
+    total = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    per_token = getattr(text, "num_experts_per_tok", None)
+    return (int(per_token), int(total)) if total and per_token else (1, 1)
+
+
+def _expert_params(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The routed experts' weights, by id: transformers names the module that holds all of a layer's experts
+    `experts` (a shared expert, which every token passes through, is named otherwise)."""
+    return {id(p): p for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"
+            for p in module.parameters()}
 
 
 @dataclass(frozen=True)

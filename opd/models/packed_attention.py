@@ -15,11 +15,14 @@ GQA: masked calls fold each key/value head's G query heads into the query axis (
 values are never copied, on every SDPA kernel and torch version (SDPA's `enable_gqa` with a mask drops CUDA to
 the math kernel); the unmasked causal prefix uses `enable_gqa`, which the flash kernels take.
 
-The teacher is a Hugging Face model. Its decoder forwards a dict mask {layer type: X} unchanged to every layer's
-attention function, looked up by name from `config._attn_implementation` in HF's `AttentionInterface`. Importing
-this module registers, under the existing names ("sdpa", "eager", "flash_attention_2"), wrappers that run the
-packed path when X is a `PackedRows` and otherwise call the original function unchanged. So a flash-attention
-target replays packed rows without its shared config ever being switched (actors run two threads on one model).
+The teacher is a Hugging Face model, and models differ in the masks their forwards take: Qwen3's takes a dict
+{layer type: mask}, Llama's and Qwen3-MoE's one mask. What every decoder takes is a prepared 4-D mask: HF's mask
+builders (`create_causal_mask` and its sliding-window sibling) return one unchanged, and the decoder hands it to every
+layer's attention function, looked up by name from `config._attn_implementation` in HF's `AttentionInterface`. So
+the layout travels as `PackedMask`, a 4-D bool tensor of no memory that carries its `PackedRows`. Importing this
+module registers, under the existing names ("sdpa", "eager", "flash_attention_2"), wrappers that run the packed
+path for a `PackedMask` and otherwise call the original function unchanged. So a flash-attention target replays
+packed rows without its shared config ever being switched (actors run two threads on one model).
 """
 
 from __future__ import annotations
@@ -149,6 +152,14 @@ class PackedRows:
     def to(self, device: torch.device | str) -> PackedRows:
         return PackedRows(tuple(r.to(device) for r in self.rows), self.length, self.cached)
 
+    def as_mask(self, device: torch.device | str) -> PackedMask:
+        """This layout as the 4-D mask [B, 1, L, cached + L] every HF decoder passes through to its layers: a
+        stride-0 view of one False (no memory), so only the wrappers below, which read the layout, can use it."""
+        shape = (len(self.rows), 1, self.length, self.cached + self.length)
+        mask = torch.zeros((), dtype=torch.bool, device=device).expand(shape).as_subclass(PackedMask)
+        mask.packed_rows = self
+        return mask
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float | None) -> torch.Tensor:
         """HF's attention contract: q [B, H, L, d], k/v [B, kv, cached + L, d] -> [B, L, H, d]."""
@@ -165,16 +176,22 @@ class PackedRows:
         return out
 
 
+class PackedMask(torch.Tensor):
+    """A `PackedRows` layout in the form of a prepared 4-D attention mask (`PackedRows.as_mask`): a tensor is what
+    HF's mask builders pass through unchanged, whichever form of mask the model's forward builds."""
+
+    packed_rows: PackedRows  # (`layout` is taken: every tensor has one)
+
+
 def _packed_or(original: Callable[..., Any]) -> Callable[..., Any]:
-    """An HF attention function that runs `PackedRows` itself and hands every other mask to `original`."""
+    """An HF attention function that runs a `PackedMask`'s rows itself and hands every other mask to
+    `original`."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if not isinstance(attention_mask, PackedRows):
+        if not isinstance(attention_mask, PackedMask):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        if kwargs.get("sliding_window") is not None:
-            raise OpdError("packed replay: sliding-window attention layers are not supported")
-        return attention_mask.attend(query, key, value, kwargs.get("scaling")), None
+        return attention_mask.packed_rows.attend(query, key, value, kwargs.get("scaling")), None
 
     attention.packed_original = original
     return attention

@@ -1,4 +1,5 @@
-"""The frozen target model: any Hugging Face causal LM, plus the hidden-state features a DFlash drafter reads.
+"""The frozen target model: a Hugging Face causal LM of full-attention layers (README "Target families"), plus the
+hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
@@ -48,6 +49,10 @@ class KVPrefix:
 class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
+    Its attention layers must all be full attention without sinks (Qwen3, Llama, Qwen3-MoE; README "Target
+    families"): the decoder's per-row cache packing and packed replay are exact for those alone, so any other layer
+    kind is refused here, before any compute.
+
     The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
     layer HF reports the output *after* the final norm, so that id is captured from the final norm to stay
     identical to what the public DFlash code feeds its drafters.
@@ -64,6 +69,7 @@ class Target(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self._check_layer_ids()
+        _check_layer_kinds(model)
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
@@ -177,12 +183,12 @@ class Target(nn.Module):
         return hook
 
     def _prepare_mask(self, mask: torch.Tensor | PackedRows | None) -> Any:
-        """A `PackedRows` goes to every layer as HF's per-layer-type mask dict, which the decoder forwards unchanged
-        to the attention functions `opd.models.packed_attention` wraps. A dense 4-D mask reaches sdpa as is and
-        eager as an additive mask; flash-attn has no custom masks."""
+        """A `PackedRows` goes to every layer as a `PackedMask`, a prepared 4-D mask, which every HF decoder
+        forwards unchanged to the attention functions `opd.models.packed_attention` wraps. A dense 4-D mask reaches
+        sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
         config = self.model.config
         if isinstance(mask, PackedRows):
-            return {kind: mask for kind in set(getattr(config, "layer_types", None) or ["full_attention"])}
+            return mask.as_mask(self.device)
         if mask is None or mask.dim() != 4:
             return mask
         implementation = config._attn_implementation
@@ -193,6 +199,22 @@ class Target(nn.Module):
             additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
             return additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
         return mask
+
+
+def _check_layer_kinds(model: nn.Module) -> None:
+    """Refuse, in one line naming them, the layer kinds nothing here makes exact yet: each layer's kind as
+    transformers' own caches read it from the config (sliding-window, linear-attention, ... layers), and attention
+    sinks (a learned logit per head that enters every softmax, which packed replay would leave out)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    kinds = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
+    other = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds if kind != "full_attention"}
+    problems = [f"layers {layers} are '{kind}'" for kind, layers in other.items()]
+    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
+        problems.append("its attention has sinks")
+    if problems:
+        raise OpdError(f"target {type(model).__name__}: {'; '.join(problems)}; only full-attention layers without "
+                       "sinks are supported (README: Target families)")
 
 
 def _cache_argument_name(model: nn.Module) -> str:
@@ -218,9 +240,12 @@ def load_target(
         raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")
     if not (Path(path) / "config.json").is_file():
         raise OpdError(f"target model: {path}/config.json not found (expected a local HF model directory)")
+    # transformers' default experts kernel (grouped_mm) takes no float64; its eager loop does, and a dense model
+    # ignores the setting
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True, **experts
         )
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

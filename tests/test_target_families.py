@@ -1,0 +1,256 @@
+"""Full-attention target families other than Qwen3 (Llama, Qwen3-MoE) work end to end, exactly, through
+transformers' own model classes and caches; the families with other layer kinds are refused in one line.
+
+Each target is built here from transformers' config classes: 6 layers, GQA, float64 (no argmax ties) with an
+8-token vocabulary for the exactness tests, float32 with the micro tokenizer's vocabulary for `opd run`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from transformers import (GptOssConfig, GptOssForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig,
+                          LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+from opd.cli import main
+from opd.data.prompts import Prompt
+from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.dense_reference import dense_teacher_masks
+from opd.distill.replay import CommittedView, packed_inputs, score
+from opd.errors import OpdError
+from opd.models.flops import TargetParams
+from opd.models.target import Target, load_target
+from opd.sources.rebuild import rebuild_records
+from opd.tiny.micro import micro_drafter
+from tests.test_decoding import (EOS, MASK, MIXED_PROMPTS, PROMPT, chi_square, constant_drafter, exact_joint,
+                                 sampled_joint)
+from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
+
+FAMILIES = ("qwen3", "llama", "qwen3_moe")
+LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
+EXACT = 1e-10
+
+
+def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """A random HF causal LM of `family`, from transformers' own config and model classes."""
+    common = dict(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4, max_position_embeddings=512,
+                  tie_word_embeddings=False, attn_implementation="sdpa")
+    moe = dict(num_experts=EXPERTS, num_experts_per_tok=PER_TOKEN, moe_intermediate_size=HIDDEN // 2,
+               experts_implementation="eager")  # transformers' grouped_mm experts take no float64
+    builders = {
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common)),
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**common)),
+        "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, **moe)),
+        "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(**common | {"attn_implementation": "eager"},  # no sdpa
+                                                          num_local_experts=EXPERTS, num_experts_per_tok=PER_TOKEN)),
+        "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(**common)),
+        "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common)),
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builders[family]().to(dtype)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> SimpleNamespace:
+    target = Target(family_model(request.param), LAYER_IDS)
+    return SimpleNamespace(name=request.param, target=target,
+                           drafter=micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK),
+                           other=micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK))
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+
+def test_greedy_speculative_decode_equals_generate(family):
+    """The target's own `generate()` (HF's loop and cache), one prompt at a time, is the reference. Drafting the
+    token it emits most, rows of one batch accept every length from none to all, so the cache is rolled back by
+    different amounts per row."""
+    expected = [family.target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                                              eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt) :].tolist()
+                for prompt in MIXED_PROMPTS]
+    mode = Counter(token for response in expected for token in response).most_common(1)[0][0]
+    records = SpeculativeDecoder(family.target, constant_drafter(family.target, mode), eos_id=EOS).generate(
+        MIXED_PROMPTS, Sampling(), max_new_tokens=16)
+    assert [r.response_ids for r in records] == expected
+    assert {0, 3} <= {r for rec in records for r in rec.accepted}
+
+
+def test_sampling_is_lossless(family):
+    """The joint law of the first three emitted tokens at T=1 equals the target's own (chi-square, 4k samples)."""
+    sampling, n = Sampling(temperature=1.0), 4_000
+    counts = sampled_joint(family.target, family.drafter, PROMPT, sampling, n, length=3)
+    stat, critical = chi_square(counts, exact_joint(family.target, PROMPT, sampling, 3, EOS), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_rebuild_from_text_equals_decoded_blocks(family):
+    accepted = 0
+    for sampling in (Sampling(), Sampling(temperature=1.0)):
+        decoded = SpeculativeDecoder(family.target, family.drafter, eos_id=EOS).generate(
+            MIXED_PROMPTS, sampling, max_new_tokens=16, seed=3)
+        samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
+        rebuilt = rebuild_records(family.target, family.drafter, samples, batch_size=3)
+        assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted)
+                                                                        for r in decoded]
+        accepted += sum(sum(r.accepted) for r in decoded)
+    assert accepted > 0  # some drafts were accepted, so the walk took steps longer than one
+
+
+def test_offline_tau_equals_decoded_tau(family, tmp_path):
+    """Samples drawn by one drafter; the drafter that drew them gets its decoded τ at every setting, another
+    drafter gets its own decoded τ on the greedy samples (offline evaluation: opd/eval/offline.py)."""
+    from opd.eval.online import evaluate
+    from opd.models.build import Models
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [Prompt(f"p{i}", "", torch.randint(0, 6, (int(torch.randint(1, 6, (1,), generator=gen)),),
+                                                   generator=gen).tolist()) for i in range(12)]
+    s = SimpleNamespace(target=family.target, prompts=prompts, path=tmp_path / "samples.jsonl",
+                        tokenizer=SimpleNamespace(eos_token_id=EOS))
+    draw_samples(family.target, family.drafter, prompts, s.path, SETTINGS)  # greedy and sampled
+
+    def decoded_tau(drafter) -> dict[str, float]:
+        rows = evaluate(Models(family.target, drafter, s.tokenizer), prompts, SETTINGS, max_new_tokens=MAX_NEW,
+                        batch_size=12, seed=SEED, baseline=False)
+        return {r.sampling: r.tau for r in rows}
+
+    drew, other = decoded_tau(family.drafter), decoded_tau(family.other)
+    assert {k: r.tau for k, r in offline(s, family.drafter).items()} == pytest.approx(drew, abs=1e-12)
+    assert offline(s, family.other)["greedy"].tau == pytest.approx(other["greedy"], abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ replay
+
+
+@pytest.fixture(scope="module")
+def records(family) -> list[SequenceRecord]:
+    decoder = SpeculativeDecoder(family.target, family.drafter, eos_id=EOS)
+    return decoder.generate(MIXED_PROMPTS[:4], Sampling(temperature=1.0), max_new_tokens=16, seed=4)
+
+
+def test_packed_replay_equals_the_dense_reference(family, records):
+    """Every packed row (prefix and drafted blocks, in one forward and over the text's cached keys) equals the
+    forward under the dense [L, L] packed mask of opd/distill/dense_reference.py."""
+    target, k = family.target, family.drafter.block_size
+    packed, ids, positions, layout = packed_inputs(records, k, "draft_opd", chunk_rows=5)
+    ref = target.hidden_states(ids, attention_mask=dense_teacher_masks(packed, k, ids.shape[1]),
+                               position_ids=positions)[0]
+    got = target.hidden_states(ids, attention_mask=layout, position_ids=positions)[0]
+    view = CommittedView.of(target, records, k, keep_kv=True)
+    cached = view.states(target, packed, "draft_opd", k)[0]  # the text, then the block rows alone
+    text = view.hidden.shape[1]
+    for b, p in enumerate(packed):
+        n, blocks = len(p.ids), len(p.ids) - p.prefix_len
+        assert (got[b, :n] - ref[b, :n]).abs().max() < EXACT
+        assert (cached[b, : p.prefix_len] - ref[b, : p.prefix_len]).abs().max() < EXACT
+        if blocks:
+            assert (cached[b, text : text + blocks] - ref[b, p.prefix_len : n]).abs().max() < EXACT
+    assert sum(len(p.ids) - p.prefix_len for p in packed) > 0
+
+
+def test_scored_teacher_equals_one_forward_per_block(family, records):
+    """What the learner reads: the teacher at every drafted slot equals a plain causal forward of that block's
+    own text (the committed prefix to its anchor, then its drafts), with the shared text forward or without."""
+    target, k = family.target, family.drafter.block_size
+    plain = score(target, records, block_size=k).teacher
+    shared = score(target, records, block_size=k, view=CommittedView.of(target, records, k, keep_kv=True)).teacher
+    i = 0
+    for rec in records:
+        committed = rec.prompt_ids + rec.response_ids
+        for anchor, draft in zip(rec.anchors, rec.drafts):
+            a = len(rec.prompt_ids) + anchor
+            alone = target.hidden_states(torch.tensor([committed[: a + 1] + draft[: k - 2]]))[0][0, a:]
+            assert (plain[i] - alone).abs().max() < EXACT and (shared[i] - alone).abs().max() < EXACT
+            i += 1
+    assert i == len(plain) > 0
+
+
+def test_a_float64_moe_target_loads_with_experts_it_can_run(tmp_path):
+    """The exactness checks run targets in float64, which transformers' default experts kernel refuses."""
+    family_model("qwen3_moe", dtype=torch.float32).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), dtype=torch.float64, layer_ids=LAYER_IDS)
+    assert target(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float64
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+
+
+def test_moe_flops_count_the_experts_each_token_passes_through():
+    """A Qwen3-MoE token passes through the router and `num_experts_per_tok` of `num_experts` experts."""
+    model = family_model("qwen3_moe")
+    params = TargetParams.of(model)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    others = sum(p.numel() for name, p in model.named_parameters()
+                 if ".mlp.experts." not in name and not name.endswith(("embed_tokens.weight", "lm_head.weight")))
+    assert experts > 0 and params.body == others + experts * PER_TOKEN // EXPERTS
+    dense = family_model("qwen3")
+    assert TargetParams.of(dense).body == sum(p.numel() for p in dense.model.layers.parameters()) + HIDDEN
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(("family_name", "kind"), [
+    ("gpt_oss", r"layers \[0, 2, 4\] are 'sliding_attention'; its attention has sinks"),
+    ("gemma4", r"layers \[0, 1, 2, 3, 4\] are 'sliding_attention'"),
+    ("qwen3_5", r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'"),
+])
+def test_other_layer_kinds_are_refused_in_one_line(family_name, kind):
+    with pytest.raises(OpdError, match=kind) as error:
+        Target(family_model(family_name, dtype=torch.float32), LAYER_IDS)
+    assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------------------------------------ opd run
+
+
+@pytest.fixture(scope="module")
+def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
+    """The family's target in float32 over the micro tokenizer's vocabulary, saved with that tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
+    model = family_model(family.name, vocab_size=len(tokenizer), dtype=torch.float32)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    root = tmp_path_factory.mktemp(family.name)
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    return {**micro_assets, "target": str(root / "target")}
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory) -> str:
+    """One MLflow store for every run here: creating a store (its schema migrations) costs more than a run."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.mark.parametrize("source", ["speculative", "target"])
+def test_opd_run_two_steps(family_run_assets, tracking_uri, source, tmp_path, capsys):
+    assets = family_run_assets
+    spec = {
+        "name": "family", "seed": 0, "engine": "local", "steps": 2,
+        "models": {"target_path": assets["target"], "dtype": "float32",
+                   "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": LAYER_IDS}},
+        "data": {"train_prompts": assets["train"], "eval_prompts": assets["heldout"], "max_prompt_tokens": 200},
+        "rollout": {"batch_size": 2, "max_new_tokens": 8, "temperature": 1.0, "source": source},
+        "optim": {"lr": 1e-3, "batch_size": 2, "micro_batch_size": 2, "warmup_ratio": 0.0},
+        "tracking": {"run_dir": str(tmp_path / "run"), "uri": tracking_uri, "checkpoint_every": 2},
+        "eval": {"every": 0, "num_prompts": 2, "max_new_tokens": 4, "batch_size": 2,
+                 "sampling": [{"name": "greedy", "temperature": 0.0}]},
+    }
+    path = tmp_path / "family.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["run", str(path)]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["checkpoint"].endswith("step-0000002")  # both updates trained
+    assert [r["sampling"] for r in summary["before"] + summary["after"]] == ["greedy", "greedy"]
