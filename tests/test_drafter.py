@@ -175,7 +175,7 @@ def test_decoder_layer_matches_hf_qwen3_layer_without_context():
     want = target.model(ids, output_hidden_states=True).hidden_states[1]
     h = target.embed_tokens(ids)
     positions = torch.arange(7)[None]
-    cos, sin = drafter._rope(positions)
+    cos, sin = drafter._rope(positions)[0]
     empty = h.new_zeros(1, drafter.config.num_key_value_heads, 0, drafter.config.head_dim)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():

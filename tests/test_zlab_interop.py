@@ -41,7 +41,16 @@ TINY_VARIANTS = {
                        "is_causal": False,
                        "dflash_config": {"output_multiplier": 0.196, "final_logit_softcapping": 20.0, "block_size": 8}},
 }
-DRAFTERS = ["shipped", *TINY_VARIANTS]
+# Scaled RoPE as public drafters carry it (gpt-oss's: YaRN; Llama 3.1's: llama3), with the original context short
+# enough that the scaling changes the tiny prompts' rotations, and two RoPEs by layer type (Gemma's form).
+ROPE_VARIANTS = {
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 32}},
+    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32}},
+}
+DRAFTERS = ["shipped", *TINY_VARIANTS, *ROPE_VARIANTS]
 
 
 def test_every_variant_is_checked_here():
@@ -64,7 +73,7 @@ def saved(tiny, tmp_path_factory):
     target, _ = tiny
     shipped = DFlashDrafter.from_pretrained(DRAFTER, target)
     out = {"shipped": (shipped, DRAFTER)}
-    for name, change in TINY_VARIANTS.items():
+    for name, change in {**TINY_VARIANTS, **ROPE_VARIANTS}.items():
         config = DFlashConfig.from_hf_dict(with_change(shipped.config.to_hf_dict(), change))
         drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head)
         drafter.load_state_dict(shipped.state_dict())

@@ -8,9 +8,12 @@ vLLM/SGLang (`method: dflash`) and z-lab's `DFlashDraftModel`, and public drafte
 Every variant z-lab's `DFlashDraftModel` (dflash 0.1.0) runs is read with its meaning there: per-layer
 `sliding_attention` with `sliding_window` (Qwen3Config keeps the window only under `use_sliding_window`), the
 top-level `is_causal`, and the scalars `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping`;
-like z-lab's `_draft_value`, a DFlash value is read from `dflash_config` first, then the top level. Anything else
-(DFlash 2's selector and convolutions, other `dflash_config` keys, scaled RoPE) is refused with a one-line
-OpdError naming the field: loading it would draft wrongly, silently.
+like z-lab's `_draft_value`, a DFlash value is read from `dflash_config` first, then the top level. RoPE is read as
+transformers 5 configs carry it (`rope_parameters`, or the older `rope_scaling` and `rope_theta`): any type whose
+frequencies are fixed when the model is built (default, linear, YaRN, llama3, proportional), flat or per layer type,
+and the drafter takes its tables from transformers' own RoPE initialisation (opd/models/drafter.py). Anything else
+(DFlash 2's selector and convolutions, other `dflash_config` keys, RoPE that rescales with the sequence length) is
+refused with a one-line OpdError naming the field: loading it would draft wrongly, silently.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class DFlashConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope_parameters: dict[str, Any]  # flat (every layer), or per drafter layer type: {layer_type: parameters}
     vocab_size: int
     max_position_embeddings: int
     block_size: int
@@ -82,6 +85,16 @@ class DFlashConfig:
         if not self.layer_types:
             self.layer_types = [FULL] * self.num_hidden_layers
 
+    @property
+    def rope_theta(self) -> float:
+        """The RoPE base of a flat configuration (what a plain Qwen3 rotary table needs)."""
+        return float(self.rope_parameters["rope_theta"])
+
+    def rope_of(self, layer: int) -> dict[str, Any]:
+        """Layer `layer`'s RoPE parameters (its type's entry when they are given per layer type)."""
+        kind = self.layer_types[layer]
+        return self.rope_parameters[kind] if kind in self.rope_parameters else self.rope_parameters
+
     def layer_attention(self, layer: int) -> LayerAttention:
         """Layer `layer`'s rule, as z-lab's `Qwen3DFlashAttention` derives it."""
         sliding = self.layer_types[layer] == SLIDING
@@ -96,10 +109,16 @@ class DFlashConfig:
         block_size: int,
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
+        input_embedding_scale: float | None = None,
     ) -> DFlashConfig:
-        """A drafter as wide as the target (DFlash copies the target's attention and MLP shapes)."""
-        hf = target_hf_config.to_dict()
-        _check_activation(hf)
+        """A drafter as wide as the target (DFlash copies the target's attention and MLP shapes), carrying what the
+        public drafters of the target's family carry: the target's RoPE (its full-attention entry when the target
+        gives RoPE per layer type), its final-logit softcapping and, as `input_embedding_scale`, the factor its own
+        embedding scales rows by (`shared_head.embedding_scale`; Gemma's sqrt(hidden)). The drafter's MLP is
+        SwiGLU whatever the target's activation, as in z-lab's drafters for Gemma."""
+        text = target_hf_config.get_text_config(decoder=True) if hasattr(target_hf_config, "get_text_config") \
+            else target_hf_config
+        hf = text.to_dict()
         num_target_layers = int(hf["num_hidden_layers"])
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
@@ -111,7 +130,7 @@ class DFlashConfig:
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
             rms_norm_eps=float(hf["rms_norm_eps"]),
-            rope_theta=_rope_theta(hf),
+            rope_parameters=_target_rope(hf),
             vocab_size=int(hf["vocab_size"]),
             max_position_embeddings=int(hf["max_position_embeddings"]),
             block_size=int(block_size),
@@ -119,13 +138,15 @@ class DFlashConfig:
             target_layer_ids=[int(i) for i in target_layer_ids],
             num_target_layers=num_target_layers,
             attention_bias=bool(hf.get("attention_bias", False)),
+            input_embedding_scale=input_embedding_scale,
+            final_logit_softcapping=_scalar(hf, "final_logit_softcapping", ""),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The public config.json: Qwen3 fields plus `block_size`, `num_target_layers` and `dflash_config`.
 
-        RoPE is written both the transformers-4 way (`rope_theta`) and the transformers-5 way
-        (`rope_parameters`) so either generation of loaders reads it.
+        RoPE is written the transformers-5 way (`rope_parameters`) and, when flat, also the transformers-4 way
+        (`rope_theta`, with `rope_scaling` for a scaled type) so either generation of loaders reads it.
         """
         return {
             "architectures": [ARCHITECTURE],
@@ -145,11 +166,17 @@ class DFlashConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "num_target_layers": self.num_target_layers,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_theta": self.rope_theta,
+            "rope_parameters": json.loads(json.dumps(self.rope_parameters)),  # a deep copy: loaders fill it in
             "tie_word_embeddings": False,
             "vocab_size": self.vocab_size,
-        } | self._variant_fields()
+        } | self._rope_v4_fields() | self._variant_fields()
+
+    def _rope_v4_fields(self) -> dict[str, Any]:
+        """Flat RoPE as transformers 4 reads it; per-layer-type RoPE has no transformers-4 form."""
+        if "rope_type" not in self.rope_parameters:
+            return {}
+        scaled = self.rope_parameters["rope_type"] != "default"
+        return {"rope_theta": self.rope_theta} | ({"rope_scaling": dict(self.rope_parameters)} if scaled else {})
 
     def _variant_fields(self) -> dict[str, Any]:
         """The variant's fields, only where set, so a plain drafter's config.json is unchanged: the window with
@@ -188,6 +215,7 @@ class DFlashConfig:
             raise OpdError("config field 'dflash_config.target_layer_ids' must be a list of integers")
         num_heads = _int_field(hf, "num_attention_heads")
         hidden_size = _int_field(hf, "hidden_size")
+        attention = _attention_fields(hf, num_hidden_layers)
         return cls(
             hidden_size=hidden_size,
             intermediate_size=_int_field(hf, "intermediate_size"),
@@ -196,7 +224,7 @@ class DFlashConfig:
             num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf),
+            rope_parameters=_rope_parameters(hf, attention["layer_types"]),
             vocab_size=_int_field(hf, "vocab_size"),
             max_position_embeddings=_int_field(hf, "max_position_embeddings"),
             block_size=block_size,
@@ -204,7 +232,7 @@ class DFlashConfig:
             target_layer_ids=list(layer_ids),
             num_target_layers=num_target_layers,
             attention_bias=bool(hf.get("attention_bias", False)),
-            **_attention_fields(hf, num_hidden_layers),
+            **attention,
             **{name: _scalar(*_draft_value(hf, dflash, name)) for name in SCALAR_KEYS},
         )
 
@@ -299,7 +327,8 @@ def _int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
-    """RoPE base from either config generation; only plain (unscaled) RoPE is implemented."""
+    """RoPE base from either config generation, for a drafter that implements plain (unscaled) RoPE only
+    (EAGLE-3's)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -308,6 +337,56 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     if theta is None:
         raise OpdError("config field 'rope_theta' is missing")
     return float(theta)
+
+
+# RoPE types whose frequencies transformers fixes when the model is built; `dynamic` and `longrope` rescale them
+# with the sequence length in the rotary forward, which a drafter drafting one block at a time does not reproduce.
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # a multimodal target's position sections: not a drafter's
+
+
+def _rope_parameters(hf: dict[str, Any], layer_types: list[str]) -> dict[str, Any]:
+    """A drafter config's RoPE: `rope_parameters` (else `rope_scaling`) with `rope_theta` filled in, flat or one
+    entry per drafter layer type, every type one that transformers fixes at build time."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise OpdError(f"config field 'rope_parameters' must be an object, got {params!r}")
+    nested = {kind: params[kind] for kind in set(layer_types) if kind in params}
+    if not nested:
+        return _flat_rope(params, hf.get("rope_theta"), "rope_parameters")
+    missing = sorted(set(layer_types) - nested.keys())
+    if missing:
+        raise OpdError(f"config field 'rope_parameters' gives RoPE per layer type but not for '{missing[0]}'")
+    return {kind: _flat_rope(entry, hf.get("rope_theta"), f"rope_parameters.{kind}") for kind, entry in nested.items()}
+
+
+def _flat_rope(params: Any, theta: Any, name: str) -> dict[str, Any]:
+    if not isinstance(params, dict):
+        raise OpdError(f"config field '{name}' must be an object, got {params!r}")
+    out = {k: v for k, v in params.items() if k != "type"}
+    out["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if out["rope_type"] not in ROPE_TYPES:
+        raise OpdError(f"config field '{name}.rope_type' is {out['rope_type']!r}; supported: {', '.join(ROPE_TYPES)} "
+                       "(RoPE fixed when the model is built)")
+    out.setdefault("rope_theta", theta)
+    if not isinstance(out["rope_theta"], (int, float)) or isinstance(out["rope_theta"], bool):
+        raise OpdError("config field 'rope_theta' is missing" if out["rope_theta"] is None else
+                       f"config field '{name}.rope_theta' must be a number, got {out['rope_theta']!r}")
+    out["rope_theta"] = float(out["rope_theta"])
+    return out
+
+
+def _target_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE a drafter for this target takes: the target's, or its full-attention entry when the target gives
+    RoPE per layer type (a drafter's layers are full attention), less what rotates only part of a head or only a
+    multimodal section (z-lab's drafter rotates whole heads); a proportional RoPE keeps its factor, which shapes
+    its frequencies over the whole head."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if isinstance(params, dict) and FULL in params:
+        params = params[FULL]
+    rope = _flat_rope(params, hf.get("rope_theta"), "rope_parameters")
+    drop = MROPE_KEYS + (() if rope["rope_type"] == "proportional" else ("partial_rotary_factor",))
+    return {k: v for k, v in rope.items() if k not in drop}
 
 
 def _check_activation(hf: dict[str, Any]) -> None:

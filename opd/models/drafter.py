@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opd.errors import OpdError
 from opd.models.dflash_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -70,6 +71,33 @@ def rope_cos_sin(
     angles = positions.to(compute)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), from transformers' own RoPE
+    initialisation (`ROPE_INIT_FUNCTIONS`, on the Qwen3 config z-lab's drafter is built from), so YaRN, llama3 and
+    the other scaled types rotate exactly as in z-lab's `Qwen3RotaryEmbedding`. Plain RoPE stays `rope_cos_sin`'s
+    (float64 when the drafter is: the tests' exact references)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope["rope_type"] == "default":
+        return torch.tensor([]), 1.0
+    hf = Qwen3Config(**{**config.to_hf_dict(), "rope_parameters": dict(rope), "rope_scaling": None})
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, None)
+    if inv_freq.numel() != config.head_dim // 2:
+        raise OpdError(f"config field 'rope_parameters' rotates {2 * inv_freq.numel()} of {config.head_dim} head "
+                       "dims (a partial_rotary_factor); the DFlash drafter rotates whole heads")
+    return inv_freq, float(scaling)
+
+
+def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """cos/sin [B,T,head_dim] of a scaled RoPE, as transformers' rotary forward forms them (float32 angles, times
+    the attention scaling)."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,6 +232,10 @@ class DFlashDrafter(nn.Module):
             head = DraftHead(lm_head, config.output_multiplier, config.final_logit_softcapping)
         self._student_head = (head,)
         self.attention = [config.layer_attention(i) for i in range(config.num_hidden_layers)]
+        ropes = [config.rope_of(i) for i in range(config.num_hidden_layers)]
+        self._ropes = [rope for i, rope in enumerate(ropes) if rope not in ropes[:i]]  # the distinct ones
+        self._rope_index = [self._ropes.index(rope) for rope in ropes]
+        self._rope_frequencies = [rope_frequencies(config, rope) for rope in self._ropes]
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -272,13 +304,18 @@ class DFlashDrafter(nn.Module):
         """Token logits from final (already normed) drafter hidden states."""
         return self.student_head(hidden)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.fc.weight.dtype)
+    def _rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin tables at `positions`, formed once per distinct RoPE."""
+        dtype = self.fc.weight.dtype
+        tables = [scaled_cos_sin(positions, inv_freq, scaling, dtype) if inv_freq.numel() else
+                  rope_cos_sin(positions, self.config.head_dim, rope["rope_theta"], dtype)
+                  for rope, (inv_freq, scaling) in zip(self._ropes, self._rope_frequencies)]
+        return [tables[i] for i in self._rope_index]
 
     def _context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's own K/V projection of the one shared context stream."""
-        cos, sin = self._rope(positions)
-        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+        return [layer.self_attn.project_kv(context, cos, sin)
+                for layer, (cos, sin) in zip(self.layers, self._rope(positions))]
 
     def _run_blocks(
         self,
@@ -288,11 +325,13 @@ class DFlashDrafter(nn.Module):
         masks: list[torch.Tensor] | list[BlockChunks],
     ) -> torch.Tensor:
         """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers (`masks`: one per layer)."""
-        cos, sin = self._rope(block_positions)
-        h = self.embed_tokens(block_ids)
+        rope = self._rope(block_positions)
+        # the embedding's rows as stored, scaled by the drafter's own factor (z-lab's `_raw_input_embeddings`): a
+        # target embedding that scales its rows itself (Gemma's) and the learner's plain copy of it then agree
+        h = F.embedding(block_ids, self.embed_tokens.weight)
         if self.config.input_embedding_scale is not None:
             h = h * self.config.input_embedding_scale
-        for layer, kv, mask in zip(self.layers, context_kv, masks):
+        for layer, kv, mask, (cos, sin) in zip(self.layers, context_kv, masks, rope):
             h = layer(h, cos, sin, kv, mask)
         return self.norm(h)
 
