@@ -38,6 +38,7 @@ import torch
 from opd.decoding.record import SequenceRecord
 from opd.distill.losses import TopKTeacher, topk_teacher
 from opd.models.family import Drafter
+from opd.models.lm_head import teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, PackedRow, PackedRows
 from opd.models.target import KVPrefix, Target
 from opd.zero_copy import ZeroCopy
@@ -258,7 +259,7 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
     rows = torch.arange(len(packed), device=device)[:, None, None]
     slots = hidden[rows, slot_index.to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]
     teacher = (slots.cpu().contiguous() if teacher_topk is None else
-               _to_cpu(topk_teacher(target.lm_head, slots, temperature=teacher_temperature, topk=teacher_topk)))
+               _to_cpu(topk_teacher(teacher_head(target), slots, temperature=teacher_temperature, topk=teacher_topk)))
     prefix = batch["context_valid"].shape[1]
     return ScoredBatch(features=features[:, :prefix].cpu().contiguous(), teacher=teacher, **batch)
 

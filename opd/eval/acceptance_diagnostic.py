@@ -10,6 +10,7 @@ from opd.decoding.sampling import Sampling
 from opd.distill.replay import score
 from opd.eval.expected import ExpectedAcceptance, record_drafts, teacher_acceptance
 from opd.models.build import Models
+from opd.models.lm_head import teacher_head
 
 
 class Diagnosis:
@@ -27,7 +28,7 @@ class Diagnosis:
             return
         target = self.models.target
         teacher = score(target, records, block_size=self.models.drafter.block_size).teacher
-        for name, a in teacher_acceptance(drafts, teacher, target.lm_head, self.settings).items():
+        for name, a in teacher_acceptance(drafts, teacher, teacher_head(target), self.settings).items():
             self.acceptance[name].append(a)
         self.blocks += blocks
 

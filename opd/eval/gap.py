@@ -26,7 +26,7 @@ import torch
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling, target_probs
 from opd.eval.ceiling import text_states
-from opd.models.lm_head import SLOTS_PER_CHUNK, map_slots
+from opd.models.lm_head import SLOTS_PER_CHUNK, map_slots, teacher_head
 from opd.models.target import Target
 
 OUTCOMES = ("both", "lost", "won", "neither")
@@ -57,7 +57,7 @@ def slot_facts(target: Target, samples: list[SequenceRecord], sampling: Sampling
 
     out = []
     for _, hidden in text_states(target, samples, batch_size):
-        argmax, top1, entropy = map_slots(target.lm_head, hidden, reduce, SLOTS_PER_CHUNK)
+        argmax, top1, entropy = map_slots(teacher_head(target), hidden, reduce, SLOTS_PER_CHUNK)
         out.append(SlotFacts(argmax.cpu(), top1.float().cpu(), entropy.float().cpu()))
     return out
 

@@ -13,7 +13,8 @@ from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import Eagle3Config
 from opd.models.family import Drafter, checkpoint_kind
-from opd.models.shared_head import SharedHead, load_shared_head
+from opd.models.lm_head import teacher_head
+from opd.models.shared_head import SharedHead, embedding_scale, load_shared_head
 from opd.models.target import Target, load_target
 from opd.spec import DrafterSpec, ExperimentSpec
 
@@ -130,8 +131,9 @@ def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer,
             return Eagle3Drafter(config, target.embed_tokens, target.lm_head).to(target.device)
         config = DFlashConfig.for_target(target.config, num_layers=d.num_layers, block_size=d.block_size,
                                          mask_token_id=mask_token_id(tokenizer, d.mask_token_id),
-                                         target_layer_ids=target.layer_ids)
-        return DFlashDrafter(config, target.embed_tokens, target.lm_head).to(target.device)
+                                         target_layer_ids=target.layer_ids,
+                                         input_embedding_scale=embedding_scale(target.embed_tokens))
+        return DFlashDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target)).to(target.device)
 
 
 def draft_vocab_size(drafter: DrafterSpec, vocab_size: int) -> int:

@@ -39,7 +39,9 @@ from opd.models.dflash_format import (
 )
 from opd.models.drafter_cache import DrafterCache
 from opd.models.layer_attention import LayerAttention
+from opd.models.lm_head import softcap, teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
+from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ class DraftHead(nn.Module):
         if self.multiplier is not None:
             logits = logits * self.multiplier
         if self.cap is not None and self.cap > 0:
-            logits = torch.tanh(logits / self.cap) * self.cap
+            logits = softcap(logits, self.cap)
         return logits
 
 
@@ -220,7 +222,10 @@ class DraftHead(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (by reference, not as submodules)."""
 
-    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 teacher: nn.Module | None = None) -> None:
+        """`teacher`: the target's head as its forward forms logits (`lm_head.teacher_head`: soft-capped where the
+        target caps), default `lm_head`."""
         super().__init__()
         if embed_tokens.weight.shape != (config.vocab_size, config.hidden_size):
             raise ValueError(f"embed_tokens {tuple(embed_tokens.weight.shape)} does not fit the drafter config")
@@ -231,6 +236,7 @@ class DFlashDrafter(nn.Module):
         if config.output_multiplier is not None or config.final_logit_softcapping is not None:
             head = DraftHead(lm_head, config.output_multiplier, config.final_logit_softcapping)
         self._student_head = (head,)
+        self._teacher_head = (teacher if teacher is not None else lm_head,)
         self.attention = [config.layer_attention(i) for i in range(config.num_hidden_layers)]
         ropes = [config.rope_of(i) for i in range(config.num_hidden_layers)]
         self._ropes = [rope for i, rope in enumerate(ropes) if rope not in ropes[:i]]  # the distinct ones
@@ -276,9 +282,10 @@ class DFlashDrafter(nn.Module):
         return self._student_head[0]
 
     @property
-    def teacher_head(self) -> nn.Linear:
-        """Target final-norm hidden -> the teacher's logits in the drafter's vocabulary: the same head."""
-        return self.lm_head
+    def teacher_head(self) -> nn.Module:
+        """Target final-norm hidden -> the teacher's logits in the drafter's vocabulary: the target's head, with the
+        target's own softcapping."""
+        return self._teacher_head[0]
 
     def trainable_slots(self, teacher: torch.Tensor) -> torch.Tensor | None:
         """Which slots of a teacher [N, K-1, H] the drafter can learn: all (it drafts the whole vocabulary)."""
@@ -424,10 +431,11 @@ class DFlashDrafter(nn.Module):
         write_checkpoint(directory, self.config, self.state_dict(), self.fc.weight.dtype)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Target) -> DFlashDrafter:
+    def from_pretrained(cls, directory: str | Path, target: Target | SharedHead) -> DFlashDrafter:
         """Load a public-layout DFlash checkpoint for `target`; any mismatch raises a one-line OpdError."""
         directory = Path(directory)
-        drafter = cls(read_config(directory / CONFIG_FILE, target), target.embed_tokens, target.lm_head)
+        drafter = cls(read_config(directory / CONFIG_FILE, target), target.embed_tokens, target.lm_head,
+                      teacher_head(target))
         drafter.load_state_dict(read_tensors(directory / WEIGHTS_FILE, drafter.state_dict()))
         return drafter
 

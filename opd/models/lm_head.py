@@ -6,6 +6,10 @@ something vocabulary-sized (the losses, SFT, random-anchor drafts, top-k teacher
 goes through here: it forms the logits of `chunk` rows, reduces them with the caller's function (an argmax, top-k
 log-probs, a per-row loss) and drops them before the next chunk.
 
+A target that soft-caps its logits (Gemma's `final_logit_softcapping`) applies the cap in its forward, after the
+head: `teacher_head` is its head with that cap, so a teacher formed from final-norm hidden states is the target's
+own distribution.
+
 `map_slots` is for reductions without gradient. `chunked_loss` is sum_r coef_r loss_r with the gradient w.r.t. the
 hidden rows: each chunk's gradient is taken right away, so only one chunk's vocabulary-sized tensors (and their
 autograd graph) are alive at a time; backward hands back the stored row gradients.
@@ -14,6 +18,7 @@ autograd graph) are alive at a time; backward hands back the stored row gradient
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +30,35 @@ SLOTS_PER_CHUNK = 256
 # (logits [C, V] of rows `part`, part) -> one result per row, [C, ...] (or a tuple of them)
 Reduce = Callable[[torch.Tensor, slice], torch.Tensor | tuple[torch.Tensor, ...]]
 RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]  # (logits [C, V] of rows `part`, part) -> loss per row [C]
+
+
+class SoftcappedHead(nn.Module):
+    """An LM head followed by cap · tanh(logits / cap), in the logits' dtype and transformers' order."""
+
+    def __init__(self, lm_head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.lm_head, self.cap = lm_head, cap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The head's weight (callers cast hidden rows to its dtype)."""
+        return self.lm_head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return softcap(self.lm_head(hidden), self.cap)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(logits / cap): logits bounded by ±cap, nearly unchanged well inside."""
+    return torch.tanh(logits / cap) * cap
+
+
+def teacher_head(target: Any) -> nn.Module:
+    """Final-norm hidden -> the target's logits: a `Target`'s or `SharedHead`'s LM head, soft-capped where the
+    target's config caps its logits (`final_logit_softcapping`, Gemma's 30)."""
+    config = target.config.get_text_config(decoder=True)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return SoftcappedHead(target.lm_head, float(cap)) if cap else target.lm_head
 
 
 def apply_head(head: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ exact distribution from shipped hidden states); everything else of the target li
 actors. Loading the whole target into the learner would cost its full size in GPU memory for nothing: ~8 GB at
 Qwen3-4B, ~61 GB at Qwen3-30B-A3B. `load_shared_head` reads exactly those two tensors from the target's
 safetensors files (one file, or shards listed in model.safetensors.index.json); with `tie_word_embeddings` the
-LM head is the embedding itself. A `SharedHead` stands in for a `Target` wherever a drafter is built
+LM head is the embedding itself. A family that scales its embedding's rows (Gemma, by sqrt(hidden)) does it in its
+embedding module; the plain copy here keeps that factor as the module's `scalar_embed_scale`, as transformers' own
+scaled embeddings name it, so `embedding_scale` reads the same from a `SharedHead` as from a `Target`. A `SharedHead` stands in for a `Target` wherever a drafter is built
 (`DFlashDrafter.from_pretrained`, `read_config`, `DFlashConfig.for_target`).
 """
 
@@ -46,15 +48,35 @@ class SharedHead:
         return self.embed_tokens.weight.device
 
 
+def embedding_scale(embed: nn.Module) -> float | None:
+    """The factor a target's embedding multiplies its rows by (transformers' scaled embeddings keep it as
+    `scalar_embed_scale`); None for a plain embedding. A drafter built for the target takes it as its
+    `input_embedding_scale`, as the public drafters for such families do."""
+    scale = getattr(embed, "scalar_embed_scale", None)
+    return None if scale is None or float(scale) == 1.0 else float(scale)
+
+
+def skeleton(config: Any) -> nn.Module:
+    """The causal LM of `config` on the meta device: its module tree and parameter names, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], device: str = "cpu") -> SharedHead:
     """Read the embedding and LM head of the HF causal LM directory `path`, and nothing else of its weights."""
     config = _config(path)
     _check_layer_ids(layer_ids, int(config.num_hidden_layers))  # before reading any weights
-    embed_names, head_names, head_bias = _parameter_names(config)
+    model = skeleton(config)
+    embed_names, head_names, head_bias = _parameter_names(model)
     files = _weight_files(Path(path))
     embed_weight = _read(files, embed_names, path, "input embedding")
     embed = nn.Embedding(*embed_weight.shape, device="meta")
     embed.weight = nn.Parameter(embed_weight.to(device=device, dtype=dtype), requires_grad=False)
+    scale = embedding_scale(model.get_input_embeddings())
+    if scale is not None:
+        embed.scalar_embed_scale = scale
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head_weight = embed.weight if tied else nn.Parameter(
         _read(files, head_names, path, "LM head").to(device=device, dtype=dtype), requires_grad=False)
@@ -82,13 +104,9 @@ def _config(path: str) -> Any:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
 
 
-def _parameter_names(config: Any) -> tuple[list[str], list[str], bool]:
+def _parameter_names(model: nn.Module) -> tuple[list[str], list[str], bool]:
     """The checkpoint names of the embedding and LM head weights (every alias a tied model has), and whether the
-    head has a bias, from the model class's skeleton on the meta device (no memory, any HF architecture)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    head has a bias, from the model class's `skeleton` (any HF architecture)."""
     named = list(model.named_parameters(remove_duplicate=False))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     embed_names = [n for n, p in named if p is embed.weight]

@@ -11,6 +11,8 @@ import torch
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import Eagle3Config, draft_vocab
+from opd.models.lm_head import teacher_head
+from opd.models.shared_head import embedding_scale
 from opd.models.target import Target
 from opd.spec import default_target_layer_ids
 
@@ -60,10 +62,11 @@ def micro_drafter(
         block_size=block_size,
         mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
         target_layer_ids=target.layer_ids,
+        input_embedding_scale=embedding_scale(target.embed_tokens),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head)
+        drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
     return drafter
 
 

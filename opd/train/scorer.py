@@ -26,6 +26,7 @@ from opd.distill.replay import CommittedView, ScoredBatch, pack, replay_mode, sc
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, TargetParams, rebuild_flops
+from opd.models.lm_head import teacher_head
 from opd.sources.rebuild import rebuild_records
 from opd.spec import ExperimentSpec
 from opd.train.messages import AnchorBatch, ScoredItem
@@ -122,7 +123,7 @@ class Scorer:
         drafts, _ = record_drafts(records)  # every block in replay's order: micro-batch by micro-batch
         if replay_mode(self.spec) != "draft_opd" or not settings or not len(drafts):
             return {}
-        parts = [teacher_acceptance(d, mb.teacher, self.target.lm_head, settings,
+        parts = [teacher_acceptance(d, mb.teacher, teacher_head(self.target), settings,
                                     teacher_temperature=self.spec.replay.teacher_temperature)
                  for d, mb in zip(drafts.split([mb.num_blocks for mb in micro]), micro)]
         return {name: torch.cat([part[name] for part in parts]) for name in settings}
