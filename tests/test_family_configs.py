@@ -10,6 +10,8 @@ target's own forward caps its logits. Targets come from transformers' config cla
 from __future__ import annotations
 
 import math
+import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from opd.cli import main
 from opd.errors import OpdError
 from opd.models.dflash_format import FULL, SLIDING, DFlashConfig
 from opd.models.drafter import DFlashDrafter
@@ -172,3 +175,26 @@ def test_the_learners_shared_head_keeps_the_scale_and_cap_and_builds_the_same_dr
     drafter = micro_drafter(shared, num_layers=1)
     assert drafter.teacher_head(hidden).abs().max() < CAP
     assert drafter.config.input_embedding_scale == embedding_scale(model.get_input_embeddings())
+
+
+# ------------------------------------------------------------------------------------------------ preflight
+
+
+REFUSED = [("gpt_oss", r"layers \[0, 2, 4\] are 'sliding_attention'; its attention has sinks"),
+           ("gemma4", r"layers \[0, 1, 2, 3, 4\] are 'sliding_attention'"),
+           ("qwen3_5", r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'")]
+
+
+@pytest.mark.parametrize(("family_name", "kind"), REFUSED)
+def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_alone(
+        family_name, kind, micro_assets, micro_spec_file, tmp_path, capsys):
+    """The target directory holds config.json and the tokenizer, no weights: the refusal comes from the config,
+    by `Target`'s rule, before anything would load."""
+    target = tmp_path / family_name
+    shutil.copytree(micro_assets["target"], target, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    family_model(family_name, vocab_size=128, dtype=torch.float32).config.save_pretrained(target)
+    for command in ("validate", "train"):
+        assert main([command, str(micro_spec_file), "--set", f"models.target_path={target}"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert re.search(kind, err) and "only full-attention layers" in err

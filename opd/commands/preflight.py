@@ -4,7 +4,8 @@ A bad prompt line or a truncated checkpoint found inside a Ray actor's construct
 output, minutes in; found here it is one `OpdError` line in seconds. The checks read what is cheap to read even
 for a Qwen3-sized run on a CPU-only head node: the tokenizer, every prompt, the configs, and the safetensors
 headers (which safetensors checks against the file's length, so a truncated file is caught without reading the
-weights). `opd validate`, `opd train` and `opd run` all call `check_inputs`.
+weights). A target whose layer kinds nothing here runs exactly (sliding windows, sinks, linear attention) is
+refused from its config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inputs`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
                        f"(expected auto, or GPUs for every role)")
     tokenizer = load_tokenizer(m.tokenizer)
     target = check_target(m.target_path, m.layer_ids or [])
+    check_layer_kinds_of(m.target_path)
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
@@ -75,6 +77,21 @@ def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
     elif (Path(path) / "model.safetensors").is_file():
         check_safetensors(Path(path) / "model.safetensors")
     return shape
+
+
+def check_layer_kinds_of(path: str) -> None:
+    """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly (README: Target families),
+    by `Target`'s own rule applied to the model class's skeleton built from config.json: no weights are read, so
+    a gpt-oss, Gemma 4 or Qwen3.5 run ends here in seconds rather than when an actor loads the target."""
+    from opd.models.shared_head import skeleton, target_config
+    from opd.models.target import check_layer_kinds
+
+    config = target_config(path)
+    try:
+        model = skeleton(config)
+    except (ValueError, KeyError, ImportError) as exc:
+        raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
+    check_layer_kinds(model)
 
 
 def check_drafter(path: str, target: SimpleNamespace, block_size: int) -> None:

@@ -66,7 +66,7 @@ def skeleton(config: Any) -> nn.Module:
 
 def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], device: str = "cpu") -> SharedHead:
     """Read the embedding and LM head of the HF causal LM directory `path`, and nothing else of its weights."""
-    config = _config(path)
+    config = target_config(path)
     _check_layer_ids(layer_ids, int(config.num_hidden_layers))  # before reading any weights
     model = skeleton(config)
     embed_names, head_names, head_bias = _parameter_names(model)
@@ -93,7 +93,8 @@ def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
         raise OpdError(f"target layer_ids {layer_ids}: expected non-empty ids in [0, {num_layers})")
 
 
-def _config(path: str) -> Any:
+def target_config(path: str) -> Any:
+    """The target's transformers config, from its config.json alone (a one-line OpdError when unreadable)."""
     from transformers import AutoConfig
 
     if not (Path(path) / "config.json").is_file():

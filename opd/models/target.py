@@ -69,7 +69,7 @@ class Target(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self._check_layer_ids()
-        _check_layer_kinds(model)
+        check_layer_kinds(model)
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
@@ -201,7 +201,7 @@ class Target(nn.Module):
         return mask
 
 
-def _check_layer_kinds(model: nn.Module) -> None:
+def check_layer_kinds(model: nn.Module) -> None:
     """Refuse, in one line naming them, the layer kinds nothing here makes exact yet: each layer's kind as
     transformers' own caches read it from the config (sliding-window, linear-attention, ... layers), and attention
     sinks (a learned logit per head that enters every softmax, which packed replay would leave out)."""
