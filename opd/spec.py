@@ -257,6 +257,9 @@ class DataSpec(_Section):
     # Passed to the chat template (Qwen3's thinking switch): false adds an empty think block to the generation
     # prompt, true thinks; null = the template's default (Qwen3 thinks). Responses keep the thinking whole.
     enable_thinking: bool | None = None
+    # The reasoning level of templates that take one instead of on/off (gpt-oss's `reasoning_effort`, or
+    # `reasoning_strength` where the template reads that; opd/data/render.py); null = the template's default.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # Prompts in train_prompts (its non-blank lines), which a run length in `epochs` is counted over: read from the
     # file when it exists, else as written (so `opd validate --no-path-check` can size a cluster run); a written
     # value must agree with the file, or the epochs would silently mean another number of rollout batches.
@@ -268,6 +271,9 @@ class DataSpec(_Section):
         if self.render == "raw" and self.enable_thinking is not None:
             issues.append(f"enable_thinking: {str(self.enable_thinking).lower()} but render is raw, which has no "
                           "template to pass it to (expected render: chat, or enable_thinking: null)")
+        if self.render == "raw" and self.reasoning_effort is not None:
+            issues.append(f"reasoning_effort: {self.reasoning_effort} but render is raw, which has no template to "
+                          "pass it to (expected render: chat, or reasoning_effort: null)")
         lines = _count_lines(Path(self.train_prompts))
         if lines is not None and self.train_pool_size is None:
             self.train_pool_size = lines

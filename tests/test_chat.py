@@ -124,7 +124,7 @@ def test_chat_without_a_template_and_a_thinking_switch_that_does_nothing_are_ref
     plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no thinking switch
     load_prompts(chat_assets["train"], plain, max_prompt_tokens=512, rendering=CHAT)
     for thinking in (True, False):
-        with pytest.raises(OpdError, match="data.enable_thinking: .* renders the same either way"):
+        with pytest.raises(OpdError, match="data.enable_thinking: .* reads no 'enable_thinking'"):
             load_prompts(chat_assets["train"], plain, max_prompt_tokens=512, rendering=Rendering("chat", thinking))
 
 
