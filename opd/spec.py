@@ -259,7 +259,7 @@ class DataSpec(_Section):
     enable_thinking: bool | None = None
     # The reasoning level of templates that take one instead of on/off (gpt-oss's `reasoning_effort`, or
     # `reasoning_strength` where the template reads that; opd/data/render.py); null = the template's default.
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["low", "medium", "high", "xhigh"] | None = None
     # Prompts in train_prompts (its non-blank lines), which a run length in `epochs` is counted over: read from the
     # file when it exists, else as written (so `opd validate --no-path-check` can size a cluster run); a written
     # value must agree with the file, or the epochs would silently mean another number of rollout batches.

@@ -198,3 +198,29 @@ def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_al
         err = capsys.readouterr().err
         assert "Traceback" not in err and len(err.splitlines()) == 1, err
         assert re.search(kind, err) and "only full-attention layers" in err
+
+
+# ---------------------------------------------------------------------------------------------- shipped configs
+
+
+SHIPPED = {  # config: (target, drafter, target layers, layer ids, mask token, the thinking switch)
+    "llama3.1-8b": ("Llama-3.1-8B-Instruct", "LLaMA3.1-8B-Instruct-DFlash-UltraChat", 32, None, None, None),
+    "gpt-oss-20b": ("gpt-oss-20b", "gpt-oss-20b-DFlash", 24, None, None, None),
+    "qwen3.5-9b": ("Qwen3.5-9B", "Qwen3.5-9B-DFlash", 32, [1, 8, 15, 22, 29], 248070, True),
+    "gemma4-31b": ("gemma-4-31B-it", "gemma-4-31B-it-DFlash", 60, [1, 12, 23, 35, 46, 57], 4, None),
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_public_pair_validates_without_its_paths(name, capsys):
+    from opd.spec import load_spec
+
+    path = f"configs/{name}.yaml"
+    assert main(["validate", path, "--no-path-check"]) == 0, capsys.readouterr().err
+    target, drafter, depth, layer_ids, mask, thinking = SHIPPED[name]
+    spec = load_spec(path, [], check_paths=False)
+    m = spec.models
+    assert (m.target_path.rsplit("/", 1)[1], m.drafter_path.rsplit("/", 1)[1]) == (target, drafter)
+    assert m.target_num_layers == depth and m.drafter.mask_token_id == mask
+    assert layer_ids is None or m.layer_ids == layer_ids
+    assert (spec.data.render, spec.data.enable_thinking) == ("chat", thinking)

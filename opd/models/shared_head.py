@@ -7,8 +7,9 @@ Qwen3-4B, ~61 GB at Qwen3-30B-A3B. `load_shared_head` reads exactly those two te
 safetensors files (one file, or shards listed in model.safetensors.index.json); with `tie_word_embeddings` the
 LM head is the embedding itself. A family that scales its embedding's rows (Gemma, by sqrt(hidden)) does it in its
 embedding module; the plain copy here keeps that factor as the module's `scalar_embed_scale`, as transformers' own
-scaled embeddings name it, so `embedding_scale` reads the same from a `SharedHead` as from a `Target`. A `SharedHead` stands in for a `Target` wherever a drafter is built
-(`DFlashDrafter.from_pretrained`, `read_config`, `DFlashConfig.for_target`).
+scaled embeddings name it, so `embedding_scale` reads the same from a `SharedHead` as from a `Target`. A
+`SharedHead` stands in for a `Target` wherever a drafter is built (`DFlashDrafter.from_pretrained`, `read_config`,
+`DFlashConfig.for_target`).
 """
 
 from __future__ import annotations
