@@ -120,6 +120,14 @@ def test_a_random_drafter_for_gemma_carries_its_rope_embedding_scale_and_softcap
     assert DFlashConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
+def test_a_target_giving_rope_per_layer_type_without_a_full_attention_entry_is_refused_in_one_line():
+    config = gemma().config
+    config.rope_parameters = {SLIDING: config.rope_parameters[SLIDING]}
+    with pytest.raises(OpdError, match=f"RoPE per layer type \\({SLIDING}\\) but none for '{FULL}'") as err:
+        DFlashConfig.for_target(config, num_layers=1, block_size=4, mask_token_id=3, target_layer_ids=[1, 3])
+    assert "\n" not in str(err.value)
+
+
 def test_a_random_drafter_for_gpt_oss_carries_yarn():
     model = family_model("gpt_oss", vocab_size=64)
     config = DFlashConfig.for_target(model.config, num_layers=1, block_size=4, mask_token_id=3)

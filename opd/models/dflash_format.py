@@ -382,7 +382,10 @@ def _target_rope(hf: dict[str, Any]) -> dict[str, Any]:
     multimodal section (z-lab's drafter rotates whole heads); a proportional RoPE keeps its factor, which shapes
     its frequencies over the whole head."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if isinstance(params, dict) and FULL in params:
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        if FULL not in params:
+            raise OpdError(f"target config 'rope_parameters' gives RoPE per layer type ({', '.join(params)}) but "
+                           f"none for '{FULL}', the drafter's layers")
         params = params[FULL]
     rope = _flat_rope(params, hf.get("rope_theta"), "rope_parameters")
     drop = MROPE_KEYS + (() if rope["rope_type"] == "proportional" else ("partial_rotary_factor",))

@@ -75,8 +75,9 @@ def rope_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), from
+def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
+    """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), None for plain
+    RoPE; from
     transformers' own RoPE initialisation (`ROPE_INIT_FUNCTIONS`, on the Qwen3 config z-lab's drafter is built
     from), so YaRN, llama3 and the other scaled types rotate exactly as in z-lab's `Qwen3RotaryEmbedding`. Plain
     RoPE stays `rope_cos_sin`'s (float64 when the drafter is: the tests' exact references)."""
@@ -84,7 +85,7 @@ def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, fl
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope["rope_type"] == "default":
-        return torch.tensor([]), 1.0
+        return None
     hf = Qwen3Config(**{**config.to_hf_dict(), "rope_parameters": dict(rope), "rope_scaling": None})
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, None)
     if inv_freq.numel() != config.head_dim // 2:
@@ -94,7 +95,7 @@ def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, fl
 
 
 def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B,T,head_dim] of a scaled RoPE, as transformers' rotary forward forms them (float32 angles, times
     the attention scaling)."""
     angles = positions.float()[..., None] * inv_freq.to(positions.device)
@@ -314,9 +315,9 @@ class DFlashDrafter(nn.Module):
     def _rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin tables at `positions`, formed once per distinct RoPE."""
         dtype = self.fc.weight.dtype
-        tables = [scaled_cos_sin(positions, inv_freq, scaling, dtype) if inv_freq.numel() else
-                  rope_cos_sin(positions, self.config.head_dim, rope["rope_theta"], dtype)
-                  for rope, (inv_freq, scaling) in zip(self._ropes, self._rope_frequencies)]
+        tables = [rope_cos_sin(positions, self.config.head_dim, rope["rope_theta"], dtype) if scaled is None else
+                  scaled_cos_sin(positions, *scaled, dtype)
+                  for rope, scaled in zip(self._ropes, self._rope_frequencies)]
         return [tables[i] for i in self._rope_index]
 
     def _context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
