@@ -97,6 +97,7 @@ def test_rope_per_layer_type_gives_each_layer_its_types_tables_and_round_trips()
     ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_parameters.rope_type' is 'dynamic'"),
     ({"rope_type": "yarn", "factor": 2.0}, "'rope_theta' is missing"),
     (YARN | {"partial_rotary_factor": 0.5}, "rotates 4 of 8 head dims"),
+    ({SLIDING: YARN}, "gives RoPE per layer type but not for 'full_attention'"),
 ])
 def test_rope_a_drafter_cannot_reproduce_is_refused_in_one_line(rope, message):
     hf = micro_drafter(micro_target(num_layers=4, layer_ids=[1, 3])).config.to_hf_dict()

@@ -351,13 +351,18 @@ def _rope_parameters(hf: dict[str, Any], layer_types: list[str]) -> dict[str, An
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise OpdError(f"config field 'rope_parameters' must be an object, got {params!r}")
-    nested = {kind: params[kind] for kind in set(layer_types) if kind in params}
-    if not nested:
+    if not _per_layer_type(params):
         return _flat_rope(params, hf.get("rope_theta"), "rope_parameters")
-    missing = sorted(set(layer_types) - nested.keys())
+    missing = sorted(set(layer_types) - params.keys())
     if missing:
         raise OpdError(f"config field 'rope_parameters' gives RoPE per layer type but not for '{missing[0]}'")
-    return {kind: _flat_rope(entry, hf.get("rope_theta"), f"rope_parameters.{kind}") for kind, entry in nested.items()}
+    return {kind: _flat_rope(params[kind], hf.get("rope_theta"), f"rope_parameters.{kind}")
+            for kind in sorted(set(layer_types))}
+
+
+def _per_layer_type(params: dict[str, Any]) -> bool:
+    """Whether RoPE parameters are given per layer type ({layer_type: parameters}) rather than flat."""
+    return bool(params) and all(isinstance(value, dict) for value in params.values())
 
 
 def _flat_rope(params: Any, theta: Any, name: str) -> dict[str, Any]:
@@ -382,7 +387,7 @@ def _target_rope(hf: dict[str, Any]) -> dict[str, Any]:
     multimodal section (z-lab's drafter rotates whole heads); a proportional RoPE keeps its factor, which shapes
     its frequencies over the whole head."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+    if isinstance(params, dict) and _per_layer_type(params):
         if FULL not in params:
             raise OpdError(f"target config 'rope_parameters' gives RoPE per layer type ({', '.join(params)}) but "
                            f"none for '{FULL}', the drafter's layers")
