@@ -76,11 +76,10 @@ def rope_cos_sin(
 
 
 def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
-    """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), None for plain
-    RoPE; from
+    """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), from
     transformers' own RoPE initialisation (`ROPE_INIT_FUNCTIONS`, on the Qwen3 config z-lab's drafter is built
-    from), so YaRN, llama3 and the other scaled types rotate exactly as in z-lab's `Qwen3RotaryEmbedding`. Plain
-    RoPE stays `rope_cos_sin`'s (float64 when the drafter is: the tests' exact references)."""
+    from), so YaRN, llama3 and the other scaled types rotate exactly as in z-lab's `Qwen3RotaryEmbedding`. None
+    for plain RoPE, which stays `rope_cos_sin`'s (float64 when the drafter is: the tests' exact references)."""
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
