@@ -42,7 +42,7 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
     if purpose == "eval":
         prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, tokenizer,
                                spec.eval.num_prompts).prompts
-        draw_eval_samples(spec, sampler, prompts, path)
+        draw_eval_samples(spec, sampler, prompts, path, field="--out")
         print(f"held-out target samples ({kind}) of {len(prompts)} prompts in {path}")
         return 0
     prompts = train_prompts(spec.data, tokenizer)
