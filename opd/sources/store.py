@@ -244,7 +244,8 @@ class SampleStore:
             raise OpdError(f"{where}: prompt id {row.id!r} is not in {self.pool_name} (expected samples of "
                            f"this run's prompt pool, as `{self.redraw}` draws them)")
         if difference := self.made.mismatch(row.provenance):
-            raise StaleSamples(f"{where}: {difference}", f"expected samples made as this run makes them; {self._redraw_advice}")
+            raise StaleSamples(f"{where}: {difference}",
+                               f"expected samples made as this run makes them; {self._redraw_advice}")
         if row.prompt_ids != prompt.ids:
             raise StaleSamples(f"{where}: prompt {row.id!r} has other prompt_ids than this run renders",
                                "expected the same data.render, enable_thinking and tokenizer as the run that drew "
