@@ -124,3 +124,4 @@ def test_gen_samples_into_a_file_drawn_otherwise_names_another_out(micro_spec_fi
     assert line.startswith(f"error: --out: {samples} line 1: max_new_tokens is 8, this run's is 6"), line
     assert _follow(line, micro_spec_file, tmp_path / "new.jsonl", SHORTER) == []
     assert main(["eval", str(micro_spec_file), "--samples", str(tmp_path / "new.jsonl"), *SHORTER]) == 0
+
