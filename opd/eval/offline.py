@@ -177,17 +177,16 @@ class OfflineEval:
         return SettingView(setting, samples, *text_view(self.models.target, samples, self.batch_size))
 
 
-def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path, *,
-                      field: str = "eval.samples_path") -> Path:
+def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path, *, field: str = "eval.samples_path",
+                      stale: str | None = None) -> Path:
     """Store one target sample of each held-out prompt at every point-mass eval setting in `path` (resumable),
     drawn by `sampler` (opd/sources/samplers.py) with the eval's length, seed and keys: drawn by the speculative
     decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ. `field` names `path`
-    in errors."""
+    in errors, `stale` the advice when it holds samples made otherwise (see `SampleStore`)."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field=field,
-                           pool_name="the held-out prompts", redraw="opd gen-samples CONFIG --eval",
-                           stale=stale_advice(field))
+                           pool_name="the held-out prompts", redraw="opd gen-samples CONFIG --eval", stale=stale)
     wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
     draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
     with progress_bar() as bar:
