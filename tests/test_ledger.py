@@ -178,8 +178,7 @@ def test_a_restart_that_cost_batches_is_one_line_naming_every_count():
     led.handoff(Ticket(0, 0), s)
     led.lost(Ticket(0, 0))  # found dead in a queue
     led.register("rollout-0")  # restarted: 1 and 2 died with it
-    assert fault_line(led.account()) == ("ledger: lost 1, orphaned 2, stale 0 rollout batches; produced again 0, "
-                                         "still waiting 3; 1 actor restarts, 0 late copies dropped, none trained "
-                                         "twice")
+    assert fault_line(led.account()) == ("ledger: rollout batches lost 1, orphaned 2, stale 0; produced again 0, "
+                                         "still waiting 3; actor restarts 1, late copies dropped 0, trained twice 0")
     stale_only = undisturbed(4) | {"stale": 1, "reproduced": 1, "claimed": 5}
     assert reconciles(stale_only) and fault_line(stale_only) is None  # max_policy_lag at work, not a fault

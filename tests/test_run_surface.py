@@ -79,6 +79,19 @@ def test_train_with_eval_samples_drawn_otherwise_draws_its_own_with_a_note(micro
     assert {json.loads(line)["max_new_tokens"] for line in own.read_text().splitlines()} == {6}
 
 
+def test_with_eval_offline_off_a_run_decodes_instead_of_drawing(micro_spec_file: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]):
+    from opd.commands.launch import held_out_samples
+
+    named = _micro_eval_samples(micro_spec_file, tmp_path / "named.jsonl")
+    spec = load_spec(micro_spec_file, [f"eval.samples_path={named}", "eval.offline=false", "eval.max_new_tokens=6"])
+    capsys.readouterr()
+    assert held_out_samples(spec).eval.samples_path is None
+    assert capsys.readouterr().err == (f"note: eval.samples_path: {named} line 1: max_new_tokens is 8, this run's is "
+                                       "6, so held-out τ is decoded instead (eval.offline is false)\n")
+    assert held_out_samples(load_spec(micro_spec_file, [f"eval.samples_path={named}"])).eval.samples_path == str(named)
+
+
 def test_a_run_directorys_own_samples_drawn_otherwise_are_refused_before_any_model_loads(
         micro_spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
     """RUN_DIR/eval_samples.jsonl from an earlier run at another length: refused up front, and the advice works."""

@@ -81,14 +81,9 @@ def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
         return spec
     prompts = eval_prompts(spec.data, load_tokenizer(spec.models.tokenizer), spec.eval.num_prompts)
     if spec.eval.samples_path:
-        try:
-            check_eval_samples(spec, prompts, spec.eval.samples_path, "eval.samples_path")
+        if _usable(spec, prompts):
             return spec
-        except StaleSamples as exc:
-            instead = (f"this run draws its own into {spec.run_dir / 'eval_samples.jsonl'}" if spec.eval.offline
-                       else "held-out τ is decoded instead (eval.offline is false)")
-            print(f"note: {exc.reason}, so {instead}", file=sys.stderr)
-            spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": None})})
+        spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": None})})
     if not spec.eval.offline:
         return spec
     path = str(spec.run_dir.resolve() / "eval_samples.jsonl")
@@ -103,3 +98,18 @@ def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
 
         Evaluator(spec).draw_samples(path)
     return with_eval_samples(spec, path)
+
+
+def _usable(spec: ExperimentSpec, prompts: list) -> bool:
+    """Whether `eval.samples_path` serves this run's eval of `prompts`; when not, a note says why and what the run
+    does instead."""
+    from opd.eval.offline import check_eval_samples
+
+    try:
+        check_eval_samples(spec, prompts, spec.eval.samples_path, "eval.samples_path")
+        return True
+    except StaleSamples as exc:
+        instead = (f"this run draws its own into {spec.run_dir / 'eval_samples.jsonl'}" if spec.eval.offline
+                   else "held-out τ is decoded instead (eval.offline is false)")
+        print(f"note: {exc.reason}, so {instead}", file=sys.stderr)
+        return False

@@ -172,10 +172,9 @@ def fault_line(account: dict[str, int]) -> str | None:
     a = account
     if not (a["lost"] or a["orphaned"] or a["restarts"]):
         return None
-    twice = f"{a['duplicates']} trained twice" if a["duplicates"] else "none trained twice"
-    return (f"ledger: lost {a['lost']}, orphaned {a['orphaned']}, stale {a['stale']} rollout batches; produced "
-            f"again {a['reproduced']}, still waiting {a['waiting']}; {a['restarts']} actor restarts, "
-            f"{a['dropped']} late copies dropped, {twice}")
+    return (f"ledger: rollout batches lost {a['lost']}, orphaned {a['orphaned']}, stale {a['stale']}; produced "
+            f"again {a['reproduced']}, still waiting {a['waiting']}; actor restarts {a['restarts']}, late copies "
+            f"dropped {a['dropped']}, trained twice {a['duplicates']}")
 
 
 def _name(worker: str) -> str:
