@@ -104,13 +104,15 @@ class OfflineEval:
     `settings` (the others are the caller's to decode)."""
 
     def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec],
-                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
-        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`)."""
+                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path",
+                 redraw: str = "opd gen-samples CONFIG --eval") -> None:
+        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`);
+        `redraw`: the command a refusal names to draw them again."""
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
         check_samples_file(path, field)
         store = SampleStore(path, self.settings, prompts, made, vocab_size=models.target.vocab_size, field=field,
-                            pool_name=None, redraw="opd gen-samples CONFIG --eval")
+                            pool_name=None, redraw=redraw)
         # the view depends on the target, the samples' bytes, which prompts are read and at which setting
         base = (target_identity(models.target), file_digest(store.path), tuple(p.id for p in prompts))
         self.views = [cached_view((*base, setting_key(s), s.name), lambda i=i, s=s: self._view(store, prompts, i, s))
@@ -153,14 +155,16 @@ class OfflineEval:
         return SettingView(setting, samples, *text_view(self.models.target, samples, self.batch_size))
 
 
-def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) -> Path:
+def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path, *, field: str = "eval.samples_path",
+                      redraw: str = "opd gen-samples CONFIG --eval") -> Path:
     """Store one target sample of each held-out prompt at every point-mass eval setting in `path` (resumable),
     drawn by `sampler` (opd/sources/samplers.py) with the eval's length, seed and keys: drawn by the speculative
-    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ."""
+    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ. `field` and `redraw`
+    name the file and the command that draws it in refusals."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field="eval.samples_path",
-                           pool_name="the held-out prompts", redraw="opd gen-samples CONFIG --eval")
+    store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field=field,
+                           pool_name="the held-out prompts", redraw=redraw)
     wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
     draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
     with progress_bar() as bar:
