@@ -13,7 +13,6 @@ import yaml
 from test_suites import SOURCES, one_error, suite_yaml, write
 
 from opd.cli import main
-from opd.commands.suite import default_out
 from opd.data.prompts import load_tokenizer
 from opd.data.suite import read_card, read_rows
 from opd.spec import load_spec
@@ -183,6 +182,8 @@ def test_samples_of_another_target_in_out_name_a_fix_that_works(micro_spec_file,
                                                                tmp_path, capsys):
     """A rerun into the same --out with another target is refused before drawing, naming another --out or removing
     OUT/samples; following either works. The default --out differs between the two targets."""
+    from opd.commands.suite import default_out
+
     out = tmp_path / "res"
     assert _eval(micro_spec_file, micro_suite, "--out", str(out)) == 0
     other = [*SETS, f"models.target_path={chat_assets['target']}", f"models.drafter_path={chat_assets['drafter']}"]
