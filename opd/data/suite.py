@@ -233,6 +233,8 @@ def suite_inputs(card: SuiteCard, suite_dir: Path, tokenizer, rendering: Renderi
 
 
 def check_context(what: str, length: int, tokens: int, context: int | None, where: str) -> None:
+    """A prompt and its answer within the target's position range: the limit that binds a suite, since its prompts
+    are the benchmark's and are not cut."""
     if context is not None and length + tokens > context:
         raise OpdError(f"{where}: {what} is {length} tokens, which with {tokens} new tokens pass the target's "
                        f"context of {context} (max_position_embeddings; expected shorter prompts, or a smaller "
