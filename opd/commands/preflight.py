@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.data.render import Rendering
-from opd.data.suite import built_suite, read_rows, suite_prompts
+from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
@@ -51,12 +51,13 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
 
 
 def check_suite(spec: ExperimentSpec, tokenizer) -> None:
-    """`eval.suite` is a finished build and every prompt of it renders within data.max_prompt_tokens: found after
-    training, either would cost a cluster run its table hours in."""
+    """`eval.suite` is a finished build, scored at a point-mass setting, and every prompt of it parses, renders and
+    fits the target's context with its answer: found after training, any of these would cost a cluster run its
+    table hours in."""
     suite = Path(spec.eval.suite)
-    for bench in built_suite(suite, field="eval.suite:").benchmarks:
-        suite_prompts(read_rows(suite / bench.file), tokenizer, Rendering.of(spec.data), spec.data.max_prompt_tokens,
-                      f"eval.suite: {suite / bench.file}")
+    scored_settings(spec.eval.sampling)
+    suite_inputs(built_suite(suite, field="eval.suite:"), suite, tokenizer, Rendering.of(spec.data),
+                 target_context(spec.models.target_path), "eval.suite:")
 
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:

@@ -128,13 +128,15 @@ class OfflineEval:
     `settings` (the others are the caller's to decode)."""
 
     def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec],
-                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
-        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`)."""
+                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path",
+                 redraw: str = "opd gen-samples CONFIG --eval") -> None:
+        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`);
+        `redraw`: the command a refusal names to draw them again."""
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
         check_samples_file(path, field)
         store = SampleStore(path, self.settings, prompts, made, vocab_size=models.target.vocab_size, field=field,
-                            pool_name=None, redraw="opd gen-samples CONFIG --eval", stale=stale_advice(field))
+                            pool_name=None, redraw=redraw, stale=stale_advice(field))
         # the view depends on the target, the samples' bytes, which prompts are read and at which setting
         base = (target_identity(models.target), file_digest(store.path), tuple(p.id for p in prompts))
         self.views = [cached_view((*base, setting_key(s), s.name), lambda i=i, s=s: self._view(store, prompts, i, s))
@@ -178,15 +180,16 @@ class OfflineEval:
 
 
 def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path, *, field: str = "eval.samples_path",
-                      stale: str | None = None) -> Path:
+                      redraw: str = "opd gen-samples CONFIG --eval", stale: str | None = None) -> Path:
     """Store one target sample of each held-out prompt at every point-mass eval setting in `path` (resumable),
     drawn by `sampler` (opd/sources/samplers.py) with the eval's length, seed and keys: drawn by the speculative
-    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ. `field` names `path`
-    in errors, `stale` the advice when it holds samples made otherwise (see `SampleStore`)."""
+    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ. `field` and `redraw`
+    name the file and the command that draws it in refusals, `stale` the advice when it holds samples made
+    otherwise (see `SampleStore`)."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field=field,
-                           pool_name="the held-out prompts", redraw="opd gen-samples CONFIG --eval", stale=stale)
+                           pool_name="the held-out prompts", redraw=redraw, stale=stale)
     wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
     draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
     with progress_bar() as bar:
