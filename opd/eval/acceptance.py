@@ -70,7 +70,7 @@ def survival_curve(alive: torch.Tensor, rooms: torch.Tensor) -> list[float]:
     n, drafted = alive.shape
     alive = alive.double()
     inside = (torch.arange(1, drafted + 1) <= rooms[:, None]).double()
-    reached = torch.cat([torch.ones(n, 1, dtype=torch.float64), alive[:, :-1]], 1)
+    reached = torch.cat([torch.ones(n, 1, dtype=torch.float64), alive], 1)[:, :drafted]  # P(accepted >= k - 1)
     at_risk, kept = (inside * reached).sum(0), (inside * alive).sum(0)
     share = torch.where(at_risk > 0, kept / at_risk.clamp_min(1e-300), 1.0)
     start = 1.0 if n else 0.0
