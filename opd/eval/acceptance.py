@@ -56,7 +56,7 @@ class AcceptanceStats:
             tau=sum(per_response) / max(1, len(per_response)),
             tau_token_weighted=sum(written) / max(1, len(written)),
             survival=curve[1:],
-            first_rejection=first_rejection(curve),
+            first_rejection=rejection_histogram(curve),
             steps=len(written),
             tau_ci=interval(per_response),
         )
@@ -77,7 +77,7 @@ def survival_curve(alive: torch.Tensor, rooms: torch.Tensor) -> list[float]:
     return [start] + (start * share.cumprod(0)).tolist()
 
 
-def first_rejection(curve: list[float]) -> list[float]:
+def rejection_histogram(curve: list[float]) -> list[float]:
     """Share of blocks first rejected at position k = 1..K−1, then "full accept", from S(0..K−1)."""
     return [curve[k - 1] - curve[k] for k in range(1, len(curve))] + [curve[-1]]
 
