@@ -224,6 +224,20 @@ def test_moe_flops_count_the_experts_each_token_passes_through():
 # ------------------------------------------------------------------------------------------------ refusals
 
 
+@pytest.mark.parametrize("family_name", sorted(WINDOWS))
+def test_sliding_window_targets_refuse_what_counts_the_window_in_columns(family_name):
+    """flash-attn and a static cache count a sliding window in cache columns, which the decoder's per-row packing
+    (or a static cache's holes) moves: refused in one line, when the target loads and when the decoder is built."""
+    target = Target(family_model(family_name, dtype=torch.float32), LAYER_IDS)
+    with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has sliding-window") as error:
+        SpeculativeDecoder(target, micro_drafter(drafter_base(target), mask_token_id=MASK), eos_id=EOS,
+                           static_cache=True)
+    target.model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(OpdError, match="sliding-window layers need attn_implementation sdpa or eager") as other:
+        Target(target.model, LAYER_IDS)
+    assert "\n" not in str(error.value) + str(other.value)
+
+
 def test_linear_attention_layers_are_refused_in_one_line():
     with pytest.raises(OpdError, match=r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'") as error:
         Target(family_model("qwen3_5", dtype=torch.float32), LAYER_IDS)
@@ -244,7 +258,14 @@ def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp(family.name)
     model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
-    return {**micro_assets, "target": str(root / "target")}
+    attention = "eager" if family.name == "gpt_oss" else "sdpa"  # transformers' gpt-oss has no sdpa
+    assets = {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention}
+    base = drafter_base(Target(model, LAYER_IDS))
+    if not isinstance(base, Target):  # a random warm drafter of default rope, for the reason `drafter_base` gives
+        micro_drafter(base, num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id).save_pretrained(
+            root / "drafter")
+        assets["drafter"] = str(root / "drafter")
+    return assets
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +279,8 @@ def test_opd_run_two_steps(family_run_assets, tracking_uri, source, tmp_path, ca
     assets = family_run_assets
     spec = {
         "name": "family", "seed": 0, "engine": "local", "steps": 2,
-        "models": {"target_path": assets["target"], "dtype": "float32",
+        "models": {"target_path": assets["target"], "dtype": "float32", "drafter_path": assets["drafter"],
+                   "attn_implementation": assets["attention"],
                    "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": LAYER_IDS}},
         "data": {"train_prompts": assets["train"], "eval_prompts": assets["heldout"], "max_prompt_tokens": 200},
         "rollout": {"batch_size": 2, "max_new_tokens": 8, "temperature": 1.0, "source": source},

@@ -74,9 +74,18 @@ class Target(nn.Module):
         self._check_layer_ids()
         self._windows = _attention_windows(model)
         self._windowed = any(window is not None for window in self._windows.values())
+        if self._windowed and config._attn_implementation == "flash_attention_2":
+            raise OpdError(f"target {type(model).__name__}: its sliding-window layers need attn_implementation sdpa "
+                           "or eager (flash-attn counts a window in cache columns, which the decoder's per-row "
+                           "packing moves)")
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layers are sliding-window ones (their masks come from `kind_masks`)."""
+        return self._windowed
 
     # -- what the drafter shares -------------------------------------------------------------------------------
 
@@ -117,7 +126,8 @@ class Target(nn.Module):
         the `PackedRows` layout of packed replay (any implementation, no [T,T] mask formed).
 
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
-        (sdpa) or as an additive mask (eager).
+        (sdpa) or as an additive mask (eager). A target with sliding-window layers takes a 2-D mask, or a bool 4-D
+        one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
         """
         out, features = self._run(self.model, input_ids, attention_mask, position_ids,
                                   use_cache=use_cache, **{self._cache_arg: past_key_values})
@@ -202,7 +212,7 @@ class Target(nn.Module):
             return mask
         implementation = self.model.config._attn_implementation
         if implementation == "flash_attention_2":
-            raise OpdError("target attention_mask: a dense mask needs sdpa or eager; packed replay passes a "
+            raise OpdError("target attention_mask: a dense 4-D mask needs sdpa or eager; packed replay passes a "
                            "PackedRows layout, which every implementation runs")
         if not self._windowed:
             return self._for_kernel(mask, implementation)
