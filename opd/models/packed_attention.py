@@ -23,6 +23,11 @@ the layout travels as `PackedMask`, a 4-D bool tensor of no memory that carries 
 module registers, under the existing names ("sdpa", "eager", "flash_attention_2"), wrappers that run the packed
 path for a `PackedMask` and otherwise call the original function unchanged. So a flash-attention target replays
 packed rows without its shared config ever being switched (actors run two threads on one model).
+
+Layer kinds (`LayerRule`): HF hands every attention function the layer's `sliding_window` and, for gpt-oss, its
+sinks (`s_aux`). A window narrows the prefix and every block by position (the prefix then runs a chunk of queries
+at a time over the keys the window reaches, so a windowed layer also costs less); sinks enter each softmax as one
+more key (`with_sink_key`), so they need no kernel of their own.
 """
 
 from __future__ import annotations
