@@ -1,9 +1,11 @@
 # The two commands a user needs: `make run` and `make test`. Both build .venv from nothing when it is missing.
 PY := .venv/bin/python
-# torch comes from pip (`torch==2.13.0` is a local CPU wheel that only pip finds; --no-compile: Python compiles
-# the few modules it imports on first use instead of all 20,000 at install, 20 s instead of 53); the rest from uv,
-# which keeps the installed torch and installs in seconds where pip takes a minute or two.
-UV := $(PY) -m uv pip install -q --python $(PY)
+# torch comes from pip (`torch==2.13.0` is a local CPU wheel that only pip finds), the rest from uv, which keeps
+# that torch and installs in seconds where pip takes a minute or two. Bytecode is compiled at install, on every
+# core (pip compiles torch's 20,000 files on one: 53 s against 8), because a machine may set
+# PYTHONDONTWRITEBYTECODE, and then every Ray worker would compile torch and transformers again at import. torch
+# ships one Python 3.12-only test file that cannot compile here, hence `|| true`.
+UV := $(PY) -m uv pip install -q --python $(PY) --compile-bytecode
 VENV_STAMP := .venv/.installed
 DS_STAMP := .venv/.deepspeed
 
@@ -12,6 +14,7 @@ DS_STAMP := .venv/.deepspeed
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --no-compile torch==2.13.0 uv
+	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages/torch > /dev/null || true
 	$(UV) -e '.[dev]'
 	$(UV) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
 	touch $(VENV_STAMP)

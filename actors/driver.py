@@ -44,7 +44,7 @@ from opd.tracking import end_run, run_status
 from opd.train.distributed import free_address
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
-from opd.train.result import run_to
+from opd.train.result import record_ledger, run_to
 
 MAX_RESTARTS = 3  # per rollout or scorer actor; one more death stops the run
 RESTART_TIMEOUT_S = 600.0  # a restarted actor rebuilds its models (a large target takes minutes to load)
@@ -375,8 +375,9 @@ def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:
     error: BaseException | None = None
     try:
         result = TrainResult(steps=run.start(), run_id=run.run_id)
-        return run_to(spec, result, lambda until: [StepReport(**r) for r in run.train(until)],
-                      label="draft-opd (ray)")
+        run_to(spec, result, lambda until: [StepReport(**r) for r in run.train(until)], label="draft-opd (ray)")
+        record_ledger(spec, result, ray.get(run.ledger.account.remote()), track=track)
+        return result
     except BaseException as exc:
         error = exc
         raise

@@ -225,7 +225,7 @@ def _suite_arguments(parser: argparse.ArgumentParser) -> None:
                        help="configs/suites/NAME.yaml (paper, tiny) or a suite YAML's path")
     build.add_argument("--out", required=True, metavar="DIR", help="writes <benchmark>.jsonl and card.json there")
     build.add_argument("--file", dest="files", action="append", default=[], metavar="BENCH=PATH",
-                       help="a benchmark's source from a local jsonl/parquet in the source's own columns "
+                       help="a benchmark's source from a local jsonl/json/parquet in the source's own columns "
                             "(repeatable; default: an installed package's file, else the hub through `datasets`)")
     evaluate = sub.add_parser("eval", help="τ of each drafter per benchmark and setting, beside the ceiling")
     _spec_arguments(evaluate)
@@ -233,7 +233,8 @@ def _suite_arguments(parser: argparse.ArgumentParser) -> None:
     evaluate.add_argument("--draft", dest="drafts", action="append", required=True, metavar="[LABEL=]PATH",
                           help="a drafter directory, or random (repeatable; the label names its table row)")
     evaluate.add_argument("--out", metavar="DIR", help="samples, table.md, suite.json, tau.png and the MLflow "
-                                                       "store (default: SUITE/results/<experiment name>)")
+                                                       "store (default: SUITE/results/<experiment name>-<digest of "
+                                                       "the target, tokenizer and rendering>)")
     evaluate.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
     evaluate.add_argument("--speedup-prompts", type=int, default=0, metavar="N",
                           help="decode each drafter and the target alone on each benchmark's first N prompts for "

@@ -23,6 +23,7 @@ import copy
 import difflib
 import functools
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,13 @@ def _issues(issues: list[str]) -> None:
 def _num(x: float) -> str:
     """Format a resource amount without a spurious `.0`."""
     return f"{x:g}"
+
+
+def _whole_updates(updates: float) -> int:
+    """A run length in (fractional) updates, rounded up to whole ones and never below one: a tiny `epochs` still
+    trains, and the resolved `steps` it fills in loads again. Rounded to 9 places first, so float noise such as
+    7 x 16,000 / 210 computed inexactly does not add an update."""
+    return max(1, math.ceil(round(updates, 9)))
 
 
 class _Section(BaseModel):
@@ -734,7 +742,7 @@ class ExperimentSpec(_Section):
             if pool is None:
                 return [f"epochs: {self.epochs:g} but the prompt pool's size is unknown (expected "
                         "data.train_pool_size, or a readable data.train_prompts)"]
-            derived["epochs"] = -(-round(self.epochs * pool) // self.optim.batch_size)  # sequences, then updates
+            derived["epochs"] = _whole_updates(self.epochs * pool / self.optim.batch_size)
         if self.steps is None and not derived:
             return ["steps: missing (expected the run's length as steps, rollout_batches or epochs)"]
         values = {self.steps, *derived.values()} - {None}

@@ -12,8 +12,9 @@ from opd.eval.acceptance import AcceptanceStats
 
 
 def test_acceptance_stats_by_hand():
-    a = SequenceRecord(key=0, prompt_ids=[1], accepted=[0, 3, 1])  # block size 4: 3 drafted slots
-    b = SequenceRecord(key=1, prompt_ids=[1], accepted=[3])
+    # block size 4: 3 drafted slots; every block's bonus lies inside its response
+    a = SequenceRecord(key=0, prompt_ids=[1], response_ids=list(range(8)), anchors=[0, 1, 5], accepted=[0, 3, 1])
+    b = SequenceRecord(key=1, prompt_ids=[1], response_ids=list(range(5)), anchors=[0], accepted=[3])
     stats = AcceptanceStats.from_records([a, b], block_size=4)
     assert stats.tau == pytest.approx(((1 + 4 + 2) / 3 + 4) / 2)
     assert stats.tau_token_weighted == pytest.approx((1 + 4 + 2 + 4) / 4)

@@ -158,7 +158,7 @@ def test_teacher_hidden_states_and_top_k_teacher_agree(sampling):
 
 def test_summary_by_hand():
     a = torch.tensor([[1.0, 0.5, 1.0], [0.0, 1.0, 1.0], [0.5, 0.5, 0.5]])
-    e = ExpectedAcceptance.of(a, [2, 1])
+    e = ExpectedAcceptance.of(a, [[9, 9], [9]])  # rooms past K-1: no block is cut by its response's end
     expected_accepted = [1 + 0.5 + 0.5, 0.0, 0.5 + 0.25 + 0.125]
     assert e.tau_token_weighted == pytest.approx(1 + sum(expected_accepted) / 3)
     assert e.tau == pytest.approx(((3.0 + 1.0) / 2 + 1.875) / 2)  # per response, then over responses

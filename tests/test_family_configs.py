@@ -21,6 +21,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from opd.cli import main
+from opd.commands.preflight import check_layer_kinds_of
 from opd.errors import OpdError
 from opd.models.dflash_format import FULL, SLIDING, DFlashConfig
 from opd.models.drafter import DFlashDrafter
@@ -189,24 +190,28 @@ def test_the_learners_shared_head_keeps_the_scale_and_cap_and_builds_the_same_dr
 # ------------------------------------------------------------------------------------------------ preflight
 
 
-REFUSED = [("gpt_oss", r"layers \[0, 2, 4\] are 'sliding_attention'; its attention has sinks"),
-           ("gemma4", r"layers \[0, 1, 2, 3, 4\] are 'sliding_attention'"),
-           ("qwen3_5", r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'")]
-
-
-@pytest.mark.parametrize(("family_name", "kind"), REFUSED)
-def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_alone(
-        family_name, kind, micro_assets, micro_spec_file, tmp_path, capsys):
-    """The target directory holds config.json and the tokenizer, no weights: the refusal comes from the config,
-    by `Target`'s rule, before anything would load."""
+def config_only_target(family_name: str, micro_assets, tmp_path):
+    """A target directory holding the family's config.json and the micro tokenizer, and no weights."""
     target = tmp_path / family_name
     shutil.copytree(micro_assets["target"], target, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     family_model(family_name, vocab_size=128, dtype=torch.float32).config.save_pretrained(target)
+    return target
+
+
+def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_alone(micro_assets, micro_spec_file,
+                                                                                     tmp_path, capsys):
+    """No weights to load: the refusal comes from the config, by `Target`'s rule, before anything would load."""
+    target = config_only_target("qwen3_5", micro_assets, tmp_path)
     for command in ("validate", "train"):
         assert main([command, str(micro_spec_file), "--set", f"models.target_path={target}"]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and len(err.splitlines()) == 1, err
-        assert re.search(kind, err) and "only full-attention layers" in err
+        assert re.search(r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'", err)
+
+
+@pytest.mark.parametrize("family_name", ["gpt_oss", "gemma4"])
+def test_the_preflight_passes_the_layer_kinds_that_run_exactly(family_name, micro_assets, tmp_path):
+    check_layer_kinds_of(str(config_only_target(family_name, micro_assets, tmp_path)))
 
 
 # ---------------------------------------------------------------------------------------------- shipped configs

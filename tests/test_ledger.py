@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opd.train.ledger import Ledger, StepBuffer, VersionGate, reconciles
+from opd.train.ledger import Ledger, StepBuffer, VersionGate, account_metrics, fault_line, reconciles, undisturbed
 from opd.train.messages import Ticket
 
 
@@ -162,3 +162,23 @@ def test_the_version_gate_releases_the_lowest_ready_batch_and_holds_the_rest():
     assert gate.take(1) is None and len(gate) == 2  # 5 and 7 wait for versions 2 and 3
     assert gate.take(3) == (Ticket(5, 0), "b5")
     assert gate.take(None) == (Ticket(7, 0), "b7") and gate.take(None) is None  # no gate: lowest of all
+
+
+def test_an_undisturbed_account_reconciles_and_prints_no_line():
+    account = undisturbed(6)
+    assert reconciles(account) and account["trained"] == 6 and fault_line(account) is None
+    assert account_metrics(account)["ledger_lost"] == 0.0 and account_metrics(account)["ledger_trained"] == 6.0
+
+
+def test_a_restart_that_cost_batches_is_one_line_naming_every_count():
+    led = ledger()
+    r, s = led.register("rollout-0"), led.register("scorer-0")
+    for _ in range(3):
+        led.claim(r, version=1)
+    led.handoff(Ticket(0, 0), s)
+    led.lost(Ticket(0, 0))  # found dead in a queue
+    led.register("rollout-0")  # restarted: 1 and 2 died with it
+    assert fault_line(led.account()) == ("ledger: rollout batches lost 1, orphaned 2, stale 0; produced again 0, "
+                                         "still waiting 3; actor restarts 1, late copies dropped 0, trained twice 0")
+    stale_only = undisturbed(4) | {"stale": 1, "reproduced": 1, "claimed": 5}
+    assert reconciles(stale_only) and fault_line(stale_only) is None  # max_policy_lag at work, not a fault

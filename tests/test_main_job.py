@@ -30,6 +30,10 @@ def check_outputs(spec, printed: str) -> None:
     runs = mlflow.search_runs(experiment_names=[spec.tracking.experiment])
     assert len(runs) == 1
     assert {"metrics.heldout_tau_greedy_before", "metrics.heldout_tau_greedy_after", "metrics.loss"} <= set(runs)
+    # an undisturbed run: the ledger's account recorded (zeros but the batches trained), and no ledger line
+    ledger = summary["ledger"]
+    assert ledger["trained"] == 4 and ledger["lost"] == ledger["orphaned"] == ledger["restarts"] == 0
+    assert (runs["metrics.ledger_lost"][0], runs["metrics.ledger_trained"][0]) == (0, 4) and "ledger:" not in printed
     # printed on one line whatever the terminal's width, so it survives copy and paste
     assert any(line.endswith(f" ui --backend-store-uri {spec.tracking_uri}") for line in printed.splitlines())
 

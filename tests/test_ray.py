@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import time
 
+import mlflow
 import pytest
 import ray
 import torch
 import yaml
 
-from actors.driver import RayRun, place, relaunch
+from actors.driver import RayRun, place, relaunch, run_ray
 from actors.queues import BatchQueue, Lost
 from opd.distill.replay import ScoredBatch
+from opd.cli import main
 from opd.errors import OpdError
 from opd.models.flops import FlopCounter
 from opd.spec import ExperimentSpec, load_spec
-from opd.train.ledger import reconciles
+from opd.train.ledger import fault_line, reconciles
 from opd.train.local import LocalTrainer
 from opd.train.messages import AnchorBatch, ScoredItem, Ticket, WeightSnapshot
 
@@ -79,15 +82,16 @@ def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_pa
             assert torch.equal(v, rollout_state[k]), k
     finally:
         run.shutdown()  # the driver "dies" after step 3; its checkpoints stay
-    resumed = RayRun(ray_spec(micro_spec_file, tmp_path, steps=5), track=False)
-    try:
-        assert resumed.start() == 3
-        reports = [r for step in (4, 5) for r in resumed.train(step)]
-        assert [r["step"] for r in reports] == [4, 5]
-        assert 5 in reports[-1]["evals"]  # the evaluator actor's rows for the last step, awaited by the learner
-        assert [r["metrics"]["loss"] for r in reports] == pytest.approx(local[3:], rel=1e-5, abs=1e-7)
-    finally:
-        resumed.shutdown()
+    spec = ray_spec(micro_spec_file, tmp_path, steps=5)
+    resumed = run_ray(spec)  # as `opd train` runs it: resumed at step 3, tracked
+    assert resumed.steps == 5 and 5 in resumed.evals  # the evaluator actor's rows for the last step, awaited
+    assert resumed.losses == pytest.approx(local[3:], rel=1e-5, abs=1e-7)  # steps 4 and 5, taken here
+    # undisturbed: the ledger's account of batches 6..9 is zeros but what was trained, in MLflow too, and no line
+    ledger = resumed.ledger
+    assert ledger["trained"] == 4 and ledger["lost"] == ledger["orphaned"] == ledger["restarts"] == ledger["stale"] == 0
+    assert reconciles(ledger) and fault_line(ledger) is None
+    metrics = mlflow.MlflowClient(spec.tracking_uri).get_run(resumed.run_id).data.metrics
+    assert (metrics["ledger_trained"], metrics["ledger_lost"], metrics["ledger_restarts"]) == (4, 0, 0)
 
 
 @ray.remote
@@ -170,6 +174,36 @@ def test_a_killed_rollout_actor_restarts_and_the_run_continues(ray_cluster, micr
         assert_survived(run, run.train(3), steps=3, given_up=2)
     finally:
         run.shutdown()
+
+
+@fails_if_a_batch_goes_missing
+@recovery_run
+def test_a_run_that_lost_batches_shows_the_account(ray_cluster, micro_spec_file, tmp_path, capsys, monkeypatch):
+    """`opd run` with rollout-0 killed mid-run (the module's Ray, which `init_ray` joins): it recovers, prints one
+    ledger line, and records the account in summary.json and MLflow."""
+    start = RayRun.start
+
+    def start_then_kill(run: RayRun) -> int:
+        step = start(run)
+        wait_for(lambda: ray.get(run.ledger.holders.remote()).get(3) == "rollout-0#1")  # 2 enqueued, 3 in hand
+        ray.kill(run.rollouts[0], no_restart=False)
+        time.sleep(1.0)
+        return step
+
+    monkeypatch.setattr(RayRun, "start", start_then_kill)
+    sets = ["engine=ray", "steps=3", "eval.every=0", "eval.offline=false", "resources.max_policy_lag=1",
+            "resources.queue_size=1", f"tracking.run_dir={tmp_path / '{name}'}"]
+    assert main(["run", str(micro_spec_file), *[a for s in sets for a in ("--set", s)]]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ledger: ")]
+    spec = load_spec(micro_spec_file, sets)
+    ledger = json.loads((spec.run_dir / "summary.json").read_text())["ledger"]
+    assert ledger["restarts"] == 1 and ledger["lost"] + ledger["orphaned"] >= 1 and reconciles(ledger)
+    assert lines == [fault_line(ledger)]
+    assert f"lost {ledger['lost']}, orphaned {ledger['orphaned']}, stale {ledger['stale']};" in lines[0]
+    client = mlflow.MlflowClient(spec.tracking_uri)
+    run_id = client.search_runs([client.get_experiment_by_name(spec.tracking.experiment).experiment_id])[0].info.run_id
+    metrics = client.get_run(run_id).data.metrics
+    assert {k: metrics[f"ledger_{k}"] for k in ledger} == ledger
 
 
 @fails_if_a_batch_goes_missing

@@ -212,7 +212,7 @@ def test_eval_samples_missing_is_one_line_before_any_model_loads(micro_spec_file
     monkeypatch.setattr(opd.eval.online, "build_models", lambda *a, **k: pytest.fail("models loaded first"))
     line = _eval_error(micro_spec_file, tmp_path / "nope.jsonl", capsys)
     assert line.endswith("is not a file (expected held-out target samples; draw them with `opd gen-samples CONFIG "
-                         "--eval`)")
+                         f"--eval --out {tmp_path / 'nope.jsonl'}`)")
 
 
 def test_eval_samples_from_another_target_are_refused(micro_spec_file, tmp_path, capsys):
@@ -235,5 +235,6 @@ def test_training_samples_given_as_eval_samples_name_the_eval_draw(micro_spec_fi
     path = sample_file(micro_spec_file, tmp_path, "rollout.temperature=0")
     capsys.readouterr()
     line = _eval_error(micro_spec_file, path, capsys)
-    assert "has no sample 0 of prompt" in line and line.endswith("(expected `opd gen-samples CONFIG --eval` to have "
-                                                                 "drawn it)")
+    assert "has no sample 0 of prompt" in line and line.endswith("(draw this run's into a new file with `opd "
+                                                                 "gen-samples CONFIG --eval --out NEW.jsonl`, then "
+                                                                 "pass `--samples NEW.jsonl`)")

@@ -1,6 +1,6 @@
 """`opd run` with `eval.suite`: the run ends with the benchmark table in the paper's layout (warm and trained drafter
 beside the ceiling) in stdout, RUN_DIR/suite/ and the run's MLflow run; a suite that is not built, or a prompt
-too long for the target, is one line before any compute; the Qwen3 configs name the paper suite."""
+too long for the target's context, is one line before any compute; the Qwen3 configs name the paper suite."""
 
 from __future__ import annotations
 
@@ -66,13 +66,13 @@ def test_a_suite_the_run_cannot_use_is_one_line_before_any_compute(micro_spec_fi
     monkeypatch.setattr("opd.commands.launch.train", no_compute)
     monkeypatch.setattr("opd.commands.launch.held_out_samples", no_compute)
     (tmp_path / "empty").mkdir()
-    long = write(tmp_path / "long.jsonl", [{"prompt": "What is 12 + 30? " * 40}])
+    long = write(tmp_path / "long.jsonl", [{"prompt": "What is 12 + 30? " * 120}])  # past the micro context
     assert main(["suite", "build", "--suite", suite_yaml(tmp_path, [{"name": "tiny-math"}], "long"), "--out",
                  str(tmp_path / "long"), "--file", f"tiny-math={long}"]) == 0
     capsys.readouterr()
     suite, expected = {"missing": (tmp_path / "nowhere", "does not exist (expected the directory `opd suite build"),
                        "no card": (tmp_path / "empty", "no card.json (expected a directory `opd suite build"),
-                       "too long": (tmp_path / "long", "more than data.max_prompt_tokens=200")}[case]
+                       "too long": (tmp_path / "long", "new tokens pass the target's context of 512")}[case]
     assert main(_args(micro_spec_file, [*SETS, f"eval.suite={suite}"])) == 2
     line = one_error(capsys)
     assert "eval.suite: " in line and expected in line, line

@@ -31,6 +31,7 @@ def run_gap(spec: ExperimentSpec, drafters: dict[str, str], samples: str | None,
     if json_out:
         check_output_file(json_out, "--json", "the results")
     models = build_models(spec)
+    loaded = {name: build_drafter(spec, models.target, models.tokenizer, path) for name, path in drafters.items()}
     prompts = eval_prompts(spec.data, models.tokenizer, spec.eval.num_prompts)
     offline = OfflineEval(models, path, prompts, spec.eval.sampling, Provenance.of(spec, spec.eval.max_new_tokens),
                           field="--samples")
@@ -41,8 +42,7 @@ def run_gap(spec: ExperimentSpec, drafters: dict[str, str], samples: str | None,
             facts = slot_facts(models.target, view.samples, Sampling.of(view.setting), spec.eval.batch_size)
             k = spec.models.drafter.block_size
             ceiling = offline.ceiling(view, k).tau
-            for name, drafter_path in drafters.items():
-                drafter = build_drafter(spec, models.target, models.tokenizer, drafter_path)
+            for name, drafter in loaded.items():
                 reports[(view.setting.name, name)] = gap_report(offline.records(view, drafter), facts, k, ceiling)
                 bar.advance(task)
     print_reports(reports)

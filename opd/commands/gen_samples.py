@@ -15,7 +15,7 @@ from pathlib import Path
 
 from opd.data.prompts import load_tokenizer, spec_prompts, train_prompts
 from opd.errors import OpdError
-from opd.eval.offline import draw_eval_samples
+from opd.eval.offline import draw_eval_samples, stale_advice
 from opd.models.build import build_models
 from opd.progress import progress_bar
 from opd.serving.engine import require_vllm
@@ -42,7 +42,7 @@ def run_gen_samples(spec: ExperimentSpec, engine: str | None, count: int, out: s
     if purpose == "eval":
         prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, tokenizer,
                                spec.eval.num_prompts).prompts
-        draw_eval_samples(spec, sampler, prompts, path)
+        draw_eval_samples(spec, sampler, prompts, path, field="--out", stale=stale_advice("--out"))
         print(f"held-out target samples ({kind}) of {len(prompts)} prompts in {path}")
         return 0
     prompts = train_prompts(spec.data, tokenizer)

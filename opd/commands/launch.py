@@ -9,10 +9,12 @@ this process, `engine: ray` runs the actor system (actors/driver.py). Both fold 
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
+from opd.sources.store import StaleSamples
 from opd.spec import ExperimentSpec, with_eval_samples
 from opd.tracking import run_status
 from opd.train.evaluator import Checkpoint
@@ -66,12 +68,27 @@ def suite_eval(spec: ExperimentSpec, drafters: dict[str, str], out: Path) -> Sui
 
 
 def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
-    """With `eval.offline` and no `eval.samples_path`: store the held-out samples in RUN_DIR/eval_samples.jsonl
-    (the warm drafter's decodes; once, resumable), where the evaluator runs, and return the spec that evaluates
-    offline on them (opd/eval/offline.py)."""
-    if not spec.eval.offline or spec.eval.samples_path:
+    """With `eval.offline` and no usable `eval.samples_path`: store the held-out samples in
+    RUN_DIR/eval_samples.jsonl (the warm drafter's decodes; once, resumable), where the evaluator runs, and return
+    the spec that evaluates offline on them (opd/eval/offline.py). Named samples this run cannot read (drawn with
+    another eval.max_new_tokens, target or rendering, or lacking a prompt or setting) are passed over with a note:
+    refusing would leave the user to redraw a file the config names, which the redraw does not replace. Every
+    file is checked here, before any model loads."""
+    from opd.data.prompts import eval_prompts, load_tokenizer
+    from opd.eval.offline import check_eval_samples
+
+    if not spec.eval.samples_path and not spec.eval.offline:
+        return spec
+    prompts = eval_prompts(spec.data, load_tokenizer(spec.models.tokenizer), spec.eval.num_prompts)
+    if spec.eval.samples_path:
+        if _usable(spec, prompts):
+            return spec
+        spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": None})})
+    if not spec.eval.offline:
         return spec
     path = str(spec.run_dir.resolve() / "eval_samples.jsonl")
+    if Path(path).exists():  # drawn by an earlier run here; made otherwise, it is refused now, not after loading
+        check_eval_samples(spec, prompts, path, "eval.samples_path", complete=False)
     if spec.engine == "ray":
         from actors.driver import draw_samples_in_actor
 
@@ -81,3 +98,18 @@ def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
 
         Evaluator(spec).draw_samples(path)
     return with_eval_samples(spec, path)
+
+
+def _usable(spec: ExperimentSpec, prompts: list) -> bool:
+    """Whether `eval.samples_path` serves this run's eval of `prompts`; when not, a note says why and what the run
+    does instead."""
+    from opd.eval.offline import check_eval_samples
+
+    try:
+        check_eval_samples(spec, prompts, spec.eval.samples_path, "eval.samples_path")
+        return True
+    except StaleSamples as exc:
+        instead = (f"this run draws its own into {spec.run_dir / 'eval_samples.jsonl'}" if spec.eval.offline
+                   else "held-out τ is decoded instead (eval.offline is false)")
+        print(f"note: {exc.reason}, so {instead}", file=sys.stderr)
+        return False

@@ -4,8 +4,8 @@ A bad prompt line or a truncated checkpoint found inside a Ray actor's construct
 output, minutes in; found here it is one `OpdError` line in seconds. The checks read what is cheap to read even
 for a Qwen3-sized run on a CPU-only head node: the tokenizer, every prompt, the configs, and the safetensors
 headers (which safetensors checks against the file's length, so a truncated file is caught without reading the
-weights). A target whose layer kinds nothing here runs exactly (sliding windows, sinks, linear attention) is
-refused from its config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inputs`.
+weights). A target whose layer kinds nothing here runs exactly (linear attention, chunked attention) is refused
+from its config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inputs`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.data.render import Rendering
-from opd.data.suite import built_suite, read_rows, suite_prompts
+from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
@@ -53,12 +53,13 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
 
 
 def check_suite(spec: ExperimentSpec, tokenizer) -> None:
-    """`eval.suite` is a finished build and every prompt of it renders within data.max_prompt_tokens: found after
-    training, either would cost a cluster run its table hours in."""
+    """`eval.suite` is a finished build, scored at a point-mass setting, and every prompt of it parses, renders and
+    fits the target's context with its answer: found after training, any of these would cost a cluster run its
+    table hours in."""
     suite = Path(spec.eval.suite)
-    for bench in built_suite(suite, field="eval.suite:").benchmarks:
-        suite_prompts(read_rows(suite / bench.file), tokenizer, Rendering.of(spec.data), spec.data.max_prompt_tokens,
-                      f"eval.suite: {suite / bench.file}")
+    scored_settings(spec.eval.sampling)
+    suite_inputs(built_suite(suite, field="eval.suite:"), suite, tokenizer, Rendering.of(spec.data),
+                 target_context(spec.models.target_path), "eval.suite:")
 
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
@@ -81,17 +82,17 @@ def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
 
 def check_layer_kinds_of(path: str) -> None:
     """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly (README: Target families),
-    by `Target`'s own rule applied to the model class's skeleton built from config.json: no weights are read, so
-    a gpt-oss, Gemma 4 or Qwen3.5 run ends here in seconds rather than when an actor loads the target."""
+    by `Target`'s own rule (`attention_windows`) applied to the model class's skeleton built from config.json: no
+    weights are read, so a Qwen3.5 run ends here in seconds rather than when an actor loads the target."""
     from opd.models.shared_head import skeleton, target_config
-    from opd.models.target import check_layer_kinds
+    from opd.models.target import attention_windows
 
     config = target_config(path)
     try:
         model = skeleton(config)
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
-    check_layer_kinds(model)
+    attention_windows(model)
 
 
 def check_drafter(path: str, target: SimpleNamespace, block_size: int) -> None:

@@ -38,6 +38,7 @@ from opd.spec import ExperimentSpec, LossSpec
 from opd.tracking import end_run, ensure_store, run_status
 from opd.train.checkpoint import checkpoint_step, remove_partial_checkpoints
 from opd.train.evaluator import Checkpoint
+from opd.train.ledger import fault_line
 from opd.train.messages import TrainResult
 
 
@@ -59,7 +60,14 @@ def run_train(spec: ExperimentSpec) -> int:
         result = launch.train(launch.held_out_samples(spec))
     print(f"trained to step {result.steps}; checkpoint: {result.checkpoint}")
     print(f"MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    _print_faults(result)
     return 0
+
+
+def _print_faults(result: TrainResult) -> None:
+    """The ledger's line when an actor died or a batch was lost (the run recovered, or it would not be here)."""
+    if result.ledger is not None and (line := fault_line(result.ledger)):
+        print(line)
 
 
 def command(name: str) -> str:
@@ -156,6 +164,7 @@ def run_main(spec: ExperimentSpec) -> int:
           f"  τ plot: {spec.run_dir / 'tau_over_steps.png'}\n"
           f"{suite}"
           f"  MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    _print_faults(result)
     return 0
 
 
@@ -180,7 +189,8 @@ def _after_training(spec: ExperimentSpec, console: Console, result: TrainResult,
     console.print(table)
     suite_metrics, suite_files = suite_table(spec, result) if spec.eval.suite is not None else ({}, [])
     summary = {"before": [asdict(r) for r in before], "after": [asdict(r) for r in after], "history": history,
-               "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60}
+               "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60,
+               "ledger": result.ledger}
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     _log_to_mlflow(spec, result.run_id, before, after, [plot, run_dir / "summary.json", *suite_files], suite_metrics)
     return summary

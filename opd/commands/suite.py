@@ -8,6 +8,7 @@ once (resumable), rebuilds every drafter's blocks on them and reports τ both wa
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from opd.data.suite import built_suite, load_suite
@@ -15,6 +16,8 @@ from opd.data.suite_build import build_suite, parse_files
 from opd.errors import OpdError
 from opd.eval.suite import evaluate_suite
 from opd.eval.suite_report import markdown, metrics, write_report
+from opd.outputs import check_output_dir
+from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec
 
 
@@ -27,7 +30,8 @@ def run_suite_build(suite: str, out: str, files: list[str]) -> int:
 
 
 def parse_drafts(items: list[str]) -> dict[str, str]:
-    """`--draft [LABEL=]PATH` (or `random`) -> {label: path}; the label defaults to the directory's name."""
+    """`--draft [LABEL=]PATH` (or `random`) -> {label: path}; the label defaults to the directory's name. A
+    directory without a config.json is refused here, before the target loads."""
     drafts = {}
     for item in items:
         label, sep, path = item.partition("=")
@@ -38,15 +42,20 @@ def parse_drafts(items: list[str]) -> dict[str, str]:
         if label in drafts:
             raise OpdError(f"--draft {item!r}: label {label!r} is used twice (expected LABEL=PATH to tell them apart)")
         drafts[label] = path
+    for label, path in drafts.items():
+        if path != "random" and not (Path(path) / "config.json").is_file():
+            raise OpdError(f"--draft {label}={path}: {path}/config.json not found (expected a drafter directory or "
+                           "random)")
     return drafts
 
 
 def run_suite_eval(spec: ExperimentSpec, suite_dir: str, drafts: list[str], out: str | None, *,
                    track: bool = True, speedup_prompts: int = 0) -> int:
     """Evaluate, print the τ tables, write table.md, suite.json and tau.png under OUT (default
-    SUITE_DIR/results/<experiment name>) and, with `track`, log them to an MLflow run in OUT."""
+    SUITE_DIR/results/<experiment name>-<target digest>) and, with `track`, log them to an MLflow run in OUT."""
+    out_dir = Path(out) if out else default_out(spec, suite_dir)
+    check_output_dir(out_dir, "--out", "the suite's samples and report")
     card = built_suite(suite_dir)
-    out_dir = Path(out) if out else Path(suite_dir) / "results" / spec.name
     result = evaluate_suite(spec, card, Path(suite_dir), parse_drafts(drafts), out_dir,
                             speedup_prompts=speedup_prompts)
     paths = write_report(result, out_dir)
@@ -56,6 +65,14 @@ def run_suite_eval(spec: ExperimentSpec, suite_dir: str, drafts: list[str], out:
     if track:
         _log(spec, result, paths, out_dir)
     return 0
+
+
+def default_out(spec: ExperimentSpec, suite_dir: str) -> Path:
+    """SUITE_DIR/results/<experiment name>-<digest>: the digest names what the samples depend on besides the suite
+    (the target and tokenizer files, the rendering), so a run with another target never meets this one's samples."""
+    made = Provenance.of(spec, 0)
+    identity = f"{made.target} {made.tokenizer} {made.render} {made.enable_thinking}"
+    return Path(suite_dir) / "results" / f"{spec.name}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
 
 
 def _log(spec: ExperimentSpec, result, paths: list[Path], out_dir: Path) -> None:

@@ -16,12 +16,13 @@ from opd.errors import OpdError
 
 
 def read_file_rows(path: str, command: str) -> list[dict]:
-    """The rows of a local file by its suffix: .parquet, .json (one array), anything else JSONL; `command`
-    prefixes the one-line error, which says which format was expected."""
+    """The rows of a local file by its suffix: .parquet, .json (an array of rows, or one object of columns as
+    pandas' `to_json` writes), anything else JSONL; `command` prefixes the one-line error, which says which format
+    was expected."""
     file = Path(path)
     if not file.is_file():
         raise OpdError(f"{command}: {path} not found")
-    kind = {".parquet": "a parquet file", ".json": "a JSON array of rows"}.get(
+    kind = {".parquet": "a parquet file", ".json": "a JSON array of rows or an object of columns"}.get(
         file.suffix, "JSONL, one JSON object per line")
     try:
         if file.suffix == ".parquet":
@@ -29,9 +30,25 @@ def read_file_rows(path: str, command: str) -> list[dict]:
 
             return pq.read_table(file).to_pylist()
         text = file.read_text()
-        return json.loads(text) if file.suffix == ".json" else _jsonl(text)
+        return _json(text) if file.suffix == ".json" else _jsonl(text)
     except (ValueError, OSError) as exc:  # JSON, Unicode and Arrow's ArrowInvalid errors are ValueErrors
         raise OpdError(f"{command}: {path}: unreadable ({str(exc).strip().splitlines()[0]}); expected {kind}") from None
+
+
+def _json(text: str) -> list:
+    """An array of rows as it is; an object of columns ({column: {index: value}} or {column: [values]}, pandas'
+    `to_json` default and `orient="list"`) turned into rows in its index order."""
+    data = json.loads(text)
+    if isinstance(data, list):
+        return data
+    columns = list(data.values()) if isinstance(data, dict) else []
+    if not columns or not all(isinstance(c, dict | list) for c in columns):
+        raise ValueError("neither an array of rows nor an object whose values are columns")
+    index = list(columns[0]) if isinstance(columns[0], dict) else range(len(columns[0]))
+    if any(len(c) != len(index) for c in columns):
+        raise ValueError("an object of columns of different lengths")
+    return [{name: column[i] if isinstance(column, list) else column.get(i) for name, column in data.items()}
+            for i in index]
 
 
 def _jsonl(text: str) -> list:

@@ -29,7 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from opd.data.benchmarks import BENCHMARKS
 from opd.data.prompts import Prompt
 from opd.data.render import Rendering, check_tokenizer, render
+from opd.data.source_rows import sha256_of
 from opd.errors import OpdError
+from opd.spec import SamplingSpec
 
 SUITES_DIR = Path("configs/suites")  # `--suite NAME` resolves here, relative to the repository root
 CARD = "card.json"
@@ -139,8 +141,9 @@ def read_card(out: Path) -> SuiteCard | None:
 
 
 def built_suite(out: str | Path, field: str = "--suite") -> SuiteCard:
-    """A built suite directory's card, every benchmark's file present, or one line naming the fix; `field` names
-    where the directory was given (the flag, or a spec's `eval.suite`)."""
+    """A built suite directory's card, every benchmark's file present and as the build wrote it (a file cut or
+    edited since would be evaluated short, or not parse), or one line naming the fix; `field` names where the
+    directory was given (the flag, or a spec's `eval.suite`)."""
     out = Path(out)
     card = read_card(out)
     if card is None or not card.benchmarks:
@@ -148,17 +151,31 @@ def built_suite(out: str | Path, field: str = "--suite") -> SuiteCard:
     for b in card.benchmarks:
         if not (out / b.file).is_file():
             raise OpdError(f"{field} {out}: {b.file} is missing (expected `opd suite build` to finish writing it)")
+        if sha256_of(out / b.file) != b.file_sha256:
+            raise OpdError(f"{field} {out}: {b.file} is not the file the build wrote (its sha256 differs from "
+                           f"{CARD}'s: cut or edited since; expected `opd suite build --suite SUITE --out {out}` "
+                           "to rebuild it)")
     return card
 
 
 def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A prompt file's rows; a line that is not JSON (a file cut mid-row) is one line naming it."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise OpdError(f"{path} line {number}: not JSON ({exc.msg}; expected the rows `opd suite build` "
+                               "writes: rebuild the suite with it)") from None
+    return rows
 
 
-def suite_prompts(rows: list[dict], tokenizer, rendering: Rendering, max_prompt_tokens: int,
+def suite_prompts(rows: list[dict], tokenizer, rendering: Rendering, max_prompt_tokens: int | None,
                   where: str) -> list[Prompt]:
     """Suite rows as the target sees them: the chat template over their `messages`, or under `raw` the one user
-    turn's text. A prompt longer than `max_prompt_tokens` is one line naming the setting to raise."""
+    turn's text. A prompt longer than `max_prompt_tokens` (None: any length) is one line naming the setting to
+    raise."""
     check_tokenizer(tokenizer, rendering)
     prompts = []
     for row in rows:
@@ -170,17 +187,84 @@ def suite_prompts(rows: list[dict], tokenizer, rendering: Rendering, max_prompt_
         rendered = render(text, None if text is not None else messages, tokenizer, rendering)
         prompts.append(Prompt(row["id"], rendered.text, rendered.ids))
     longest = max(prompts, key=lambda p: len(p.ids))
-    if len(longest.ids) > max_prompt_tokens:
+    if max_prompt_tokens is not None and len(longest.ids) > max_prompt_tokens:
         raise OpdError(f"{where}: {longest.id} renders to {len(longest.ids)} tokens, more than "
                        f"data.max_prompt_tokens={max_prompt_tokens} (expected --set data.max_prompt_tokens="
                        f"{len(longest.ids)}, the longest of its prompts)")
     return prompts
 
 
+@dataclass
+class BenchmarkPrompts:
+    """One benchmark of a built suite as the target reads it, checked before any benchmark's first sample."""
+
+    card: BenchmarkCard
+    rows: list[dict]
+    prompts: list[Prompt]
+    max_new_tokens: int  # its answer cap in this rendering's thinking mode
+    longest: int  # its longest prompt in tokens; with turns: 2, the second turn's with a full-length first answer
+
+
+def suite_inputs(card: SuiteCard, suite_dir: Path, tokenizer, rendering: Rendering, context: int | None,
+                 field: str) -> list[BenchmarkPrompts]:
+    """Every benchmark's rows parsed and rendered, and each prompt with its answer within the target's `context`
+    (None: unbounded), so a bad benchmark is refused before the first sample of any other is drawn. A benchmark
+    is its prompts: they are not held to data.max_prompt_tokens, the training prompts' cap."""
+    out = []
+    for bench in card.benchmarks:
+        where = f"{field} {suite_dir / bench.file}"
+        if bench.turns == 2 and rendering.mode == "raw":
+            raise OpdError(f"{where}: turns: 2, but a raw target (data.render: raw) cannot read MT-Bench's second "
+                           "turn (expected data.render: chat on a target with a chat template, or turns: 1 in the "
+                           "suite)")
+        rows = read_rows(suite_dir / bench.file)
+        prompts = suite_prompts(rows, tokenizer, rendering, None, where)
+        tokens = bench.max_new_tokens["thinking_on" if thinking(rendering) else "thinking_off"]
+        longest = max(prompts, key=lambda p: len(p.ids))
+        length, what = len(longest.ids), longest.id
+        if bench.turns == 2:  # the second turn holds the first answer, at most `tokens` long
+            second = suite_prompts(second_turn_rows(rows, [""] * len(rows), "check"), tokenizer, rendering, None,
+                                   where)
+            longest = max(second, key=lambda p: len(p.ids))
+            length, what = len(longest.ids) + tokens, f"{longest.id.split('#')[0]}'s second turn"
+        check_context(what, length, tokens, context, where)
+        out.append(BenchmarkPrompts(bench, rows, prompts, tokens, length))
+    return out
+
+
+def check_context(what: str, length: int, tokens: int, context: int | None, where: str) -> None:
+    """A prompt and its answer within the target's position range: the limit that binds a suite, since its prompts
+    are the benchmark's and are not cut."""
+    if context is not None and length + tokens > context:
+        raise OpdError(f"{where}: {what} is {length} tokens, which with {tokens} new tokens pass the target's "
+                       f"context of {context} (max_position_embeddings; expected shorter prompts, or a smaller "
+                       "max_new_tokens in the suite)")
+
+
+def target_context(target_path: str) -> int | None:
+    """The target's context length from its config.json (None where it names none), read without loading it."""
+    try:
+        config = json.loads((Path(target_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return size if isinstance(size, int) else None
+
+
+def scored_settings(settings: list[SamplingSpec]) -> list[SamplingSpec]:
+    """The point-mass eval settings a suite is scored at (its blocks are rebuilt offline, which sampled drafts
+    cannot be); none is one line naming eval.sampling."""
+    scored = [s for s in settings if s.draft == "argmax"]
+    if not scored:
+        raise OpdError(f"eval.sampling: every setting ({', '.join(s.name for s in settings)}) has draft: sample, "
+                       "but a suite is scored offline on point-mass drafts (expected at least one setting with "
+                       "draft: argmax)")
+    return scored
+
+
 def thinking(rendering: Rendering) -> bool:
     """Whether the target thinks (the longer token budget): a chat template's default is Qwen3's, on."""
     return rendering.mode == "chat" and rendering.enable_thinking is not False
-
 
 
 def second_turn_rows(rows: list[dict], answers: list[str], setting: str) -> list[dict]:

@@ -15,14 +15,17 @@ from opd.data.benchmarks import FORMATS, Benchmark, benchmark, load_rows
 from opd.data.source_rows import sha256_of
 from opd.data.suite import BenchmarkCard, SuiteBenchmark, SuiteCard, SuiteSpec, read_card
 from opd.errors import OpdError
+from opd.outputs import check_output_dir
 
 
 def build_suite(suite: SuiteSpec, out: Path, files: dict[str, str], log=print) -> SuiteCard:
     """Write OUT/<benchmark>.jsonl for every benchmark of `suite` and OUT/card.json; `files`: benchmark -> a local
     copy of its source. Returns the card."""
+    check_output_dir(out, "--out", "the suite's prompt files and card")
     names = [b.name for b in suite.benchmarks]
-    for name in files:
+    for name, file in files.items():
         benchmark(name, names)
+        _check_file(name, file)
     out.mkdir(parents=True, exist_ok=True)
     old = read_card(out)
     card = SuiteCard(suite.name, suite.seed)
@@ -42,6 +45,13 @@ def build_suite(suite: SuiteSpec, out: Path, files: dict[str, str], log=print) -
 def _request(suite: SuiteSpec, entry: SuiteBenchmark, file: str | None) -> dict:
     """Everything a benchmark's file depends on; a local file by its hash, so a replaced copy is rebuilt."""
     return {**entry.model_dump(), "seed": suite.seed, "file": file, "file_sha256": sha256_of(file) if file else None}
+
+
+def _check_file(name: str, file: str) -> None:
+    """A `--file` source is a readable file before it is hashed (the resume key) or parsed."""
+    if not Path(file).is_file():
+        what = "is a directory" if Path(file).is_dir() else "not found"
+        raise OpdError(f"--file {name}={file}: {what} (expected a local jsonl, json or parquet file)")
 
 
 def _intact(out: Path, card: BenchmarkCard) -> bool:

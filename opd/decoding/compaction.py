@@ -71,11 +71,12 @@ def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> 
 
 
 def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:
-    """The target cache's layers, which must be plain growing full-attention ones: a sliding-window layer
-    counts its tokens by column and would be corrupted by moving them."""
+    """The target cache's layers, which must be plain growing ones: HF's sliding-window layer keeps the batch's
+    last window − 1 columns, not each row's, and would be corrupted by moving them. A target with sliding-window
+    layers keeps them as plain layers and applies the window in its masks (opd/models/kind_masks.py)."""
     bad = {type(layer).__name__ for layer in cache.layers
            if not isinstance(layer, DynamicLayer) or layer.is_sliding}
     if bad:
         raise OpdError(f"speculative decoding packs the target's KV cache per row; {sorted(bad)} cache layers "
-                       "are not supported (full-attention DynamicLayer only)")
+                       "are not supported (plain DynamicLayer only)")
     return list(cache.layers)

@@ -43,13 +43,30 @@ class SequenceRecord:
         After clipping, a block whose accepted drafts reach the response end (anchor + accepted + 1 == response
         length) has no rejection inside the sample: replay scores none of its slots from there on
         (`opd/distill/replay.py`), since nothing verified them against a committed token."""
-        last = len(self.response_ids) - 1
-        self.accepted = [min(r, last - a) for a, r in zip(self.anchors, self.accepted)]
+        self.accepted = [min(r, room) for r, room in zip(self.accepted, self.rooms)]
 
     def ends_unrejected(self, block: int) -> bool:
         """Whether block `block`'s accepted drafts run to the response end (its slots from `accepted` on lie past
         the sample: nothing rejected them)."""
-        return self.anchors[block] + self.accepted[block] + 1 >= len(self.response_ids)
+        return self.accepted[block] >= self.room(block)
+
+    def room(self, block: int) -> int:
+        """The response tokens after block `block`'s anchor: drafted position k lies inside the response iff
+        k <= room, and no block can write more than its room."""
+        return len(self.response_ids) - 1 - self.anchors[block]
+
+    @property
+    def rooms(self) -> list[int]:
+        return [self.room(m) for m in range(len(self.anchors))]
+
+    @property
+    def written(self) -> list[int]:
+        """Per block, the tokens it wrote into the response: its accepted drafts and the bonus, min(accepted + 1,
+        room). Only a final block differs from accepted + 1: its bonus (or its accepted drafts past the first eos
+        or the length limit) lies past the response end, was never committed, and is not counted, as z-lab's
+        `dflash_generate` counts it. Over a record the counts sum to the response length − 1 (the prefill's
+        token is no verification's)."""
+        return [min(r + 1, room) for r, room in zip(self.accepted, self.rooms)]
 
     @property
     def num_steps(self) -> int:
@@ -57,5 +74,5 @@ class SequenceRecord:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length of this sequence: tokens committed per verification, bonus included."""
-        return sum(r + 1 for r in self.accepted) / max(1, len(self.accepted))
+        """Mean acceptance length of this sequence: tokens written per verification (`written`)."""
+        return sum(self.written) / max(1, len(self.accepted))

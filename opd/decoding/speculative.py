@@ -34,6 +34,7 @@ from opd.decoding.compaction import compact, crop, row_mask
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
+from opd.errors import OpdError
 from opd.models.family import Drafter
 from opd.models.target import Target
 
@@ -43,6 +44,10 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter: Drafter, *, eos_id: int, draft_version: int = 0,
                  static_cache: bool = False) -> None:
+        if static_cache and target.windowed:
+            raise OpdError("rollout.static_cache: not with a target that has sliding-window layers (a static "
+                           "cache's sliding layers count the window in slots, and the rejected slots stay as holes); "
+                           "expected static_cache: false")
         self.target, self.drafter, self.eos_id = target, drafter, eos_id
         self.draft_version, self.static_cache = draft_version, static_cache
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls

@@ -20,18 +20,18 @@ class Diagnosis:
     def __init__(self, models: Models, settings: dict[str, Sampling]) -> None:
         self.models, self.settings = models, settings
         self.acceptance: dict[str, list] = {name: [] for name in settings}
-        self.blocks: list[int] = []
+        self.rooms: list[list[int]] = []
 
     def add(self, records) -> None:
-        drafts, blocks = record_drafts(records)
+        drafts, _ = record_drafts(records)
         if not self.settings or not len(drafts):
             return
         target = self.models.target
         teacher = score(target, records, block_size=self.models.drafter.block_size).teacher
         for name, a in teacher_acceptance(drafts, teacher, teacher_head(target), self.settings).items():
             self.acceptance[name].append(a)
-        self.blocks += blocks
+        self.rooms += [rec.rooms for rec in records]
 
     def result(self) -> dict[str, ExpectedAcceptance]:
-        return {name: ExpectedAcceptance.of(torch.cat(parts), self.blocks)
+        return {name: ExpectedAcceptance.of(torch.cat(parts), self.rooms)
                 for name, parts in self.acceptance.items() if parts}

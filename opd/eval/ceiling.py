@@ -7,9 +7,11 @@ the committed token equals argmax p at that position, up to K−1, then move to 
 the same decoder forward that gives the drafter its context features, so the ceiling costs one LM head pass.
 
 At greedy every committed token is the argmax, so the oracle accepts K−1 on every block but a sequence's last:
-an exact upper bound. At T>0 it bounds each slot's acceptance probability given its state (p_T(d) ≤ max p_T),
-but over a block a less likely draft leading to a more predictable continuation can accept more, so there it is
-a reference; `beats_oracle` counts how often a drafter's block does.
+an exact upper bound. Its records are counted as every drafter's (opd/eval/acceptance.py): a final block counts
+only the tokens it wrote, so at greedy an n-token response takes ⌈(n − 1) / K⌉ verifications, the fewest that
+n − 1 written tokens allow, and its τ is (n − 1) over that. At T>0 it bounds each slot's acceptance probability
+given its state (p_T(d) ≤ max p_T), but over a block a less likely draft leading to a more predictable
+continuation can accept more, so there it is a reference; `beats_oracle` counts how often a drafter's block does.
 
 Sampled drafts verified with min(1, p/q) have another ceiling: q = p accepts every draft, so a drafter served that
 way can reach K per block (fewer at a response's end) on any text; `full_acceptance` gives it on the same text.

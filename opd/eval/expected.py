@@ -26,6 +26,7 @@ import torch
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling, target_probs
 from opd.distill.losses import TopKTeacher
+from opd.eval.acceptance import survival_curve
 from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head
 
 
@@ -73,23 +74,27 @@ def _teacher_logits(teacher: torch.Tensor | TopKTeacher, head: torch.nn.Module |
 class ExpectedAcceptance:
     """One setting's expected acceptance over a set of drafted blocks."""
 
-    tau: float  # mean over responses of 1 + expected accepted length (as AcceptanceStats.tau)
-    tau_token_weighted: float  # 1 + mean expected accepted length over all blocks
+    tau: float  # mean over responses of expected written tokens per block (as AcceptanceStats.tau)
+    tau_token_weighted: float  # mean expected written tokens over all blocks
     slot: list[float]  # mean a_k at k = 1..K-1: agreement given the drafted prefix, whatever came before
     survival: list[float]  # expected P(accepted >= k), comparable with AcceptanceStats.survival
     blocks: int
 
     @classmethod
-    def of(cls, acceptance: torch.Tensor, blocks_per_response: Sequence[int]) -> ExpectedAcceptance:
-        """From a_k [N, K-1] of N blocks, stacked response by response (`blocks_per_response` sums to N)."""
+    def of(cls, acceptance: torch.Tensor, rooms: Sequence[Sequence[int]]) -> ExpectedAcceptance:
+        """From a_k [N, K-1] of N blocks, stacked response by response, and each response's `SequenceRecord.rooms`
+        (N in all), counted as `AcceptanceStats` counts realised blocks: a block writes min(accepted + 1, room)
+        tokens, whose expectation is 1 + sum of P(accepted >= k) over k < room, and the survival curve is
+        censored at the response end (opd/eval/acceptance.py)."""
         survival = acceptance.double().cumprod(-1)
-        expected = survival.sum(-1) + 1  # per block: 1 + expected accepted drafts
-        per_response = [part.mean().item() for part in expected.split(list(blocks_per_response)) if len(part)]
+        room = torch.tensor([r for part in rooms for r in part], dtype=torch.long)
+        expected = (survival * (torch.arange(1, survival.shape[1] + 1) < room[:, None])).sum(-1) + 1
+        per_response = [part.mean().item() for part in expected.split([len(p) for p in rooms]) if len(part)]
         blocks = max(1, len(acceptance))
         return cls(tau=sum(per_response) / max(1, len(per_response)),
                    tau_token_weighted=float(expected.sum()) / blocks,
                    slot=(acceptance.double().sum(0) / blocks).tolist(),
-                   survival=(survival.sum(0) / blocks).tolist(), blocks=len(acceptance))
+                   survival=survival_curve(survival, room)[1:], blocks=len(acceptance))
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """MLflow metrics: `{prefix}tau` (token-weighted, like `rollout_tau`) and a_k as `{prefix}slot_{k}`."""

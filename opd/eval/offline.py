@@ -93,10 +93,34 @@ def file_digest(path: Path) -> str:
 
 
 def check_samples_file(path: str | Path | None, field: str) -> None:
-    """Held-out samples exist, or one line naming the draw; commands call it before loading any model."""
+    """Held-out samples exist, or one line naming the draw that writes them there; commands call it before
+    loading any model."""
     if not path or not Path(path).is_file():
+        out = f" --out {path}" if path else ""
         raise OpdError(f"{field}: {path} is not a file (expected held-out target samples; draw them with "
-                       "`opd gen-samples CONFIG --eval`)")
+                       f"`opd gen-samples CONFIG --eval{out}`)")
+
+
+def stale_advice(field: str) -> str | None:
+    """What to do about held-out samples this run cannot read, phrased to work when followed: drawing into a
+    file made under other settings cannot mend it, so the draw goes to a new file, which `field` then names.
+    None for a reader this module cannot advise (the store's own wording applies)."""
+    use = {"eval.samples_path": "--set eval.samples_path=NEW.jsonl", "--samples": "--samples NEW.jsonl"}
+    if field not in (*use, "--out"):
+        return None
+    then = f", then pass `{use[field]}`" if field in use else ""
+    return f"draw this run's into a new file with `opd gen-samples CONFIG --eval --out NEW.jsonl`{then}"
+
+
+def check_eval_samples(spec, prompts: list[Prompt], path: str | Path, field: str, *, complete: bool = True) -> None:
+    """The held-out samples in `path` were made as `spec` makes them and (`complete`) hold every one its eval of
+    `prompts` reads, or StaleSamples with the working advice (other problems as OpdError). Cheap: reads the file,
+    loads no model, so a command calls it before any compute."""
+    settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
+    store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field=field, pool_name=None,
+                           redraw="opd gen-samples CONFIG --eval", stale=stale_advice(field))
+    if complete:
+        store.fetch([Wanted(p, i, 0) for i in range(len(settings)) for p in prompts])
 
 
 class OfflineEval:
@@ -104,13 +128,15 @@ class OfflineEval:
     `settings` (the others are the caller's to decode)."""
 
     def __init__(self, models: Models, path: str | Path, prompts: list[Prompt], settings: list[SamplingSpec],
-                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path") -> None:
-        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`)."""
+                 made: Provenance, *, batch_size: int = BATCH, field: str = "eval.samples_path",
+                 redraw: str = "opd gen-samples CONFIG --eval") -> None:
+        """`made`: what the samples must have been made by (`Provenance.of(spec, spec.eval.max_new_tokens)`);
+        `redraw`: the command a refusal names to draw them again."""
         self.models, self.batch_size = models, batch_size
         self.settings = [s for s in settings if s.draft == "argmax"]
         check_samples_file(path, field)
         store = SampleStore(path, self.settings, prompts, made, vocab_size=models.target.vocab_size, field=field,
-                            pool_name=None, redraw="opd gen-samples CONFIG --eval")
+                            pool_name=None, redraw=redraw, stale=stale_advice(field))
         # the view depends on the target, the samples' bytes, which prompts are read and at which setting
         base = (target_identity(models.target), file_digest(store.path), tuple(p.id for p in prompts))
         self.views = [cached_view((*base, setting_key(s), s.name), lambda i=i, s=s: self._view(store, prompts, i, s))
@@ -153,14 +179,17 @@ class OfflineEval:
         return SettingView(setting, samples, *text_view(self.models.target, samples, self.batch_size))
 
 
-def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path) -> Path:
+def draw_eval_samples(spec, sampler, prompts: list[Prompt], path: str | Path, *, field: str = "eval.samples_path",
+                      redraw: str = "opd gen-samples CONFIG --eval", stale: str | None = None) -> Path:
     """Store one target sample of each held-out prompt at every point-mass eval setting in `path` (resumable),
     drawn by `sampler` (opd/sources/samplers.py) with the eval's length, seed and keys: drawn by the speculative
-    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ."""
+    decoder with drafter D, they are exactly D's decodes, so D's offline τ is its decoded τ. `field` and `redraw`
+    name the file and the command that draws it in refusals, `stale` the advice when it holds samples made
+    otherwise (see `SampleStore`)."""
     settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field="eval.samples_path",
-                           pool_name="the held-out prompts", redraw="opd gen-samples CONFIG --eval")
+    store = SampleStore.of(spec, path, settings, prompts, spec.eval.max_new_tokens, field=field,
+                           pool_name="the held-out prompts", redraw=redraw, stale=stale)
     wanted = [Wanted(p, i, 0) for i in range(len(settings)) for p in prompts]
     draw = sampler_draw(sampler, settings, spec.eval.max_new_tokens, spec.seed)
     with progress_bar() as bar:

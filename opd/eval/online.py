@@ -94,7 +94,8 @@ def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
                      _opt(r.ceiling, "{:.3f}"), "offline" if r.offline else "decoded", _opt(r.spec_tokens_per_s, "{:.1f}"),
                      _opt(r.ar_tokens_per_s, "{:.1f}"), _opt(r.speedup, "{:.2f}x"), _opt(r.greedy_match, "{:.0%}"))
     console.print(main)
-    console.print("τ: mean of per-response means; τ tok-wt: committed tokens / verification steps; ceiling: τ of the "
+    console.print("τ: mean of per-response means (z-lab's Average Acceptance length); τ tok-wt: written tokens / "
+                  "verification steps (a final block counts only the tokens it wrote); ceiling: τ of the "
                   "argmax oracle on the same samples (sampled drafts: full acceptance, q = p); offline: blocks "
                   "rebuilt on stored target samples (exact in distribution), decoded: speculative decoding.")
     drafted = len(rows[0].survival)

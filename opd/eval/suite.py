@@ -19,14 +19,19 @@ samples (opd/data/suite.py `second_turn_rows`), so each setting has its own seco
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opd.data.prompts import Prompt
+from pydantic import ValidationError
+
+from opd.data.prompts import Prompt, load_tokenizer
 from opd.data.render import Rendering
-from opd.data.suite import BenchmarkCard, SuiteCard, read_rows, second_turn_rows, suite_prompts, thinking
+from opd.data.suite import (BenchmarkPrompts, SuiteCard, scored_settings, second_turn_rows, suite_inputs,
+                            suite_prompts, target_context, thinking)
 from opd.decoding.record import SequenceRecord
+from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats, pooled_interval
 from opd.eval.ceiling import beats_oracle, oracle_records
 from opd.eval.offline import OfflineEval, SettingView, draw_eval_samples
@@ -35,6 +40,7 @@ from opd.models.build import Models, build_drafter, build_models
 from opd.progress import progress_bar
 from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
+from opd.sources.store import SampleRow
 from opd.spec import ExperimentSpec, SamplingSpec
 
 CEILING = "ceiling"  # the argmax oracle's row in every table
@@ -93,21 +99,28 @@ def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, draft
     `suite_dir`, at `spec.eval.sampling`'s point-mass settings; samples stored under OUT/samples/. `models`: the
     target, its tokenizer and the warm drafter that draws the samples (default: built from the spec), so an
     evaluator that holds a target already does not load a second one. `speedup_prompts`: prompts per benchmark
-    decoded for the speedup (0: none)."""
+    decoded for the speedup (0: none). Every benchmark's prompts and stored samples are checked before any model
+    loads."""
     started = time.perf_counter()
+    settings = scored_settings(spec.eval.sampling)
+    rendering = Rendering.of(spec.data)
+    tokenizer = models.tokenizer if models else load_tokenizer(spec.models.tokenizer)
+    inputs = suite_inputs(card, suite_dir, tokenizer, rendering, target_context(spec.models.target_path), "--suite")
+    check_stored(spec, inputs, out)
+    # the sampler serves the suite's longest prompt, which data.max_prompt_tokens (the training cap) need not hold
+    longest = max([spec.data.max_prompt_tokens, *(b.longest for b in inputs)])
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"max_prompt_tokens": longest})})
     models = models or build_models(spec)
     loaded = {label: build_drafter(spec, models.target, models.tokenizer, path) for label, path in drafters.items()}
     sampler = build_sampler(spec, spec.rollout.sampler, models.target, models.drafter, models.eos_id)
-    rendering = Rendering.of(spec.data)
-    settings = [s for s in spec.eval.sampling if s.draft == "argmax"]
     result = SuiteResult(card.suite, spec.name, thinking(rendering), [s.name for s in settings],
                          [b.name for b in card.benchmarks], dict(drafters), {s.name: _described(s) for s in settings})
-    for bench in card.benchmarks:
-        views = _benchmark_views(spec, models, sampler, rendering, suite_dir, bench, out)
+    for bench in inputs:
+        views = _benchmark_views(spec, models, sampler, rendering, bench, out)
         with progress_bar() as bar:
-            task = bar.add_task(f"{bench.name}: drafters", total=len(views) * len(loaded))
+            task = bar.add_task(f"{bench.card.name}: drafters", total=len(views) * len(loaded))
             for setting, parts in views.items():
-                _score(result, bench.name, setting, parts, loaded, spec.models.drafter.block_size,
+                _score(result, bench.card.name, setting, parts, loaded, spec.models.drafter.block_size,
                        lambda: bar.advance(task))
         if speedup_prompts:
             _speedups(result, spec, models, bench, views, loaded, speedup_prompts)
@@ -115,18 +128,44 @@ def evaluate_suite(spec: ExperimentSpec, card: SuiteCard, suite_dir: Path, draft
     return result
 
 
-def _speedups(result: SuiteResult, spec: ExperimentSpec, models: Models, bench: BenchmarkCard,
+def check_stored(spec: ExperimentSpec, inputs: list[BenchmarkPrompts], out: Path) -> None:
+    """Samples already in OUT/samples/ were made by this target and settings (a rerun resumes them), or one line
+    naming the fix, before any benchmark draws: the store's own refusal would come only as each benchmark's turn
+    came, and name a command that draws held-out samples, not a suite's."""
+    for bench in inputs:
+        path = out / "samples" / f"{bench.card.name}.jsonl"
+        first = _first_row(path)
+        if first is None:
+            continue
+        if difference := Provenance.of(spec, bench.max_new_tokens).mismatch(first.provenance):
+            raise OpdError(f"{path} line 1: {difference} (expected samples of this target and settings: write to "
+                           f"another --out, or remove {path.parent} to redraw them)")
+
+
+def _first_row(path: Path) -> SampleRow | None:
+    """The first row of a samples file, or None: no file, or a row the store will refuse with its own line."""
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        line = f.readline()
+    try:
+        return SampleRow.model_validate(json.loads(line))
+    except (json.JSONDecodeError, ValidationError):
+        return None
+
+
+def _speedups(result: SuiteResult, spec: ExperimentSpec, models: Models, bench: BenchmarkPrompts,
               views: dict[str, list[View]], drafters: dict, count: int) -> None:
     """Each drafter's decoded speedup over the target alone on the benchmark's first `count` (first-turn) prompts,
     per setting, with the benchmark's own response cap."""
     for setting, parts in views.items():
         view = parts[0][1]
         prompts = [Prompt(str(s.key), "", s.prompt_ids) for s in view.samples[:count]]
-        tokens = bench.max_new_tokens["thinking_on" if result.thinking else "thinking_off"]
         for label, drafter in drafters.items():
             row = evaluate(Models(models.target, drafter, models.tokenizer), prompts, [view.setting],
-                           max_new_tokens=tokens, batch_size=spec.eval.batch_size, seed=spec.seed, baseline=True)[0]
-            result.cell(bench.name, setting, label).speedup = row.speedup
+                           max_new_tokens=bench.max_new_tokens, batch_size=spec.eval.batch_size, seed=spec.seed,
+                           baseline=True)[0]
+            result.cell(bench.card.name, setting, label).speedup = row.speedup
 
 
 def _described(setting: SamplingSpec) -> str:
@@ -138,23 +177,20 @@ def _described(setting: SamplingSpec) -> str:
 View = tuple[OfflineEval, SettingView]
 
 
-def _benchmark_views(spec: ExperimentSpec, models: Models, sampler, rendering: Rendering, suite_dir: Path,
-                     bench: BenchmarkCard, out: Path) -> dict[str, list[View]]:
+def _benchmark_views(spec: ExperimentSpec, models: Models, sampler, rendering: Rendering, bench: BenchmarkPrompts,
+                     out: Path) -> dict[str, list[View]]:
     """Per setting, the stored samples of the benchmark (both turns with turns: 2) and the target's view of them."""
-    rows = read_rows(suite_dir / bench.file)
-    where = f"--suite {suite_dir / bench.file}"
-    prompts = suite_prompts(rows, models.tokenizer, rendering, spec.data.max_prompt_tokens, where)
-    tokens = bench.max_new_tokens["thinking_on" if thinking(rendering) else "thinking_off"]
+    name, tokens = bench.card.name, bench.max_new_tokens
     spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"max_new_tokens": tokens})})
-    first = _drawn(spec, models, sampler, prompts, out / "samples" / f"{bench.name}.jsonl")
+    first = _drawn(spec, models, sampler, bench.prompts, out / "samples" / f"{name}.jsonl")
     views = {view.setting.name: [(first, view)] for view in first.views}
-    if bench.turns == 2:
+    if bench.card.turns == 2:
         for view in first.views:
             answers = [models.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in view.samples]
-            second = suite_prompts(second_turn_rows(rows, answers, view.setting.name), models.tokenizer, rendering,
-                                   spec.data.max_prompt_tokens, f"{where} (second turn)")
+            second = suite_prompts(second_turn_rows(bench.rows, answers, view.setting.name), models.tokenizer,
+                                   rendering, spec.data.max_prompt_tokens, f"--suite {bench.card.file} (second turn)")
             one = spec.model_copy(update={"eval": spec.eval.model_copy(update={"sampling": [view.setting]})})
-            path = out / "samples" / f"{bench.name}-turn2-{view.setting.name}.jsonl"
+            path = out / "samples" / f"{name}-turn2-{view.setting.name}.jsonl"
             offline = _drawn(one, models, sampler, second, path)
             views[view.setting.name].append((offline, offline.views[0]))
     return views
@@ -162,9 +198,10 @@ def _benchmark_views(spec: ExperimentSpec, models: Models, sampler, rendering: R
 
 def _drawn(spec: ExperimentSpec, models: Models, sampler, prompts: list[Prompt], path: Path) -> OfflineEval:
     """The offline evaluator of `prompts`' samples in `path`, drawing what the file lacks first."""
-    draw_eval_samples(spec, sampler, prompts, path)
+    redraw = "opd suite eval CONFIG --suite SUITE --out ANOTHER_DIR"
+    draw_eval_samples(spec, sampler, prompts, path, field="suite samples", redraw=redraw)
     return OfflineEval(models, path, prompts, spec.eval.sampling, Provenance.of(spec, spec.eval.max_new_tokens),
-                       field="suite samples")
+                       field="suite samples", redraw=redraw)
 
 
 def _score(result: SuiteResult, benchmark: str, setting: str, parts: list[View], drafters: dict,

@@ -23,6 +23,11 @@ the layout travels as `PackedMask`, a 4-D bool tensor of no memory that carries 
 module registers, under the existing names ("sdpa", "eager", "flash_attention_2"), wrappers that run the packed
 path for a `PackedMask` and otherwise call the original function unchanged. So a flash-attention target replays
 packed rows without its shared config ever being switched (actors run two threads on one model).
+
+Layer kinds (`LayerRule`): HF hands every attention function the layer's `sliding_window` and, for gpt-oss, its
+sinks (`s_aux`). A window narrows the prefix and every block by position (the prefix then runs a chunk of queries
+at a time over the keys the window reaches, so a windowed layer also costs less); sinks enter each softmax as one
+more key (`with_sink_key`), so they need no kernel of their own.
 """
 
 from __future__ import annotations
@@ -47,16 +52,38 @@ _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA with a bool mask [B|1, 1, S, T] for q [B, H, S, d] and k, v [B, kv, T, d], H = G·kv: query head h
-    uses key head h // G (HF's repeat_kv order), computed without copying keys or values."""
+    uses key head h // G (HF's repeat_kv order), computed without copying keys or values. `sinks` [H]: a logit
+    per head that enters every softmax (gpt-oss), as `with_sink_key` lays it out."""
+    if sinks is not None:
+        q, k, v, mask, scale = with_sink_key(q, k, v, mask, scale, sinks)
     batch, heads, rows, dim = q.shape
     groups = heads // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     folded = q.reshape(batch, k.shape[1], groups * rows, dim)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
-    return out.view(batch, heads, rows, dim)
+    return out.view(batch, heads, rows, v.shape[-1])
+
+
+def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+                  sinks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Sinks as one more key per key head, seen by every query: each query gains a coordinate holding its own
+    head's sink logit, the sink key holds 1/scale there (the real keys 0) and a zero value, so its score is exactly
+    the sink and it only adds exp(sink) to the softmax's denominator, as gpt-oss's eager attention does. Padded
+    to a multiple of 8 dimensions, which the fused kernels take; the explicit scale keeps the original one."""
+    batch, heads, rows, dim = q.shape
+    scale = dim**-0.5 if scale is None else scale
+    pad = 8 - dim % 8
+    q = F.pad(q, (0, pad))
+    q[..., dim] = sinks.to(q.dtype).view(1, heads, 1)
+    sink_key = k.new_zeros(k.shape[0], k.shape[1], 1, dim + pad)
+    sink_key[..., dim] = 1 / scale
+    k = torch.cat([sink_key, F.pad(k, (0, pad))], dim=2)
+    v = torch.cat([v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3]), v], dim=2)
+    mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
+    return q, k, v, mask, scale
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -72,27 +99,47 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
 
 
 @dataclass(frozen=True)
+class LayerRule:
+    """What one target layer adds to the packed layout: a sliding `window` (query at position q sees keys at
+    positions > q − window, HF's rule) and `sinks` [H] (a logit per head in every softmax). A row's prefix runs
+    as plain causal attention only for a layer with neither."""
+
+    window: int | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.sinks is None
+
+    def lowest_key(self, position: int) -> int:
+        """The lowest key position a query at `position` sees."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+
+@dataclass(frozen=True)
 class PackedRow:
     """One packed row: causal over rows [0, prefix_len); then one block of `span` rows per anchor, block m seeing
-    prefix rows <= anchors[m] and itself causally; rows after the last block are padding (output zero).
-    `chunks` are (first block, end block, prefix keys seen) per attention call, planned on the CPU."""
+    prefix rows <= anchors[m] and itself causally; rows after the last block are padding (output zero). Prefix row
+    i is at position i, block m's row j at anchors[m] + 1 + j (`replay.pack`), which a layer's window reads.
+    `chunks` are (first block, end block, lowest anchor, prefix keys seen) per attention call, planned on the CPU."""
 
     prefix_len: int
     span: int
     anchors: torch.Tensor  # [M] long, on the model's device
-    chunks: tuple[tuple[int, int, int], ...]
+    chunks: tuple[tuple[int, int, int, int], ...]
+    chunk_rows: int = CHUNK_ROWS
 
     @classmethod
     def of(cls, prefix_len: int, anchors: list[int], span: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
         if span <= 0 or not anchors:
-            return cls(prefix_len, max(span, 1), torch.zeros(0, dtype=torch.long), ())
+            return cls(prefix_len, max(span, 1), torch.zeros(0, dtype=torch.long), (), chunk_rows)
         if min(anchors) < 0 or max(anchors) >= prefix_len:
             raise OpdError(f"packed row: anchors must lie in the prefix [0, {prefix_len}), got {min(anchors)}.."
                            f"{max(anchors)}")
         per = max(1, chunk_rows // span)
-        chunks = tuple((m, min(m + per, len(anchors)), max(anchors[m : m + per]) + 1)
+        chunks = tuple((m, min(m + per, len(anchors)), min(anchors[m : m + per]), max(anchors[m : m + per]) + 1)
                        for m in range(0, len(anchors), per))
-        return cls(prefix_len, span, torch.tensor(anchors, dtype=torch.long), chunks)
+        return cls(prefix_len, span, torch.tensor(anchors, dtype=torch.long), chunks, chunk_rows)
 
     @property
     def length(self) -> int:
@@ -104,32 +151,57 @@ class PackedRow:
         return len(self.anchors) * self.span
 
     def to(self, device: torch.device | str) -> PackedRow:
-        return PackedRow(self.prefix_len, self.span, self.anchors.to(device), self.chunks)
+        return replace(self, anchors=self.anchors.to(device))
 
-    def chunk_mask(self, first: int, end: int, keys: int) -> torch.Tensor:
-        """Bool [rows, keys + rows] for blocks first..end-1 over [prefix keys 0..keys-1; their own rows]."""
+    def chunk_mask(self, first: int, end: int, lo: int, keys: int, rule: LayerRule = LayerRule()) -> torch.Tensor:
+        """Bool [rows, keys − lo + rows] for blocks first..end-1 over [prefix keys lo..keys-1; their own rows]."""
         device = self.anchors.device
         rows = torch.arange((end - first) * self.span, device=device)
         block, offset = rows // self.span, rows % self.span
-        sees_prefix = torch.arange(keys, device=device)[None, :] <= self.anchors[first:end][block][:, None]
+        anchors = self.anchors[first:end][block]
+        prefix = torch.arange(lo, keys, device=device)
+        sees_prefix = prefix[None, :] <= anchors[:, None]
         sees_own = (block[:, None] == block[None, :]) & (offset[None, :] <= offset[:, None])
+        if rule.window is not None:
+            sees_prefix &= prefix[None, :] > (anchors + 1 + offset)[:, None] - rule.window
+            sees_own &= offset[:, None] - offset[None, :] < rule.window
         return torch.cat([sees_prefix, sees_own], dim=1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               scale: float | None, cached: int = 0) -> None:
+               scale: float | None, cached: int = 0, rule: LayerRule = LayerRule()) -> None:
         """Fill out [1, H, L, d] from q [1, H, L, d] and k, v [1, kv, L, d] of this row. `cached` > 0: the prefix
         ran before (its keys and values are the first `cached` of k, v, from a KV cache) and q holds the block
         rows alone, so k, v are [1, kv, cached + L, d]."""
         p = self.prefix_len
         if not cached:
-            out[:, :, :p] = causal_sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], scale)
+            self._attend_prefix(q, k, v, out, scale, rule)
         q0, k0 = (0, cached) if cached else (p, p)  # where the block rows start among the queries and the keys
-        for first, end, keys in self.chunks:
+        for first, end, low, keys in self.chunks:
             r0, r1 = first * self.span, end * self.span
-            keys_k = torch.cat([k[:, :, :keys], k[:, :, k0 + r0 : k0 + r1]], dim=2)
-            keys_v = torch.cat([v[:, :, :keys], v[:, :, k0 + r0 : k0 + r1]], dim=2)
-            mask = self.chunk_mask(first, end, keys)[None, None]
-            out[:, :, q0 + r0 : q0 + r1] = grouped_sdpa(q[:, :, q0 + r0 : q0 + r1], keys_k, keys_v, mask, scale)
+            lo = min(rule.lowest_key(low + 1), keys)  # the chunk's earliest query is its lowest anchor + 1
+            keys_k = torch.cat([k[:, :, lo:keys], k[:, :, k0 + r0 : k0 + r1]], dim=2)
+            keys_v = torch.cat([v[:, :, lo:keys], v[:, :, k0 + r0 : k0 + r1]], dim=2)
+            mask = self.chunk_mask(first, end, lo, keys, rule)[None, None]
+            out[:, :, q0 + r0 : q0 + r1] = grouped_sdpa(q[:, :, q0 + r0 : q0 + r1], keys_k, keys_v, mask, scale,
+                                                        rule.sinks)
+
+    def _attend_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       scale: float | None, rule: LayerRule) -> None:
+        """The prefix: one plain causal call, or, under a window or sinks, `chunk_rows` queries at a time over
+        the keys they can see, with a small mask (never [P, P])."""
+        p = self.prefix_len
+        if rule.plain:
+            out[:, :, :p] = causal_sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], scale)
+            return
+        for start in range(0, p, self.chunk_rows):
+            end = min(start + self.chunk_rows, p)
+            lo = rule.lowest_key(start)
+            queries, keys = torch.arange(start, end, device=q.device), torch.arange(lo, end, device=q.device)
+            mask = keys[None, :] <= queries[:, None]
+            if rule.window is not None:
+                mask &= keys[None, :] > queries[:, None] - rule.window
+            out[:, :, start:end] = grouped_sdpa(q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end],
+                                                mask[None, None], scale, rule.sinks)
 
 
 @dataclass(frozen=True)
@@ -161,7 +233,7 @@ class PackedRows:
         return mask
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scale: float | None) -> torch.Tensor:
+               scale: float | None, rule: LayerRule = LayerRule()) -> torch.Tensor:
         """HF's attention contract: q [B, H, L, d], k/v [B, kv, cached + L, d] -> [B, L, H, d]."""
         if query.shape[0] != len(self.rows) or query.shape[2] != self.length:
             raise OpdError(f"packed rows: layout is {len(self.rows)} x {self.length}, queries are "
@@ -172,7 +244,7 @@ class PackedRows:
         out = query.new_zeros(batch, length, heads, dim)  # written through a [B, H, L, d] view: no final copy
         for b, row in enumerate(self.rows):
             row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1].transpose(1, 2), scale,
-                       self.cached)
+                       self.cached, rule)
         return out
 
 
@@ -182,16 +254,26 @@ class PackedMask(torch.Tensor):
 
     packed_rows: PackedRows  # (`layout` is taken: every tensor has one)
 
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """Some forwards slice their masks to the rows they keep (Gemma 4 before its KV-sharing layers, all of
+        them when every row's output is wanted, as here): a slice that keeps the whole layout still carries it."""
+        out = super().__getitem__(index)
+        if isinstance(out, PackedMask) and out.shape == self.shape:
+            out.packed_rows = self.packed_rows
+        return out
+
 
 def _packed_or(original: Callable[..., Any]) -> Callable[..., Any]:
     """An HF attention function that runs a `PackedMask`'s rows itself and hands every other mask to
-    `original`."""
+    `original`. The layer's window and sinks come as HF hands them to every attention function
+    (`sliding_window`, `s_aux`)."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         if not isinstance(attention_mask, PackedMask):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        return attention_mask.packed_rows.attend(query, key, value, kwargs.get("scaling")), None
+        rule = LayerRule(kwargs.get("sliding_window"), kwargs.get("s_aux"))
+        return attention_mask.packed_rows.attend(query, key, value, kwargs.get("scaling"), rule), None
 
     attention.packed_original = original
     return attention

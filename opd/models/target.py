@@ -1,5 +1,5 @@
-"""The frozen target model: a Hugging Face causal LM of full-attention layers (README "Target families"), plus the
-hidden-state features a DFlash drafter reads.
+"""The frozen target model: a Hugging Face causal LM of full-attention and sliding-window layers, with or without
+attention sinks (README "Target families"), plus the hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
+from opd.models.kind_masks import kind_masks
 from opd.models.packed_attention import PackedRows
 
 
@@ -49,9 +50,11 @@ class KVPrefix:
 class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
-    Its attention layers must all be full attention without sinks (Qwen3, Llama, Qwen3-MoE; README "Target
-    families"): the decoder's per-row cache packing and packed replay are exact for those alone, so any other layer
-    kind is refused here, before any compute.
+    Its attention layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE,
+    Gemma 4, gpt-oss; README "Target families"): the decoder's per-row cache packing and packed replay are exact
+    for those, so any other layer kind (linear attention, chunked attention, ...) is refused here, before any
+    compute. A target with sliding-window layers keeps every key in plain cache layers and gets its masks per layer
+    kind from `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
 
     The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
     layer HF reports the output *after* the final norm, so that id is captured from the final norm to stay
@@ -69,10 +72,20 @@ class Target(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self._check_layer_ids()
-        check_layer_kinds(model)
+        self._windows = attention_windows(model)
+        self._windowed = any(window is not None for window in self._windows.values())
+        if self._windowed and config._attn_implementation == "flash_attention_2":
+            raise OpdError(f"target {type(model).__name__}: its sliding-window layers need attn_implementation sdpa "
+                           "or eager (flash-attn counts a window in cache columns, which the decoder's per-row "
+                           "packing moves)")
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layers are sliding-window ones (their masks come from `kind_masks`)."""
+        return self._windowed
 
     # -- what the drafter shares -------------------------------------------------------------------------------
 
@@ -113,7 +126,8 @@ class Target(nn.Module):
         the `PackedRows` layout of packed replay (any implementation, no [T,T] mask formed).
 
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
-        (sdpa) or as an additive mask (eager).
+        (sdpa) or as an additive mask (eager). A target with sliding-window layers takes a 2-D mask, or a bool 4-D
+        one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
         """
         out, features = self._run(self.model, input_ids, attention_mask, position_ids,
                                   use_cache=use_cache, **{self._cache_arg: past_key_values})
@@ -143,7 +157,11 @@ class Target(nn.Module):
     def _run(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | PackedRows | None,
              position_ids: torch.Tensor | None, **kwargs: Any) -> tuple[Any, torch.Tensor]:
         """`module`'s output and the features its hooks captured."""
-        mask = self._prepare_mask(attention_mask)
+        mask = self._prepare_mask(attention_mask, position_ids)
+        if self._windowed and kwargs.get("use_cache") and kwargs.get(self._cache_arg) is None:
+            from transformers import DynamicCache
+
+            kwargs[self._cache_arg] = DynamicCache()  # plain layers: HF's sliding layers would drop keys by column
         self._captured = {}
         try:
             out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
@@ -182,39 +200,55 @@ class Target(nn.Module):
 
         return hook
 
-    def _prepare_mask(self, mask: torch.Tensor | PackedRows | None) -> Any:
+    def _prepare_mask(self, mask: torch.Tensor | PackedRows | None, position_ids: torch.Tensor | None) -> Any:
         """A `PackedRows` goes to every layer as a `PackedMask`, a prepared 4-D mask, which every HF decoder
-        forwards unchanged to the attention functions `opd.models.packed_attention` wraps. A dense 4-D mask reaches
-        sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
-        config = self.model.config
+        forwards unchanged to the attention functions `opd.models.packed_attention` wraps (they apply each layer's
+        window and sinks). A target with sliding-window layers gets one mask per layer kind (`kind_masks`): a
+        dict {kind: mask} where its kinds are mixed, the form such models' forwards take. Otherwise a dense 4-D mask
+        reaches sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
         if isinstance(mask, PackedRows):
             return mask.as_mask(self.device)
-        if mask is None or mask.dim() != 4:
+        if mask is None or (mask.dim() != 4 and not self._windowed):
             return mask
-        implementation = config._attn_implementation
+        implementation = self.model.config._attn_implementation
         if implementation == "flash_attention_2":
             raise OpdError("target attention_mask: a dense 4-D mask needs sdpa or eager; packed replay passes a "
                            "PackedRows layout, which every implementation runs")
+        if not self._windowed:
+            return self._for_kernel(mask, implementation)
+        masks = {kind: self._for_kernel(m, implementation)
+                 for kind, m in kind_masks(self._windows, mask, position_ids).items()}
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def _for_kernel(self, mask: torch.Tensor, implementation: str) -> torch.Tensor:
+        """Eager adds its mask to the scores, so a bool mask becomes additive there."""
         if implementation == "eager" and mask.dtype == torch.bool:
             additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
             return additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
         return mask
 
 
-def check_layer_kinds(model: nn.Module) -> None:
-    """Refuse, in one line naming them, the layer kinds nothing here makes exact yet: each layer's kind as
-    transformers' own caches read it from the config (sliding-window, linear-attention, ... layers), and attention
-    sinks (a learned logit per head that enters every softmax, which packed replay would leave out)."""
+def attention_windows(model: nn.Module) -> dict[str, int | None]:
+    """{layer kind: its window, None for full attention}, as transformers' caches read the kinds from the config.
+    Kinds nothing here makes exact are refused in one line naming their layers: linear attention (`crop` leaves a
+    recurrent state advanced past rejected tokens), chunked attention, ... Attention sinks need nothing here: the
+    model's own attention takes them in decoding, and packed replay adds them (`packed_attention`)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    kinds = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
-    other = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds if kind != "full_attention"}
-    problems = [f"layers {layers} are '{kind}'" for kind, layers in other.items()]
-    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
-        problems.append("its attention has sinks")
-    if problems:
-        raise OpdError(f"target {type(model).__name__}: {'; '.join(problems)}; only full-attention layers without "
-                       "sinks are supported (README: Target families)")
+    config = model.config.get_text_config(decoder=True)
+    kinds = get_layer_types_and_kwargs(config)[0]  # "dummy": no cache of its own (KV-sharing, MLP-only layers)
+    other = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds
+             if kind not in ("full_attention", "sliding_attention", "dummy")}
+    if other:
+        problems = "; ".join(f"layers {layers} are '{kind}'" for kind, layers in other.items())
+        raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention and sliding-window layers "
+                       "(with or without sinks) are supported (README: Target families)")
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in kinds and not window:
+        raise OpdError(f"target {type(model).__name__}: sliding-window layers without a `sliding_window` in its "
+                       "config")
+    masked = [k for k in getattr(config, "layer_types", None) or kinds if k in ("full_attention", "sliding_attention")]
+    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(masked)}
 
 
 def _cache_argument_name(model: nn.Module) -> str:

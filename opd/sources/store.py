@@ -124,6 +124,16 @@ class Wanted:
     j: int
 
 
+class StaleSamples(OpdError):
+    """A file that cannot serve a run as it stands: its rows were made under another provenance, or it lacks a
+    wanted sample. `reason` is the line without its advice, for a caller that draws fresh samples elsewhere
+    instead of refusing (`opd train` and `opd run` with stale eval samples, opd/commands/launch.py)."""
+
+    def __init__(self, reason: str, advice: str) -> None:
+        super().__init__(f"{reason} ({advice})")
+        self.reason = reason
+
+
 # samples at one setting -> their responses and what each cost
 Draw = Callable[[list[Wanted]], tuple[list[list[int]], list[FlopCounter]]]
 
@@ -140,13 +150,16 @@ class SampleStore:
 
     def __init__(self, path: str | Path, settings: list, prompts: list[Prompt], made: Provenance, *,
                  vocab_size: int | None = None, field: str = "rollout.samples_path",
-                 pool_name: str | None = "data.train_prompts", redraw: str = "opd gen-samples CONFIG") -> None:
+                 pool_name: str | None = "data.train_prompts", redraw: str = "opd gen-samples CONFIG",
+                 stale: str | None = None) -> None:
         """`settings`: the run's sampling settings (rollout's, eval's point-mass ones, or SFT's one), indexed by
         `Wanted`; `made`: what the run's samples must have been made by; token ids must be below `vocab_size`.
         `field` and `pool_name` name the file and the prompts in error messages, `redraw` the command that draws
-        the file's samples. A row of a prompt outside `prompts` is an error naming `pool_name`, or skipped when
-        that is None (an eval reading a subset)."""
+        the file's samples, `stale` the advice for a file that cannot serve this run, its rows made otherwise or
+        missing (default: draw them with `redraw`). A row of a prompt outside `prompts` is an error naming
+        `pool_name`, or skipped when that is None (an eval reading a subset)."""
         self.path, self.field, self.pool_name, self.redraw = Path(path), field, pool_name, redraw
+        self.stale = stale
         self.made, self.vocab_size = made, vocab_size
         self.settings = [setting_key(s) for s in settings]
         self.pool = {p.id: p for p in prompts}
@@ -185,8 +198,9 @@ class SampleStore:
                 self._read = f.tell()
         if missing := self.missing(wanted):
             w = missing[0]
-            raise OpdError(f"{self.field}: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
-                           f"{describe(self.settings[w.setting])} (expected `{self.redraw}` to have drawn it)")
+            raise StaleSamples(f"{self.field}: {self.path} has no sample {w.j} of prompt {w.prompt.id!r} at "
+                               f"{describe(self.settings[w.setting])}",
+                               self.stale or f"expected `{self.redraw}` to have drawn it")
         return [self.rows[self._key(w)] for w in wanted]
 
     def check_budget(self, spec: ExperimentSpec) -> None:
@@ -230,18 +244,23 @@ class SampleStore:
             raise OpdError(f"{where}: prompt id {row.id!r} is not in {self.pool_name} (expected samples of "
                            f"this run's prompt pool, as `{self.redraw}` draws them)")
         if difference := self.made.mismatch(row.provenance):
-            raise OpdError(f"{where}: {difference} (expected samples made as this run makes them; redraw them with "
-                           f"`{self.redraw}`)")
+            raise StaleSamples(f"{where}: {difference}",
+                               f"expected samples made as this run makes them; {self._redraw_advice}")
         if row.prompt_ids != prompt.ids:
-            raise OpdError(f"{where}: prompt {row.id!r} has other prompt_ids than this run renders (expected the "
-                           "same data.render, enable_thinking and tokenizer as the run that drew it)")
+            raise StaleSamples(f"{where}: prompt {row.id!r} has other prompt_ids than this run renders",
+                               "expected the same data.render, enable_thinking and tokenizer as the run that drew "
+                               "it" + (f"; {self.stale}" if self.stale else ""))
         self._check_tokens(row, where)
         self._keep((key, row.id, row.sample), row, where)
 
+    @property
+    def _redraw_advice(self) -> str:
+        return self.stale or f"redraw them with `{self.redraw}`"
+
     def _typed(self, raw: dict, where: str) -> SampleRow:
         if "sampling" in raw and "made_by" not in raw:
-            raise OpdError(f"{where}: a row from before sample rows said what made them (no made_by); redraw the "
-                           f"file with `{self.redraw}`")
+            raise StaleSamples(f"{where}: a row from before sample rows said what made them (no made_by)",
+                               self._redraw_advice)
         if "sampling" not in raw and {"id", "prompt_ids", "response_ids"} <= raw.keys():
             raise OpdError(f"{where}: an SFT data row from before the sample store (no sampling); redraw it with "
                            "`opd gen-samples CONFIG --sft`")

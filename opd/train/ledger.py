@@ -154,6 +154,29 @@ def reconciles(account: dict[str, int]) -> bool:
             and a["reproduced"] == given_up - a["waiting"] and a["duplicates"] == 0)
 
 
+def undisturbed(trained: int) -> dict[str, int]:
+    """The account of `trained` batches each produced once and trained once: the local engine's, which drafts
+    every batch in its own process, so there is no actor to lose one."""
+    return Ledger(0, lambda index: 0).account() | {"claimed": trained, "trained": trained}
+
+
+def account_metrics(account: dict[str, int]) -> dict[str, float]:
+    """The account as MLflow metrics, `ledger_lost` and so on."""
+    return {f"ledger_{name}": float(count) for name, count in account.items()}
+
+
+def fault_line(account: dict[str, int]) -> str | None:
+    """One line for a run in which an actor died or a batch was lost, saying what became of its batches; None
+    for an undisturbed run. A batch lost with its producer is produced again, so the steps do not show it: only
+    this line, and the account in MLflow and summary.json, do."""
+    a = account
+    if not (a["lost"] or a["orphaned"] or a["restarts"]):
+        return None
+    return (f"ledger: rollout batches lost {a['lost']}, orphaned {a['orphaned']}, stale {a['stale']}; produced "
+            f"again {a['reproduced']}, still waiting {a['waiting']}; actor restarts {a['restarts']}, late copies "
+            f"dropped {a['dropped']}, trained twice {a['duplicates']}")
+
+
 def _name(worker: str) -> str:
     return worker.rpartition("#")[0]
 

@@ -17,8 +17,9 @@ from opd.models.build import LearnerModels, Models, build_models
 from opd.models.family import clone_drafter
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import Evaluator, InlineEvaluations
+from opd.train.ledger import undisturbed
 from opd.train.messages import StepReport, TrainResult
-from opd.train.result import run_to
+from opd.train.result import record_ledger, run_to
 from opd.train.rollout import RolloutWorker
 from opd.train.scorer import Scorer
 from opd.train.session import TrainingSession
@@ -28,7 +29,7 @@ class LocalTrainer:
     """Session + rollout worker + scorer in one process; `run()` trains to the step budget, resuming if it can."""
 
     def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
-        self.spec = spec
+        self.spec, self.track = spec, track
         m = self.models = build_models(spec)  # the target, the warm drafter (trained) and the tokenizer
         evaluator = Evaluator(spec, Models(m.target, clone_drafter(m.drafter), m.tokenizer))
         self.session = TrainingSession(spec, track=track, models=LearnerModels(m.target, m.drafter, m.tokenizer),
@@ -69,6 +70,8 @@ class LocalTrainer:
         resumed = self.start()
         result = TrainResult(steps=s.step, run_id=s.run_id, evals={} if resumed else {0: s.start_evals})
         until = None if stop_after is None else min(self.spec.steps, s.step + stop_after)
+        first = s.step
         run_to(self.spec, result, lambda _: [self.train_step()], until=until)
+        record_ledger(self.spec, result, undisturbed((s.step - first) * self.per_step), track=self.track)
         s.close()
         return result

@@ -12,7 +12,9 @@ from rich.progress import TextColumn
 
 from opd.progress import progress_bar
 from opd.spec import ExperimentSpec
+from opd.tracking import Tracker
 from opd.train.checkpoint import latest_checkpoint
+from opd.train.ledger import account_metrics
 from opd.train.messages import StepReport, TrainResult
 
 
@@ -44,3 +46,12 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
                            batches=step * spec.batches_per_step)
     result.steps = step
     return result
+
+
+def record_ledger(spec: ExperimentSpec, result: TrainResult, account: dict[str, int], *, track: bool) -> None:
+    """Keep the ledger's account in `result` and, tracked, log it to the run's MLflow run at its last step
+    (`ledger_lost`, ...): a batch lost with its producer and produced again changes no step, so without this no
+    record says it happened."""
+    result.ledger = account
+    if track and result.run_id is not None:
+        Tracker(spec, result.run_id, resume=False).log(account_metrics(account), result.steps)

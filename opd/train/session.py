@@ -272,10 +272,10 @@ class TrainingSession:
 def _expected_metrics(items: list[ScoredItem]) -> dict[str, float]:
     """The step's rollout diagnostic: expected τ and a_k per eval setting, over all its drafted blocks."""
     names = [name for name in items[0].acceptance if all(name in it.acceptance for it in items)]
-    blocks = [len(r.drafts) for it in items for r in it.batch.records]
+    rooms = [r.rooms for it in items for r in it.batch.records]
     out: dict[str, float] = {}
     for name in names:
-        found = ExpectedAcceptance.of(torch.cat([it.acceptance[name] for it in items]), blocks)
+        found = ExpectedAcceptance.of(torch.cat([it.acceptance[name] for it in items]), rooms)
         out.update(found.metrics(f"rollout_expected_{name}_"))
     return out
 
