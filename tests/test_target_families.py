@@ -5,6 +5,8 @@ attention sinks (gpt-oss). The family with linear-attention layers (Qwen3.5) is 
 Each target is built here from transformers' config classes: 6 layers, GQA, float64 (no argmax ties) with an
 8-token vocabulary for the exactness tests, float32 with the micro tokenizer's vocabulary for `opd run`. The
 sliding windows (`WINDOWS`) are smaller than a block and than every sequence decoded or replayed here, so they bite.
+Each family's drafters are built for its target as the public drafters of the family are (`DFlashConfig.for_target`:
+gpt-oss's YaRN, Gemma 4's full-attention RoPE, embedding scale and softcapping), so every check runs them too.
 """
 
 from __future__ import annotations
@@ -70,26 +72,12 @@ def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.fl
         return builders[family]().to(dtype)
 
 
-def drafter_base(target: Target) -> Target | SimpleNamespace:
-    """What `micro_drafter` reads of a target. For Gemma 4 and gpt-oss, their shapes in a default-rope Qwen3
-    config: reading their own rope (per layer type; YaRN) and activation into a drafter config is the drafter part
-    of issue 42, not what these tests check (the target's exactness)."""
-    if target.config.model_type not in ("gemma4_text", "gpt_oss"):
-        return target
-    config = Qwen3Config(vocab_size=target.vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4,
-                         max_position_embeddings=512)
-    return SimpleNamespace(config=config, vocab_size=target.vocab_size, layer_ids=target.layer_ids,
-                           embed_tokens=target.embed_tokens, lm_head=target.lm_head)
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request) -> SimpleNamespace:
     target = Target(family_model(request.param, seed=SEEDS.get(request.param, 0)), LAYER_IDS)
-    base = drafter_base(target)
-    return SimpleNamespace(name=request.param, target=target, base=base,
-                           drafter=micro_drafter(base, seed=1, block_size=4, mask_token_id=MASK),
-                           other=micro_drafter(base, seed=2, block_size=4, mask_token_id=MASK))
+    return SimpleNamespace(name=request.param, target=target,
+                           drafter=micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK),
+                           other=micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK))
 
 
 # ------------------------------------------------------------------------------------------------ decoding
@@ -103,7 +91,7 @@ def test_greedy_speculative_decode_equals_generate(family):
                                               eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt) :].tolist()
                 for prompt in MIXED_PROMPTS]
     mode = Counter(token for response in expected for token in response).most_common(1)[0][0]
-    records = SpeculativeDecoder(family.target, constant_drafter(family.base, mode), eos_id=EOS).generate(
+    records = SpeculativeDecoder(family.target, constant_drafter(family.target, mode), eos_id=EOS).generate(
         MIXED_PROMPTS, Sampling(), max_new_tokens=16)
     assert [r.response_ids for r in records] == expected
     assert {0, 3} <= {r for rec in records for r in rec.accepted}
@@ -230,7 +218,7 @@ def test_sliding_window_targets_refuse_what_counts_the_window_in_columns(family_
     (or a static cache's holes) moves: refused in one line, when the target loads and when the decoder is built."""
     target = Target(family_model(family_name, dtype=torch.float32), LAYER_IDS)
     with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has sliding-window") as error:
-        SpeculativeDecoder(target, micro_drafter(drafter_base(target), mask_token_id=MASK), eos_id=EOS,
+        SpeculativeDecoder(target, micro_drafter(target, mask_token_id=MASK), eos_id=EOS,
                            static_cache=True)
     target.model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(OpdError, match="sliding-window layers need attn_implementation sdpa or eager") as other:
@@ -259,13 +247,7 @@ def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
     model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     attention = "eager" if family.name == "gpt_oss" else "sdpa"  # transformers' gpt-oss has no sdpa
-    assets = {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention}
-    base = drafter_base(Target(model, LAYER_IDS))
-    if not isinstance(base, Target):  # a random warm drafter of default rope, for the reason `drafter_base` gives
-        micro_drafter(base, num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id).save_pretrained(
-            root / "drafter")
-        assets["drafter"] = str(root / "drafter")
-    return assets
+    return {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention}
 
 
 @pytest.fixture(scope="module")
