@@ -88,17 +88,6 @@ def zlab_load(directory):
     return model.eval(), info
 
 
-def committed_per_verification(record) -> list[int]:
-    """Tokens each verification wrote into the response (the first token is the prefill's): accepted + 1, but
-    only what lies inside the response for the final block (as z-lab counts)."""
-    left, counts = len(record.response_ids) - 1, []
-    for r in record.accepted:
-        counts.append(min(r + 1, left))
-        left -= counts[-1]
-    assert counts[:-1] == [r + 1 for r in record.accepted[:-1]]
-    return counts
-
-
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_zlab_loads_the_drafter_whole_and_reads_its_layers_and_logits_as_we_do(saved, tiny, name):
     drafter, directory = saved[name]
@@ -123,7 +112,7 @@ def test_zlab_greedy_decoding_matches_ours_verification_by_verification(saved, t
     for prompt, record in zip(prompts, ours):
         theirs = zlab.dflash_generate(model, target.model, torch.tensor([prompt]), MAX_NEW, [eos], return_stats=True)
         assert theirs.output_ids[0, len(prompt):].tolist() == record.response_ids
-        assert theirs.acceptance_lengths == committed_per_verification(record)
+        assert theirs.acceptance_lengths == record.written  # the tokens each verification wrote: z-lab's count
     assert any(r > 0 for record in ours for r in record.accepted)
 
 
