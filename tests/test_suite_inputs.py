@@ -104,7 +104,7 @@ def test_a_prompt_file_cut_mid_row_is_one_line_in_suite_eval(micro_spec_file, mi
     assert _eval(micro_spec_file, micro_suite, "--out", str(tmp_path / "res")) == 2
     line = one_error(capsys)
     assert f"--suite {micro_suite}: tiny-reworded.jsonl is not the file the build wrote" in line
-    assert "opd suite build --suite SUITE --out" in line
+    assert f"opd suite build --suite {json.loads((micro_suite / 'card.json').read_text())['suite']} --out" in line
     assert _drawn(tmp_path / "res") == []
 
 

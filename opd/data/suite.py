@@ -153,7 +153,7 @@ def built_suite(out: str | Path, field: str = "--suite") -> SuiteCard:
             raise OpdError(f"{field} {out}: {b.file} is missing (expected `opd suite build` to finish writing it)")
         if sha256_of(out / b.file) != b.file_sha256:
             raise OpdError(f"{field} {out}: {b.file} is not the file the build wrote (its sha256 differs from "
-                           f"{CARD}'s: cut or edited since; expected `opd suite build --suite SUITE --out {out}` "
+                           f"{CARD}'s: cut or edited since; expected `opd suite build --suite {card.suite} --out {out}` "
                            "to rebuild it)")
     return card
 
