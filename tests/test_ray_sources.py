@@ -15,9 +15,11 @@ from opd.train.local import LocalTrainer
 
 
 @pytest.mark.timeout(300)
-# `samples` differs from `target` only in where the rollout actor's samples come from, and every source trains
-# identically on the local engine (test_rollout_sources.py): make test runs `target`, make test-all all three.
-@pytest.mark.parametrize("source", ["target", pytest.param("samples", marks=pytest.mark.slow), "target-eagle3"])
+# `samples` differs from `target` only in where the rollout actor's samples come from, and the actors see a drafter
+# only through the family interface; every source trains identically on the local engine with either family
+# (test_rollout_sources.py, test_eagle3_train.py): make test runs `target`, make test-all all three.
+@pytest.mark.parametrize("source", ["target", pytest.param("samples", marks=pytest.mark.slow),
+                                    pytest.param("target-eagle3", marks=pytest.mark.slow)])
 def test_rebuilt_sources_on_ray_equal_local(ray_cluster, micro_spec_file, tmp_path, source):
     """Two rollout actors, so batches can reach the scorer out of order, max_policy_lag 0: the scorer sets aside
     what arrives early and rebuilds each batch with exactly the version the local path uses; the steps are equal.
