@@ -83,15 +83,16 @@ def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_pa
     finally:
         run.shutdown()  # the driver "dies" after step 3; its checkpoints stay
     spec = ray_spec(micro_spec_file, tmp_path, steps=5)
-    resumed = run_ray(spec)  # as `opd train` runs it: resumed at step 3, tracked
+    # as `opd train` runs it, resumed at step 3; untracked: the learner's MLflow store costs its start seconds, and
+    # the account's MLflow metrics are record_ledger's, tested tracked on the local engine (test_main_job.py) and
+    # on Ray with a killed actor (make test-all: test_a_run_that_lost_batches_shows_the_account)
+    resumed = run_ray(spec, track=False)
     assert resumed.steps == 5 and 5 in resumed.evals  # the evaluator actor's rows for the last step, awaited
     assert resumed.losses == pytest.approx(local[3:], rel=1e-5, abs=1e-7)  # steps 4 and 5, taken here
-    # undisturbed: the ledger's account of batches 6..9 is zeros but what was trained, in MLflow too, and no line
+    # undisturbed: the ledger's account of batches 6..9 is zeros but what was trained, and no line
     ledger = resumed.ledger
     assert ledger["trained"] == 4 and ledger["lost"] == ledger["orphaned"] == ledger["restarts"] == ledger["stale"] == 0
     assert reconciles(ledger) and fault_line(ledger) is None
-    metrics = mlflow.MlflowClient(spec.tracking_uri).get_run(resumed.run_id).data.metrics
-    assert (metrics["ledger_trained"], metrics["ledger_lost"], metrics["ledger_restarts"]) == (4, 0, 0)
 
 
 @ray.remote
