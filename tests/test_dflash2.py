@@ -228,3 +228,18 @@ def test_opd_eval_decodes_a_dflash2_drafter(micro_spec_file, micro_dflash2, tmp_
     out = tmp_path / "eval.json"
     assert main(["eval", str(micro_spec_file), "--draft", micro_dflash2, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][0]["tau"] >= 1.0
+
+
+def test_offline_tau_equals_decoded_tau_and_opd_gap_reads_it(micro_spec_file, micro_dflash2, tmp_path):
+    """Held-out samples drawn by the DFlash 2 drafter itself: `opd eval` offline on them gives the τ it decodes, and
+    `opd gap` diagnoses it."""
+    spec, use = str(micro_spec_file), ["--set", f"models.drafter_path={micro_dflash2}"]
+    samples, offline, decoded, gap = (str(tmp_path / name) for name in ("s.jsonl", "off.json", "on.json", "gap.json"))
+    assert main(["gen-samples", spec, "--eval", "--engine", "speculative", "--out", samples, *use]) == 0
+    assert main(["eval", spec, "--samples", samples, "--json", offline, *use]) == 0
+    assert main(["eval", spec, "--json", decoded, *use]) == 0
+    rows = [json.loads(open(path).read())["rows"][0] for path in (offline, decoded)]
+    assert rows[0]["offline"] and not rows[1]["offline"]
+    assert rows[0]["tau"] == pytest.approx(rows[1]["tau"])
+    assert main(["gap", spec, "--samples", samples, "--draft", f"d2={micro_dflash2}", "--json", gap, *use]) == 0
+    assert json.loads(open(gap).read())[0]["tau"] == pytest.approx(rows[0]["tau"])

@@ -64,7 +64,8 @@ class Drafter(Protocol):
 
     def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,
               anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Argmax drafts [B,K-1] (target ids) and logits [B,K-1,V] over the target vocabulary."""
+        """Point-mass drafts [B,K-1] (target ids: the argmax, or DFlash 2's selector path) and logits [B,K-1,V]
+        over the target vocabulary."""
 
     def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
                      anchor_positions: torch.Tensor, block_inputs: torch.Tensor) -> torch.Tensor:
