@@ -362,8 +362,8 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
         DFlashDrafter.from_pretrained(tmp_path, target)
 
 
-# What z-lab's DFlashDraftModel does not run (DFlash 2, unknown keys and layer types, a `dflash_config.causal` it
-# never reads) must be refused in one line, not loaded to draft wrongly; its variants load
+# What z-lab's DFlashDraftModel does not run (an incomplete DFlash 2 config, unknown keys and layer types, a
+# `dflash_config.causal` it never reads) must be refused in one line, not loaded to draft wrongly; its variants load
 # (tests/test_drafter_variants.py).
 @pytest.mark.parametrize(
     ("change", "message"),
@@ -378,8 +378,8 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "causal": True}},
          r"'dflash_config\.causal' is True, which z-lab's DFlashDraftModel does not read"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "selector_rank": 256}},
-         r"'dflash_config\.selector_rank' makes this a DFlash 2 drafter"),
-        ({"architectures": ["DFlash2DraftModel"]}, r"'architectures' makes this a DFlash 2 drafter"),
+         r"'dflash_config\.conv_kernel_size' is missing"),
+        ({"architectures": ["DFlash2DraftModel"]}, r"'dflash_config\.conv_kernel_size' is missing"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "attention_sink_bias": True}},
          r"'dflash_config\.attention_sink_bias' belongs to a DFlash variant"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "output_multiplier": "2"}},

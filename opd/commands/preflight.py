@@ -19,6 +19,7 @@ from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id
 from opd.data.render import Rendering
 from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
+from opd.models.family import check_trainable
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
 
@@ -42,6 +43,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         if m.drafter.kind == "dflash":  # a random DFlash drafter takes the tokenizer's mask token; EAGLE-3 has none
             mask_token_id(tokenizer, m.drafter.mask_token_id)
     else:
+        check_trainable(m.drafter_path)
         check_drafter(m.drafter_path, target, m.drafter.block_size)
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
@@ -127,13 +129,13 @@ def _dflash_shapes(path: str, target: SimpleNamespace) -> tuple[dict[str, tuple[
     from torch import nn
 
     from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
-    from opd.models.drafter import DFlashDrafter
+    from opd.models.dflash2 import dflash_class
 
     config = read_config(Path(path) / CONFIG_FILE, target)
     with torch.device("meta"):
         shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
                                                                                  config.vocab_size, bias=False)
-        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(config, *shared).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in dflash_class(config)(config, *shared).state_dict().items()}
     return expected, lambda name: name.endswith(SHARED_TENSOR_SUFFIXES)
 
 

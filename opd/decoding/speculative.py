@@ -61,6 +61,9 @@ class SpeculativeDecoder:
     def generate(self, prompts: list[list[int]], sampling: Sampling, *, max_new_tokens: int, seed: int = 0,
                  keys: list[int] | None = None) -> list[SequenceRecord]:
         """Decode every prompt to eos or `max_new_tokens`; one record per prompt, in order."""
+        if sampling.sample_drafts and not sampling.greedy and not self.drafter.samples_drafts:
+            raise OpdError(f"draft: sample (temperature {sampling.temperature}): this drafter "
+                           f"({type(self.drafter).__name__}) drafts point masses only (expected draft: argmax)")
         keys = list(keys) if keys is not None else list(range(len(prompts)))
         records = [SequenceRecord(key=k, prompt_ids=list(p), draft_version=self.draft_version)
                    for k, p in zip(keys, prompts)]

@@ -9,6 +9,7 @@ import torch
 
 from opd.data.prompts import load_tokenizer, mask_token_id
 from opd.errors import OpdError
+from opd.models.dflash2 import load_dflash_drafter
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import Eagle3Config
@@ -104,7 +105,7 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
             raise OpdError(f"drafter {path}: fuses target layers {drafter.config.target_layer_ids} but "
                            f"models.drafter.target_layer_ids resolves to {base.layer_ids} (expected them to agree)")
     else:
-        drafter = DFlashDrafter.from_pretrained(path, base).to(base.device)
+        drafter = load_dflash_drafter(path, base).to(base.device)
     if drafter.block_size != m.drafter.block_size:
         raise OpdError(f"drafter {path}: block_size {drafter.block_size} but models.drafter.block_size is "
                        f"{m.drafter.block_size} (expected them to agree)")

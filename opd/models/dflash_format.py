@@ -14,6 +14,11 @@ frequencies are fixed when the model is built (default, linear, YaRN, llama3, pr
 and the drafter takes its tables from transformers' own RoPE initialisation (opd/models/drafter.py). Anything else
 (DFlash 2's selector and convolutions, other `dflash_config` keys, RoPE that rescales with the sequence length) is
 refused with a one-line OpdError naming the field: loading it would draft wrongly, silently.
+
+DFlash 2 (`architectures: [DFlash2DraftModel]`, z-lab's `DFlash2DraftModel`) is the same config with its four
+`dflash_config` keys (`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`): all four or none.
+Its selector's codebooks are stored without a `.weight` suffix, as in z-lab's published checkpoints; a file that
+z-lab's `save_pretrained` wrote with the suffix is read too (`read_tensors`).
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ from opd.spec import default_target_layer_ids
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_2 = "DFlash2DraftModel"
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Tensors a checkpoint may carry but that we always take from the target.
 SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
+# DFlash 2's codebooks as z-lab's `save_pretrained` names them (its nn.Embedding's) -> as published and saved here
+CODEBOOK_NAMES = {f"candidate_selector.{book}_codebook.weight": f"candidate_selector.{book}_codebook"
+                  for book in ("predecessor", "successor")}
 
 
 class TargetShape(Protocol):
@@ -80,10 +89,20 @@ class DFlashConfig:
     input_embedding_scale: float | None = None  # on the block tokens' embeddings
     output_multiplier: float | None = None  # on the drafter's logits, then
     final_logit_softcapping: float | None = None  # cap · tanh(logits / cap) when > 0
+    # DFlash 2 (all four set, or none): each layer's causal convolutions and the candidate selector
+    conv_kernel_size: int | None = None  # taps along the block, the current position's included
+    conv_group_size: int | None = None  # channels sharing one dynamic tap
+    selector_rank: int | None = None  # the codebooks' rank
+    selector_top_k: int | None = None  # candidates per slot
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = [FULL] * self.num_hidden_layers
+
+    @property
+    def dflash2(self) -> bool:
+        """Whether this is a DFlash 2 drafter (convolutions and candidate selector)."""
+        return self.selector_rank is not None
 
     @property
     def rope_theta(self) -> float:
@@ -149,7 +168,7 @@ class DFlashConfig:
         (`rope_theta`, with `rope_scaling` for a scaled type) so either generation of loaders reads it.
         """
         return {
-            "architectures": [ARCHITECTURE],
+            "architectures": [ARCHITECTURE_2 if self.dflash2 else ARCHITECTURE],
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -187,7 +206,8 @@ class DFlashConfig:
             out |= {"use_sliding_window": True, "sliding_window": self.sliding_window}
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
-        scalars = {name: getattr(self, name) for name in SCALAR_KEYS if getattr(self, name) is not None}
+        scalars = {name: getattr(self, name) for name in (*SCALAR_KEYS, *DFLASH2_FIELDS)
+                   if getattr(self, name) is not None}
         if scalars:
             out["dflash_config"] = {"mask_token_id": self.mask_token_id,
                                     "target_layer_ids": list(self.target_layer_ids)} | scalars
@@ -234,16 +254,17 @@ class DFlashConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             **attention,
             **{name: _scalar(*_draft_value(hf, dflash, name)) for name in SCALAR_KEYS},
+            **_dflash2_fields(hf, dflash, hidden_size, _int_field(hf, "vocab_size")),
         )
 
 
-# `dflash_config` keys z-lab's DFlashDraftModel reads (and `causal`, which it ignores: refused unless false);
-# DFlash 2's keys (selector_*, conv_*) and any other key change the forward in a way not implemented here.
+# `dflash_config` keys z-lab's DFlashDraftModel and DFlash2DraftModel read (and `causal`, which they ignore:
+# refused unless false); any other key changes the forward in a way not implemented here.
 SCALAR_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "causal",
-                         *SCALAR_KEYS})
-DFLASH2_KEYS = frozenset({"selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size"})
-DFLASH_HOME = frozenset({"mask_token_id", "target_layer_ids", *SCALAR_KEYS})  # where exports write these
+                         *SCALAR_KEYS, *DFLASH2_FIELDS})
+DFLASH_HOME = frozenset({"mask_token_id", "target_layer_ids", *SCALAR_KEYS, *DFLASH2_FIELDS})  # where exports write
 QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config's default, used when a config enables sliding windows without it
 QWEN3_SLIDING_WINDOW = 4096  # Qwen3Config's default window, in force when use_sliding_window comes without one
 
@@ -259,12 +280,6 @@ def _draft_value(hf: dict[str, Any], dflash: dict[str, Any], name: str) -> tuple
 
 def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
     """Refuse DFlash variants this drafter does not implement; loading them would draft wrongly, silently."""
-    architectures = hf.get("architectures") or []
-    dflash2 = sorted(set(dflash) & DFLASH2_KEYS)
-    if "DFlash2DraftModel" in architectures or dflash2:
-        name = f"dflash_config.{dflash2[0]}" if dflash2 else "architectures"
-        raise OpdError(f"config field '{name}' makes this a DFlash 2 drafter (candidate selector, convolutions), "
-                       "which is not supported; DFlash drafters (DFlashDraftModel) are")
     unknown = sorted(set(dflash) - DFLASH_KEYS)
     if unknown:
         raise OpdError(f"config field 'dflash_config.{unknown[0]}' belongs to a DFlash variant this drafter does not "
@@ -274,6 +289,26 @@ def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
                        "does not read (expected false or absent; the top-level 'is_causal' sets causal layers)")
     if hf.get("is_causal") is not None and not isinstance(hf["is_causal"], bool):
         raise OpdError(f"config field 'is_causal' must be true, false or null, got {hf['is_causal']!r}")
+
+
+def _dflash2_fields(hf: dict[str, Any], dflash: dict[str, Any], hidden_size: int,
+                    vocab_size: int) -> dict[str, int]:
+    """DFlash 2's four fields when the architecture or any of them says DFlash 2 (then all four are required, as
+    z-lab's `DFlash2DraftModel` reads them), else none."""
+    given = [name for name in DFLASH2_FIELDS if _draft_value(hf, dflash, name)[0].get(name) is not None]
+    if ARCHITECTURE_2 not in (hf.get("architectures") or []) and not given:
+        return {}
+    out = {name: _int_field(*_draft_value(hf, dflash, name)) for name in DFLASH2_FIELDS}
+    for name, value in out.items():
+        if value < 1:
+            raise OpdError(f"config field 'dflash_config.{name}' must be a positive integer, got {value}")
+    if hidden_size % out["conv_group_size"]:
+        raise OpdError(f"config field 'dflash_config.conv_group_size' is {out['conv_group_size']}, which does not "
+                       f"divide hidden_size {hidden_size} (expected a divisor)")
+    if out["selector_top_k"] > vocab_size:
+        raise OpdError(f"config field 'dflash_config.selector_top_k' is {out['selector_top_k']}, more than the "
+                       f"vocabulary's {vocab_size} tokens")
+    return out
 
 
 def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -469,7 +504,8 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 def read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Load model.safetensors, drop shared embedding/LM-head tensors, and check names and shapes exactly."""
     loaded = load_weights(path)
-    tensors = {name: t for name, t in loaded.items() if not name.endswith(SHARED_TENSOR_SUFFIXES)}
+    tensors = {CODEBOOK_NAMES.get(name, name): t for name, t in loaded.items()
+               if not name.endswith(SHARED_TENSOR_SUFFIXES)}
     missing = sorted(expected.keys() - tensors.keys())
     if missing:
         raise OpdError(f"{path}: missing tensor(s) {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))

@@ -222,6 +222,8 @@ class DraftHead(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (by reference, not as submodules)."""
 
+    layer_class: type[nn.Module] = DFlashDecoderLayer  # DFlash 2 (opd/models/dflash2.py) adds its convolutions
+
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  teacher: nn.Module | None = None) -> None:
         """`teacher`: the target's head as its forward forms logits (`lm_head.teacher_head`: soft-capped where the
@@ -242,7 +244,7 @@ class DFlashDrafter(nn.Module):
         self._ropes = [rope for i, rope in enumerate(ropes) if rope not in ropes[:i]]  # the distinct ones
         self._rope_index = [self._ropes.index(rope) for rope in ropes]
         self._rope_frequencies = [rope_frequencies(config, rope) for rope in self._ropes]
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -274,6 +276,11 @@ class DFlashDrafter(nn.Module):
         return self.config.mask_token_id
 
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
+    samples_drafts = True  # drafts may be sampled from its q (the logits `draft` returns)
+
+    def extra_flops(self) -> tuple[int, int]:
+        """(FLOPs per block token, per drafted slot) beyond its weights': none (opd/models/flops.py)."""
+        return 0, 0
 
     @property
     def student_head(self) -> nn.Module:
@@ -422,7 +429,12 @@ class DFlashDrafter(nn.Module):
         masks = _block_masks(cache, anchor_positions, block_size, self.attention)
         hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks)
         logits = self.logits(hidden[:, 1:])
-        return logits.argmax(dim=-1), logits
+        return self.choose(hidden[:, 1:], logits, anchor_ids), logits
+
+    def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The point-mass drafts [B,K-1] of a block from its slots' hidden and logits: DFlash drafts every slot's
+        argmax independently (DFlash 2's selector chains them)."""
+        return logits.argmax(dim=-1)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 

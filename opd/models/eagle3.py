@@ -133,6 +133,11 @@ class Eagle3Drafter(nn.Module):
         self.t2d.copy_(t2d)
 
     sft_target = "target"  # SFT learns the target's distribution over the draft vocabulary (SpecForge's recipe)
+    samples_drafts = True  # drafts may be sampled from its q
+
+    def extra_flops(self) -> tuple[int, int]:
+        """No work beyond its weights' (FLOP counting)."""
+        return 0, 0
 
     @property
     def student_head(self) -> nn.Linear:

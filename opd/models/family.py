@@ -1,7 +1,8 @@
 """The drafter family interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
 
-Two families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward) and EAGLE-3
-(opd/models/eagle3.py: a chain of K-1 argmax steps). Both draft point masses, so the rebuild (opd/sources/rebuild.py) and
+Two families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward; DFlash 2,
+opd/models/dflash2.py, is a DFlash drafter whose selector chains the block's drafts) and EAGLE-3 (opd/models/eagle3.py:
+a chain of K-1 argmax steps). Both draft point masses, so the rebuild (opd/sources/rebuild.py) and
 replay hold for either, and nothing outside opd/models/ asks which family it holds. `models.drafter.kind` picks
 one (opd/models/build.py).
 """
@@ -15,6 +16,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from opd.errors import OpdError
+from opd.models.dflash_format import ARCHITECTURE_2, DFLASH2_FIELDS
 from opd.models.drafter_cache import DrafterCache
 
 KINDS = ("dflash", "eagle3")
@@ -25,6 +28,7 @@ class Drafter(Protocol):
 
     config: object
     sft_target: str  # what SFT teaches: "data" tokens, or the "target"'s distribution at the same slots
+    samples_drafts: bool  # whether drafts may be sampled from q (`draft: sample`), not only its point mass
 
     @property
     def block_size(self) -> int:
@@ -48,6 +52,10 @@ class Drafter(Protocol):
     def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
         """(per context position, per block token, the head per slot), for FLOP counting."""
 
+    def extra_flops(self) -> tuple[int, int]:
+        """(FLOPs per block token, per drafted slot) that no weight a token passes through accounts for (DFlash 2's
+        convolution taps and candidate selector)."""
+
     def new_cache(self, batch_size: int, capacity: int | None = None) -> DrafterCache: ...
 
     def extend_cache(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
@@ -56,7 +64,8 @@ class Drafter(Protocol):
 
     def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,
               anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Argmax drafts [B,K-1] (target ids) and logits [B,K-1,V] over the target vocabulary."""
+        """Point-mass drafts [B,K-1] (target ids: the argmax, or DFlash 2's selector path) and logits [B,K-1,V]
+        over the target vocabulary."""
 
     def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
                      anchor_positions: torch.Tensor, block_inputs: torch.Tensor) -> torch.Tensor:
@@ -80,6 +89,28 @@ def clone_drafter(drafter: Drafter) -> Drafter:
     clone = type(drafter)(drafter.config, *drafter._shared).to(next(drafter.parameters()).device)
     clone.load_state_dict(drafter.state_dict())
     return clone
+
+
+def check_trainable(path: str | None, field: str = "models.drafter_path") -> None:
+    """Refuse, from config.json alone and before any compute, a warm drafter that training cannot train yet: a
+    DFlash 2 drafter (its loss is the next slice of issue 43); `opd eval`, offline τ and `opd suite eval` take it."""
+    if path in (None, "random"):
+        return
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # the preflight and the loaders name an unreadable config
+    if isinstance(config, dict) and is_dflash2(config):
+        raise OpdError(f"{field}: {path} is a DFlash 2 drafter (DFlash2DraftModel), which training does not support "
+                       "yet (its loss is not implemented; expected a DFlash or EAGLE-3 drafter; opd eval and opd suite "
+                       "eval take DFlash 2)")
+
+
+def is_dflash2(config: dict) -> bool:
+    """Whether a config.json describes a DFlash 2 drafter (its architecture, or any of its dflash_config keys)."""
+    dflash = config.get("dflash_config")
+    keys = set(dflash) if isinstance(dflash, dict) else set()
+    return ARCHITECTURE_2 in (config.get("architectures") or []) or bool(keys & set(DFLASH2_FIELDS))
 
 
 def checkpoint_kind(directory: str | Path) -> str | None:

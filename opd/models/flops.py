@@ -24,6 +24,8 @@ processes, with the weights that token actually passes through. The convention:
   (K-1 per block, or the loss's slots in training) through the head (EAGLE-3's own head is trained: 6x, not 4x).
   A DFlash variant's sliding window and causal layers narrow only attention's length term, left out above, and
   its embedding scale and logit transform are elementwise: it counts what the plain drafter of its shape counts.
+  DFlash 2 adds work no weight matrix accounts for (`extra_flops`): its convolutions' taps per block token and
+  its candidate selector per drafted slot (the selector's codebooks are looked up, not multiplied through).
 - Every composite formula (a decoder's, a sampler's, the rebuild's) is a function below; callers only count tokens.
 - Monitoring is not training compute: held-out evaluation and the scorer's expected-acceptance diagnostic are
   not counted.
@@ -90,21 +92,30 @@ class DrafterParams:
     head: int
     block_size: int  # tokens per block through the layers (`tokens_per_block`)
     head_trainable: bool = False
+    token_extra: int = 0  # FLOPs per block token beyond its weights (DFlash 2's convolution taps)
+    slot_extra: int = 0  # FLOPs per drafted slot beyond the head (DFlash 2's candidate selector)
 
     @classmethod
     def of(cls, drafter: nn.Module) -> DrafterParams:
         context, block, head = drafter.modules_by_role()
+        token_extra, slot_extra = drafter.extra_flops()
         return cls(context=_numel(context), block=_numel(block), head=head.weight.numel(),
                    block_size=drafter.tokens_per_block,
-                   head_trainable=any(head is m for m in drafter.modules()))  # its own, not the target's
+                   head_trainable=any(head is m for m in drafter.modules()),  # its own, not the target's
+                   token_extra=token_extra, slot_extra=slot_extra)
 
     def forward(self, *, context: int, blocks: int, slots: int) -> float:
         """FLOPs of a forward over `context` context positions, `blocks` blocks of K tokens, `slots` logit rows."""
-        return 2.0 * (self._trainable(context, blocks) + self.head * slots)
+        return 2.0 * (self._trainable(context, blocks) + self.head * slots) + self._extra(blocks, slots)
 
     def train(self, *, context: int, blocks: int, slots: int) -> float:
-        """The same forward plus its backward: 6x the trainable weights, 4x a frozen LM head (no weight grad)."""
-        return 6.0 * self._trainable(context, blocks) + (6.0 if self.head_trainable else 4.0) * self.head * slots
+        """The same forward plus its backward: 6x the trainable weights, 4x a frozen LM head (no weight grad); the
+        elementwise work 3x (its backward forms the input's and the taps' gradients)."""
+        return (6.0 * self._trainable(context, blocks) + (6.0 if self.head_trainable else 4.0) * self.head * slots
+                + 3.0 * self._extra(blocks, slots))
+
+    def _extra(self, blocks: int, slots: int) -> float:
+        return float(self.token_extra * blocks * self.block_size + self.slot_extra * slots)
 
     def _trainable(self, context: int, blocks: int) -> int:
         return self.context * context + self.block * blocks * self.block_size

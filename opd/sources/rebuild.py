@@ -1,9 +1,9 @@
 """Rebuild a speculative rollout's record from its text alone: (prompt, response, drafter) -> `SequenceRecord`.
 
-Rollout drafts are point masses (d = argmax q), so verification accepts d at a slot exactly when the committed
-token there equals d (greedy: the target commits argmax p; sampled: a rejection resamples with d removed). The
-drafter's block at anchor a depends only on the target's features of the committed tokens before a and on the
-anchor token. So the record is recovered by drafting at the candidate anchors, accepting the prefix of each draft
+Rollout drafts are point masses (d = argmax q, or DFlash 2's selector path), so verification accepts d at a slot
+exactly when the committed token there equals d (greedy: the target commits argmax p; sampled: a rejection
+resamples with d removed). The drafter's block at anchor a depends only on the target's features of the committed
+tokens before a and on the anchor token (DFlash 2's path too: its selector starts from the anchor). So the record is recovered by drafting at the candidate anchors, accepting the prefix of each draft
 that matches the committed text, and walking a -> a + r + 1 from anchor 0 (the first response token, which
 prefill commits). Any lossless sampler of the target can therefore produce the rollouts.
 

@@ -1,0 +1,179 @@
+"""The DFlash 2 drafter (z-lab's `DFlash2DraftModel`, dflash 0.1.0): DFlash with causal convolutions along each
+block and a candidate selector that chains the block's drafts.
+
+Why a subclass of `DFlashDrafter` rather than a third family: DFlash 2 keeps DFlash's context injection, block
+layout, cache, checkpoint format and training call (`block_hidden`) unchanged, and adds two things inside them. So
+it plugs into the one family interface (opd/models/family.py) as a DFlash drafter whose layers are
+`DFlash2DecoderLayer` and whose `choose` is the selector's path; nothing of DFlash's model code is repeated.
+
+* Convolutions (`BlockConvolution`). Each layer convolves its normed input before attention and before the MLP,
+  causally along the block's own positions (a block never sees another block, in decoding as in training):
+  out[t] = sum over taps j of (base[j] + dynamic[t, j, group]) * x[t - j], where the dynamic tap of each channel
+  group is projected from the current position's input. The same projection also gives the taps of a second pass,
+  applied to the attention's (or MLP's) output with the second base kernel.
+* Selector (`CandidateSelector`). Slot s keeps the top-k of its logits as candidates; candidate c scores
+  logit(c) + <P[prev] * W h_s, S[c]>, with `prev` the draft of slot s-1 (the anchor for slot 1), P and S the
+  predecessor and successor codebooks over the vocabulary and W h_s the slot's hidden projected to their rank.
+  Greedy drafts are the argmax path left to right, so each draft depends on the one before it. They are still a
+  point mass per block given (context, anchor), which is what lossless point-mass verification, the rebuild and
+  offline τ rely on (opd/sources/rebuild.py).
+
+Drafts sampled from the selector's q and training DFlash 2 (its loss) are not implemented yet; both are refused in
+one line (`samples_drafts`, `family.check_trainable`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, read_config
+from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter
+from opd.models.packed_attention import BlockChunks
+from opd.models.shared_head import SharedHead
+from opd.models.target import Target
+
+PASSES = 2  # the convolution before a sublayer and the one after it
+
+
+class BlockConvolution(nn.Module):
+    """A grouped dynamic causal convolution along each block of `block_size` positions (tensor names as z-lab's
+    `GroupedDynamicCausalConv`: `base_kernel` [2, taps, H], `kernel_projection` H -> 2 * taps * groups)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.taps, self.group_size, self.block_size = config.conv_kernel_size, config.conv_group_size, config.block_size
+        groups = config.hidden_size // self.group_size
+        # Starts as the identity (tap 0 is 1): a fresh DFlash 2 layer is a DFlash layer plus the dynamic taps.
+        base = torch.zeros(PASSES, self.taps, config.hidden_size)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(config.hidden_size, PASSES * self.taps * groups, bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x convolved by the first pass, the second pass's dynamic taps); x [B,S,H] holds whole blocks."""
+        dynamic = self.kernel_projection(x).unflatten(-1, (PASSES, self.taps, -1))  # [B,S,2,taps,groups]
+        return self._convolve(x, dynamic[..., 0, :, :], 0), dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        """The second pass over a sublayer's output x [B,S,H] with the taps `prepare` projected."""
+        return self._convolve(x, dynamic, 1)
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, pass_index: int) -> torch.Tensor:
+        """out[t] = sum_j (base[j] + dynamic[t, j]) * x[t - j], within each block (positions before its start are
+        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree."""
+        batch, length, hidden = x.shape
+        shape = (batch, length // self.block_size, self.block_size, hidden // self.group_size, self.group_size)
+        blocks, taps = x.view(shape), dynamic.reshape(*shape[:3], self.taps, shape[3], 1)
+        base = self.base_kernel[pass_index].to(x.dtype).view(self.taps, *shape[3:])
+        out = torch.zeros_like(blocks)
+        for j in range(min(self.taps, self.block_size)):  # a tap past the block's length reads only zeros
+            shifted = F.pad(blocks[:, :, : self.block_size - j], (0, 0, 0, 0, j, 0))
+            out = out + base[j] * shifted
+            out = out + taps[:, :, :, j] * shifted
+        return out.view_as(x)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """A DFlash layer with a convolution around attention and around the MLP (z-lab's `Qwen3DFlashDecoderLayer`
+    with `attention_conv` and `mlp_conv`)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__(config)
+        self.attention_conv = BlockConvolution(config)
+        self.mlp_conv = BlockConvolution(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | BlockChunks) -> torch.Tensor:
+        x, taps = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(self.self_attn(x, cos, sin, context_kv, mask), taps)
+        x, taps = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), taps)
+
+
+class CandidateSelector(nn.Module):
+    """The top-k candidates of each slot, scored against the draft before it through low-rank codebooks gated by
+    the slot's hidden. The codebooks are plain parameters, so they save without a `.weight` suffix, as z-lab's
+    published checkpoints store them."""
+
+    def __init__(self, config: DFlashConfig, std: float = 0.02) -> None:
+        super().__init__()
+        rank, self.top_k = config.selector_rank, config.selector_top_k
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, rank) * std)
+        self.successor_codebook = nn.Parameter(torch.randn(config.vocab_size, rank) * std)
+        nn.init.normal_(self.hidden_projection.weight, std=std)
+
+    def scores(self, gate: torch.Tensor, predecessor: torch.Tensor, unary: torch.Tensor,
+               candidates: torch.Tensor) -> torch.Tensor:
+        """One slot's candidate scores [B,k]: logits `unary` [B,k] of `candidates` [B,k] plus their interaction
+        with `predecessor` [B] through the gate [B,rank]."""
+        query = self.predecessor_codebook[predecessor] * gate  # [B,rank]
+        return unary + (self.successor_codebook[candidates] @ query[:, :, None])[..., 0]
+
+    def argmax_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [B,S] for slots' hidden [B,S,H] and logits [B,S,V]: slot by slot, the best-scoring
+        candidate given the draft chosen before it (the anchor first)."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        predecessor, path = anchor_ids, []
+        for slot in range(hidden.shape[1]):
+            best = self.scores(gates[:, slot], predecessor, unary[:, slot], candidates[:, slot]).argmax(-1)
+            predecessor = candidates[:, slot].gather(-1, best[:, None])[:, 0]
+            path.append(predecessor)
+        return torch.stack(path, dim=1)
+
+    def flops_per_slot(self) -> int:
+        """One slot's selector work: the hidden projection (2·rank·H), the gate (rank) and k candidate dot
+        products plus their logits (k·(2·rank + 1)); top-k and codebook lookups are not multiply-adds."""
+        rank, hidden = self.hidden_projection.weight.shape
+        return 2 * rank * hidden + rank + self.top_k * (2 * rank + 1)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """DFlash 2: DFlash layers with block convolutions, drafts chained by the candidate selector."""
+
+    layer_class = DFlash2DecoderLayer
+    samples_drafts = False  # drafts sampled from the selector's q: a later slice (the decoder refuses them)
+
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 teacher: nn.Module | None = None) -> None:
+        super().__init__(config, embed_tokens, lm_head, teacher)
+        self.candidate_selector = CandidateSelector(config)
+        self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
+
+    def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The selector's argmax path."""
+        return self.candidate_selector.argmax_path(hidden, logits, anchor_ids)
+
+    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
+        """DFlash's roles, the convolutions' projections with the layers; their base kernels are elementwise taps,
+        counted in `extra_flops`, and the selector per slot there too (its codebooks are lookups, not weights a
+        token passes through)."""
+        context, _, head = super().modules_by_role()
+        block = [m for layer in self.layers for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
+                                                       layer.post_attention_layernorm,
+                                                       layer.attention_conv.kernel_projection,
+                                                       layer.mlp_conv.kernel_projection)]
+        return context, [*block, self.norm], head
+
+    def extra_flops(self) -> tuple[int, int]:
+        """(FLOPs per block token, per drafted slot) that no weight matrix accounts for: each convolution's two
+        passes multiply-add a base and a dynamic tap per channel and tap (2 · 2 · 2 · taps · H per convolution,
+        two per layer), and the selector."""
+        c = self.config
+        per_token = len(self.layers) * 2 * PASSES * 2 * 2 * c.conv_kernel_size * c.hidden_size
+        return per_token, self.candidate_selector.flops_per_slot()
+
+
+def dflash_class(config: DFlashConfig) -> type[DFlashDrafter]:
+    """The drafter class a DFlash config describes."""
+    return DFlash2Drafter if config.dflash2 else DFlashDrafter
+
+
+def load_dflash_drafter(directory: str | Path, target: Target | SharedHead) -> DFlashDrafter:
+    """A DFlash or DFlash 2 checkpoint for `target`, as its config.json says; mismatches raise one-line OpdErrors."""
+    return dflash_class(read_config(Path(directory) / CONFIG_FILE, target)).from_pretrained(directory, target)

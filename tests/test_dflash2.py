@@ -1,0 +1,245 @@
+"""DFlash 2 drafters (opd/models/dflash2.py): the checkpoint round trip, the block convolutions and the candidate
+selector against naive references, the training layout against decoding, lossless point-mass decoding (chi-square),
+the rebuild and offline τ against decoding, FLOPs, and the one-line refusals of what is not implemented yet.
+
+Micro models in float64; a random DFlash 2 drafter whose base kernels and codebooks are scaled up, so the
+convolutions and the selector change the drafts (a test that ignored them would fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from opd.cli import main
+from opd.decoding.autoregressive import generate_autoregressive
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.errors import OpdError
+from opd.eval.acceptance import AcceptanceStats
+from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
+from opd.models.dflash_format import DFlashConfig
+from opd.models.drafter import DFlashDrafter
+from opd.models.family import check_trainable
+from opd.models.flops import DrafterParams
+from opd.models.lm_head import teacher_head
+from opd.models.target import load_target
+from opd.sources.rebuild import rebuild_records
+from opd.tiny.micro import micro_drafter, micro_target
+from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
+
+DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 4, "selector_rank": 4, "selector_top_k": 4}
+PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
+
+
+def dflash2_drafter(target, seed: int = 1, block_size: int = 4, base: DFlashDrafter | None = None,
+                    codebook_scale: float = 40.0, kernel_noise: float = 0.3, **fields) -> DFlash2Drafter:
+    """A DFlash 2 drafter for `target`: random (or `base`'s DFlash weights), with random base kernels around the
+    identity and codebooks scaled so the selector's interaction competes with the logits."""
+    base = base or micro_drafter(target, seed=seed, block_size=block_size, mask_token_id=MASK)
+    config = dataclasses.replace(base.config, **(DFLASH2 | fields))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
+        drafter.load_state_dict(base.state_dict(), strict=False)
+        with torch.no_grad():
+            for layer in drafter.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.add_(kernel_noise * torch.randn_like(conv.base_kernel))
+            selector = drafter.candidate_selector
+            selector.predecessor_codebook.mul_(codebook_scale)
+            selector.successor_codebook.mul_(codebook_scale)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return micro_target(seed=0, vocab_size=8, layer_ids=[0, 2, 3])
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return dflash2_drafter(target)
+
+
+def test_save_load_round_trip_is_bit_exact_in_zlabs_layout(target, drafter, tmp_path):
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert {k: config["dflash_config"][k] for k in DFLASH2} == DFLASH2
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    h, v, k = drafter.config.hidden_size, drafter.config.vocab_size, DFLASH2["conv_kernel_size"]
+    assert shapes["candidate_selector.predecessor_codebook"] == (v, 4)  # stored without `.weight`
+    assert shapes["candidate_selector.successor_codebook"] == (v, 4)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (4, h)
+    assert shapes["layers.0.attention_conv.base_kernel"] == shapes["layers.0.mlp_conv.base_kernel"] == (2, k, h)
+    assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * k * h // 4, h)
+    loaded = load_dflash_drafter(tmp_path, target)
+    assert type(loaded) is DFlash2Drafter and loaded.config == drafter.config
+    assert loaded.state_dict().keys() == drafter.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in drafter.state_dict().items())
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"conv_group_size": 5}, r"'dflash_config\.conv_group_size' is 5, which does not divide hidden_size 32"),
+    ({"selector_top_k": 0}, r"'dflash_config\.selector_top_k' must be a positive integer, got 0"),
+    ({"selector_top_k": 9}, r"'dflash_config\.selector_top_k' is 9, more than the vocabulary's 8 tokens"),
+])
+def test_bad_dflash2_configs_are_refused_in_one_line(drafter, change, message):
+    hf = drafter.config.to_hf_dict()
+    hf["dflash_config"] |= change
+    with pytest.raises(OpdError, match=message) as info:
+        DFlashConfig.from_hf_dict(hf)
+    assert "\n" not in str(info.value)
+
+
+def naive_convolution(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block: int,
+                      group: int) -> torch.Tensor:
+    """out[t, c] = sum_j (base[j, c] + dynamic[t, j, c // group]) x[t - j, c], t - j in t's block: loop form."""
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for j in range(base.shape[0]):
+                if (t - j) // block == t // block and t - j >= 0:
+                    taps = base[j] + dynamic[b, t, j].repeat_interleave(group)
+                    out[b, t] += taps * x[b, t - j]
+    return out
+
+
+@pytest.mark.parametrize("kernel", [2, 3, 6])  # 6 > K=4: taps past the block read nothing
+def test_convolution_is_causal_within_each_block(target, kernel):
+    conv = dflash2_drafter(target, conv_kernel_size=kernel).layers[0].attention_conv
+    x = torch.randn(2, 3 * 4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # 3 blocks
+    out, second = conv.prepare(x)
+    dynamic = conv.kernel_projection(x).view(2, 12, 2, kernel, 8)
+    assert torch.allclose(out, naive_convolution(x, dynamic[:, :, 0], conv.base_kernel[0], 4, 4))
+    y = torch.randn_like(x)
+    assert torch.allclose(conv.finish(y, second), naive_convolution(y, dynamic[:, :, 1], conv.base_kernel[1], 4, 4))
+
+
+@torch.no_grad()
+def test_selector_takes_the_best_path_left_to_right(drafter):
+    """Each slot's draft maximises logit + interaction with the draft before it (the anchor first), over the slot's
+    top-k; the path differs from the logits' own argmax, so the interaction matters."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, 3, 32, dtype=torch.float64, generator=gen)
+    logits = torch.randn(5, 3, 8, dtype=torch.float64, generator=gen)
+    anchors = torch.randint(0, 8, (5,), generator=gen)
+    s = drafter.candidate_selector
+    path = s.argmax_path(hidden, logits, anchors)
+    for b in range(5):
+        previous = int(anchors[b])
+        for slot in range(3):
+            gate = s.hidden_projection.weight @ hidden[b, slot]
+            allowed = set(logits[b, slot].topk(4).indices.tolist())
+            score = {c: float(logits[b, slot, c] + (s.predecessor_codebook[previous] * gate
+                                                     * s.successor_codebook[c]).sum()) for c in allowed}
+            assert int(path[b, slot]) == max(score, key=score.get)
+            previous = int(path[b, slot])
+    assert not torch.equal(path, logits.argmax(-1))
+
+
+def test_training_layout_drafts_as_decoding_does(target, drafter):
+    """`block_hidden` (many blocks of a sequence in one forward) gives every block the logits `draft` gives it alone:
+    the convolutions never reach across blocks."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 0, 1]])
+    features = target(ids).features
+    anchors = torch.tensor([[2, 5, 6, 9]])
+    hidden = drafter.block_hidden(features, ids, torch.ones_like(ids).bool(), anchors, ids[:, anchors[0]][..., None])
+    for m, a in enumerate(anchors[0].tolist()):
+        cache = drafter.new_cache(1)
+        drafter.extend_cache(cache, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
+        _, logits = drafter.draft(cache, ids[:, a], torch.tensor([a]))
+        assert torch.allclose(drafter.logits(hidden[:, m]), logits)
+
+
+def test_greedy_decoding_is_the_targets_argmax(target, drafter):
+    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=10)
+    greedy = generate_autoregressive(target, PROMPTS, Sampling(), max_new_tokens=10, eos_id=EOS)
+    assert [r.response_ids for r in records] == greedy
+
+
+def test_point_mass_decoding_at_temperature_is_lossless(target, drafter):
+    """The selector's argmax path served as a point mass: the first three tokens follow the target's own law."""
+    sampling, n = Sampling(temperature=1.0), 10_000
+    counts = sampled_joint(target, drafter, PROMPT, sampling, n, length=3)
+    stat, critical = chi_square(counts, exact_joint(target, PROMPT, sampling, 3, EOS), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)], ids=["greedy", "T1"])
+def test_the_rebuild_and_offline_tau_equal_decoding(target, drafter, sampling):
+    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS * 3, sampling, max_new_tokens=16,
+                                                                       seed=5)
+    rebuilt = rebuild_records(target, drafter, decoded, batch_size=4)
+    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
+    assert any(a > 0 for r in decoded for a in r.accepted)
+    assert AcceptanceStats.from_records(rebuilt, 4).tau == AcceptanceStats.from_records(decoded, 4).tau
+
+
+def test_sampled_drafts_are_refused_in_one_line(target, drafter):
+    sampling = Sampling(temperature=1.0, sample_drafts=True)
+    with pytest.raises(OpdError, match=r"draft: sample .*DFlash2Drafter\) drafts point masses only") as info:
+        SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, sampling, max_new_tokens=4)
+    assert "\n" not in str(info.value)
+
+
+def test_flops_count_the_convolutions_and_the_selector(target, drafter):
+    plain = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
+    ours, theirs = DrafterParams.of(drafter), DrafterParams.of(plain)
+    h, k, groups, rank, top_k, layers = 32, 3, 8, 4, 4, 1
+    projections = 2 * (2 * k * groups * h)  # per layer: the two convolutions' kernel projections
+    taps = 2 * 2 * 2 * (2 * k * h)  # two convolutions x two passes x (base + dynamic) multiply-adds
+    selector = 2 * rank * h + rank + top_k * (2 * rank + 1)
+    context, blocks, slots = 50, 7, 21
+    per_token = 2 * projections * layers + taps * layers
+    assert ours.forward(context=context, blocks=blocks, slots=slots) - theirs.forward(
+        context=context, blocks=blocks, slots=slots) == per_token * blocks * 4 + selector * slots
+
+
+@pytest.fixture
+def micro_dflash2(micro_assets, tmp_path):
+    """A DFlash 2 drafter for the micro assets' target, saved."""
+    target = load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 2])
+    base = DFlashDrafter.from_pretrained(micro_assets["drafter"], target)
+    config = dataclasses.replace(base.config, **DFLASH2)
+    drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head)
+    drafter.load_state_dict(base.state_dict(), strict=False)
+    drafter.save_pretrained(tmp_path / "dflash2")
+    return str(tmp_path / "dflash2")
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "run", "validate"])
+def test_training_commands_refuse_a_dflash2_drafter_before_any_compute(micro_spec_file, micro_dflash2, command,
+                                                                       capsys):
+    assert main([command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is a DFlash 2 drafter (DFlash2DraftModel), which training does not" in err
+    with pytest.raises(OpdError, match="models.drafter_path: "):
+        check_trainable(micro_dflash2)
+
+
+def test_opd_eval_decodes_a_dflash2_drafter(micro_spec_file, micro_dflash2, tmp_path):
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(micro_spec_file), "--draft", micro_dflash2, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["tau"] >= 1.0
+
+
+def test_offline_tau_equals_decoded_tau_and_opd_gap_reads_it(micro_spec_file, micro_dflash2, tmp_path):
+    """Held-out samples drawn by the DFlash 2 drafter itself: `opd eval` offline on them gives the τ it decodes, and
+    `opd gap` diagnoses it."""
+    spec, use = str(micro_spec_file), ["--set", f"models.drafter_path={micro_dflash2}"]
+    samples, offline, decoded, gap = (str(tmp_path / name) for name in ("s.jsonl", "off.json", "on.json", "gap.json"))
+    assert main(["gen-samples", spec, "--eval", "--engine", "speculative", "--out", samples, *use]) == 0
+    assert main(["eval", spec, "--samples", samples, "--json", offline, *use]) == 0
+    assert main(["eval", spec, "--json", decoded, *use]) == 0
+    rows = [json.loads(open(path).read())["rows"][0] for path in (offline, decoded)]
+    assert rows[0]["offline"] and not rows[1]["offline"]
+    assert rows[0]["tau"] == pytest.approx(rows[1]["tau"])
+    assert main(["gap", spec, "--samples", samples, "--draft", f"d2={micro_dflash2}", "--json", gap, *use]) == 0
+    assert json.loads(open(gap).read())[0]["tau"] == pytest.approx(rows[0]["tau"])
