@@ -38,10 +38,10 @@ from tests.test_decoding import (EOS, MASK, MIXED_PROMPTS, PROMPT, chi_square, c
                                  sampled_joint)
 from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
 WINDOWS = {"gemma4": 3, "gpt_oss": 2}  # sliding_window, below the block size (4) and the shortest sequence (6)
-SEEDS = {"gemma4": 1, "gpt_oss": 1}  # random weights whose greedy text repeats a token, so blocks are accepted whole
+SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}  # random weights whose greedy text repeats a token, so blocks are accepted whole
 GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 EXACT = 1e-10
 
@@ -65,7 +65,10 @@ def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.fl
         "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
             **common, sliding_window=WINDOWS["gemma4"], layer_types=GEMMA4_LAYERS, global_head_dim=HIDDEN // 4,
             num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size)),
-        "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common)),
+        # Gated DeltaNet layers 0, 1, 2, 4, 5 with small states, full attention at 3
+        "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **common, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8)),
     }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

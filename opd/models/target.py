@@ -230,19 +230,20 @@ class Target(nn.Module):
 
 def attention_windows(model: nn.Module) -> dict[str, int | None]:
     """{layer kind: its window, None for full attention}, as transformers' caches read the kinds from the config.
-    Kinds nothing here makes exact are refused in one line naming their layers: linear attention (`crop` leaves a
-    recurrent state advanced past rejected tokens), chunked attention, ... Attention sinks need nothing here: the
-    model's own attention takes them in decoding, and packed replay adds them (`packed_attention`)."""
+    Kinds nothing here makes exact are refused in one line naming their layers: chunked attention, ... Linear
+    attention has no window (the decoder rolls its states back in `opd/decoding/recurrent.py`; packed replay over
+    drafted blocks refuses it). Attention sinks need nothing here: the model's own attention takes them in
+    decoding, and packed replay adds them (`packed_attention`)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
     kinds = get_layer_types_and_kwargs(config)[0]  # "dummy": no cache of its own (KV-sharing, MLP-only layers)
     other = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds
-             if kind not in ("full_attention", "sliding_attention", "dummy")}
+             if kind not in ("full_attention", "sliding_attention", "linear_attention", "dummy")}
     if other:
         problems = "; ".join(f"layers {layers} are '{kind}'" for kind, layers in other.items())
-        raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention and sliding-window layers "
-                       "(with or without sinks) are supported (README: Target families)")
+        raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention, sliding-window (with or "
+                       "without sinks) and linear-attention layers are supported (README: Target families)")
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in kinds and not window:
         raise OpdError(f"target {type(model).__name__}: sliding-window layers without a `sliding_window` in its "
