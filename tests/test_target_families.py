@@ -44,6 +44,8 @@ WINDOWS = {"gemma4": 3, "gpt_oss": 2}  # sliding_window, below the block size (4
 SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}  # random weights whose greedy text repeats a token, so blocks are accepted whole
 GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 EXACT = 1e-10
+LINEAR = {"qwen3_5"}  # families with linear-attention layers
+TOLERANCE = {"qwen3_5": 1e-5}  # transformers' Gated DeltaNet kernels compute in float32 whatever the model's dtype
 
 
 def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -158,6 +160,10 @@ def test_packed_replay_equals_the_dense_reference(family, records):
     forward under the dense [L, L] packed mask of opd/distill/dense_reference.py."""
     target, k = family.target, family.drafter.block_size
     packed, ids, positions, layout = packed_inputs(records, k, "draft_opd", chunk_rows=5)
+    if family.name in LINEAR:
+        with pytest.raises(OpdError, match=r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'.*draft_opd"):
+            target.hidden_states(ids, attention_mask=layout, position_ids=positions)
+        return
     ref = target.hidden_states(ids, attention_mask=dense_teacher_masks(packed, k, ids.shape[1]),
                                position_ids=positions)[0]
     got = target.hidden_states(ids, attention_mask=layout, position_ids=positions)[0]
@@ -177,6 +183,11 @@ def test_scored_teacher_equals_one_forward_per_block(family, records):
     """What the learner reads: the teacher at every drafted slot equals a plain causal forward of that block's
     own text (the committed prefix to its anchor, then its drafts), with the shared text forward or without."""
     target, k = family.target, family.drafter.block_size
+    if family.name in LINEAR:
+        with pytest.raises(OpdError, match="replay layout draft_opd") as error:
+            score(target, records, block_size=k)
+        assert "\n" not in str(error.value)
+        return
     plain = score(target, records, block_size=k).teacher
     shared = score(target, records, block_size=k, view=CommittedView.of(target, records, k, keep_kv=True)).teacher
     i = 0
@@ -188,6 +199,23 @@ def test_scored_teacher_equals_one_forward_per_block(family, records):
             assert (plain[i] - alone).abs().max() < EXACT and (shared[i] - alone).abs().max() < EXACT
             i += 1
     assert i == len(plain) > 0
+
+
+def test_committed_replay_equals_one_forward_per_text(family, records):
+    """The first-rejection presets' teacher (layout committed): slot j of a block is the target's state at
+    anchor + j of the committed text, here from the batch's one padded forward, there from each text alone."""
+    target, k = family.target, family.drafter.block_size
+    teacher = score(target, records, block_size=k, mode="committed").teacher
+    i = 0
+    for rec in records:
+        committed = rec.prompt_ids + rec.response_ids
+        alone = target.hidden_states(torch.tensor([committed]))[0][0]
+        for anchor in rec.anchors:
+            a = len(rec.prompt_ids) + anchor
+            n = min(k - 1, len(committed) - a)
+            assert (teacher[i, :n] - alone[a : a + n]).abs().max() < TOLERANCE.get(family.name, EXACT)
+            i += 1
+    assert i == len(teacher) > 0
 
 
 def test_a_float64_moe_target_loads_with_experts_it_can_run(tmp_path):
@@ -229,10 +257,11 @@ def test_sliding_window_targets_refuse_what_counts_the_window_in_columns(family_
     assert "\n" not in str(error.value) + str(other.value)
 
 
-def test_linear_attention_layers_are_refused_in_one_line():
-    with pytest.raises(OpdError, match=r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'") as error:
-        Target(family_model("qwen3_5", dtype=torch.float32), LAYER_IDS)
-    assert "\n" not in str(error.value)
+def test_linear_attention_layers_refuse_a_static_cache():
+    target = Target(family_model("qwen3_5", dtype=torch.float32), LAYER_IDS)
+    with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has linear-attention") as e:
+        SpeculativeDecoder(target, micro_drafter(target, mask_token_id=MASK), eos_id=EOS, static_cache=True)
+    assert "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------ opd run
@@ -250,7 +279,8 @@ def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
     model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     attention = "eager" if family.name == "gpt_oss" else "sdpa"  # transformers' gpt-oss has no sdpa
-    return {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention}
+    return {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention,
+            "linear": family.name in LINEAR}
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +300,10 @@ def test_opd_run_two_steps(family_run_assets, tracking_uri, source, tmp_path, ca
         "data": {"train_prompts": assets["train"], "eval_prompts": assets["heldout"], "max_prompt_tokens": 200},
         "rollout": {"batch_size": 2, "max_new_tokens": 8, "temperature": 1.0, "source": source},
         "optim": {"lr": 1e-3, "batch_size": 2, "micro_batch_size": 2, "warmup_ratio": 0.0},
+        "loss": {"first_rejected_only": assets["linear"]},  # replay layout committed: draft_opd refuses them
         "tracking": {"run_dir": str(tmp_path / "run"), "uri": tracking_uri, "checkpoint_every": 2},
         "eval": {"every": 0, "num_prompts": 2, "max_new_tokens": 4, "batch_size": 2,
+                 "diagnostic": not assets["linear"],  # the expected-acceptance diagnostic replays drafted blocks
                  "sampling": [{"name": "greedy", "temperature": 0.0}]},
     }
     path = tmp_path / "family.yaml"

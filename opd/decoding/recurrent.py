@@ -29,14 +29,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 
-KIND = "linear_attention"
+from opd.models.target import linear_layers
+
 _CHUNKED, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
-
-
-def linear_layers(model: nn.Module) -> list[int]:
-    """Indices of the decoder layers whose kind is linear attention (none for attention-only targets)."""
-    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    return [i for i, kind in enumerate(kinds) if kind == KIND]
 
 
 class RecurrentRollback:

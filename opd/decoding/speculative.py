@@ -32,13 +32,13 @@ from transformers.cache_utils import StaticCache
 
 from opd.decoding.batch import right_pad
 from opd.decoding.compaction import compact, crop, row_mask
-from opd.decoding.recurrent import RecurrentRollback, linear_layers, select_rows
+from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
 from opd.models.family import Drafter
-from opd.models.target import Target
+from opd.models.target import Target, linear_layers
 
 
 class SpeculativeDecoder:

@@ -78,6 +78,7 @@ class Target(nn.Module):
             raise OpdError(f"target {type(model).__name__}: its sliding-window layers need attn_implementation sdpa "
                            "or eager (flash-attn counts a window in cache columns, which the decoder's per-row "
                            "packing moves)")
+        self._linear = bool(linear_layers(model))
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
@@ -207,7 +208,12 @@ class Target(nn.Module):
         dict {kind: mask} where its kinds are mixed, the form such models' forwards take. Otherwise a dense 4-D mask
         reaches sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
         if isinstance(mask, PackedRows):
+            if self._linear and (mask.cached or any(row.block_rows for row in mask.rows)):
+                check_replay_layout(self.model, "draft_opd")
             return mask.as_mask(self.device)
+        if self._linear and mask is not None and mask.dim() == 4:
+            raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers read no 4-D mask "
+                           "(they run every row causally); expected a 2-D padding mask or a committed PackedRows")
         if mask is None or (mask.dim() != 4 and not self._windowed):
             return mask
         implementation = self.model.config._attn_implementation
@@ -250,6 +256,23 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
                        "config")
     masked = [k for k in getattr(config, "layer_types", None) or kinds if k in ("full_attention", "sliding_attention")]
     return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(masked)}
+
+
+def linear_layers(model: nn.Module) -> list[int]:
+    """Indices of the decoder layers whose kind is linear attention (Qwen3.5's Gated DeltaNet; none elsewhere)."""
+    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    return [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+
+
+def check_replay_layout(model: nn.Module, layout: str) -> None:
+    """Packed replay of drafted blocks (layout draft_opd) runs each block after the whole committed text, which a
+    linear-attention layer would read as one sequence: it needs the recurrent state at each block's anchor, which
+    nothing here builds yet. The committed and naive layouts are one causal forward over the text, exact for it."""
+    layers = linear_layers(model)
+    if layers and layout == "draft_opd":
+        raise OpdError(f"target {type(model).__name__}: layers {layers} are 'linear_attention', which replay layout "
+                       "draft_opd (drafted blocks packed after the text) does not run exactly; expected "
+                       "loss.first_rejected_only: true (replay layout committed) or rollout.mode: naive")
 
 
 def _cache_argument_name(model: nn.Module) -> str:
