@@ -23,6 +23,7 @@ from transformers import (GptOssConfig, GptOssForCausalLM, Gemma4ForCausalLM, Ge
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from opd.cli import main
+from opd.commands.preflight import check_layer_kinds_of
 from opd.data.prompts import Prompt
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
@@ -262,6 +263,18 @@ def test_linear_attention_layers_refuse_a_static_cache():
     with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has linear-attention") as e:
         SpeculativeDecoder(target, micro_drafter(target, mask_token_id=MASK), eos_id=EOS, static_cache=True)
     assert "\n" not in str(e.value)
+
+
+def test_the_preflight_refuses_what_replays_drafted_blocks_on_linear_attention(tmp_path):
+    """From config.json alone: the draft_opd replay layout and the expected-acceptance diagnostic are refused in
+    one line each; the committed layout without the diagnostic passes."""
+    family_model("qwen3_5", dtype=torch.float32).config.save_pretrained(tmp_path)
+    check_layer_kinds_of(str(tmp_path), "committed", diagnostic=False)
+    for replay, diagnostic, expected in (("draft_opd", False, r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'.*"
+                                          "replay layout draft_opd"), ("committed", True, "eval.diagnostic: the")):
+        with pytest.raises(OpdError, match=expected) as error:
+            check_layer_kinds_of(str(tmp_path), replay, diagnostic=diagnostic)
+        assert "\n" not in str(error.value)
 
 
 # ------------------------------------------------------------------------------------------------ opd run
