@@ -1,6 +1,7 @@
 """Target families other than Qwen3 work end to end, exactly, through transformers' own model classes and caches:
 full attention (Llama, Qwen3-MoE), sliding-window and global layers (Gemma 4), sliding-window and full layers with
-attention sinks (gpt-oss). The family with linear-attention layers (Qwen3.5) is refused in one line.
+attention sinks (gpt-oss), Gated DeltaNet and full layers (Qwen3.5: decoding and the committed replay layout exact;
+the draft_opd layout, which replays drafted blocks, refused in one line).
 
 Each target is built here from transformers' config classes: 6 layers, GQA, float64 (no argmax ties) with an
 8-token vocabulary for the exactness tests, float32 with the micro tokenizer's vocabulary for `opd run`. The

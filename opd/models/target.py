@@ -1,5 +1,5 @@
-"""The frozen target model: a Hugging Face causal LM of full-attention and sliding-window layers, with or without
-attention sinks (README "Target families"), plus the hidden-state features a DFlash drafter reads.
+"""The frozen target model: a Hugging Face causal LM of full-attention, sliding-window (with or without sinks)
+and linear-attention layers (README "Target families"), plus the hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
@@ -50,10 +50,11 @@ class KVPrefix:
 class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
-    Its attention layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE,
-    Gemma 4, gpt-oss; README "Target families"): the decoder's per-row cache packing and packed replay are exact
-    for those, so any other layer kind (linear attention, chunked attention, ...) is refused here, before any
-    compute. A target with sliding-window layers keeps every key in plain cache layers and gets its masks per layer
+    Its layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE, Gemma 4,
+    gpt-oss), or linear attention (Qwen3.5; README "Target families"): the decoder's per-row cache packing and
+    packed replay are exact for the attention kinds, the decoder rolls linear layers back itself
+    (opd/decoding/recurrent.py) and only packed replay of drafted blocks refuses them (`check_replay_layout`).
+    Any other layer kind (chunked attention, ...) is refused here, before any compute. A target with sliding-window layers keeps every key in plain cache layers and gets its masks per layer
     kind from `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
 
     The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
