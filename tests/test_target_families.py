@@ -43,7 +43,8 @@ from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offli
 FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
 WINDOWS = {"gemma4": 3, "gpt_oss": 2}  # sliding_window, below the block size (4) and the shortest sequence (6)
-SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}  # random weights whose greedy text repeats a token, so blocks are accepted whole
+# random weights whose greedy text repeats a token, so blocks are accepted whole
+SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}
 GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 EXACT = 1e-10
 LINEAR = {"qwen3_5"}  # families with linear-attention layers

@@ -54,8 +54,9 @@ class Target(nn.Module):
     gpt-oss), or linear attention (Qwen3.5; README "Target families"): the decoder's per-row cache packing and
     packed replay are exact for the attention kinds, the decoder rolls linear layers back itself
     (opd/decoding/recurrent.py) and only packed replay of drafted blocks refuses them (`check_replay_layout`).
-    Any other layer kind (chunked attention, ...) is refused here, before any compute. A target with sliding-window layers keeps every key in plain cache layers and gets its masks per layer
-    kind from `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
+    Any other layer kind (chunked attention, ...) is refused here, before any compute. A target with
+    sliding-window layers keeps every key in plain cache layers and gets its masks per layer kind from
+    `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
 
     The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
     layer HF reports the output *after* the final norm, so that id is captured from the final norm to stay
