@@ -58,8 +58,8 @@ class RecurrentRollback:
         self._calls = []
         try:
             for m, chunked, recurrent in originals:
-                setattr(m, _CHUNKED, self._recorder(chunked))
-                setattr(m, _RECURRENT, self._recorder(recurrent))
+                setattr(m, _CHUNKED, self._recorder(chunked, recurrent))
+                setattr(m, _RECURRENT, self._recorder(recurrent, recurrent))
             yield
         finally:
             for m, chunked, recurrent in originals:
@@ -79,15 +79,20 @@ class RecurrentRollback:
             layer.conv_states[0] = _conv_window(layer.conv_states[0], new, kept, layer.conv_kernel_size[0])
         self._calls = []
 
-    def _recorder(self, kernel: Any):
-        """`kernel`, which also keeps the call's inputs for `keep`."""
+    def _recorder(self, kernel: Any, recurrent: Any):
+        """`kernel`, which also keeps the call's inputs for `keep`. A call continuing from a state (a verified
+        block) runs the recurrent rule, as the model's own decode does: the chunked one pads every call to its
+        chunk (64 positions), 16 times the work of a 4-token block."""
 
         def run(query, key, value, g, beta, initial_state=None, **kwargs):
+            rule = kernel if initial_state is None else recurrent
             start = None if initial_state is None else initial_state.clone()  # the cache updates it in place
             self._calls.append(dict(query=query, key=key, value=value, g=g, beta=beta, initial_state=start,
                                     kwargs={k: v for k, v in kwargs.items() if k not in ("chunk_size",
                                                                                        "output_final_state")}))
-            return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
+            if rule is recurrent:
+                kwargs.pop("chunk_size", None)
+            return rule(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
 
         return run
 
