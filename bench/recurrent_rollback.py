@@ -1,5 +1,5 @@
 """How the decoder rolls back a hybrid target's linear-attention layers, measured side by side on a small random
-Qwen3.5 (CPU, float32): one verification forward of a K-token block, then
+Qwen3.5 with Qwen3.5-9B's linear-attention heads (CPU, float32, one thread): one verification forward of a K-token block, then
 
 - `replay`, what `opd/decoding/recurrent.py` does: re-run only each linear layer's recurrent rule over each row's
   kept positions, from the recorded kernel inputs;
@@ -9,7 +9,7 @@ Qwen3.5 (CPU, float32): one verification forward of a K-token block, then
 
 Per-position states (the third way) are counted, not timed: their memory at Qwen3.5-9B's shapes is printed.
 
-    python bench/recurrent_rollback.py [--rows 8] [--block 16] [--repeats 5]
+    python bench/recurrent_rollback.py [--rows 8] [--block 16] [--prompt 256] [--hidden 2048] [--repeats 5]
 
 Writes bench/results/recurrent_rollback.json.
 """
@@ -29,11 +29,12 @@ from opd.decoding.recurrent import RecurrentRollback
 RESULTS = Path(__file__).parent / "results" / "recurrent_rollback.json"
 
 
-def small_qwen35() -> Qwen3_5ForCausalLM:
-    """8 layers (6 Gated DeltaNet, 2 full attention), hidden 512, Qwen3.5's head shapes scaled down."""
-    config = Qwen3_5TextConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-                               linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+def small_qwen35(hidden: int) -> Qwen3_5ForCausalLM:
+    """4 layers (3 Gated DeltaNet, 1 full attention) of Qwen3.5-9B's linear-attention heads (16 key, 32 value,
+    128 wide) and MLP ratio, at a smaller hidden size: the state updates are full size, the projections smaller."""
+    config = Qwen3_5TextConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=4,
+                               num_attention_heads=16, num_key_value_heads=4, head_dim=128, linear_num_key_heads=16,
+                               linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                                attn_implementation="sdpa")
     torch.manual_seed(0)
     return Qwen3_5ForCausalLM(config).eval()
@@ -55,9 +56,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = small_qwen35()
+    model = small_qwen35(args.hidden)
     rollback = RecurrentRollback(model)
     prompt = torch.randint(0, 1024, (args.rows, args.prompt))
     block = torch.randint(0, 1024, (args.rows, args.block))
@@ -88,7 +90,7 @@ def main() -> None:
     keep = min(replay() for _ in range(args.repeats))
     # Qwen3.5-9B: 32 value heads of 128 x 128 fp32 state, 24 of its 32 layers linear; 32 rows, K = 16
     per_position_gb = 32 * 16 * 24 * 32 * 128 * 128 * 4 / 1e9
-    result = {"rows": args.rows, "block": args.block, "prompt": args.prompt,
+    result = {"rows": args.rows, "block": args.block, "prompt": args.prompt, "hidden": args.hidden,
               "verify_forward_s": forward, "replay_keep_s": keep, "re_forward_lower_bound_s": forward,
               "replay_over_forward": keep / forward, "re_forward_over_forward": 1.0,
               "per_position_states_gb_qwen35_9b_32rows_k16": per_position_gb}
