@@ -243,6 +243,15 @@ def test_moe_flops_count_the_experts_each_token_passes_through():
     assert TargetParams.of(dense).body == sum(p.numel() for p in dense.model.layers.parameters()) + HIDDEN
 
 
+def test_linear_attention_flops_count_the_state_updates():
+    """A Qwen3.5 token updates each Gated DeltaNet layer's value-head states (4 heads of 8 x 8 here, 5 layers), 7
+    FLOPs an element, on top of 2 x the weights it passes through; attention-only targets add nothing."""
+    params = TargetParams.of(family_model("qwen3_5"))
+    assert params.state == 7 * 5 * 4 * 8 * 8
+    assert params.forward(3, logits=1) == 2 * (3 * params.body + params.head) + 3 * params.state
+    assert TargetParams.of(family_model("qwen3")).state == 0
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 
 
