@@ -105,6 +105,18 @@ def test_greedy_speculative_decode_equals_generate(family):
     assert {0, 3} <= {r for rec in records for r in rec.accepted}
 
 
+def test_autoregressive_baseline_equals_generate(family):
+    """The target-sampling rollout source decodes a left-padded batch: padding must leave every row's states as
+    its own, a linear-attention layer's recurrent state included."""
+    from opd.decoding.autoregressive import generate_autoregressive
+
+    expected = [family.target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                              eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt) :].tolist()
+                for prompt in MIXED_PROMPTS]
+    got = generate_autoregressive(family.target, MIXED_PROMPTS, Sampling(), max_new_tokens=8, eos_id=EOS)
+    assert got == expected and len({len(p) for p in MIXED_PROMPTS}) > 1
+
+
 def test_sampling_is_lossless(family):
     """The joint law of the first three emitted tokens at T=1 equals the target's own (chi-square, 4k samples)."""
     sampling, n = Sampling(temperature=1.0), 4_000
