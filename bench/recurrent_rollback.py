@@ -67,9 +67,8 @@ def main() -> None:
 
     def prefilled():
         cache = rollback.new_cache()
-        with rollback.recording():
+        with rollback.prefill(cache, torch.full((args.rows,), args.prompt), args.prompt):
             model(prompt, cache=cache, use_cache=True)
-        rollback.keep(cache, torch.full((args.rows,), args.prompt))
         return cache
 
     def verify():

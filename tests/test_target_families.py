@@ -26,7 +26,9 @@ from transformers import (GptOssConfig, GptOssForCausalLM, Gemma4ForCausalLM, Ge
 from opd.cli import main
 from opd.commands.preflight import check_layer_kinds_of
 from opd.data.prompts import Prompt
+from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
+from opd.decoding.recurrent import RecurrentRollback
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.dense_reference import dense_teacher_masks
@@ -103,6 +105,32 @@ def test_greedy_speculative_decode_equals_generate(family):
         MIXED_PROMPTS, Sampling(), max_new_tokens=16)
     assert [r.response_ids for r in records] == expected
     assert {0, 3} <= {r for rec in records for r in rec.accepted}
+
+
+@torch.no_grad()
+def test_linear_attention_states_are_each_rows_own():
+    """After a right-padded prefill and a verified block of which rows keep different counts, every row's conv and
+    recurrent states equal those of a forward over that row's kept tokens alone (padding and rejected tokens
+    leave no trace), where transformers' own cache would decay through the padding and keep the rejected tokens."""
+    model = family_model("qwen3_5", seed=1)
+    rollback, k = RecurrentRollback(model), 4
+    ids, mask = right_pad(MIXED_PROMPTS, pad_id=EOS, device="cpu")
+    used = mask.sum(-1)
+    cache = rollback.new_cache()
+    with rollback.prefill(cache, used, ids.shape[1]):
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), cache=cache, use_cache=True)
+    block = torch.randint(0, 6, (len(ids), k), generator=torch.Generator().manual_seed(0))
+    kept = torch.tensor([1, 4, 2, 3, 1, 4, 2, 3])
+    with rollback.recording():
+        model(block, attention_mask=torch.cat([mask, torch.ones_like(block)], 1),
+              position_ids=used[:, None] + torch.arange(k), cache=cache, use_cache=True)
+    rollback.keep(cache, kept)
+    for b, prompt in enumerate(MIXED_PROMPTS):
+        alone = model(torch.tensor([prompt + block[b, : kept[b]].tolist()]), use_cache=True).past_key_values
+        for index in rollback.layers:
+            got, ref = cache.layers[index], alone.layers[index]
+            assert (got.recurrent_states[0][b] - ref.recurrent_states[0][0]).abs().max() < TOLERANCE["qwen3_5"]
+            assert (got.conv_states[0][b] - ref.conv_states[0][0]).abs().max() < TOLERANCE["qwen3_5"]
 
 
 def test_autoregressive_baseline_equals_generate(family):

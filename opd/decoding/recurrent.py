@@ -18,6 +18,9 @@ state over each row's kept positions, and sets the conv state from the recorded 
 (`activate_past_recording`). That costs up to K state updates per layer, no forward: on CPU, at Qwen3.5-9B's
 linear heads and hidden 2048, 0.83x the verification forward it follows, where re-running the accepted tokens
 costs at least 1x and per-position states 26 GB for 32 rows of 16 tokens at 9B (bench/recurrent_rollback.py).
+A right-padded prefill needs no recording (`prefill`): past each row's end the kernel's gate and write strength are
+zeroed, so the state passes through the padding unchanged, and each layer's conv inputs are cut per row as soon as
+it has run (recording a long prompt's kernel inputs would hold about 400 KB a token at Qwen3.5-9B).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 
+from opd.errors import OpdError
 from opd.models.target import linear_layers
 
 _CHUNKED, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
@@ -41,26 +45,64 @@ class RecurrentRollback:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.layers = linear_layers(model)
-        kernels = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("DeltaNet")}
+        self._deltanets = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        kernels = {sys.modules[type(m).__module__] for m in self._deltanets}
         self._modules = [m for m in kernels if hasattr(m, _CHUNKED) and hasattr(m, _RECURRENT)]
+        if len(self._deltanets) != len(self.layers) or len(self._modules) != len(kernels):
+            raise OpdError(f"target {type(model).__name__}: its 'linear_attention' layers {self.layers} are not all "
+                           "Gated DeltaNet layers with transformers' gated delta rule kernels, which the decoder "
+                           "re-runs to roll them back (README: Target families)")
         self._calls: list[dict[str, Any]] = []  # per linear layer, in call order: its kernel's inputs
 
     def new_cache(self) -> DynamicCache:
-        """A cache whose linear layers keep every conv input until `keep` trims them per row."""
+        """A cache whose linear layers keep every conv input until they are trimmed per row."""
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()
         return cache
 
     @contextmanager
+    def prefill(self, cache: Cache, lengths: torch.Tensor, width: int) -> Iterator[None]:
+        """A forward over prompts right-padded to `width` (row b real for its first lengths[b] positions) that
+        leaves each row's own states in `cache`: past a row's end its gate and write strength are zeroed, so the
+        kernel carries the state through the padding unchanged (no decay, no write), and each layer's conv inputs
+        are cut to the row's window as soon as the layer has run, so a long prompt's are never held for every
+        layer at once."""
+        real = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[..., None]
+
+        def masked(kernel: Any, _recurrent: Any):
+            def run(query, key, value, g, beta, **kwargs):
+                return kernel(query, key, value, g=g * real.to(g.dtype), beta=beta * real.to(beta.dtype), **kwargs)
+
+            return run
+
+        def trim(module: nn.Module, _inputs: Any, _output: Any) -> None:
+            layer = cache.layers[module.layer_idx]
+            layer.conv_states[0] = _conv_window(layer.conv_states[0], width, lengths, layer.conv_kernel_size[0])
+
+        hooks = [m.register_forward_hook(trim) for m in self._deltanets]
+        try:
+            with self._swapped(masked):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    @contextmanager
     def recording(self) -> Iterator[None]:
-        """Within it every call of the linear layers' kernels (names in the modeling module, swapped there and put
-        back) also records its inputs, in layer order."""
-        originals = [(m, getattr(m, _CHUNKED), getattr(m, _RECURRENT)) for m in self._modules]
+        """Within it every call of the linear layers' kernels also records its inputs, in layer order, for `keep`."""
         self._calls = []
+        with self._swapped(self._recorder):
+            yield
+
+    @contextmanager
+    def _swapped(self, wrap: Any) -> Iterator[None]:
+        """The modeling module's kernels (module-level names its layers call) replaced by `wrap(kernel,
+        recurrent)`, and put back."""
+        originals = [(m, getattr(m, _CHUNKED), getattr(m, _RECURRENT)) for m in self._modules]
         try:
             for m, chunked, recurrent in originals:
-                setattr(m, _CHUNKED, self._recorder(chunked, recurrent))
-                setattr(m, _RECURRENT, self._recorder(recurrent, recurrent))
+                setattr(m, _CHUNKED, wrap(chunked, recurrent))
+                setattr(m, _RECURRENT, wrap(recurrent, recurrent))
             yield
         finally:
             for m, chunked, recurrent in originals:

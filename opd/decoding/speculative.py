@@ -94,13 +94,13 @@ class SpeculativeDecoder:
         if capacity is not None:
             target_cache = StaticCache(config=self.target.config, max_cache_len=capacity)
             full_mask = torch.cat([mask, mask.new_zeros(len(prompts), capacity - ids.shape[1])], 1)
+        prefill = nullcontext()
         if self.rollback is not None:
             target_cache = self.rollback.new_cache()
-        with self._recording():
+            prefill = self.rollback.prefill(target_cache, used, ids.shape[1])
+        with prefill:
             out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
                               use_cache=True)
-        if self.rollback is not None:
-            self.rollback.keep(out.past_key_values, used)
         keys_t = torch.tensor(keys, device=device)
         last = out.logits[torch.arange(len(prompts), device=device), used - 1]
         first = next_token(last, sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
