@@ -16,7 +16,7 @@ and starting state are kept (about heads·(2·dk + dv + 2) values a token); `kee
 recurrent rule (transformers' `torch_recurrent_gated_delta_rule`, what its single-token decode runs) from that
 state over each row's kept positions, and sets the conv state from the recorded conv inputs
 (`activate_past_recording`). That costs up to K state updates per layer, no forward: on CPU, at Qwen3.5-9B's
-linear heads and hidden 2048, 0.83x the verification forward it follows, where re-running the accepted tokens
+linear heads and hidden 2048, 0.7-0.8x the verification forward it follows, where re-running the accepted tokens
 costs at least 1x and per-position states 26 GB for 32 rows of 16 tokens at 9B (bench/recurrent_rollback.py).
 A right-padded prefill needs no recording (`prefill`): past each row's end the kernel's gate and write strength are
 zeroed, so the state passes through the padding unchanged, and each layer's conv inputs are cut per row as soon as
