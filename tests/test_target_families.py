@@ -1,6 +1,7 @@
 """Target families other than Qwen3 work end to end, exactly, through transformers' own model classes and caches:
 full attention (Llama, Qwen3-MoE), sliding-window and global layers (Gemma 4), sliding-window and full layers with
-attention sinks (gpt-oss). The family with linear-attention layers (Qwen3.5) is refused in one line.
+attention sinks (gpt-oss), Gated DeltaNet and full layers (Qwen3.5: decoding and the committed replay layout exact;
+the draft_opd layout, which replays drafted blocks, refused in one line).
 
 Each target is built here from transformers' config classes: 6 layers, GQA, float64 (no argmax ties) with an
 8-token vocabulary for the exactness tests, float32 with the micro tokenizer's vocabulary for `opd run`. The
@@ -23,8 +24,11 @@ from transformers import (GptOssConfig, GptOssForCausalLM, Gemma4ForCausalLM, Ge
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from opd.cli import main
+from opd.commands.preflight import check_layer_kinds_of
 from opd.data.prompts import Prompt
+from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
+from opd.decoding.recurrent import RecurrentRollback
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.dense_reference import dense_teacher_masks
@@ -38,12 +42,15 @@ from tests.test_decoding import (EOS, MASK, MIXED_PROMPTS, PROMPT, chi_square, c
                                  sampled_joint)
 from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
 WINDOWS = {"gemma4": 3, "gpt_oss": 2}  # sliding_window, below the block size (4) and the shortest sequence (6)
-SEEDS = {"gemma4": 1, "gpt_oss": 1}  # random weights whose greedy text repeats a token, so blocks are accepted whole
+# random weights whose greedy text repeats a token, so blocks are accepted whole
+SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}
 GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 EXACT = 1e-10
+LINEAR = {"qwen3_5"}  # families with linear-attention layers
+TOLERANCE = {"qwen3_5": 1e-5}  # transformers' Gated DeltaNet kernels compute in float32 whatever the model's dtype
 
 
 def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -65,7 +72,10 @@ def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.fl
         "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
             **common, sliding_window=WINDOWS["gemma4"], layer_types=GEMMA4_LAYERS, global_head_dim=HIDDEN // 4,
             num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size)),
-        "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common)),
+        # Gated DeltaNet layers 0, 1, 2, 4, 5 with small states, full attention at 3
+        "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **common, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8)),
     }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -95,6 +105,44 @@ def test_greedy_speculative_decode_equals_generate(family):
         MIXED_PROMPTS, Sampling(), max_new_tokens=16)
     assert [r.response_ids for r in records] == expected
     assert {0, 3} <= {r for rec in records for r in rec.accepted}
+
+
+@torch.no_grad()
+def test_linear_attention_states_are_each_rows_own():
+    """After a right-padded prefill and a verified block of which rows keep different counts, every row's conv and
+    recurrent states equal those of a forward over that row's kept tokens alone (padding and rejected tokens
+    leave no trace), where transformers' own cache would decay through the padding and keep the rejected tokens."""
+    model = family_model("qwen3_5", seed=1)
+    rollback, k = RecurrentRollback(model), 4
+    ids, mask = right_pad(MIXED_PROMPTS, pad_id=EOS, device="cpu")
+    used = mask.sum(-1)
+    cache = rollback.new_cache()
+    with rollback.prefill(cache, used, ids.shape[1]):
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), cache=cache, use_cache=True)
+    block = torch.randint(0, 6, (len(ids), k), generator=torch.Generator().manual_seed(0))
+    kept = torch.tensor([1, 4, 2, 3, 1, 4, 2, 3])
+    with rollback.recording():
+        model(block, attention_mask=torch.cat([mask, torch.ones_like(block)], 1),
+              position_ids=used[:, None] + torch.arange(k), cache=cache, use_cache=True)
+    rollback.keep(cache, kept)
+    for b, prompt in enumerate(MIXED_PROMPTS):
+        alone = model(torch.tensor([prompt + block[b, : kept[b]].tolist()]), use_cache=True).past_key_values
+        for index in rollback.layers:
+            got, ref = cache.layers[index], alone.layers[index]
+            assert (got.recurrent_states[0][b] - ref.recurrent_states[0][0]).abs().max() < TOLERANCE["qwen3_5"]
+            assert (got.conv_states[0][b] - ref.conv_states[0][0]).abs().max() < TOLERANCE["qwen3_5"]
+
+
+def test_autoregressive_baseline_equals_generate(family):
+    """The target-sampling rollout source decodes a left-padded batch: padding must leave every row's states as
+    its own, a linear-attention layer's recurrent state included."""
+    from opd.decoding.autoregressive import generate_autoregressive
+
+    expected = [family.target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                              eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt) :].tolist()
+                for prompt in MIXED_PROMPTS]
+    got = generate_autoregressive(family.target, MIXED_PROMPTS, Sampling(), max_new_tokens=8, eos_id=EOS)
+    assert got == expected and len({len(p) for p in MIXED_PROMPTS}) > 1
 
 
 def test_sampling_is_lossless(family):
@@ -155,6 +203,10 @@ def test_packed_replay_equals_the_dense_reference(family, records):
     forward under the dense [L, L] packed mask of opd/distill/dense_reference.py."""
     target, k = family.target, family.drafter.block_size
     packed, ids, positions, layout = packed_inputs(records, k, "draft_opd", chunk_rows=5)
+    if family.name in LINEAR:
+        with pytest.raises(OpdError, match=r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'.*draft_opd"):
+            target.hidden_states(ids, attention_mask=layout, position_ids=positions)
+        return
     ref = target.hidden_states(ids, attention_mask=dense_teacher_masks(packed, k, ids.shape[1]),
                                position_ids=positions)[0]
     got = target.hidden_states(ids, attention_mask=layout, position_ids=positions)[0]
@@ -174,6 +226,11 @@ def test_scored_teacher_equals_one_forward_per_block(family, records):
     """What the learner reads: the teacher at every drafted slot equals a plain causal forward of that block's
     own text (the committed prefix to its anchor, then its drafts), with the shared text forward or without."""
     target, k = family.target, family.drafter.block_size
+    if family.name in LINEAR:
+        with pytest.raises(OpdError, match="replay layout draft_opd") as error:
+            score(target, records, block_size=k)
+        assert "\n" not in str(error.value)
+        return
     plain = score(target, records, block_size=k).teacher
     shared = score(target, records, block_size=k, view=CommittedView.of(target, records, k, keep_kv=True)).teacher
     i = 0
@@ -185,6 +242,23 @@ def test_scored_teacher_equals_one_forward_per_block(family, records):
             assert (plain[i] - alone).abs().max() < EXACT and (shared[i] - alone).abs().max() < EXACT
             i += 1
     assert i == len(plain) > 0
+
+
+def test_committed_replay_equals_one_forward_per_text(family, records):
+    """The first-rejection presets' teacher (layout committed): slot j of a block is the target's state at
+    anchor + j of the committed text, here from the batch's one padded forward, there from each text alone."""
+    target, k = family.target, family.drafter.block_size
+    teacher = score(target, records, block_size=k, mode="committed").teacher
+    i = 0
+    for rec in records:
+        committed = rec.prompt_ids + rec.response_ids
+        alone = target.hidden_states(torch.tensor([committed]))[0][0]
+        for anchor in rec.anchors:
+            a = len(rec.prompt_ids) + anchor
+            n = min(k - 1, len(committed) - a)
+            assert (teacher[i, :n] - alone[a : a + n]).abs().max() < TOLERANCE.get(family.name, EXACT)
+            i += 1
+    assert i == len(teacher) > 0
 
 
 def test_a_float64_moe_target_loads_with_experts_it_can_run(tmp_path):
@@ -209,6 +283,15 @@ def test_moe_flops_count_the_experts_each_token_passes_through():
     assert TargetParams.of(dense).body == sum(p.numel() for p in dense.model.layers.parameters()) + HIDDEN
 
 
+def test_linear_attention_flops_count_the_state_updates():
+    """A Qwen3.5 token updates each Gated DeltaNet layer's value-head states (4 heads of 8 x 8 here, 5 layers), 7
+    FLOPs an element, on top of 2 x the weights it passes through; attention-only targets add nothing."""
+    params = TargetParams.of(family_model("qwen3_5"))
+    assert params.state == 7 * 5 * 4 * 8 * 8
+    assert params.forward(3, logits=1) == 2 * (3 * params.body + params.head) + 3 * params.state
+    assert TargetParams.of(family_model("qwen3")).state == 0
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 
 
@@ -226,10 +309,23 @@ def test_sliding_window_targets_refuse_what_counts_the_window_in_columns(family_
     assert "\n" not in str(error.value) + str(other.value)
 
 
-def test_linear_attention_layers_are_refused_in_one_line():
-    with pytest.raises(OpdError, match=r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'") as error:
-        Target(family_model("qwen3_5", dtype=torch.float32), LAYER_IDS)
-    assert "\n" not in str(error.value)
+def test_linear_attention_layers_refuse_a_static_cache():
+    target = Target(family_model("qwen3_5", dtype=torch.float32), LAYER_IDS)
+    with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has linear-attention") as e:
+        SpeculativeDecoder(target, micro_drafter(target, mask_token_id=MASK), eos_id=EOS, static_cache=True)
+    assert "\n" not in str(e.value)
+
+
+def test_the_preflight_refuses_what_replays_drafted_blocks_on_linear_attention(tmp_path):
+    """From config.json alone: the draft_opd replay layout and the expected-acceptance diagnostic are refused in
+    one line each; the committed layout without the diagnostic passes."""
+    family_model("qwen3_5", dtype=torch.float32).config.save_pretrained(tmp_path)
+    check_layer_kinds_of(str(tmp_path), "committed", diagnostic=False)
+    for replay, diagnostic, expected in (("draft_opd", False, r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'.*"
+                                          "replay layout draft_opd"), ("committed", True, "eval.diagnostic: the")):
+        with pytest.raises(OpdError, match=expected) as error:
+            check_layer_kinds_of(str(tmp_path), replay, diagnostic=diagnostic)
+        assert "\n" not in str(error.value)
 
 
 # ------------------------------------------------------------------------------------------------ opd run
@@ -247,7 +343,8 @@ def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
     model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     attention = "eager" if family.name == "gpt_oss" else "sdpa"  # transformers' gpt-oss has no sdpa
-    return {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention}
+    return {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention,
+            "linear": family.name in LINEAR}
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +364,10 @@ def test_opd_run_two_steps(family_run_assets, tracking_uri, source, tmp_path, ca
         "data": {"train_prompts": assets["train"], "eval_prompts": assets["heldout"], "max_prompt_tokens": 200},
         "rollout": {"batch_size": 2, "max_new_tokens": 8, "temperature": 1.0, "source": source},
         "optim": {"lr": 1e-3, "batch_size": 2, "micro_batch_size": 2, "warmup_ratio": 0.0},
+        "loss": {"first_rejected_only": assets["linear"]},  # replay layout committed: draft_opd refuses them
         "tracking": {"run_dir": str(tmp_path / "run"), "uri": tracking_uri, "checkpoint_every": 2},
         "eval": {"every": 0, "num_prompts": 2, "max_new_tokens": 4, "batch_size": 2,
+                 "diagnostic": not assets["linear"],  # the expected-acceptance diagnostic replays drafted blocks
                  "sampling": [{"name": "greedy", "temperature": 0.0}]},
     }
     path = tmp_path / "family.yaml"

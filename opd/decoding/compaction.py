@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from opd.decoding.recurrent import is_linear
 from opd.errors import OpdError
 from opd.models.drafter_cache import DrafterCache
 
@@ -71,12 +72,13 @@ def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> 
 
 
 def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:
-    """The target cache's layers, which must be plain growing ones: HF's sliding-window layer keeps the batch's
-    last window − 1 columns, not each row's, and would be corrupted by moving them. A target with sliding-window
-    layers keeps them as plain layers and applies the window in its masks (opd/models/kind_masks.py)."""
-    bad = {type(layer).__name__ for layer in cache.layers
-           if not isinstance(layer, DynamicLayer) or layer.is_sliding}
+    """The target cache's layers with per-token columns, which must be plain growing ones: HF's sliding-window
+    layer keeps the batch's last window − 1 columns, not each row's, and would be corrupted by moving them. A target
+    with sliding-window layers keeps them as plain layers and applies the window in its masks
+    (opd/models/kind_masks.py). Linear-attention layers have no columns; `recurrent.py` rolls them back."""
+    layers = [layer for layer in cache.layers if not is_linear(layer)]
+    bad = {type(layer).__name__ for layer in layers if not isinstance(layer, DynamicLayer) or layer.is_sliding}
     if bad:
         raise OpdError(f"speculative decoding packs the target's KV cache per row; {sorted(bad)} cache layers "
                        "are not supported (plain DynamicLayer only)")
-    return list(cache.layers)
+    return layers

@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from transformers.cache_utils import StaticCache
 
 from opd.decoding.batch import right_pad
 from opd.decoding.compaction import compact, crop, row_mask
+from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
 from opd.models.family import Drafter
-from opd.models.target import Target
+from opd.models.target import Target, linear_layers
 
 
 class SpeculativeDecoder:
@@ -48,7 +50,11 @@ class SpeculativeDecoder:
             raise OpdError("rollout.static_cache: not with a target that has sliding-window layers (a static "
                            "cache's sliding layers count the window in slots, and the rejected slots stay as holes); "
                            "expected static_cache: false")
+        if static_cache and linear_layers(target.model):
+            raise OpdError("rollout.static_cache: not with a target that has linear-attention layers (their "
+                           "recurrent states are rolled back per row in a growing cache); expected static_cache: false")
         self.target, self.drafter, self.eos_id = target, drafter, eos_id
+        self.rollback = RecurrentRollback(target.model) if linear_layers(target.model) else None
         self.draft_version, self.static_cache = draft_version, static_cache
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls
 
@@ -91,8 +97,13 @@ class SpeculativeDecoder:
         if capacity is not None:
             target_cache = StaticCache(config=self.target.config, max_cache_len=capacity)
             full_mask = torch.cat([mask, mask.new_zeros(len(prompts), capacity - ids.shape[1])], 1)
-        out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
-                          use_cache=True)
+        prefill = nullcontext()
+        if self.rollback is not None:
+            target_cache = self.rollback.new_cache()
+            prefill = self.rollback.prefill(target_cache, used, ids.shape[1])
+        with prefill:
+            out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
+                              use_cache=True)
         keys_t = torch.tensor(keys, device=device)
         last = out.logits[torch.arange(len(prompts), device=device), used - 1]
         first = next_token(last, sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
@@ -115,8 +126,9 @@ class SpeculativeDecoder:
         k = drafts.shape[1] + 1
         block = torch.cat([s.anchor[:, None], drafts], 1)
         block_pos = s.anchor_pos[:, None] + torch.arange(k, device=block.device)
-        out = self.target(block, attention_mask=self._block_mask(s, k), position_ids=block_pos,
-                          past_key_values=s.target_cache, use_cache=True)
+        with self._recording():
+            out = self.target(block, attention_mask=self._block_mask(s, k), position_ids=block_pos,
+                              past_key_values=s.target_cache, use_cache=True)
         clock.append(time.perf_counter())
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
         if draft_probs is None:
@@ -125,6 +137,8 @@ class SpeculativeDecoder:
             verdict = verify_sampled(drafts, draft_probs, out.logits, sampling, seed=seed, keys=s.keys,
                                      start=s.response_len)
         kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
+        if self.rollback is not None:
+            self.rollback.keep(out.past_key_values, verdict.accepted + 1)
         clock.append(time.perf_counter())
         # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
         next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
@@ -143,6 +157,10 @@ class SpeculativeDecoder:
         self.timings["verify"] += clock[2] - clock[1]
         self.timings["bookkeeping"] += (clock[3] - clock[2]) + (clock[5] - clock[4])
         self.timings["steps"] += 1
+
+    def _recording(self) -> AbstractContextManager:
+        """Where the target has linear-attention layers, a forward that keeps their per-position states."""
+        return nullcontext() if self.rollback is None else self.rollback.recording()
 
     def _draft(self, s: _State, sampling: Sampling, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This step's drafts [B, K−1] and, when they were sampled, the q [B, K−1, V] they were sampled from
@@ -231,5 +249,5 @@ class _State:
         for name in ("rows", "keys", "live", "used", "anchor", "anchor_pos", "response_len"):
             setattr(self, name, getattr(self, name)[keep])
         if len(keep):
-            self.target_cache.batch_select_indices(keep)
+            select_rows(self.target_cache, keep)
             self.draft_cache.select(keep)

@@ -7,7 +7,9 @@ processes, with the weights that token actually passes through. The convention:
   trainable weights (activation and weight gradients) and 4x for the frozen shared LM head (activation gradient
   only). Embedding lookups and attention's sequence-length term are left out: small at these lengths, and alike
   for every arm. A mixture-of-experts target counts the experts a token passes through (`num_experts_per_tok`
-  of them), not all of them.
+  of them), not all of them. A linear-attention layer (Gated DeltaNet) adds its recurrent state's update per token,
+  which no weight counts: 7 x value heads x key width x value width (decay, read, write and the output's read of
+  the heads' dk x dv states); its conv weights count as weights.
 - Only real tokens count, not padding: a batch's padding is an artefact of how it was batched (micro-batch size,
   the longest row), not of the method.
 - Target (`TargetParams`): every token its decoder runs passes through the body (decoder layers); only the
@@ -50,6 +52,7 @@ class TargetParams:
 
     body: int
     head: int
+    state: int = 0  # FLOPs per token of linear-attention state updates (`_state_flops`)
 
     @classmethod
     def of(cls, model: nn.Module) -> TargetParams:
@@ -59,11 +62,22 @@ class TargetParams:
         experts, (per_token, total) = _expert_params(model), _experts_per_token(model.config)
         body = sum(p.numel() for p in model.parameters()
                    if p is not embed and p is not head and id(p) not in experts)
-        return cls(body + sum(p.numel() for p in experts.values()) * per_token // total, head.numel())
+        return cls(body + sum(p.numel() for p in experts.values()) * per_token // total, head.numel(),
+                   _state_flops(model.config))
 
     def forward(self, tokens: int, logits: int = 0) -> float:
         """FLOPs of a forward over `tokens` tokens forming `logits` rows of logits."""
-        return 2.0 * (self.body * tokens + self.head * logits)
+        return 2.0 * (self.body * tokens + self.head * logits) + float(self.state * tokens)
+
+
+def _state_flops(config) -> int:
+    """Per token, over the linear-attention layers: the gated delta rule's decay (1), read (2), write (2) and
+    output read (2) of each value head's dk x dv state."""
+    text = config.get_text_config(decoder=True)
+    linear = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or [])
+    if not linear:
+        return 0
+    return 7 * linear * text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
 
 
 def _experts_per_token(config) -> tuple[int, int]:

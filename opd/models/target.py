@@ -1,5 +1,5 @@
-"""The frozen target model: a Hugging Face causal LM of full-attention and sliding-window layers, with or without
-attention sinks (README "Target families"), plus the hidden-state features a DFlash drafter reads.
+"""The frozen target model: a Hugging Face causal LM of full-attention, sliding-window (with or without sinks)
+and linear-attention layers (README "Target families"), plus the hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
@@ -50,11 +50,13 @@ class KVPrefix:
 class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
-    Its attention layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE,
-    Gemma 4, gpt-oss; README "Target families"): the decoder's per-row cache packing and packed replay are exact
-    for those, so any other layer kind (linear attention, chunked attention, ...) is refused here, before any
-    compute. A target with sliding-window layers keeps every key in plain cache layers and gets its masks per layer
-    kind from `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
+    Its layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE, Gemma 4,
+    gpt-oss), or linear attention (Qwen3.5; README "Target families"): the decoder's per-row cache packing and
+    packed replay are exact for the attention kinds, the decoder rolls linear layers back itself
+    (opd/decoding/recurrent.py) and only packed replay of drafted blocks refuses them (`check_replay_layout`).
+    Any other layer kind (chunked attention, ...) is refused here, before any compute. A target with
+    sliding-window layers keeps every key in plain cache layers and gets its masks per layer kind from
+    `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
 
     The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
     layer HF reports the output *after* the final norm, so that id is captured from the final norm to stay
@@ -78,6 +80,7 @@ class Target(nn.Module):
             raise OpdError(f"target {type(model).__name__}: its sliding-window layers need attn_implementation sdpa "
                            "or eager (flash-attn counts a window in cache columns, which the decoder's per-row "
                            "packing moves)")
+        self._linear = bool(linear_layers(model))
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
@@ -207,7 +210,12 @@ class Target(nn.Module):
         dict {kind: mask} where its kinds are mixed, the form such models' forwards take. Otherwise a dense 4-D mask
         reaches sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
         if isinstance(mask, PackedRows):
+            if self._linear and (mask.cached or any(row.block_rows for row in mask.rows)):
+                check_replay_layout(self.model, "draft_opd")
             return mask.as_mask(self.device)
+        if self._linear and mask is not None and mask.dim() == 4:
+            raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers read no 4-D mask "
+                           "(they run every row causally); expected a 2-D padding mask or a committed PackedRows")
         if mask is None or (mask.dim() != 4 and not self._windowed):
             return mask
         implementation = self.model.config._attn_implementation
@@ -230,25 +238,43 @@ class Target(nn.Module):
 
 def attention_windows(model: nn.Module) -> dict[str, int | None]:
     """{layer kind: its window, None for full attention}, as transformers' caches read the kinds from the config.
-    Kinds nothing here makes exact are refused in one line naming their layers: linear attention (`crop` leaves a
-    recurrent state advanced past rejected tokens), chunked attention, ... Attention sinks need nothing here: the
-    model's own attention takes them in decoding, and packed replay adds them (`packed_attention`)."""
+    Kinds nothing here makes exact are refused in one line naming their layers: chunked attention, ... Linear
+    attention has no window (the decoder rolls its states back in `opd/decoding/recurrent.py`; packed replay over
+    drafted blocks refuses it). Attention sinks need nothing here: the model's own attention takes them in
+    decoding, and packed replay adds them (`packed_attention`)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
     kinds = get_layer_types_and_kwargs(config)[0]  # "dummy": no cache of its own (KV-sharing, MLP-only layers)
     other = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds
-             if kind not in ("full_attention", "sliding_attention", "dummy")}
+             if kind not in ("full_attention", "sliding_attention", "linear_attention", "dummy")}
     if other:
         problems = "; ".join(f"layers {layers} are '{kind}'" for kind, layers in other.items())
-        raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention and sliding-window layers "
-                       "(with or without sinks) are supported (README: Target families)")
+        raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention, sliding-window (with or "
+                       "without sinks) and linear-attention layers are supported (README: Target families)")
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in kinds and not window:
         raise OpdError(f"target {type(model).__name__}: sliding-window layers without a `sliding_window` in its "
                        "config")
     masked = [k for k in getattr(config, "layer_types", None) or kinds if k in ("full_attention", "sliding_attention")]
     return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(masked)}
+
+
+def linear_layers(model: nn.Module) -> list[int]:
+    """Indices of the decoder layers whose kind is linear attention (Qwen3.5's Gated DeltaNet; none elsewhere)."""
+    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    return [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+
+
+def check_replay_layout(model: nn.Module, layout: str) -> None:
+    """Packed replay of drafted blocks (layout draft_opd) runs each block after the whole committed text, which a
+    linear-attention layer would read as one sequence: it needs the recurrent state at each block's anchor, which
+    nothing here builds yet. The committed and naive layouts are one causal forward over the text, exact for it."""
+    layers = linear_layers(model)
+    if layers and layout == "draft_opd":
+        raise OpdError(f"target {type(model).__name__}: layers {layers} are 'linear_attention', which replay layout "
+                       "draft_opd (drafted blocks packed after the text) does not run exactly; expected "
+                       "loss.first_rejected_only: true (replay layout committed) or rollout.mode: naive")
 
 
 def _cache_argument_name(model: nn.Module) -> str:
