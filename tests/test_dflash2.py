@@ -1,6 +1,7 @@
 """DFlash 2 drafters (opd/models/dflash2.py): the checkpoint round trip, the block convolutions and the candidate
 selector against naive references, the training layout against decoding, lossless point-mass decoding (chi-square),
-the rebuild and offline τ against decoding, FLOPs, and the one-line refusals of what is not implemented yet.
+the rebuild and offline τ against decoding, FLOPs, and the one-line refusal of training. Drafts sampled from the
+selector's q: tests/test_dflash2_sampled.py.
 
 Micro models in float64; a random DFlash 2 drafter whose base kernels and codebooks are scaled up, so the
 convolutions and the selector change the drafts (a test that ignored them would fail).
@@ -180,13 +181,6 @@ def test_the_rebuild_and_offline_tau_equal_decoding(target, drafter, sampling):
     assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
     assert any(a > 0 for r in decoded for a in r.accepted)
     assert AcceptanceStats.from_records(rebuilt, 4).tau == AcceptanceStats.from_records(decoded, 4).tau
-
-
-def test_sampled_drafts_are_refused_in_one_line(target, drafter):
-    sampling = Sampling(temperature=1.0, sample_drafts=True)
-    with pytest.raises(OpdError, match=r"draft: sample .*DFlash2Drafter\) drafts point masses only") as info:
-        SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, sampling, max_new_tokens=4)
-    assert "\n" not in str(info.value)
 
 
 def test_flops_count_the_convolutions_and_the_selector(target, drafter):

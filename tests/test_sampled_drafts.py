@@ -81,18 +81,20 @@ def test_drafts_follow_q(target):
         assert (freq - q).abs().max() < 4 * (0.25 / len(firsts)) ** 0.5  # 4 sigma at the worst-case variance
 
 
-def _residual_from_p(draft, draft_probs, logits, sampling, *, seed=0, keys=None, start=None):
+def _residual_from_p(draft, draft_probs, logits, sampling, *, seed=0, keys=None, start=None, draft_ids=None):
     """Broken: accepts with min(1, p/q) but emits a rejection's token from p instead of norm(max(0, p − q))."""
-    good = verify_sampled(draft, draft_probs, logits, sampling, seed=seed, keys=keys, start=start)
+    good = verify_sampled(draft, draft_probs, logits, sampling, seed=seed, keys=keys, start=start,
+                          draft_ids=draft_ids)
     probs = target_probs(logits, sampling)[torch.arange(len(draft)), good.accepted]
     u = keyed_uniform(seed, keys, start + good.accepted, STREAM_TOKEN)
     return Verdict(good.accepted, sample_from(probs, u))
 
 
-def _point_mass_residual(draft, draft_probs, logits, sampling, *, seed=0, keys=None, start=None):
+def _point_mass_residual(draft, draft_probs, logits, sampling, *, seed=0, keys=None, start=None, draft_ids=None):
     """Broken: accepts with min(1, p/q) but emits a rejection's token from p without the rejected draft, the
     point-mass residual, which is right only when q is one-hot."""
-    good = verify_sampled(draft, draft_probs, logits, sampling, seed=seed, keys=keys, start=start)
+    good = verify_sampled(draft, draft_probs, logits, sampling, seed=seed, keys=keys, start=start,
+                          draft_ids=draft_ids)
     rows, slot = torch.arange(len(draft)), good.accepted.clamp_max(draft.shape[1] - 1)
     probs = target_probs(logits, sampling)[rows, good.accepted].scatter(-1, draft[rows, slot][:, None], 0.0)
     u = keyed_uniform(seed, keys, start + good.accepted, STREAM_TOKEN)

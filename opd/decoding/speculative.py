@@ -35,7 +35,7 @@ from opd.decoding.compaction import compact, crop, row_mask
 from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
-from opd.decoding.verify import next_token, sample_draft, verify, verify_sampled
+from opd.decoding.verify import DraftQ, next_token, sample_chained_draft, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
 from opd.models.family import Drafter
 from opd.models.target import Target, linear_layers
@@ -67,9 +67,6 @@ class SpeculativeDecoder:
     def generate(self, prompts: list[list[int]], sampling: Sampling, *, max_new_tokens: int, seed: int = 0,
                  keys: list[int] | None = None) -> list[SequenceRecord]:
         """Decode every prompt to eos or `max_new_tokens`; one record per prompt, in order."""
-        if sampling.sample_drafts and not sampling.greedy and not self.drafter.samples_drafts:
-            raise OpdError(f"draft: sample (temperature {sampling.temperature}): this drafter "
-                           f"({type(self.drafter).__name__}) drafts point masses only (expected draft: argmax)")
         keys = list(keys) if keys is not None else list(range(len(prompts)))
         records = [SequenceRecord(key=k, prompt_ids=list(p), draft_version=self.draft_version)
                    for k, p in zip(keys, prompts)]
@@ -121,7 +118,7 @@ class SpeculativeDecoder:
     def _step(self, s: _State, records: list[SequenceRecord], sampling: Sampling, seed: int,
               max_new_tokens: int) -> None:
         clock = [time.perf_counter()]
-        drafts, draft_probs = self._draft(s, sampling, seed)
+        drafts, draft_q = self._draft(s, sampling, seed)
         clock.append(time.perf_counter())
         k = drafts.shape[1] + 1
         block = torch.cat([s.anchor[:, None], drafts], 1)
@@ -131,11 +128,11 @@ class SpeculativeDecoder:
                               past_key_values=s.target_cache, use_cache=True)
         clock.append(time.perf_counter())
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
-        if draft_probs is None:
+        if draft_q is None:
             verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
         else:
-            verdict = verify_sampled(drafts, draft_probs, out.logits, sampling, seed=seed, keys=s.keys,
-                                     start=s.response_len)
+            verdict = verify_sampled(drafts, draft_q.probs, out.logits, sampling, seed=seed, keys=s.keys,
+                                     start=s.response_len, draft_ids=draft_q.ids)
         kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
         if self.rollback is not None:
             self.rollback.keep(out.past_key_values, verdict.accepted + 1)
@@ -162,14 +159,19 @@ class SpeculativeDecoder:
         """Where the target has linear-attention layers, a forward that keeps their per-position states."""
         return nullcontext() if self.rollback is None else self.rollback.recording()
 
-    def _draft(self, s: _State, sampling: Sampling, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This step's drafts [B, K−1] and, when they were sampled, the q [B, K−1, V] they were sampled from
-        (None for the argmax drafts, whose logits verification does not need)."""
-        drafts, logits = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
-        if not sampling.sample_drafts or sampling.greedy:
-            return drafts, None
+    def _draft(self, s: _State, sampling: Sampling, seed: int) -> tuple[torch.Tensor, DraftQ | None]:
+        """This step's drafts [B, K−1] and, when they were sampled, the q they were sampled from (None for the
+        argmax drafts, whose logits verification does not need)."""
+        sampled = sampling.sample_drafts and not sampling.greedy
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
-        return sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
+        if sampled and self.drafter.chains_q:
+            return sample_chained_draft(self.drafter, s.draft_cache, s.anchor, s.anchor_pos, sampling, seed=seed,
+                                        keys=s.keys, start=s.response_len)
+        drafts, logits = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
+        if not sampled:
+            return drafts, None
+        drafts, q = sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
+        return drafts, DraftQ(q)
 
     def _block_mask(self, s: _State, k: int) -> torch.Tensor:
         """The target's 2-D mask for verifying a K-token block: every row's used columns plus the block itself

@@ -4,10 +4,13 @@ The Leviathan/Chen rule is "accept d with min(1, p(d)/q(d)), else sample norm(ma
 draft it becomes: accept d with probability p(d); on rejection sample from p with d removed. With
 `Sampling.sample_drafts` each drafted slot k is instead sampled from q_k, the drafter's logits shaped like the
 target's (`sample_draft`), and verified with the full rule (`verify_sampled`). DFlash drafts all slots in
-parallel from [anchor, MASK...], so q_k does not depend on d_<k; the rule needs only that d_k ~ q_k
-independently of the coins. Either way every emitted token is distributed exactly as the target's p. Greedy
-decoding is the T → 0 limit: accept while d equals the target's argmax (drafts stay argmax; `sample_drafts` is
-ignored).
+parallel from [anchor, MASK...], so q_k does not depend on d_<k; the rule needs only that d_k ~ q_k given the
+drafts before it, independently of the coins. DFlash 2's selector chains its slots (`sample_chained_draft`): q_k
+is the softmax at temperature T of slot k's candidate scores given the sampled d_{k-1}, so it is zero outside the
+k candidates and kept sparse ([B, K−1, k] with the candidates' ids); the residual max(0, p − q) is then p outside
+the candidates, over the full vocabulary (z-lab's `_rejection_sample` with `draft_indices`). Either way every
+emitted token is distributed exactly as the target's p. Greedy decoding is the T → 0 limit: accept while d equals
+the target's argmax (drafts stay argmax; `sample_drafts` is ignored).
 """
 
 from __future__ import annotations
@@ -17,10 +20,21 @@ from dataclasses import dataclass
 import torch
 
 from opd.decoding.sampling import Sampling, keyed_uniform, sample_from, target_probs
+from opd.models.drafter_cache import DrafterCache
+from opd.models.family import Drafter
 
 # Keyed random streams (see sampling.py): accept/reject coins, the token the target emits at a position, and the
 # token a sampled draft proposes for it.
 STREAM_ACCEPT, STREAM_TOKEN, STREAM_DRAFT = 1, 2, 3
+
+
+@dataclass
+class DraftQ:
+    """The law each drafted slot was sampled from: probs [B, K−1, C] over `ids` [B, K−1, C] (a drafter's
+    candidates), or over the whole vocabulary in order (C = V) when ids is None."""
+
+    probs: torch.Tensor
+    ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -40,9 +54,29 @@ def sample_draft(draft_logits: torch.Tensor, sampling: Sampling, *, seed: int = 
     if sampling.greedy:
         raise ValueError("sampled drafts need temperature > 0; greedy decoding drafts the argmax")
     q = target_probs(draft_logits, sampling)
-    keys, positions = _keyed_positions(draft_logits.shape[0], draft_logits.shape[1], keys, start,
-                                       draft_logits.device)
-    return sample_from(q, keyed_uniform(seed, keys[:, None], positions, STREAM_DRAFT)), q
+    return sample_from(q, _draft_uniforms(draft_logits.shape[:2], seed, keys, start, draft_logits.device)), q
+
+
+def sample_chained_draft(drafter: Drafter, cache: DrafterCache, anchor_ids: torch.Tensor,
+                         anchor_positions: torch.Tensor, sampling: Sampling, *, seed: int = 0,
+                         keys: torch.Tensor | None = None, start: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, DraftQ]:
+    """Drafts [B, K−1] of a drafter that `chains_q` (DFlash 2), sampled slot by slot from q_k = softmax(scores /
+    T) over slot k's candidates given the draft sampled at slot k−1, and those q_k (sparse, over the candidates).
+
+    Only the temperature shapes q (as z-lab's `select`): top-k/top-p shape p, and any q is lossless. Keyed as
+    `sample_draft`."""
+    if sampling.greedy:
+        raise ValueError("sampled drafts need temperature > 0; greedy decoding drafts the argmax")
+    shape = (len(anchor_ids), drafter.block_size - 1)
+    u, rows = _draft_uniforms(shape, seed, keys, start, anchor_ids.device), []
+
+    def pick(slot: int, scores: torch.Tensor) -> torch.Tensor:
+        rows.append(torch.softmax(scores.float() / sampling.temperature, dim=-1))
+        return sample_from(rows[-1], u[:, slot])
+
+    drafts, candidates = drafter.draft_path(cache, anchor_ids, anchor_positions, pick)
+    return drafts, DraftQ(torch.stack(rows, dim=1), candidates)
 
 
 def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling, *, seed: int = 0,
@@ -61,10 +95,12 @@ def verify(draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling, *, see
 
 
 def verify_sampled(draft: torch.Tensor, draft_probs: torch.Tensor, logits: torch.Tensor, sampling: Sampling, *,
-                   seed: int = 0, keys: torch.Tensor | None = None, start: torch.Tensor | None = None) -> Verdict:
-    """Verify drafts [B, K−1] sampled from q = `draft_probs` [B, K−1, V] (`sample_draft`, so T > 0) with the full
-    rule; everything else as `verify`."""
-    return _verify(draft, draft_probs, logits, sampling, seed, keys, start)
+                   seed: int = 0, keys: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                   draft_ids: torch.Tensor | None = None) -> Verdict:
+    """Verify drafts [B, K−1] sampled from q = `draft_probs` [B, K−1, V] (`sample_draft`, so T > 0), or
+    [B, K−1, k] over the token ids `draft_ids` [B, K−1, k] (`sample_chained_draft`), with the full rule;
+    everything else as `verify`."""
+    return _verify(draft, DraftQ(draft_probs, draft_ids), logits, sampling, seed, keys, start)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, *, seed: int = 0, keys: torch.Tensor | None = None,
@@ -78,29 +114,43 @@ def next_token(logits: torch.Tensor, sampling: Sampling, *, seed: int = 0, keys:
     return sample_from(target_probs(logits, sampling), keyed_uniform(seed, keys, positions, STREAM_TOKEN))
 
 
-def _verify(draft: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor, sampling: Sampling,
+def _verify(draft: torch.Tensor, q: DraftQ | None, logits: torch.Tensor, sampling: Sampling,
             seed: int, keys: torch.Tensor | None, start: torch.Tensor | None) -> Verdict:
-    """The sampled (T > 0) rule; q = `draft_probs`, or a point mass on each draft when None."""
+    """The sampled (T > 0) rule; q as sampled, or a point mass on each draft when None."""
     b, k1 = draft.shape
     keys, positions = _keyed_positions(b, k1 + 1, keys, start, draft.device)  # response index decided by each slot
     probs = target_probs(logits, sampling)  # [B, K, V]
     p_draft = probs[:, :-1].gather(-1, draft[..., None])[..., 0]
     coins = keyed_uniform(seed, keys[:, None], positions[:, :-1], STREAM_ACCEPT)
-    if draft_probs is None:
+    if q is None:
         accepted = _leading_true(coins < p_draft)
     else:  # u < min(1, p/q), written without the division: q(d) > 0 for a token drawn from q
-        accepted = _leading_true(coins * draft_probs.gather(-1, draft[..., None])[..., 0] < p_draft)
+        accepted = _leading_true(coins * _q_of(q, draft) < p_draft)
     # The bonus comes from the residual at the first rejected slot, or from p after the last slot when everything
     # was accepted. Only the one row it needs is formed, so no [B, K−1, V] residual is ever held.
     rows, slot = torch.arange(b, device=draft.device), accepted.clamp_max(k1 - 1)
     p_bonus = probs[rows, accepted]
-    if draft_probs is None:
+    if q is None:
         residual = p_bonus.scatter(-1, draft[rows, slot][:, None], 0.0)  # p with the rejected token removed
     else:
-        residual = _residual(p_bonus, draft_probs[rows, slot])
+        residual = _residual(p_bonus, q.probs[rows, slot], None if q.ids is None else q.ids[rows, slot])
     p_bonus = torch.where((accepted < k1)[:, None], residual, p_bonus)
     u = keyed_uniform(seed, keys, positions.gather(1, accepted[:, None])[:, 0], STREAM_TOKEN)
     return Verdict(accepted, sample_from(p_bonus, u))
+
+
+def _draft_uniforms(shape: tuple[int, int], seed: int, keys: torch.Tensor | None, start: torch.Tensor | None,
+                    device: torch.device) -> torch.Tensor:
+    """The uniforms [B, K−1] a block's sampled drafts are drawn with: slot k draws at response index start + k."""
+    keys, positions = _keyed_positions(shape[0], shape[1], keys, start, device)
+    return keyed_uniform(seed, keys[:, None], positions, STREAM_DRAFT)
+
+
+def _q_of(q: DraftQ, draft: torch.Tensor) -> torch.Tensor:
+    """q(d) [B, K−1] of each draft (zero for a token outside the candidates)."""
+    if q.ids is None:
+        return q.probs.gather(-1, draft[..., None])[..., 0]
+    return (q.probs * (q.ids == draft[..., None])).sum(-1)
 
 
 def _keyed_positions(b: int, width: int, keys: torch.Tensor | None, start: torch.Tensor | None,
@@ -111,13 +161,14 @@ def _keyed_positions(b: int, width: int, keys: torch.Tensor | None, start: torch
     return keys, start[:, None] + torch.arange(width, device=device)
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(0, p − q) (sample_from normalises): the law of the token emitted on rejecting a draft sampled from q.
+def _residual(p: torch.Tensor, q: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """max(0, p − q) (sample_from normalises): the law of the token emitted on rejecting a draft sampled from q,
+    rows [B, V] of p and q, or q [B, k] over the token ids `ids` [B, k] (then p itself outside them).
 
     It has no mass only when p and q agree up to rounding, where a rejection is itself a rounding artefact; p is
     then the right law, and sampling an all-zero row would pick an arbitrary token.
     """
-    residual = (p - q).clamp_min(0.0)
+    residual = (p - q if ids is None else p.scatter_add(-1, ids, -q.to(p.dtype))).clamp_min(0.0)
     return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
 
 

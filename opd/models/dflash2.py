@@ -16,14 +16,16 @@ it plugs into the one family interface (opd/models/family.py) as a DFlash drafte
   predecessor and successor codebooks over the vocabulary and W h_s the slot's hidden projected to their rank.
   Greedy drafts are the argmax path left to right, so each draft depends on the one before it. They are still a
   point mass per block given (context, anchor), which is what lossless point-mass verification, the rebuild and
-  offline τ rely on (opd/sources/rebuild.py).
+  offline τ rely on (opd/sources/rebuild.py). Sampled drafts (`draft: sample`, z-lab's `select` at T > 0) walk
+  the same path with a different `pick`: slot s draws from q_s = softmax(scores / T) over its candidates given the
+  draft drawn at slot s-1 (opd/decoding/verify.py, `sample_chained_draft`).
 
-Drafts sampled from the selector's q and training DFlash 2 (its loss) are not implemented yet; both are refused in
-one line (`samples_drafts`, `family.check_trainable`).
+Training DFlash 2 (its loss) is not implemented yet; it is refused in one line (`family.check_trainable`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,11 +34,14 @@ from torch import nn
 
 from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, read_config
 from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter
+from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import BlockChunks
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 
 PASSES = 2  # the convolution before a sublayer and the one after it
+
+Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (slot, candidate scores [B,k]) -> candidate index [B]
 
 
 class BlockConvolution(nn.Module):
@@ -117,14 +122,20 @@ class CandidateSelector(nn.Module):
     def argmax_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [B,S] for slots' hidden [B,S,H] and logits [B,S,V]: slot by slot, the best-scoring
         candidate given the draft chosen before it (the anchor first)."""
+        return self.path(hidden, logits, anchor_ids, lambda _, scores: scores.argmax(-1))[0]
+
+    def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [B,S], candidates [B,S,k]): slot by slot, `pick(slot, scores [B,k])` chooses a candidate index
+        [B] given the draft chosen before it (the anchor first), and that draft is the next slot's predecessor."""
         unary, candidates = logits.topk(self.top_k, dim=-1)
         gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
         predecessor, path = anchor_ids, []
         for slot in range(hidden.shape[1]):
-            best = self.scores(gates[:, slot], predecessor, unary[:, slot], candidates[:, slot]).argmax(-1)
-            predecessor = candidates[:, slot].gather(-1, best[:, None])[:, 0]
+            index = pick(slot, self.scores(gates[:, slot], predecessor, unary[:, slot], candidates[:, slot]))
+            predecessor = candidates[:, slot].gather(-1, index[:, None])[:, 0]
             path.append(predecessor)
-        return torch.stack(path, dim=1)
+        return torch.stack(path, dim=1), candidates
 
     def flops_per_slot(self) -> int:
         """One slot's selector work: the hidden projection (2·rank·H), the gate (rank) and k candidate dot
@@ -137,7 +148,7 @@ class DFlash2Drafter(DFlashDrafter):
     """DFlash 2: DFlash layers with block convolutions, drafts chained by the candidate selector."""
 
     layer_class = DFlash2DecoderLayer
-    samples_drafts = False  # drafts sampled from the selector's q: a later slice (the decoder refuses them)
+    chains_q = True  # the selector scores slot s's candidates given the draft at slot s-1
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  teacher: nn.Module | None = None) -> None:
@@ -148,6 +159,14 @@ class DFlash2Drafter(DFlashDrafter):
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The selector's argmax path."""
         return self.candidate_selector.argmax_path(hidden, logits, anchor_ids)
+
+    @torch.no_grad()
+    def draft_path(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
+                   pick: Pick) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [B,K-1], candidates [B,K-1,k]) of one block per sequence, each slot's candidate chosen by
+        `pick` given the draft before it (`CandidateSelector.path`)."""
+        hidden, logits = self.drafted_slots(cache, anchor_ids, anchor_positions)
+        return self.candidate_selector.path(hidden, logits, anchor_ids, pick)
 
     def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
         """DFlash's roles, the convolutions' projections with the layers; their base kernels are elementwise taps,

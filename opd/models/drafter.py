@@ -276,7 +276,7 @@ class DFlashDrafter(nn.Module):
         return self.config.mask_token_id
 
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
-    samples_drafts = True  # drafts may be sampled from its q (the logits `draft` returns)
+    chains_q = False  # q_k is the logits' own (`draft`), whatever was drafted at the slots before
 
     def extra_flops(self) -> tuple[int, int]:
         """(FLOPs per block token, per drafted slot) beyond its weights': none (opd/models/flops.py)."""
@@ -414,7 +414,15 @@ class DFlashDrafter(nn.Module):
     def draft(
         self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy K-1 draft tokens [B,K-1] and their logits [B,K-1,V] for one block per sequence.
+        """Greedy K-1 draft tokens [B,K-1] and their logits [B,K-1,V] for one block per sequence."""
+        hidden, logits = self.drafted_slots(cache, anchor_ids, anchor_positions)
+        return self.choose(hidden, logits, anchor_ids), logits
+
+    @torch.no_grad()
+    def drafted_slots(
+        self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden [B,K-1,H] and logits [B,K-1,V] of one block's drafted slots per sequence.
 
         The block [anchor, MASK x (K-1)] at anchor_pos..anchor_pos+K-1 sees every valid cached entry with
         position < anchor_pos and itself; its own K/V are not added to the cache.
@@ -427,9 +435,8 @@ class DFlashDrafter(nn.Module):
         block_ids[:, 0] = anchor_ids
         block_positions = anchor_positions[:, None] + offsets
         masks = _block_masks(cache, anchor_positions, block_size, self.attention)
-        hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks)
-        logits = self.logits(hidden[:, 1:])
-        return self.choose(hidden[:, 1:], logits, anchor_ids), logits
+        hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks)[:, 1:]
+        return hidden, self.logits(hidden)
 
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The point-mass drafts [B,K-1] of a block from its slots' hidden and logits: DFlash drafts every slot's

@@ -133,7 +133,7 @@ class Eagle3Drafter(nn.Module):
         self.t2d.copy_(t2d)
 
     sft_target = "target"  # SFT learns the target's distribution over the draft vocabulary (SpecForge's recipe)
-    samples_drafts = True  # drafts may be sampled from its q
+    chains_q = False  # sampled drafts come from the logits `draft` returns (the chain is fed its argmax)
 
     def extra_flops(self) -> tuple[int, int]:
         """No work beyond its weights' (FLOP counting)."""

@@ -28,7 +28,9 @@ class Drafter(Protocol):
 
     config: object
     sft_target: str  # what SFT teaches: "data" tokens, or the "target"'s distribution at the same slots
-    samples_drafts: bool  # whether drafts may be sampled from q (`draft: sample`), not only its point mass
+    # Whether q at a slot depends on the draft sampled at the slot before (DFlash 2's selector): its sampled drafts
+    # (`draft: sample`) then come from `draft_path`, not from the logits `draft` returns.
+    chains_q: bool
 
     @property
     def block_size(self) -> int:
