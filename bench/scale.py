@@ -36,7 +36,9 @@ measured, as on the GPU. Then each role's GPU memory is projected for the shippe
 qwen3-8b.yaml, qwen3-30b-a3b.yaml: their prompt cap, batch sizes, loss chunk, eval lengths and drafter layers;
 the targets' shapes from Qwen3's public configs) at 2048 and 4096-token responses and τ 6, 3 and 1.5 (`project`):
 the learner, the scorer, a rollout actor and the evaluator, each part marked measured (per row or slot, from the
-runs above) or formula. `--project-only [--markdown]` re-projects stored measurements (attention from
+runs above) or formula. Also the hybrid configs/qwen3.5-9b.yaml (Gated DeltaNet and full attention, shapes from
+transformers' Qwen3.5 config) in the layout it can train with, `committed` (loss.first_rejected_only): its linear
+layers' per-sequence states and the decoder's rollback record instead of their keys and values. `--project-only [--markdown]` re-projects stored measurements (attention from
 `--attention-json`). Writes bench/results/scale.json. No assertions: numbers depend on the machine.
 """
 
@@ -61,7 +63,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from opd.distill.dense_reference import dense_block_mask, dense_teacher_masks
 from opd.distill.losses import acceptance_aware_loss, sft_loss, teacher_distribution
-from opd.distill.replay import pack, packed_inputs, score, student_hidden
+from opd.distill.replay import pack, packed_inputs, replay_mode, score, student_hidden
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
@@ -79,7 +81,12 @@ class Qwen3Shape:
     """A Qwen3 target's shape, from its public config.json (hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads, num_key_value_heads, head_dim, tie_word_embeddings; for the MoE num_experts,
     num_experts_per_tok, moe_intermediate_size, every layer sparse). The DFlash drafter takes the target's width,
-    heads and dense intermediate size (the MoE's unused `intermediate_size`), so one shape sizes both."""
+    heads and dense intermediate size (the MoE's unused `intermediate_size`), so one shape sizes both.
+
+    A hybrid (Qwen3.5) also has `linear_layers` Gated DeltaNet layers among its `layers`: each holds a conv state
+    and a recurrent state per sequence and no per-token keys and values, so only the others grow a KV cache. Its
+    full-attention layers project a sigmoid output gate beside each query (`gated_query`), which the drafter's
+    Qwen3-style attention does not."""
 
     hidden: int
     intermediate: int
@@ -91,6 +98,14 @@ class Qwen3Shape:
     expert_intermediate: int = 0
     heads: int = 32
     head_dim: int = 128
+    vocab: int = VOCAB
+    gated_query: bool = False
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_dk: int = 128
+    linear_dv: int = 128
+    conv_kernel: int = 4
 
     @property
     def q_dim(self) -> int:
@@ -103,10 +118,24 @@ class Qwen3Shape:
     def attention_params(self) -> int:
         return 2 * self.hidden * (self.q_dim + self.kv_dim) + 2 * self.head_dim  # q, k, v, o and the q/k norms
 
+    @property
+    def conv_dim(self) -> int:
+        """A linear layer's conv channels: its q and k (key heads) and v (value heads)."""
+        return 2 * self.linear_k_heads * self.linear_dk + self.linear_v_heads * self.linear_dv
+
+    def linear_params(self) -> int:
+        """One Gated DeltaNet layer: the qkv, output-gate (z), β and decay (a) projections, the depthwise conv, the
+        per-head decay parameters, the gated norm and the output projection."""
+        h, value_dim, v_heads = self.hidden, self.linear_v_heads * self.linear_dv, self.linear_v_heads
+        return h * (self.conv_dim + value_dim + 2 * v_heads) + self.conv_dim * self.conv_kernel + 2 * v_heads + \
+            self.linear_dv + value_dim * h
+
     def target_params(self) -> int:
         h = self.hidden
         mlp = self.experts * (3 * h * self.expert_intermediate + h) if self.experts else 3 * h * self.intermediate
-        return self.layers * (self.attention_params() + mlp + 2 * h) + VOCAB * h * (1 if self.tied else 2) + h
+        full = self.attention_params() + (h * self.q_dim if self.gated_query else 0)
+        mixers = (self.layers - self.linear_layers) * full + self.linear_layers * self.linear_params()
+        return mixers + self.layers * (mlp + 2 * h) + self.vocab * h * (1 if self.tied else 2) + h
 
     def drafter_params(self, layers: int, features: int) -> int:
         """Decoder layers (dense MLP), the fc over `features` concatenated target features, two norms."""
@@ -115,10 +144,34 @@ class Qwen3Shape:
 
     def head_bytes(self) -> int:
         """The learner's embedding + LM head in bf16 (one tensor when tied)."""
-        return VOCAB * self.hidden * 2 * (1 if self.tied else 2)
+        return self.vocab * self.hidden * 2 * (1 if self.tied else 2)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_dim * 2
+        return 2 * (self.layers - self.linear_layers) * self.kv_dim * 2
+
+    def linear_state_bytes(self) -> int:
+        """What the linear layers hold per sequence, whatever its length: the conv state (the last `conv_kernel`
+        inputs, bf16) and the recurrent state (value heads × dk × dv, fp32 as the gated delta rule keeps it)."""
+        recurrent = self.linear_v_heads * self.linear_dk * self.linear_dv * 4
+        return self.linear_layers * (self.conv_dim * self.conv_kernel * 2 + recurrent)
+
+    def rollback_bytes(self, block: int) -> int:
+        """What the decoder's exact rollback keeps per sequence during one verification (opd/decoding/recurrent.py):
+        each linear layer's kernel inputs over the block (q and k repeated to the value heads, v, the decay and β:
+        heads·(2·dk + dv + 2) values a token, bf16), its conv inputs (bf16) and a copy of its starting recurrent
+        state (fp32)."""
+        inputs = self.linear_v_heads * (2 * self.linear_dk + self.linear_dv + 2) * 2 + self.conv_dim * 2
+        return self.linear_layers * (block * inputs + self.linear_v_heads * self.linear_dk * self.linear_dv * 4)
+
+    def linear_row_bytes(self, chunk: int = 64) -> int:
+        """A linear layer's no-grad transient per token, transformers' torch chunked kernel (an upper bound on the
+        fused one): the bf16 qkv, conv, z, β and decay projections, and the kernel's fp32 working set per value
+        head: q, k, v and their chunk-padded copies, k·β, v·β, the corrected values, the output, and three
+        chunk × chunk intra-chunk matrices."""
+        value_dim = self.linear_v_heads * self.linear_dv
+        projections = 2 * (2 * self.conv_dim + value_dim + 2 * self.linear_v_heads)
+        per_head = 2 * (2 * self.linear_dk + self.linear_dv) + self.linear_dk + 3 * self.linear_dv + 3 * chunk
+        return projections + self.linear_v_heads * per_head * 4
 
     def mlp_row_bytes(self) -> int:
         """A no-grad MLP's bf16 transient per token: gate, up and their product (MoE: for each of the token's
@@ -129,8 +182,12 @@ class Qwen3Shape:
 
     def scorer_row_bytes(self, features: int) -> int:
         """One packed row of the scorer's no-grad forward, beside the measured attention: residual, normed input and
-        layer output, the q/k/v projections, the MLP, and the feature hooks' copies, bf16."""
-        return 2 * (3 * self.hidden + self.q_dim + 2 * self.kv_dim + features * self.hidden) + self.mlp_row_bytes()
+        layer output, the q/k/v projections (a hybrid: or its linear layer's, whichever is larger), the MLP, and the
+        feature hooks' copies, bf16."""
+        mixer = 2 * (self.q_dim * (2 if self.gated_query else 1) + 2 * self.kv_dim)
+        if self.linear_layers:
+            mixer = max(mixer, self.linear_row_bytes())  # one layer at a time: the larger of the two kinds
+        return 2 * (3 * self.hidden + features * self.hidden) + mixer + self.mlp_row_bytes()
 
     def student_row_bytes(self) -> int:
         """What autograd keeps per student row in one drafter layer beside the measured attention, bf16: two RMSNorms
@@ -144,10 +201,17 @@ class Qwen3Shape:
         return 2 * (2 * self.hidden + 5 * self.kv_dim)
 
 
-QWEN3 = {"Qwen3-4B": Qwen3Shape(hidden=2560, intermediate=9728, layers=36, tied=True),
-         "Qwen3-8B": Qwen3Shape(hidden=4096, intermediate=12288, layers=36),
-         "Qwen3-30B-A3B": Qwen3Shape(hidden=2048, intermediate=6144, layers=48, kv_heads=4, experts=128,
-                                     experts_per_token=8, expert_intermediate=768)}
+# Qwen3.5-9B: transformers' Qwen3_5TextConfig defaults (its "Qwen3.5-9B style" configuration): hidden 4096, MLP
+# 12288, 32 layers of which every fourth is full attention (16 query heads, 4 key-value heads of 256, gated
+# queries), Gated DeltaNet with 16 key / 32 value heads of 128 and a 4-wide conv, 248,320 vocabulary, untied.
+# The text model only: the vision tower is not loaded as a target.
+TARGETS = {"Qwen3-4B": Qwen3Shape(hidden=2560, intermediate=9728, layers=36, tied=True),
+           "Qwen3-8B": Qwen3Shape(hidden=4096, intermediate=12288, layers=36),
+           "Qwen3-30B-A3B": Qwen3Shape(hidden=2048, intermediate=6144, layers=48, kv_heads=4, experts=128,
+                                       experts_per_token=8, expert_intermediate=768),
+           "Qwen3.5-9B": Qwen3Shape(hidden=4096, intermediate=12288, layers=32, kv_heads=4, heads=16, head_dim=256,
+                                    vocab=248_320, gated_query=True, linear_layers=24, linear_k_heads=16,
+                                    linear_v_heads=32)}
 DRAFTER_LAYERS = 5  # the Qwen3-4B drafter whose publish is timed
 GB = 1e9
 DIAGNOSTIC_BYTES_PER_SLOT = 4 * len(point_mass_settings(EvalSpec().sampling))  # fp32 a_k per default setting
@@ -419,8 +483,11 @@ def run_attention_only(args) -> None:
 # ------------------------------------------------------------------------------------------------ projection
 
 
-CONFIGS = {"Qwen3-4B": "configs/qwen3-4b.yaml", "Qwen3-8B": "configs/qwen3-8b.yaml",
-           "Qwen3-30B-A3B": "configs/qwen3-30b-a3b.yaml"}
+# Qwen3.5 trains only where replay reads the committed text (a linear layer would need its recurrent state at
+# each drafted block's anchor): the first-rejection loss of configs/presets/*-serving.yaml.
+CONFIGS = {"Qwen3-4B": ("configs/qwen3-4b.yaml", ()), "Qwen3-8B": ("configs/qwen3-8b.yaml", ()),
+           "Qwen3-30B-A3B": ("configs/qwen3-30b-a3b.yaml", ()),
+           "Qwen3.5-9B": ("configs/qwen3.5-9b.yaml", ("loss.first_rejected_only=true",))}
 POINTS = [(tokens, tau) for tokens in (2048, 4096) for tau in (6, 3, 1.5)]
 
 
@@ -433,15 +500,15 @@ def fit(rows: list[dict], key: str, per: str) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def config_fields(path: str) -> dict:
+def config_fields(path: str, overrides: tuple[str, ...] = ()) -> dict:
     """The shipped config's sizes the projection uses (the spec's defaults where the config leaves a field out)."""
-    s = load_spec(path, check_paths=False)
+    s = load_spec(path, overrides, check_paths=False)
     return {"prompt": s.data.max_prompt_tokens, "rollout_rows": s.rollout.batch_size, "micro": s.optim.micro_batch_size,
             "step_sequences": s.optim.batch_size, "learner_budget": s.optim.micro_batch_tokens,
             "scorer_budget": s.replay.micro_batch_tokens, "chunk": s.optim.loss_chunk_size, "eval_rows": s.eval.batch_size,
             "eval_tokens": s.eval.max_new_tokens, "drafter_layers": s.models.drafter.num_layers,
             "features": len(s.models.drafter.target_layer_ids or range(s.models.drafter.num_layers)),
-            "block": s.models.drafter.block_size}
+            "block": s.models.drafter.block_size, "layout": replay_mode(s)}
 
 
 def learner_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, student: tuple[float, float], chunk_bytes: float,
@@ -454,7 +521,7 @@ def learner_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, student: tuple
     per_layer = attention + rows * q.student_row_bytes() + context * q.context_row_bytes()
     return {"drafter_state": q.drafter_params(layers, c["features"]) * 20, "head": q.head_bytes(),
             "scored": c["micro"] * seq_bytes, "activations": c["micro"] * layers * per_layer,
-            "loss_chunk": chunk_bytes * c["chunk"]}
+            "loss_chunk": chunk_bytes * q.vocab / VOCAB * c["chunk"]}  # measured at Qwen3's vocabulary
 
 
 def scorer_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, teacher: tuple[float, float], diagnostic: float,
@@ -464,8 +531,10 @@ def scorer_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, teacher: tuple[
     (measured) and the rollout batch's scored tensors it holds until shipped."""
     length = packed_length(c, tokens, tau)
     forward = teacher[0] + teacher[1] * length + length * q.scorer_row_bytes(c["features"])
-    return {"weights": q.target_params() * 2, "forward": c["micro"] * forward, "diagnostic": diagnostic,
-            "shipped": c["rollout_rows"] * seq_bytes}
+    parts = {"weights": q.target_params() * 2, "forward": c["micro"] * forward}
+    if c["layout"] == "draft_opd":  # only drafted blocks give the diagnostic the target's view of each slot
+        parts["diagnostic"] = diagnostic * q.vocab / VOCAB
+    return parts | {"shipped": c["rollout_rows"] * seq_bytes}
 
 
 def decoder_role(q: Qwen3Shape, c: dict, rows: int, tokens: int) -> dict:
@@ -473,23 +542,28 @@ def decoder_role(q: Qwen3Shape, c: dict, rows: int, tokens: int) -> dict:
     plus one block's verify slots in the target's) and the prefill's transient (bf16 logits at every prompt token,
     the feature hooks, the MLP). All by formula."""
     layers, prompt = c["drafter_layers"], c["prompt"]
-    return {"weights": (q.target_params() + q.drafter_params(layers, c["features"])) * 2,
-            "target_kv": rows * (prompt + tokens + c["block"]) * q.kv_bytes_per_token(),
-            "drafter_kv": rows * (prompt + tokens) * layers * 2 * q.kv_dim * 2,
-            "prefill": rows * prompt * (VOCAB * 2 + c["features"] * q.hidden * 2 + q.mlp_row_bytes())}
+    prefill_row = q.vocab * 2 + c["features"] * q.hidden * 2 + q.mlp_row_bytes()
+    parts = {"weights": (q.target_params() + q.drafter_params(layers, c["features"])) * 2,
+             "target_kv": rows * (prompt + tokens + c["block"]) * q.kv_bytes_per_token(),
+             "drafter_kv": rows * (prompt + tokens) * layers * 2 * q.kv_dim * 2}
+    if q.linear_layers:
+        parts |= {"linear_state": rows * q.linear_state_bytes(), "rollback": rows * q.rollback_bytes(c["block"])}
+        prefill_row += q.linear_row_bytes()
+    return parts | {"prefill": rows * prompt * prefill_row}
 
 
 def packed_length(c: dict, tokens: int, tau: float) -> float:
-    """Replay's packed row: prompt + response, plus K-2 extra slots per drafted block (τ tokens per block)."""
-    return c["prompt"] + tokens + tokens / tau * (c["block"] - 2)
+    """Replay's packed row: prompt + response, plus (layout draft_opd) K-2 extra slots per drafted block (τ tokens
+    per block); the committed layout reads every slot on the text itself."""
+    return c["prompt"] + tokens + (tokens / tau * (c["block"] - 2) if c["layout"] == "draft_opd" else 0)
 
 
 def sequence_bytes(q: Qwen3Shape, c: dict, tokens: int, tau: float) -> float:
     """What the scorer ships per sequence: bf16 final-norm hidden at the drafted slots, bf16 prefix features, the
-    diagnostic's fp32 results per slot."""
+    diagnostic's fp32 results per slot (layout draft_opd only)."""
     slots = tokens / tau * (c["block"] - 1)
-    return slots * q.hidden * 2 + (c["prompt"] + tokens) * c["features"] * q.hidden * 2 + \
-        slots * DIAGNOSTIC_BYTES_PER_SLOT
+    diagnostic = DIAGNOSTIC_BYTES_PER_SLOT if c["layout"] == "draft_opd" else 0
+    return slots * q.hidden * 2 + (c["prompt"] + tokens) * c["features"] * q.hidden * 2 + slots * diagnostic
 
 
 def previous_learner(measured: dict[int, list[dict]], q: Qwen3Shape, c: dict, tokens: int, tau: float,
@@ -512,8 +586,8 @@ def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, attent
                                                                             "student_rows")
     diagnostic = max(r["scorer_peak_diagnostic"] - r["scorer_peak_new"] for rows in measured.values() for r in rows)
     out = []
-    for name, path in CONFIGS.items():
-        q, c = QWEN3[name], config_fields(path)
+    for name, (path, overrides) in CONFIGS.items():
+        q, c = TARGETS[name], config_fields(path, overrides)
         for tokens, tau in POINTS:
             seq = sequence_bytes(q, c, tokens, tau)
             roles = {"learner": learner_role(q, c, tokens, tau, student, chunk_bytes_per_slot, seq),
@@ -522,7 +596,8 @@ def project(measured: dict[int, list[dict]], chunk_bytes_per_slot: float, attent
                      "evaluator": decoder_role(q, c, c["eval_rows"], c["eval_tokens"])}
             row = {"config": name, "tokens": tokens, "tau": tau, "prompt": c["prompt"],
                    "packed_len": packed_length(c, tokens, tau), "step_gb": c["step_sequences"] * seq / GB,
-                   "learner_gb_old": previous_learner(measured, q, c, tokens, tau, chunk_bytes_per_slot, seq) / GB,
+                   "layout": c["layout"], "learner_gb_old": None if q.linear_layers else
+                   previous_learner(measured, q, c, tokens, tau, chunk_bytes_per_slot, seq) / GB,
                    "parts": {role: {k: v / GB for k, v in parts.items()} for role, parts in roles.items()}}
             row |= {f"{role}_gb": sum(parts.values()) / GB for role, parts in roles.items()}
             row["fits"] = {role: row[f"{role}_gb"] * GB < GPU_BYTES for role in roles}
@@ -543,8 +618,8 @@ def projection_rows(projected: list[dict]) -> tuple[list[str], list[list[str]]]:
         return "yes, every role" if not over else "NO: " + ", ".join(over) + " over"
 
     cells = [[r["config"], str(r["tokens"]), f"{r['tau']:g}", f"{r['packed_len']:,.0f}", f"{r['step_gb']:,.1f}",
-              f"{r['learner_gb_old']:,.0f}", *(f"{r[f'{role}_gb']:,.0f}" for role in ROLES), fits(r)]
-             for r in projected]
+              "—" if r["learner_gb_old"] is None else f"{r['learner_gb_old']:,.0f}",
+              *(f"{r[f'{role}_gb']:,.0f}" for role in ROLES), fits(r)] for r in projected]
     return header, cells
 
 
@@ -554,7 +629,8 @@ def parts_rows(projected: list[dict]) -> tuple[list[str], list[list[str]]]:
     label = {"drafter_state": "f drafter 20 B/param", "head": "f embed+head", "scored": "f scored micro-batch",
              "activations": "m+f student", "loss_chunk": "m loss chunk", "weights": "f weights",
              "forward": "m+f packed forward", "diagnostic": "m diagnostic", "shipped": "f scored batch",
-             "target_kv": "f target KV", "drafter_kv": "f drafter KV", "prefill": "f prefill"}
+             "target_kv": "f target KV", "drafter_kv": "f drafter KV", "prefill": "f prefill",
+             "linear_state": "f linear states", "rollback": "f rollback record"}
     cells = []
     for r in projected:
         if (r["tokens"], r["tau"]) != (4096, 1.5):
@@ -590,7 +666,7 @@ def budget_projection(measured: dict[int, list[dict]], chunk_bytes_per_slot: flo
                                                                             "student_rows")
     out = []
     for name, path in BUDGET_CONFIGS.items():
-        q, c = QWEN3[name], config_fields(path)
+        q, c = TARGETS[name], config_fields(path)
         for tokens, tau in BUDGET_POINTS:
             row = {"config": name, "tokens": tokens, "tau": tau, "learner_budget": c["learner_budget"],
                    "scorer_budget": c["scorer_budget"]}
@@ -705,7 +781,7 @@ def measure_sft(args) -> dict:
     fp32 on this CPU): the new step at the real response length and a few anchor counts, the replaced one at a
     shorter response (its [T, V] logits and all-slot logits cost minutes here), each projected to the shipped
     512 anchors and 2048 tokens by a linear fit in anchors."""
-    target, drafter = build(QWEN3["Qwen3-4B"].hidden)
+    target, drafter = build(TARGETS["Qwen3-4B"].hidden)
     new = [sft_point(target, drafter, args.sft_length, a, args, old=False) for a in args.sft_anchors]
     old = [sft_point(target, drafter, args.sft_old_length, a, args, old=True) for a in args.sft_anchors]
     del target, drafter
