@@ -238,3 +238,17 @@ def test_a_shipped_public_pair_validates_without_its_paths(name, capsys):
     assert m.target_num_layers == depth and m.drafter.mask_token_id == mask
     assert layer_ids is None or m.layer_ids == layer_ids
     assert (spec.data.render, spec.data.enable_thinking) == ("chat", thinking)
+
+
+def test_the_shipped_hybrid_config_trains_in_a_layout_linear_attention_runs(micro_assets, tmp_path):
+    """configs/qwen3.5-9b.yaml's replay layout and diagnostic pass the preflight on a Qwen3.5 config; the paper's
+    layout (drafted blocks) on the same target is refused in one line."""
+    from opd.distill.replay import replay_mode
+    from opd.spec import load_spec
+
+    target = str(config_only_target("qwen3_5", micro_assets, tmp_path))
+    spec = load_spec("configs/qwen3.5-9b.yaml", [], check_paths=False)
+    check_layer_kinds_of(target, replay_mode(spec), diagnostic=spec.eval.diagnostic)
+    paper = load_spec("configs/qwen3-4b-thinking.yaml", [], check_paths=False)
+    with pytest.raises(OpdError, match="linear_attention"):
+        check_layer_kinds_of(target, replay_mode(paper), diagnostic=False)
