@@ -113,7 +113,8 @@ def test_two_different_rows_for_one_sample_are_refused(micro_spec_file, tmp_path
     (lambda row: row.update(max_new_tokens=4), "line 1: max_new_tokens is 4, this run's is 12 .*opd gen-samples"),
     (lambda row: row["made_by"].update(target="sha256:0123"), "line 1: made_by.target is sha256:0123, this run's is "),
     (lambda row: row["made_by"].update(render="chat"), "line 1: made_by.render is chat, this run's is raw"),
-    (lambda row: row.pop("made_by"), "line 1: a row from before sample rows said what made them .*redraw"),
+    (lambda row: row.pop("made_by"), "line 1: a row from before sample rows said what made them .*opd gen-samples "
+     "CONFIG --out NEW.jsonl`, then pass `--set rollout.samples_path=NEW.jsonl"),
     (lambda row: [row.pop(k) for k in ("sampling", "sample", "made_by", "max_new_tokens", "flops")],
      "line 1: an SFT data row from before the sample store .*opd gen-samples CONFIG --sft"),
     (lambda row: row["flops"].update(bogus=1), "line 1: flops.bogus: extra inputs are not permitted"),

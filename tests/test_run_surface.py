@@ -138,3 +138,19 @@ def test_gen_samples_into_a_file_drawn_otherwise_names_another_out(micro_spec_fi
     assert _follow(line, micro_spec_file, tmp_path / "new.jsonl", SHORTER) == []
     assert main(["eval", str(micro_spec_file), "--samples", str(tmp_path / "new.jsonl"), *SHORTER]) == 0
 
+
+
+def test_rollout_samples_drawn_otherwise_name_a_draw_that_works_when_followed(micro_spec_file: Path, tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]):
+    """`opd gen-samples CONFIG` writes to rollout.samples_path by default, so advice to redraw with it into a file
+    made otherwise looped; the advice now names a new file and the setting that reads it."""
+    old = tmp_path / "old.jsonl"
+    assert main(["gen-samples", str(micro_spec_file), "--out", str(old), "--set", "steps=1"]) == 0
+    sets = [f"--set={s}" for s in ("rollout.source=samples", f"rollout.samples_path={old}", "steps=1",
+                                   "rollout.max_new_tokens=6")]
+    argv = ["validate", str(micro_spec_file), *sets]
+    capsys.readouterr()
+    line = _refused(argv, capsys)
+    assert "this run's is 6" in line, line
+    more = _follow(line, micro_spec_file, tmp_path / "new.jsonl", sets)
+    assert main([*argv, *more]) == 0

@@ -143,6 +143,10 @@ def wanted(spec: ExperimentSpec, prompt: Prompt, setting: int, epoch: int) -> Wa
     return Wanted(prompt, setting, 0 if spec.rollout.settings[setting].temperature == 0 else epoch)
 
 
+ROLLOUT_STALE = ("draw this run's into a new file with `opd gen-samples CONFIG --out NEW.jsonl`, then pass "
+                 "`--set rollout.samples_path=NEW.jsonl`")
+
+
 class SampleStore:
     """The rows of one sample file that a run can use: those at its rollout settings, checked against its prompt
     pool. Rows at other settings are skipped, so one file can serve runs with different settings. With a `Draw`,
@@ -169,7 +173,10 @@ class SampleStore:
 
     @classmethod
     def for_rollout(cls, spec: ExperimentSpec, prompts: list[Prompt]) -> SampleStore:
-        return cls.of(spec, spec.rollout.samples_path, spec.rollout.settings, prompts, spec.rollout.max_new_tokens)
+        """The rollout's samples. A file made otherwise cannot be mended by drawing into it (`opd gen-samples`
+        writes to rollout.samples_path by default), so its advice names a new file and the setting that reads it."""
+        return cls.of(spec, spec.rollout.samples_path, spec.rollout.settings, prompts, spec.rollout.max_new_tokens,
+                      stale=ROLLOUT_STALE)
 
     @classmethod
     def of(cls, spec: ExperimentSpec, path: str | Path, settings: list, prompts: list[Prompt], max_new_tokens: int,
