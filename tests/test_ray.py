@@ -25,6 +25,8 @@ from opd.train.messages import AnchorBatch, ScoredItem, Ticket, WeightSnapshot
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    if ray.is_initialized():  # a Ray an earlier module's `opd run` left up in this process (make test-all)
+        ray.shutdown()
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
