@@ -319,12 +319,23 @@ def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluste
     try:
         ray.get(producer.put.remote(queue, {"payload": torch.ones(10)}, Ticket(7, 2)))
         ray.kill(producer, no_restart=True)
-        time.sleep(1.0)  # let the owner's death reach the object directory
+        wait_for(lambda: _dead(producer))  # under load the kill itself can take seconds to land
+        time.sleep(1.0)  # then let the owner's death reach the object directory
         with pytest.raises(Lost) as lost:
             queue.get()
         assert lost.value.ticket == Ticket(7, 2)  # never silently dropped: the consumer learns what to re-produce
     finally:
         queue.shutdown()
+
+
+def _dead(actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=1.0)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return False
 
 
 @ray.remote
