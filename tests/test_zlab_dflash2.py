@@ -9,7 +9,6 @@ the blocks it drafts whole are compared verification by verification, the respon
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -19,25 +18,20 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
 from opd.models.drafter import DFlashDrafter
-from opd.models.target import load_target
 from tests.test_dflash2 import dflash2_drafter
+from tests.test_zlab_interop import tiny_target_and_prompts
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # z-lab's calls
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed (pip install .[interop])")
 
-TARGET, DRAFTER, PROMPTS = "opd/assets/tiny/target", "opd/assets/tiny/drafter", "opd/assets/tiny/prompts/heldout.jsonl"
+DRAFTER = "opd/assets/tiny/drafter"
 MAX_NEW, NUM_PROMPTS = 48, 3
 FIELDS = {"conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 16, "selector_top_k": 8}
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import AutoTokenizer
-
-    target = load_target(TARGET, dtype=torch.float32, layer_ids=[1, 3])
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    lines = open(PROMPTS, encoding="utf-8").read().splitlines()[:NUM_PROMPTS]
-    return target, [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+    return tiny_target_and_prompts(NUM_PROMPTS)
 
 
 @pytest.fixture(scope="module")

@@ -57,14 +57,20 @@ def test_every_variant_is_checked_here():
     assert set(TINY_VARIANTS) == set(VARIANTS)
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def tiny_target_and_prompts(count: int) -> tuple:
+    """The shipped tiny target (float32, the shipped drafter's layers) and the token ids of `count` held-out
+    prompts: what every z-lab interop test decodes."""
     from transformers import AutoTokenizer
 
     target = load_target(TARGET, dtype=torch.float32, layer_ids=[1, 3])
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    lines = open(PROMPTS, encoding="utf-8").read().splitlines()[:NUM_PROMPTS]
+    lines = open(PROMPTS, encoding="utf-8").read().splitlines()[:count]
     return target, [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target_and_prompts(NUM_PROMPTS)
 
 
 @pytest.fixture(scope="module")
