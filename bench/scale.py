@@ -37,8 +37,9 @@ qwen3-8b.yaml, qwen3-30b-a3b.yaml: their prompt cap, batch sizes, loss chunk, ev
 the targets' shapes from Qwen3's public configs) at 2048 and 4096-token responses and τ 6, 3 and 1.5 (`project`):
 the learner, the scorer, a rollout actor and the evaluator, each part marked measured (per row or slot, from the
 runs above) or formula. Also the hybrid configs/qwen3.5-9b.yaml (Gated DeltaNet and full attention, shapes from
-transformers' Qwen3.5 config) in the layout it can train with, `committed` (loss.first_rejected_only): its linear
-layers' per-sequence states and the decoder's rollback record instead of their keys and values. `--project-only [--markdown]` re-projects stored measurements (attention from
+transformers' Qwen3.5 config): its linear layers' per-sequence states and the decoder's rollback record instead
+of their keys and values, and in replay each linear layer's record of the text (`linear_replay_bytes`).
+`--project-only [--markdown]` re-projects stored measurements (attention from
 `--attention-json`). Writes bench/results/scale.json. No assertions: numbers depend on the machine.
 """
 
@@ -67,6 +68,7 @@ from opd.distill.replay import pack, packed_inputs, replay_mode, score, student_
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.memory import peak_cpu_bytes
 from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.linear_replay import GROUP_BYTES, SEGMENT
 from opd.models.packed_attention import BlockChunks
 from opd.models.target import Target
 from opd.spec import EvalSpec, LossSpec, load_spec
@@ -162,6 +164,14 @@ class Qwen3Shape:
         state (fp32)."""
         inputs = self.linear_v_heads * (2 * self.linear_dk + self.linear_dv + 2) * 2 + self.conv_dim * 2
         return self.linear_layers * (block * inputs + self.linear_v_heads * self.linear_dk * self.linear_dv * 4)
+
+    def linear_replay_bytes(self, text: float) -> float:
+        """Packed replay's transient in one linear layer over a `text`-token prefix (opd/models/linear_replay.py):
+        the text's kernel inputs (bf16 q, k, v and β, fp32 decay), its conv inputs (bf16) and the fp32 recurrent
+        state at every `SEGMENT` positions; a group of blocks' advance (`GROUP_BYTES`) comes on top, once."""
+        inputs = 2 * (2 * self.linear_k_heads * self.linear_dk + self.linear_v_heads * (self.linear_dv + 1)) + \
+            4 * self.linear_v_heads + 2 * self.conv_dim
+        return text * (inputs + self.linear_v_heads * self.linear_dk * self.linear_dv * 4 / SEGMENT)
 
     def linear_row_bytes(self, chunk: int = 64) -> int:
         """A linear layer's no-grad transient per token, transformers' torch chunked kernel (an upper bound on the
@@ -483,11 +493,8 @@ def run_attention_only(args) -> None:
 # ------------------------------------------------------------------------------------------------ projection
 
 
-# Qwen3.5 trains only where replay reads the committed text (a linear layer would need its recurrent state at
-# each drafted block's anchor): the first-rejection loss of configs/presets/*-serving.yaml.
 CONFIGS = {"Qwen3-4B": ("configs/qwen3-4b.yaml", ()), "Qwen3-8B": ("configs/qwen3-8b.yaml", ()),
-           "Qwen3-30B-A3B": ("configs/qwen3-30b-a3b.yaml", ()),
-           "Qwen3.5-9B": ("configs/qwen3.5-9b.yaml", ("loss.first_rejected_only=true",))}
+           "Qwen3-30B-A3B": ("configs/qwen3-30b-a3b.yaml", ()), "Qwen3.5-9B": ("configs/qwen3.5-9b.yaml", ())}
 POINTS = [(tokens, tau) for tokens in (2048, 4096) for tau in (6, 3, 1.5)]
 
 
@@ -534,6 +541,8 @@ def scorer_role(q: Qwen3Shape, c: dict, tokens: int, tau: float, teacher: tuple[
     parts = {"weights": q.target_params() * 2, "forward": c["micro"] * forward}
     if c["layout"] == "draft_opd":  # only drafted blocks give the diagnostic the target's view of each slot
         parts["diagnostic"] = diagnostic * q.vocab / VOCAB
+    if c["layout"] == "draft_opd" and q.linear_layers:  # one layer at a time
+        parts["linear_replay"] = c["micro"] * q.linear_replay_bytes(c["prompt"] + tokens) + GROUP_BYTES
     return parts | {"shipped": c["rollout_rows"] * seq_bytes}
 
 
@@ -630,7 +639,8 @@ def parts_rows(projected: list[dict]) -> tuple[list[str], list[list[str]]]:
              "activations": "m+f student", "loss_chunk": "m loss chunk", "weights": "f weights",
              "forward": "m+f packed forward", "diagnostic": "m diagnostic", "shipped": "f scored batch",
              "target_kv": "f target KV", "drafter_kv": "f drafter KV", "prefill": "f prefill",
-             "linear_state": "f linear states", "rollback": "f rollback record"}
+             "linear_state": "f linear states", "rollback": "f rollback record",
+             "linear_replay": "f linear replay record"}
     cells = []
     for r in projected:
         if (r["tokens"], r["tau"]) != (4096, 1.5):

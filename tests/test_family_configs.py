@@ -200,13 +200,20 @@ def config_only_target(family_name: str, micro_assets, tmp_path):
 
 def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_alone(micro_assets, micro_spec_file,
                                                                                      tmp_path, capsys):
-    """No weights to load: the refusal comes from the config, by `Target`'s rule, before anything would load."""
-    target = config_only_target("qwen3_5", micro_assets, tmp_path)
+    """No weights to load: the refusal of Llama 4's chunked-attention layers comes from the config, by `Target`'s
+    rule, before anything would load."""
+    from transformers import Llama4TextConfig
+
+    target = tmp_path / "llama4"
+    shutil.copytree(micro_assets["target"], target, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    Llama4TextConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=512,
+                     attention_chunk_size=16).save_pretrained(target)
     for command in ("validate", "train"):
         assert main([command, str(micro_spec_file), "--set", f"models.target_path={target}"]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and len(err.splitlines()) == 1, err
-        assert re.search(r"layers \[0, 1, 2, 4, 5\] are 'linear_attention'", err)
+        assert re.search(r"layers \[0, 1, 2\] are 'chunked_attention'", err), err
 
 
 @pytest.mark.parametrize("family_name", ["gpt_oss", "gemma4"])
@@ -240,15 +247,12 @@ def test_a_shipped_public_pair_validates_without_its_paths(name, capsys):
     assert (spec.data.render, spec.data.enable_thinking) == ("chat", thinking)
 
 
-def test_the_shipped_hybrid_config_trains_in_a_layout_linear_attention_runs(micro_assets, tmp_path):
-    """configs/qwen3.5-9b.yaml's replay layout and diagnostic pass the preflight on a Qwen3.5 config; the paper's
-    layout (drafted blocks) on the same target is refused in one line."""
+def test_the_shipped_hybrid_config_trains_the_papers_recipe(micro_assets, tmp_path):
+    """configs/qwen3.5-9b.yaml replays drafted blocks (layout draft_opd) with the expected-acceptance diagnostic,
+    as the Qwen3 configs do, and a Qwen3.5 config passes the layer-kind preflight."""
     from opd.distill.replay import replay_mode
     from opd.spec import load_spec
 
-    target = str(config_only_target("qwen3_5", micro_assets, tmp_path))
     spec = load_spec("configs/qwen3.5-9b.yaml", [], check_paths=False)
-    check_layer_kinds_of(target, replay_mode(spec), diagnostic=spec.eval.diagnostic)
-    paper = load_spec("configs/qwen3-4b-thinking.yaml", [], check_paths=False)
-    with pytest.raises(OpdError, match="linear_attention"):
-        check_layer_kinds_of(target, replay_mode(paper), diagnostic=False)
+    assert (replay_mode(spec), spec.eval.diagnostic) == ("draft_opd", True)
+    check_layer_kinds_of(str(config_only_target("qwen3_5", micro_assets, tmp_path)))

@@ -4,8 +4,8 @@ A bad prompt line or a truncated checkpoint found inside a Ray actor's construct
 output, minutes in; found here it is one `OpdError` line in seconds. The checks read what is cheap to read even
 for a Qwen3-sized run on a CPU-only head node: the tokenizer, every prompt, the configs, and the safetensors
 headers (which safetensors checks against the file's length, so a truncated file is caught without reading the
-weights). A target whose layer kinds nothing here runs exactly (linear attention, chunked attention) is refused
-from its config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inputs`.
+weights). A target whose layer kinds nothing here runs exactly (chunked attention, ...) is refused from its
+config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inputs`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
 from opd.data.render import Rendering
 from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
-from opd.distill.replay import replay_mode
 from opd.errors import OpdError
 from opd.models.family import check_trainable
 from opd.sources.store import SampleStore
@@ -36,7 +35,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
                        f"(expected auto, or GPUs for every role)")
     tokenizer = load_tokenizer(m.tokenizer)
     target = check_target(m.target_path, m.layer_ids or [])
-    check_layer_kinds_of(m.target_path, replay_mode(spec), diagnostic=spec.eval.diagnostic)
+    check_layer_kinds_of(m.target_path)
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
@@ -83,14 +82,12 @@ def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
     return shape
 
 
-def check_layer_kinds_of(path: str, replay: str | None = None, *, diagnostic: bool = False) -> None:
+def check_layer_kinds_of(path: str) -> None:
     """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly (README: Target families),
     by `Target`'s own rule (`attention_windows`) applied to the model class's skeleton built from config.json: no
-    weights are read, so a run ends here in seconds rather than when an actor loads the target. `replay`: the
-    teacher's replay layout, refused for layer kinds packed replay cannot run (`check_replay_layout`), as is the
-    eval's expected-acceptance `diagnostic`, which replays every drafted block."""
+    weights are read, so a run ends here in seconds rather than when an actor loads the target."""
     from opd.models.shared_head import skeleton, target_config
-    from opd.models.target import attention_windows, check_replay_layout, linear_layers
+    from opd.models.target import attention_windows
 
     config = target_config(path)
     try:
@@ -98,12 +95,6 @@ def check_layer_kinds_of(path: str, replay: str | None = None, *, diagnostic: bo
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
     attention_windows(model)
-    if replay is not None:
-        check_replay_layout(model, replay)
-    if diagnostic and linear_layers(model):
-        raise OpdError(f"eval.diagnostic: the expected-acceptance diagnostic replays drafted blocks, which target "
-                       f"{type(model).__name__}'s 'linear_attention' layers {linear_layers(model)} do not run "
-                       "exactly; expected eval.diagnostic: false")
 
 
 def check_drafter(path: str, target: SimpleNamespace, block_size: int) -> None:

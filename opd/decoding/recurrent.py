@@ -25,7 +25,6 @@ it has run (recording a long prompt's kernel inputs would hold about 400 KB a to
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -33,10 +32,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 
-from opd.errors import OpdError
-from opd.models.target import linear_layers
-
-_CHUNKED, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
+from opd.models.deltanet import DeltaNetKernels, conv_window
 
 
 class RecurrentRollback:
@@ -44,14 +40,8 @@ class RecurrentRollback:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.layers = linear_layers(model)
-        self._deltanets = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
-        kernels = {sys.modules[type(m).__module__] for m in self._deltanets}
-        self._modules = [m for m in kernels if hasattr(m, _CHUNKED) and hasattr(m, _RECURRENT)]
-        if len(self._deltanets) != len(self.layers) or len(self._modules) != len(kernels):
-            raise OpdError(f"target {type(model).__name__}: its 'linear_attention' layers {self.layers} are not all "
-                           "Gated DeltaNet layers with transformers' gated delta rule kernels, which the decoder "
-                           "re-runs to roll them back (README: Target families)")
+        self.kernels = DeltaNetKernels(model)
+        self.layers = self.kernels.layers
         self._calls: list[dict[str, Any]] = []  # per linear layer, in call order: its kernel's inputs
 
     def new_cache(self) -> DynamicCache:
@@ -79,9 +69,9 @@ class RecurrentRollback:
             layer = cache.layers[module.layer_idx]
             layer.conv_states[0] = _conv_window(layer.conv_states[0], width, lengths, layer.conv_kernel_size[0])
 
-        hooks = [m.register_forward_hook(trim) for m in self._deltanets]
+        hooks = [m.register_forward_hook(trim) for m in self.kernels.modules]
         try:
-            with self._swapped(masked):
+            with self.kernels.wrapped(masked):
                 yield
         finally:
             for hook in hooks:
@@ -91,29 +81,14 @@ class RecurrentRollback:
     def recording(self) -> Iterator[None]:
         """Within it every call of the linear layers' kernels also records its inputs, in layer order, for `keep`."""
         self._calls = []
-        with self._swapped(self._recorder):
+        with self.kernels.wrapped(self._recorder):
             yield
-
-    @contextmanager
-    def _swapped(self, wrap: Any) -> Iterator[None]:
-        """The modeling module's kernels (module-level names its layers call) replaced by `wrap(kernel,
-        recurrent)`, and put back."""
-        originals = [(m, getattr(m, _CHUNKED), getattr(m, _RECURRENT)) for m in self._modules]
-        try:
-            for m, chunked, recurrent in originals:
-                setattr(m, _CHUNKED, wrap(chunked, recurrent))
-                setattr(m, _RECURRENT, wrap(recurrent, recurrent))
-            yield
-        finally:
-            for m, chunked, recurrent in originals:
-                setattr(m, _CHUNKED, chunked)
-                setattr(m, _RECURRENT, recurrent)
 
     def keep(self, cache: Cache, kept: torch.Tensor) -> None:
         """After a recorded forward of T new positions, set row b's states to those after its first kept[b]."""
-        if len(self._calls) != len(self.layers) or not self._modules:
+        if len(self._calls) != len(self.layers):
             raise RuntimeError(f"recorded {len(self._calls)} linear layers of {len(self.layers)}")
-        recurrent = getattr(self._modules[0], _RECURRENT)
+        recurrent = self.kernels.recurrent
         for index, call in zip(self.layers, self._calls):
             layer = cache.layers[index]
             state = _replayed_state(recurrent, call, kept)
@@ -155,12 +130,9 @@ def _replayed_state(recurrent: Any, call: dict[str, Any], kept: torch.Tensor) ->
 
 def _conv_window(recorded: torch.Tensor, new: int, kept: torch.Tensor, kernel: int) -> torch.Tensor:
     """Each row's last `kernel` conv inputs up to its kept[b]-th new position, from the recorded inputs
-    [B, C, old + new] (zeros before the first input, as a fresh state starts)."""
-    padded = torch.nn.functional.pad(recorded, (kernel, 0))
-    end = padded.shape[-1] - new + kept  # [B]
-    columns = end[:, None] - kernel + torch.arange(kernel, device=kept.device)  # [B, kernel]
-    index = columns[:, None, :].expand(-1, recorded.shape[1], -1)
-    return padded.gather(2, index).contiguous()
+    [B, C, old + new]."""
+    rows = torch.arange(recorded.shape[0], device=kept.device)
+    return conv_window(recorded, rows, recorded.shape[-1] - new + kept, kernel)
 
 
 def is_linear(layer: Any) -> bool:

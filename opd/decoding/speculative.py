@@ -38,7 +38,8 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, next_token, sample_chained_draft, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
 from opd.models.family import Drafter
-from opd.models.target import Target, linear_layers
+from opd.models.deltanet import linear_layers
+from opd.models.target import Target
 
 
 class SpeculativeDecoder:

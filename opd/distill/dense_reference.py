@@ -1,5 +1,6 @@
-"""The dense masks that block-sparse attention replaced, kept as the naive definition of what it computes: the
-teacher's [L, L] packed replay mask and the student's [M*K, C+M*K] block mask.
+"""The naive definitions of what packed replay computes: the dense masks that block-sparse attention replaced (the
+teacher's [L, L] packed replay mask and the student's [M*K, C+M*K] block mask), and, for a target whose
+linear-attention layers read no mask, one forward per block of its own text.
 
 Nothing in the pipeline uses them (at Qwen3 shapes an [L, L] mask is what must never be formed); the tests check the
 block-sparse paths against them and bench/scale.py measures what they cost, so both import them from here.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from opd.distill.replay import _Packed
+from opd.models.target import Target
 
 
 def dense_teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor:
@@ -40,3 +42,20 @@ def dense_block_mask(context_valid: torch.Tensor, anchors: torch.Tensor, block_s
     block_of = torch.arange(num_blocks * block_size) // block_size
     sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+
+@torch.no_grad()
+def per_block_states(target: Target, packed: list[_Packed], block_size: int, length: int) -> torch.Tensor:
+    """Final-norm hidden states [B, length, H] laid out as `packed`, each part from a forward of its own text:
+    a row's prefix from a forward over the prefix alone, block m's rows from a forward over the prefix up to its
+    anchor followed by the block's tokens (zeros at padding)."""
+    span = block_size - 2
+    out = torch.zeros(len(packed), length, target.hidden_size, dtype=target.dtype, device=target.device)
+    for b, p in enumerate(packed):
+        out[b, : p.prefix_len] = target.hidden_states(torch.tensor([p.ids[: p.prefix_len]], device=target.device))[0][0]
+        for m, anchor in enumerate(p.anchors if p.prefix_len < len(p.ids) else []):
+            start = p.prefix_len + m * span
+            own = p.ids[: anchor + 1] + p.ids[start : start + span]
+            own_states = target.hidden_states(torch.tensor([own], device=target.device))[0]
+            out[b, start : start + span] = own_states[0, anchor + 1 :]
+    return out

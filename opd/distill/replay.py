@@ -149,6 +149,12 @@ def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
     """The records' layouts and the padded target inputs: ids [B, L], positions [B, L] and the attention layout
     (block-sparse: no [L, L] mask is formed; `chunk_rows` block rows per attention call)."""
     packed = [pack(r, block_size, mode) for r in records]
+    return (packed, *_padded_inputs(packed, block_size, chunk_rows))
+
+
+def _padded_inputs(packed: list[_Packed], block_size: int,
+                   chunk_rows: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor, PackedRows]:
+    """ids and positions [B, L] of laid-out records, right-padded, and their attention layout."""
     length = max(len(p.ids) for p in packed)
     ids = torch.zeros(len(packed), length, dtype=torch.long)
     positions = torch.zeros(len(packed), length, dtype=torch.long)
@@ -156,7 +162,7 @@ def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
         ids[b, : len(p.ids)] = torch.tensor(p.ids)
         positions[b, : len(p.ids)] = torch.tensor(p.positions)
     layout = PackedRows(tuple(attention_layout(p, block_size, chunk_rows) for p in packed), length)
-    return packed, ids, positions, layout
+    return ids, positions, layout
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,9 @@ class CommittedView:
     teacher's forward in the committed and naive layouts; in the draft_opd layout the blocks run alone over `kv`
     (`PackedRows.cached`), since the packed row's prefix is this text. So a scorer that rebuilds blocks runs the
     target over the text once. It depends on the text alone, so a view taken before a rebuild scores the rebuilt
-    records."""
+    records. A hybrid target's linear-attention layers keep no keys (`Target.linear`): its view keeps none, and
+    draft_opd runs the text with its blocks in one packed forward (each block from its anchor's state), the text
+    a second time."""
 
     hidden: torch.Tensor
     features: torch.Tensor
@@ -182,7 +190,7 @@ class CommittedView:
         packed, ids, positions, layout = packed_inputs(records, block_size, "committed")
         device = target.device
         where = {"attention_mask": layout.to(device), "position_ids": positions.to(device)}
-        if keep_kv:
+        if keep_kv and not target.linear:
             hidden, features, kv = target.text_states(ids.to(device), **where)
         else:
             (hidden, features), kv = target.hidden_states(ids.to(device), **where), None
@@ -197,13 +205,19 @@ class CommittedView:
                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, features) for records laid out as `packed`, which must be these texts. The committed and naive
         layouts read the view itself. draft_opd runs the block rows over `kv`; its hidden is [B, T + Lb, H],
-        the text's states then the blocks', which `packed_slots` indexes."""
+        the text's states then the blocks', which `packed_slots` indexes. A view without keys (a hybrid target)
+        runs the whole packed rows instead, whose hidden is laid out as `packed`."""
         lengths = self.mask.sum(1).tolist()
         texts = [p.text_len for p in packed]
         if lengths != texts:
             raise ValueError(f"score: the view's text lengths {lengths} are not the records' {texts}")
         if mode != "draft_opd":
             return self.hidden, self.features
+        if self.kv is None and target.linear:
+            ids, positions, layout = _padded_inputs(packed, block_size)
+            device = target.device
+            return target.hidden_states(ids.to(device), attention_mask=layout.to(device),
+                                        position_ids=positions.to(device))[0], self.features
         if self.kv is None:
             raise ValueError("score: a draft_opd teacher from a view needs its keys and values (keep_kv=True)")
         ids, positions, layout = block_inputs(packed, block_size, self.hidden.shape[1])
@@ -254,7 +268,7 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
         hidden, features = view.states(target, packed, mode, block_size)
     batch = _layout(packed, records, block_size, mode)
     slot_index = batch.pop("slot_index")
-    if view is not None and mode == "draft_opd":
+    if view is not None and view.kv is not None and mode == "draft_opd":
         slot_index = packed_slots(slot_index, packed, view.hidden.shape[1])
     rows = torch.arange(len(packed), device=device)[:, None, None]
     slots = hidden[rows, slot_index.to(device)][batch["block_valid"].to(device)]  # [N, K-1, H]

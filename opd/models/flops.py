@@ -17,8 +17,11 @@ processes, with the weights that token actually passes through. The convention:
   - rollout: prefill and every verification block (K tokens), logits at all of them;
   - teacher replay: the packed sequence, i.e. the committed prefix plus every drafted block's K-2 appended tokens
     (`len(opd.distill.replay.pack(record, K, mode).ids)`), decoder only; the LM head at every scored slot (N x (K-1)),
-    whether the scorer (top-k) or the learner (full vocabulary) forms those logits; with a rebuilt source in the
-    committed layout the rebuild's forward over the text is the teacher's too, charged once, with the rebuild;
+    whether the scorer (top-k) or the learner (full vocabulary) forms those logits; with a rebuilt source the
+    rebuild's forward over the text is the teacher's too, charged once, with the rebuild (except a hybrid target's
+    drafted blocks, whose packed forward runs the text again: `CommittedView`); a hybrid target's linear layers
+    also advance each drafted block's state from its segment's start (`linear_replay.SEGMENT` positions of state
+    updates a block, `TargetParams.replay`);
   - SFT and random-anchor redrafting: the sequence through the decoder only (features, no logits).
 - Drafter (`DrafterParams`, from the family's `modules_by_role`): every context position passes through `fc` and
   each layer's K and V projections (EAGLE-3: its whole layer); every block token (DFlash: K per block, anchor
@@ -68,6 +71,13 @@ class TargetParams:
     def forward(self, tokens: int, logits: int = 0) -> float:
         """FLOPs of a forward over `tokens` tokens forming `logits` rows of logits."""
         return 2.0 * (self.body * tokens + self.head * logits) + float(self.state * tokens)
+
+    def replay(self, tokens: int, blocks: int, logits: int = 0) -> float:
+        """FLOPs of packed replay over `tokens` rows holding `blocks` drafted blocks: the forward, plus each block's
+        advance of the linear layers' states to its anchor (opd/models/linear_replay.py)."""
+        from opd.models.linear_replay import SEGMENT
+
+        return self.forward(tokens, logits) + float(self.state * SEGMENT * blocks)
 
 
 def _state_flops(config) -> int:

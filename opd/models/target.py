@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
+from opd.models.deltanet import linear_layers
 from opd.models.kind_masks import kind_masks
+from opd.models.linear_replay import LinearReplay
 from opd.models.packed_attention import PackedRows
 
 
@@ -52,8 +55,9 @@ class Target(nn.Module):
 
     Its layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE, Gemma 4,
     gpt-oss), or linear attention (Qwen3.5; README "Target families"): the decoder's per-row cache packing and
-    packed replay are exact for the attention kinds, the decoder rolls linear layers back itself
-    (opd/decoding/recurrent.py) and only packed replay of drafted blocks refuses them (`check_replay_layout`).
+    packed replay are exact for the attention kinds; the decoder rolls linear layers back itself
+    (opd/decoding/recurrent.py) and packed replay runs each drafted block from its anchor's state
+    (opd/models/linear_replay.py).
     Any other layer kind (chunked attention, ...) is refused here, before any compute. A target with
     sliding-window layers keeps every key in plain cache layers and gets its masks per layer kind from
     `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
@@ -80,10 +84,16 @@ class Target(nn.Module):
             raise OpdError(f"target {type(model).__name__}: its sliding-window layers need attn_implementation sdpa "
                            "or eager (flash-attn counts a window in cache columns, which the decoder's per-row "
                            "packing moves)")
-        self._linear = bool(linear_layers(model))
+        self._linear = LinearReplay(model) if linear_layers(model) else None
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
+
+    @property
+    def linear(self) -> bool:
+        """Whether some layers are linear-attention ones (a packed forward runs them from each anchor's state;
+        they keep no keys for a later forward, so `text_states` cannot serve drafted blocks)."""
+        return self._linear is not None
 
     @property
     def windowed(self) -> bool:
@@ -165,9 +175,11 @@ class Target(nn.Module):
             from transformers import DynamicCache
 
             kwargs[self._cache_arg] = DynamicCache()  # plain layers: HF's sliding layers would drop keys by column
+        blocks = isinstance(attention_mask, PackedRows) and any(len(row.anchors) for row in attention_mask.rows)
         self._captured = {}
         try:
-            out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
+            with self._linear.packed(attention_mask) if self._linear and blocks else nullcontext():
+                out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._captured = None
@@ -210,8 +222,9 @@ class Target(nn.Module):
         dict {kind: mask} where its kinds are mixed, the form such models' forwards take. Otherwise a dense 4-D mask
         reaches sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
         if isinstance(mask, PackedRows):
-            if self._linear and (mask.cached or any(row.block_rows for row in mask.rows)):
-                check_replay_layout(self.model, "draft_opd")
+            if self._linear and mask.cached:
+                raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers keep no keys "
+                               "for drafted blocks to attend to; expected the text and its blocks in one PackedRows")
             return mask.as_mask(self.device)
         if self._linear and mask is not None and mask.dim() == 4:
             raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers read no 4-D mask "
@@ -239,9 +252,9 @@ class Target(nn.Module):
 def attention_windows(model: nn.Module) -> dict[str, int | None]:
     """{layer kind: its window, None for full attention}, as transformers' caches read the kinds from the config.
     Kinds nothing here makes exact are refused in one line naming their layers: chunked attention, ... Linear
-    attention has no window (the decoder rolls its states back in `opd/decoding/recurrent.py`; packed replay over
-    drafted blocks refuses it). Attention sinks need nothing here: the model's own attention takes them in
-    decoding, and packed replay adds them (`packed_attention`)."""
+    attention has no window (the decoder rolls its states back in `opd/decoding/recurrent.py`; packed replay runs
+    each drafted block from its anchor's state in `opd/models/linear_replay.py`). Attention sinks need nothing
+    here: the model's own attention takes them in decoding, and packed replay adds them (`packed_attention`)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = model.config.get_text_config(decoder=True)
@@ -258,23 +271,6 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
                        "config")
     masked = [k for k in getattr(config, "layer_types", None) or kinds if k in ("full_attention", "sliding_attention")]
     return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(masked)}
-
-
-def linear_layers(model: nn.Module) -> list[int]:
-    """Indices of the decoder layers whose kind is linear attention (Qwen3.5's Gated DeltaNet; none elsewhere)."""
-    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    return [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
-
-
-def check_replay_layout(model: nn.Module, layout: str) -> None:
-    """Packed replay of drafted blocks (layout draft_opd) runs each block after the whole committed text, which a
-    linear-attention layer would read as one sequence: it needs the recurrent state at each block's anchor, which
-    nothing here builds yet. The committed and naive layouts are one causal forward over the text, exact for it."""
-    layers = linear_layers(model)
-    if layers and layout == "draft_opd":
-        raise OpdError(f"target {type(model).__name__}: layers {layers} are 'linear_attention', which replay layout "
-                       "draft_opd (drafted blocks packed after the text) does not run exactly; expected "
-                       "loss.first_rejected_only: true (replay layout committed) or rollout.mode: naive")
 
 
 def _cache_argument_name(model: nn.Module) -> str:

@@ -109,11 +109,14 @@ class Scorer:
         """The teacher's FLOPs (opd/models/flops.py): every packed token (the committed prefix and every drafted
         block) through the decoder, and the LM head at every scored slot (here for top-k, else in the learner).
         With a shared forward (`shares_forward`) the decoder ran over the text once, charged by `rebuild_flops` to
-        the batch's production FLOPs, so only the drafted blocks' rows and the LM head are counted here."""
+        the batch's production FLOPs, so only the drafted blocks' rows and the LM head are counted here, except
+        where a hybrid target's drafted blocks run with their text again (`CommittedView.states`)."""
         block_size, mode = self.spec.models.drafter.block_size, replay_mode(self.spec)
         packed = [pack(r, block_size, mode) for r in records]
-        tokens = sum(len(p.ids) - (p.prefix_len if self.shares_forward else 0) for p in packed)
-        return self.params.forward(tokens, logits=sum(int(m.position_mask.sum()) for m in micro))
+        text_counted = self.shares_forward and not (self.target.linear and mode == "draft_opd")
+        tokens = sum(len(p.ids) - (p.prefix_len if text_counted else 0) for p in packed)
+        blocks = sum(len(p.anchors) for p in packed if p.prefix_len < len(p.ids))
+        return self.params.replay(tokens, blocks, logits=sum(int(m.position_mask.sum()) for m in micro))
 
     def expected_acceptance(self, records: list[SequenceRecord], micro: list[ScoredBatch]) -> dict[str, torch.Tensor]:
         """a_k [N, K-1] of the scored records' drafted blocks per eval setting (parts of a record follow each other,

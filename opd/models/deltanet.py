@@ -1,0 +1,88 @@
+"""transformers' Gated DeltaNet layers (Qwen3.5's linear attention) as the decoder's rollback and packed replay reach
+them: the layer modules, their gated delta rule kernels, and the conv window a cache keeps.
+
+A Gated DeltaNet layer's forward calls two module-level kernels of its modeling file, a chunked one for a sequence
+and a recurrent one for a single token. The rollback (opd/decoding/recurrent.py) needs each call's inputs, and
+packed replay (opd/models/linear_replay.py) the states along the text, so both run their own code around those
+kernels. That code is installed once, as a dispatcher in place of each kernel name, and is chosen per thread
+(`DeltaNetKernels.wrapped`): an actor that decodes on one thread and evaluates on another shares one model, and a
+swap of the module's names for the length of one forward would hand the other thread's kernel calls to it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from opd.errors import OpdError
+
+CHUNKED, RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
+_LOCAL = threading.local()  # .wrap: this thread's `Wrap`, or absent
+Wrap = Callable[[Callable, Callable], Callable]  # (kernel, recurrent kernel) -> what runs in the kernel's place
+
+
+def linear_layers(model: nn.Module) -> list[int]:
+    """Indices of the decoder layers whose kind is linear attention (Qwen3.5's Gated DeltaNet; none elsewhere)."""
+    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    return [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+
+
+class DeltaNetKernels:
+    """A target's Gated DeltaNet modules, in layer order, and their kernels (the originals, and a per-thread way
+    to run code in their place)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = linear_layers(model)
+        self.modules = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        files = {sys.modules[type(m).__module__] for m in self.modules}
+        kernels = [f for f in files if hasattr(f, CHUNKED) and hasattr(f, RECURRENT)]
+        if len(self.modules) != len(self.layers) or len(kernels) != len(files) or len(files) != 1:
+            raise OpdError(f"target {type(model).__name__}: its 'linear_attention' layers {self.layers} are not all "
+                           "Gated DeltaNet layers with transformers' gated delta rule kernels, which the decoder "
+                           "and packed replay run from each row's own state (README: Target families)")
+        self.chunked, self.recurrent = _install(kernels[0])
+
+    @contextmanager
+    def wrapped(self, wrap: Wrap) -> Iterator[None]:
+        """On this thread, every call of either kernel runs `wrap(kernel, recurrent)` instead; other threads run
+        the kernels as they are."""
+        previous = getattr(_LOCAL, "wrap", None)
+        _LOCAL.wrap = wrap
+        try:
+            yield
+        finally:
+            _LOCAL.wrap = previous
+
+
+def _install(module: Any) -> tuple[Callable, Callable]:
+    """Put the dispatchers in place of the modeling file's kernels once; the original (chunked, recurrent)."""
+    originals = getattr(module, "_opd_kernels", None)
+    if originals is None:
+        originals = (getattr(module, CHUNKED), getattr(module, RECURRENT))
+        setattr(module, CHUNKED, _dispatcher(originals[0], originals[1]))
+        setattr(module, RECURRENT, _dispatcher(originals[1], originals[1]))
+        module._opd_kernels = originals
+    return originals
+
+
+def _dispatcher(kernel: Callable, recurrent: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        wrap = getattr(_LOCAL, "wrap", None)
+        return kernel(*args, **kwargs) if wrap is None else wrap(kernel, recurrent)(*args, **kwargs)
+
+    return run
+
+
+def conv_window(inputs: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The conv state a Gated DeltaNet cache holds after the first ends[i] of a recorded sequence of conv inputs
+    `inputs` [B, C, T], for row rows[i]: its last `kernel` inputs up to there, zeros before the first (as a fresh
+    state starts), [len(rows), C, kernel]. Gathers only those columns, never a row's whole history."""
+    padded = torch.nn.functional.pad(inputs, (kernel, 0))
+    columns = ends[:, None] + torch.arange(kernel, device=ends.device)  # padded coordinates: end - kernel + kernel
+    return padded.transpose(1, 2)[rows[:, None], columns].transpose(1, 2).contiguous()
