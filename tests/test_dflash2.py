@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,6 @@ from opd.eval.acceptance import AcceptanceStats
 from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
 from opd.models.dflash_format import DFlashConfig
 from opd.models.drafter import DFlashDrafter
-from opd.models.family import check_trainable
 from opd.models.flops import DrafterParams
 from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
@@ -208,14 +208,27 @@ def micro_dflash2(micro_assets, tmp_path):
     return str(tmp_path / "dflash2")
 
 
-@pytest.mark.parametrize("command", ["train", "sft", "run", "validate"])
-def test_training_commands_refuse_a_dflash2_drafter_before_any_compute(micro_spec_file, micro_dflash2, command,
-                                                                       capsys):
-    assert main([command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "is a DFlash 2 drafter (DFlash2DraftModel), which training does not" in err
-    with pytest.raises(OpdError, match="models.drafter_path: "):
-        check_trainable(micro_dflash2)
+@pytest.mark.parametrize("command", ["run", "sft"])
+def test_training_commands_train_a_dflash2_drafter_and_keep_its_selector(micro_spec_file, micro_dflash2, command,
+                                                                         tmp_path, capsys):
+    """`opd run` (Draft-OPD, the paper's loss on the drafter's logits) and `opd sft` (cross-entropy on them) train a
+    DFlash 2 drafter's layers and convolutions and save it in z-lab's format; its candidate selector, which neither
+    loss reaches, is frozen and saved as loaded."""
+    run_dir = tmp_path / "run"
+    args = [command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}",
+            "--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
+    if command == "sft":
+        args = [command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}", "--out",
+                str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
+                "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6", "--set", "rollout.temperature=0"]
+    assert main(args) == 0, capsys.readouterr().err
+    saved = sorted(p.parent for p in run_dir.rglob("config.json") if "dflash_config" in p.read_text())[-1]
+    assert json.loads((saved / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    with safe_open(str(saved / "model.safetensors"), "pt") as after, \
+            safe_open(str(Path(micro_dflash2) / "model.safetensors"), "pt") as before:
+        for name in before.keys():
+            same = torch.equal(after.get_tensor(name), before.get_tensor(name))
+            assert same == name.startswith("candidate_selector."), name
 
 
 def test_opd_eval_decodes_a_dflash2_drafter(micro_spec_file, micro_dflash2, tmp_path):

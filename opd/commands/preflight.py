@@ -19,7 +19,6 @@ from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id
 from opd.data.render import Rendering
 from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
-from opd.models.family import check_trainable
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
 
@@ -43,7 +42,6 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         if m.drafter.kind == "dflash":  # a random DFlash drafter takes the tokenizer's mask token; EAGLE-3 has none
             mask_token_id(tokenizer, m.drafter.mask_token_id)
     else:
-        check_trainable(m.drafter_path)
         check_drafter(m.drafter_path, target, m.drafter.block_size)
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)

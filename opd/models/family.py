@@ -93,21 +93,6 @@ def clone_drafter(drafter: Drafter) -> Drafter:
     return clone
 
 
-def check_trainable(path: str | None, field: str = "models.drafter_path") -> None:
-    """Refuse, from config.json alone and before any compute, a warm drafter that training cannot train yet: a
-    DFlash 2 drafter (its loss is the next slice of issue 43); `opd eval`, offline τ and `opd suite eval` take it."""
-    if path in (None, "random"):
-        return
-    try:
-        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # the preflight and the loaders name an unreadable config
-    if isinstance(config, dict) and is_dflash2(config):
-        raise OpdError(f"{field}: {path} is a DFlash 2 drafter (DFlash2DraftModel), which training does not support "
-                       "yet (its loss is not implemented; expected a DFlash or EAGLE-3 drafter; opd eval and opd suite "
-                       "eval take DFlash 2)")
-
-
 def is_dflash2(config: dict) -> bool:
     """Whether a config.json describes a DFlash 2 drafter (its architecture, or any of its dflash_config keys)."""
     dflash = config.get("dflash_config")

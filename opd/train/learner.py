@@ -42,7 +42,8 @@ def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: fl
                     masters: bool = True):
     """AdamW and its schedule. A bf16/fp16 drafter's AdamW steps fp32 master weights (opd/train/master_weights.py)
     unless `masters` is False: DeepSpeed ZeRO, which keeps fp32 partitions of them itself."""
-    opt = adamw(drafter.parameters(), masters=masters, lr=lr or optim.lr, betas=tuple(optim.betas),
+    trainable = [p for p in drafter.parameters() if p.requires_grad]  # DFlash 2's selector is frozen (dflash2.py)
+    opt = adamw(trainable, masters=masters, lr=lr or optim.lr, betas=tuple(optim.betas),
                 weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 

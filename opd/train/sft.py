@@ -31,7 +31,7 @@ from opd.models.build import Models, build_models
 from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import draft_vocab
-from opd.models.family import Drafter, check_trainable
+from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.target import Target
 from opd.outputs import atomic_dir, check_output_dir
@@ -172,7 +172,6 @@ def run_sft(spec: ExperimentSpec, out_dir: str | None = None) -> int:
     """Generate (or reuse) target responses, train the drafter, save it in DFlash format; the output directory is
     checked and the run directory locked first, as `opd train` locks it, so neither a bad `--out` nor a second
     `opd sft` there is found after the training."""
-    check_trainable(spec.models.drafter_path)
     check_drafter_out(Path(out_dir or spec.run_dir / "drafter"), "--out" if out_dir else "tracking.run_dir")
     with RunDirLock(spec.run_dir):
         return _run_sft(spec, out_dir)
