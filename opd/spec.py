@@ -89,6 +89,9 @@ def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
     return [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
 
+DFLASH2_SPEC_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 class DrafterSpec(_Section):
     """Architecture of the drafter; must match a warm drafter checkpoint when one is given.
 
@@ -104,6 +107,18 @@ class DrafterSpec(_Section):
     # EAGLE-3 draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which
     # lossless rebuild and replay need.
     tree_topk: int = Field(1, ge=1)
+    # A random DFlash 2 drafter (dflash_config's names, opd/models/dflash2.py): all four, or none for DFlash 1. A warm
+    # drafter brings its own; these must then be unset.
+    conv_kernel_size: int | None = Field(None, ge=1)
+    conv_group_size: int | None = Field(None, ge=1)
+    selector_rank: int | None = Field(None, ge=1)
+    selector_top_k: int | None = Field(None, ge=1)
+
+    @property
+    def dflash2(self) -> dict[str, int] | None:
+        """The DFlash 2 fields of a random drafter, or None."""
+        fields = {name: getattr(self, name) for name in DFLASH2_SPEC_FIELDS}
+        return fields if self.selector_rank is not None else None
 
     @model_validator(mode="after")
     def _check(self) -> DrafterSpec:
@@ -121,6 +136,12 @@ class DrafterSpec(_Section):
             wrong = [f"{name}: {value} on a dflash drafter (an EAGLE-3-only option; expected kind: eagle3)"
                      for name, value in (("draft_vocab_size", self.draft_vocab_size), ("tree_topk", self.tree_topk))
                      if value not in (None, 1)]
+        given = [name for name in DFLASH2_SPEC_FIELDS if getattr(self, name) is not None]
+        if self.kind == "eagle3" and given:
+            wrong.append(f"{given[0]}: on an eagle3 drafter (a DFlash 2 option; expected kind: dflash)")
+        elif given and len(given) < len(DFLASH2_SPEC_FIELDS):
+            missing = next(name for name in DFLASH2_SPEC_FIELDS if name not in given)
+            wrong.append(f"{missing}: missing (a DFlash 2 drafter takes all of {', '.join(DFLASH2_SPEC_FIELDS)})")
         _issues([f"drafter.{w}" for w in wrong])
         if self.num_layers is None:
             self.num_layers = 1 if self.kind == "eagle3" else 5
@@ -402,6 +423,9 @@ class LossSpec(_Section):
     # Weight of an expected-acceptance term added on the same slots: coef x -log sum_x q(x) p(x), the log of the
     # probability that the target (at replay.teacher_temperature) accepts a token drafted from q. 0 = off.
     acceptance_weight: float = Field(0.0, ge=0)
+    # DFlash 2 only: weight of its selector term on the same slots, KL from the teacher restricted to the slot's
+    # candidates to the selector's q (opd/distill/selector_loss.py). 0 = off, and the selector is then frozen.
+    selector_weight: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> LossSpec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ from opd.cli import main
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.losses import StepNorm, slot_weights
+from opd.distill.replay import score, student_hidden
+from opd.distill.selector_loss import selector_loss, sft_selector_loss
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
@@ -30,6 +34,7 @@ from opd.models.flops import DrafterParams
 from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
+from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
 
@@ -209,18 +214,20 @@ def micro_dflash2(micro_assets, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["run", "sft"])
-def test_training_commands_train_a_dflash2_drafter_and_keep_its_selector(micro_spec_file, micro_dflash2, command,
-                                                                         tmp_path, capsys):
-    """`opd run` (Draft-OPD, the paper's loss on the drafter's logits) and `opd sft` (cross-entropy on them) train a
-    DFlash 2 drafter's layers and convolutions and save it in z-lab's format; its candidate selector, which neither
-    loss reaches, is frozen and saved as loaded."""
+@pytest.mark.parametrize("selector_weight", [1.0, 0.0])
+def test_training_commands_train_a_dflash2_drafter(micro_spec_file, micro_dflash2, command, selector_weight,
+                                                   tmp_path, capsys):
+    """`opd run` (Draft-OPD: the paper's loss on the drafter's logits, the selector term on its q) and `opd sft`
+    train a DFlash 2 drafter's layers and convolutions and save it in z-lab's format; its selector trains through
+    its own term, and with `loss.selector_weight: 0` it is frozen and saved as loaded."""
     run_dir = tmp_path / "run"
     args = [command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}",
-            "--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
-    if command == "sft":
-        args = [command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}", "--out",
-                str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
-                "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6", "--set", "rollout.temperature=0"]
+            "--set", f"loss.selector_weight={selector_weight}"]
+    if command == "run":
+        args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
+    else:
+        args += ["--out", str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
+                 "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6", "--set", "rollout.temperature=0"]
     assert main(args) == 0, capsys.readouterr().err
     saved = sorted(p.parent for p in run_dir.rglob("config.json") if "dflash_config" in p.read_text())[-1]
     assert json.loads((saved / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
@@ -228,7 +235,104 @@ def test_training_commands_train_a_dflash2_drafter_and_keep_its_selector(micro_s
             safe_open(str(Path(micro_dflash2) / "model.safetensors"), "pt") as before:
         for name in before.keys():
             same = torch.equal(after.get_tensor(name), before.get_tensor(name))
-            assert same == name.startswith("candidate_selector."), name
+            assert same == (name.startswith("candidate_selector.") and not selector_weight), name
+
+
+def test_a_top_k_teacher_with_the_selector_term_is_refused_before_any_compute(micro_spec_file, micro_dflash2,
+                                                                               capsys):
+    use = ["--set", f"models.drafter_path={micro_dflash2}", "--set", "replay.teacher_topk=4"]
+    assert main(["validate", str(micro_spec_file), *use]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "loss.selector_weight: a DFlash 2 drafter's selector term reads the full" in err
+    assert main(["validate", str(micro_spec_file), *use, "--set", "loss.selector_weight=0"]) == 0
+
+
+RANDOM_DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4}
+
+
+def test_a_random_dflash2_drafter_comes_from_the_spec(micro_spec_file, micro_assets, capsys):
+    """The four DFlash 2 fields under models.drafter make a random DFlash 2 drafter; a partial set, a group that
+    does not divide the width, or the fields beside a warm drafter are one line each, before any compute."""
+    from opd.models.build import build_models
+    from opd.spec import load_spec
+
+    sets = [f"models.drafter.{k}={v}" for k, v in RANDOM_DFLASH2.items()]
+    spec = load_spec(str(micro_spec_file), ["models.drafter_path=", *sets])
+    drafter = build_models(spec).drafter
+    assert isinstance(drafter, DFlash2Drafter) and drafter.config.selector_top_k == 4
+    random = ["--set", "models.drafter_path="]
+    cases = [(sets[1:], "drafter.conv_kernel_size: missing"),
+             ([*sets[:1], "models.drafter.conv_group_size=7", *sets[2:]], "models.drafter.conv_group_size is 7"),
+             (sets, None)]
+    for values, message in cases:
+        args = ["validate", str(micro_spec_file), *(random if message else []),
+                *(x for v in values for x in ("--set", v))]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and (message or "set for a random DFlash 2 drafter") in err, err
+
+
+@torch.no_grad()
+def naive_selector_kl(drafter, hidden: torch.Tensor, predecessor: int, target_logprobs: torch.Tensor) -> float:
+    """KL(p̃ || q) at one slot, written out: the top-k of the drafter's logits, each scored as its logit plus
+    <P[predecessor] * (W h), S[candidate]>, and the target's probabilities over them renormalised."""
+    selector = drafter.candidate_selector
+    logits = drafter.logits(hidden[None])[0].double()
+    unary, candidates = logits.topk(selector.top_k)
+    query = selector.predecessor_codebook[predecessor].double() * (selector.hidden_projection.weight.double()
+                                                                    @ hidden.double())
+    q = torch.softmax(unary + selector.successor_codebook[candidates].double() @ query, -1)
+    p = target_logprobs.double().exp()[candidates]
+    p = p / p.sum()
+    return float(torch.where(p > 0, p * (p / q).log(), 0.0).sum())
+
+
+def test_the_selector_term_equals_one_slot_at_a_time(target, drafter):
+    """Over decoded blocks replayed as training sees them, the chunked term equals the sum over weighted slots of
+    the per-slot KL written out, with the predecessor the rollout scored each slot after; its gradient reaches the
+    selector and, through its gate, the drafter, and never the logits it reads."""
+    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(temperature=1.0),
+                                                                       max_new_tokens=12, seed=3)
+    batch = score(target, records, block_size=drafter.block_size)
+    cfg = LossSpec(lambda_rej=0.5)
+    norm = StepNorm.of([(batch.accepted, batch.position_mask)], cfg)
+    hidden = student_hidden(drafter, batch)
+    predecessors = batch.block_ids[batch.block_valid]
+    drafter.zero_grad(set_to_none=True)
+    got = selector_loss(drafter.selector, drafter.student_head, drafter.teacher_head, hidden, batch.teacher,
+                        predecessors, batch.accepted, batch.position_mask, cfg, norm, chunk_size=3)
+    w = slot_weights(batch.accepted, batch.position_mask, cfg, norm)
+    k1 = hidden.shape[1]
+    expected = sum(float(c) * naive_selector_kl(drafter, hidden.flatten(0, 1)[r].detach(),
+                                                int(predecessors.flatten()[r]),
+                                                torch.log_softmax(drafter.teacher_head(batch.teacher.flatten(0, 1)[r]),
+                                                                  -1))
+                   for r, c in zip(w.rows.tolist(), w.coef.tolist()))
+    assert len(w.rows) > 2 * k1 and float(got.detach()) == pytest.approx(expected, rel=1e-5)
+    got.backward()
+    selector = drafter.candidate_selector
+    for grad in (selector.hidden_projection.weight.grad, selector.predecessor_codebook.grad,
+                 selector.successor_codebook.grad, drafter.fc.weight.grad):
+        assert grad is not None and grad.abs().sum() > 0
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_the_sft_selector_term_is_the_labels_cross_entropy_under_q(target, drafter):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 3, target.hidden_size, generator=g, dtype=torch.float64).to(target.dtype)
+    labels, before = torch.randint(8, (5, 3), generator=g), torch.randint(8, (5, 3), generator=g)
+    mask = torch.rand(5, 3, generator=g) > 0.2
+    got = sft_selector_loss(drafter.selector, drafter.student_head, hidden, labels, before, mask, gamma=2.0,
+                            log_weight_sum=0.0, chunk_size=4)
+    expected, hits = 0.0, 0
+    for n, k in mask.nonzero().tolist():
+        one_hot = torch.full((8,), -torch.inf)
+        one_hot[labels[n, k]] = 0.0
+        logits = drafter.logits(hidden[n, k][None])[0]
+        if labels[n, k] in logits.topk(drafter.selector.top_k).indices:
+            expected += math.exp(-k / 2.0) * naive_selector_kl(drafter, hidden[n, k], int(before[n, k]), one_hot)
+            hits += 1
+    assert 0 < hits < int(mask.sum()) and float(got.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 def test_opd_eval_decodes_a_dflash2_drafter(micro_spec_file, micro_dflash2, tmp_path):

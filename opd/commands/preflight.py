@@ -41,8 +41,16 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     if m.drafter_path is None:
         if m.drafter.kind == "dflash":  # a random DFlash drafter takes the tokenizer's mask token; EAGLE-3 has none
             mask_token_id(tokenizer, m.drafter.mask_token_id)
+        if m.drafter.dflash2:
+            from opd.models.dflash_format import check_dflash2_fields
+
+            check_dflash2_fields(m.drafter.dflash2, target.hidden_size, target.vocab_size, "models.drafter.{}")
+    elif m.drafter.dflash2:
+        raise OpdError(f"models.drafter.selector_rank: set for a random DFlash 2 drafter, but models.drafter_path is "
+                       f"{m.drafter_path}, which brings its own (expected the four DFlash 2 fields unset)")
     else:
         check_drafter(m.drafter_path, target, m.drafter.block_size)
+        check_selector_term(spec)
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":
@@ -93,6 +101,17 @@ def check_layer_kinds_of(path: str) -> None:
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
     attention_windows(model)
+
+
+def check_selector_term(spec: ExperimentSpec) -> None:
+    """A DFlash 2 drafter's selector term reads the teacher at its candidates, which a top-k teacher may not hold
+    (opd/distill/selector_loss.py): refused together, from the drafter's config.json."""
+    from opd.models.family import is_dflash2
+
+    config = json.loads((Path(spec.models.drafter_path) / "config.json").read_text(encoding="utf-8"))
+    if is_dflash2(config) and spec.loss.selector_weight > 0 and spec.replay.teacher_topk is not None:
+        raise OpdError("loss.selector_weight: a DFlash 2 drafter's selector term reads the full teacher at its "
+                       "candidates; expected replay.teacher_topk: null, or loss.selector_weight: 0")
 
 
 def check_drafter(path: str, target: SimpleNamespace, block_size: int) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from opd.data.prompts import load_tokenizer, mask_token_id
 from opd.errors import OpdError
-from opd.models.dflash2 import load_dflash_drafter
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash2 import dflash_class, load_dflash_drafter
+from opd.models.dflash_format import check_dflash2_fields
+from opd.models.drafter import DFlashConfig
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.eagle3_format import Eagle3Config
 from opd.models.family import Drafter, checkpoint_kind
@@ -117,6 +118,9 @@ def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
     path = drafter_path or spec.models.drafter_path
     if path not in (None, "random") and not (Path(path) / "config.json").is_file():
         raise OpdError(f"drafter: {path}/config.json not found (expected a drafter directory or 'random')")
+    if path not in (None, "random") and spec.models.drafter.dflash2:
+        raise OpdError(f"models.drafter.selector_rank: set for a random DFlash 2 drafter, but the drafter is {path}, "
+                       "which brings its own (expected the four DFlash 2 fields unset)")
 
 
 def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
@@ -134,7 +138,11 @@ def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer,
                                          mask_token_id=mask_token_id(tokenizer, d.mask_token_id),
                                          target_layer_ids=target.layer_ids,
                                          input_embedding_scale=embedding_scale(target.embed_tokens))
-        return DFlashDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target)).to(target.device)
+        if d.dflash2:
+            check_dflash2_fields(d.dflash2, config.hidden_size, config.vocab_size, "models.drafter.{}")
+            config = replace(config, **d.dflash2)
+        return dflash_class(config)(config, target.embed_tokens, target.lm_head,
+                                    teacher_head(target)).to(target.device)
 
 
 def draft_vocab_size(drafter: DrafterSpec, vocab_size: int) -> int:

@@ -20,15 +20,13 @@ it plugs into the one family interface (opd/models/family.py) as a DFlash drafte
   the same path with a different `pick`: slot s draws from q_s = softmax(scores / T) over its candidates given the
   draft drawn at slot s-1 (opd/decoding/verify.py, `sample_chained_draft`).
 
-Training (issue 43, first slice): Draft-OPD and SFT train a DFlash 2 drafter as they train DFlash, with the paper's
-loss (Eqs. 10-13) or SFT's cross-entropy on the drafter's logits, through the same `block_hidden` (replay keeps
-the committed text, and the drafter's layers and convolutions see the block's mask tokens, not its drafts, so a
-slot's student is the drafter's distribution at it given the context and anchor, as for DFlash). The rollout's
-blocks, acceptance and the rejected stream are the selector's path, so γ and the rejected-stream terms mean what
-they mean for DFlash. The selector's q has support only on its k candidates, where a full-vocabulary KL is infinite,
-so neither loss reaches it: it is frozen (`requires_grad` off, outside the optimizer) and saved as loaded, and
-better logits reach it through its unary term and its candidates. A term on the selector itself (the teacher
-restricted to the candidates) and the ablation that would justify it are not built yet.
+Training: Draft-OPD and SFT train a DFlash 2 drafter as they train DFlash, with the paper's loss (Eqs. 10-13) or
+SFT's cross-entropy on the drafter's logits, through the same `block_hidden` (the drafter's layers and convolutions
+see the block's mask tokens, not its drafts, so a slot's student logits are the drafter's distribution there given
+the context and anchor, as for DFlash). The rollout's blocks, acceptance and rejected stream are the selector's
+path, so γ and the rejected-stream terms mean what they mean for DFlash. The selector's q lives on k candidates,
+where a full-vocabulary KL is infinite, so it has a term of its own (opd/distill/selector_loss.py,
+`loss.selector_weight`; 0 freezes it, `Selector.freeze`).
 """
 
 from __future__ import annotations
@@ -161,8 +159,12 @@ class DFlash2Drafter(DFlashDrafter):
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  teacher: nn.Module | None = None) -> None:
         super().__init__(config, embed_tokens, lm_head, teacher)
-        self.candidate_selector = CandidateSelector(config).requires_grad_(False)  # no loss reaches it (above)
+        self.candidate_selector = CandidateSelector(config)
         self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
+
+    @property
+    def selector(self) -> CandidateSelector:
+        return self.candidate_selector
 
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The selector's argmax path."""

@@ -302,13 +302,18 @@ def _dflash2_fields(hf: dict[str, Any], dflash: dict[str, Any], hidden_size: int
     for name, value in out.items():
         if value < 1:
             raise OpdError(f"config field 'dflash_config.{name}' must be a positive integer, got {value}")
-    if hidden_size % out["conv_group_size"]:
-        raise OpdError(f"config field 'dflash_config.conv_group_size' is {out['conv_group_size']}, which does not "
-                       f"divide hidden_size {hidden_size} (expected a divisor)")
-    if out["selector_top_k"] > vocab_size:
-        raise OpdError(f"config field 'dflash_config.selector_top_k' is {out['selector_top_k']}, more than the "
-                       f"vocabulary's {vocab_size} tokens")
+    check_dflash2_fields(out, hidden_size, vocab_size, "config field 'dflash_config.{}'")
     return out
+
+
+def check_dflash2_fields(fields: dict[str, int], hidden_size: int, vocab_size: int, where: str) -> None:
+    """DFlash 2's fields fit the drafter's width and vocabulary; `where` names a field, formatted with its name."""
+    if hidden_size % fields["conv_group_size"]:
+        raise OpdError(f"{where.format('conv_group_size')} is {fields['conv_group_size']}, which does not divide "
+                       f"hidden_size {hidden_size} (expected a divisor)")
+    if fields["selector_top_k"] > vocab_size:
+        raise OpdError(f"{where.format('selector_top_k')} is {fields['selector_top_k']}, more than the "
+                       f"vocabulary's {vocab_size} tokens")
 
 
 def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -277,6 +277,7 @@ class DFlashDrafter(nn.Module):
 
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
     chains_q = False  # q_k is the logits' own (`draft`), whatever was drafted at the slots before
+    selector = None  # no candidate selector (DFlash 2 has one)
 
     def extra_flops(self) -> tuple[int, int]:
         """(FLOPs per block token, per drafted slot) beyond its weights': none (opd/models/flops.py)."""

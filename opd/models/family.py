@@ -31,6 +31,8 @@ class Drafter(Protocol):
     # Whether q at a slot depends on the draft sampled at the slot before (DFlash 2's selector): its sampled drafts
     # (`draft: sample`) then come from `draft_path`, not from the logits `draft` returns.
     chains_q: bool
+    # DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py); None for the others.
+    selector: nn.Module | None
 
     @property
     def block_size(self) -> int:

@@ -138,6 +138,11 @@ class DrafterParams:
         return (6.0 * self._trainable(context, blocks) + (6.0 if self.head_trainable else 4.0) * self.head * slots
                 + 3.0 * self._extra(blocks, slots))
 
+    def selector_train(self, slots: int) -> float:
+        """DFlash 2's selector term over `slots` slots (opd/distill/selector_loss.py): the head once more, without
+        gradient (its top-k candidates), and the selector's forward and backward."""
+        return float(slots) * (2.0 * self.head + 3.0 * self.slot_extra)
+
     def _extra(self, blocks: int, slots: int) -> float:
         return float(self.token_extra * blocks * self.block_size + self.slot_extra * slots)
 

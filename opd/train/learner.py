@@ -14,6 +14,7 @@ import torch
 from opd.distill.losses import StepNorm, TopKTeacher, acceptance_aware_loss
 from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
+from opd.distill.selector_loss import selector_loss
 from opd.errors import OpdError
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter
@@ -38,11 +39,18 @@ def lr_lambda(optim: OptimSpec, total_steps: int):
     return factor
 
 
+def freeze_unused_selector(drafter: Drafter, weight: float) -> None:
+    """DFlash 2's selector trains only through its own term (opd/distill/selector_loss.py): without it (weight 0)
+    it is frozen, so no optimizer holds it and it is saved as loaded."""
+    if drafter.selector is not None:
+        drafter.selector.requires_grad_(weight > 0)
+
+
 def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
                     masters: bool = True):
     """AdamW and its schedule. A bf16/fp16 drafter's AdamW steps fp32 master weights (opd/train/master_weights.py)
     unless `masters` is False: DeepSpeed ZeRO, which keeps fp32 partitions of them itself."""
-    trainable = [p for p in drafter.parameters() if p.requires_grad]  # DFlash 2's selector is frozen (dflash2.py)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]  # a frozen selector: `freeze_unused_selector`
     opt = adamw(trainable, masters=masters, lr=lr or optim.lr, betas=tuple(optim.betas),
                 weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
@@ -75,6 +83,7 @@ class Learner:
     def __init__(self, spec: ExperimentSpec, drafter: Drafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
         self.drafter.train()
+        freeze_unused_selector(drafter, spec.loss.selector_weight)
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
                                                          masters=not zero_keeps_masters(spec.optim))
         self.group, self.engine = group or Group(), None
@@ -140,15 +149,33 @@ class Learner:
                 hidden, batch.teacher, batch.accepted, self.spec.loss, batch.position_mask,
                 head=self.drafter.student_head, teacher_head=self.drafter.teacher_head, norm=norm,
                 chunk_size=self.spec.optim.loss_chunk_size, teacher_temperature=self.spec.replay.teacher_temperature)
+            slots = terms.num_acc + terms.num_rej
+            loss = terms.loss + self._selector_term(hidden, batch, norm)
             if self.engine is None:
-                terms.loss.backward()
+                loss.backward()
             else:  # DeepSpeed averages over ranks, so scale back up by the world size
-                self.engine.backward(terms.loss * self.group.world, scale_wrt_gas=False)
-            sums += torch.tensor([terms.loss.item(), terms.acc.item(), terms.rej.item(),
-                                  self._params.train(context=int(batch.context_valid.sum()), blocks=batch.num_blocks,
-                                                     slots=terms.num_acc + terms.num_rej)], dtype=torch.float64)
+                self.engine.backward(loss * self.group.world, scale_wrt_gas=False)
+            flops = self._params.train(context=int(batch.context_valid.sum()), blocks=batch.num_blocks, slots=slots)
+            if self._selects:
+                flops += self._params.selector_train(slots)
+            sums += torch.tensor([loss.item(), terms.acc.item(), terms.rej.item(), flops], dtype=torch.float64)
             del batch, hidden, terms  # free this micro-batch's device copy before the next arrives
         return sums.to(self._device)
+
+    @property
+    def _selects(self) -> bool:
+        """Whether the step has DFlash 2's selector term (opd/distill/selector_loss.py)."""
+        return self.drafter.selector is not None and self.spec.loss.selector_weight > 0
+
+    def _selector_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
+        """`loss.selector_weight` x the selector term of this micro-batch, or 0."""
+        if not self._selects:
+            return 0.0
+        term = selector_loss(self.drafter.selector, self.drafter.student_head, self.drafter.teacher_head, hidden,
+                             batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,
+                             self.spec.loss, norm, teacher_temperature=self.spec.replay.teacher_temperature,
+                             chunk_size=self.spec.optim.loss_chunk_size)
+        return self.spec.loss.selector_weight * term
 
     def _plan(self, micro_batches: list[ScoredBatch]) -> list[list[ScoredBatch]]:
         """What each forward runs: the scorer's micro-batches as they came, or with `optim.micro_batch_tokens` this

@@ -26,6 +26,7 @@ import torch
 from opd.data.prompts import train_prompts
 from opd.distill.losses import sft_log_weight_sum, sft_loss
 from opd.distill.micro_batches import group_by_budget
+from opd.distill.selector_loss import sft_selector_loss
 from opd.errors import OpdError
 from opd.models.build import Models, build_models
 from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
@@ -40,7 +41,7 @@ from opd.run_dir import RunDirLock
 from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
-from opd.train.learner import build_optimizer
+from opd.train.learner import build_optimizer, freeze_unused_selector
 from opd.train.sft_data import SftExample, sft_examples, sft_store
 
 
@@ -112,13 +113,14 @@ def _layout(seqs: list[list[int]], anchors: list[list[int]], k: int) -> SftBatch
 
 
 def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: float, chunk_size: int,
-                   log_weight_sum: float | None = None) -> torch.Tensor:
+                   log_weight_sum: float | None = None, selector_weight: float = 0.0) -> torch.Tensor:
     """This micro-batch's share of the SFT loss (the step's mean when `log_weight_sum` is the step's).
 
     Features come from the target's decoder alone (no [B, T, V] logits) and the drafter's logits are formed
     `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary. A chain
     drafter is fed the data tokens (training-time test). DFlash learns the data tokens; EAGLE-3 the target's
-    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it."""
+    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it. A DFlash 2
+    drafter's selector adds `selector_weight` x its term (opd/distill/selector_loss.py)."""
     batch = batch.to(target.device)
     hidden_t, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
     hidden = drafter.block_hidden(features, batch.ids, batch.valid, batch.anchor_pos, batch.inputs)
@@ -127,13 +129,20 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
         rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
         teacher = hidden_t[rows, batch.input_pos][batch.block_valid]
         mask = mask & drafter.trainable_slots(teacher)  # the denominator still counts them, as SpecForge's mean
-    return sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
+    if log_weight_sum is None:
+        log_weight_sum = sft_log_weight_sum(mask, gamma)
+    loss = sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
                     head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
                     teacher=teacher, teacher_head=drafter.teacher_head)
+    if drafter.selector is None or not selector_weight:
+        return loss
+    return loss + selector_weight * sft_selector_loss(
+        drafter.selector, drafter.student_head, slots, batch.labels[batch.block_valid],
+        batch.inputs[batch.block_valid], mask, gamma=gamma, log_weight_sum=log_weight_sum, chunk_size=chunk_size)
 
 
 def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], sft: SftSpec, *,
-                 chunk_size: int, generator: torch.Generator) -> SftStep:
+                 chunk_size: int, generator: torch.Generator, selector_weight: float = 0.0) -> SftStep:
     """Accumulate one SFT step's gradient micro-batch by micro-batch: each backward is that micro-batch's exact
     share of the step's weighted mean, so `sft.micro_batch_size` never changes the gradient."""
     micro = sft_micro_batches(examples, anchors_per_seq=sft.anchors_per_seq, max_length=sft.max_length,
@@ -143,7 +152,8 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
                                                   dtype=torch.float64), dim=0))
     loss = 0.0
     for batch in micro:
-        part = sft_batch_loss(target, drafter, batch, gamma=sft.gamma, chunk_size=chunk_size, log_weight_sum=log_norm)
+        part = sft_batch_loss(target, drafter, batch, gamma=sft.gamma, chunk_size=chunk_size, log_weight_sum=log_norm,
+                              selector_weight=selector_weight)
         part.backward()
         loss += part.item()
     return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
@@ -220,7 +230,9 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
     steps_per_epoch = math.ceil(len(examples) / s.batch_size)
     steps = steps_per_epoch * s.epochs
     optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, schedule=s.schedule, batch_size=s.batch_size)
+    freeze_unused_selector(models.drafter, spec.loss.selector_weight)
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
+    selects = models.drafter.selector is not None and spec.loss.selector_weight > 0
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
     target_params, drafter_params = TargetParams.of(models.target.model), DrafterParams.of(models.drafter)
@@ -234,12 +246,14 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
             batch = [examples[i] for i in order[j : j + s.batch_size]]
             optimizer.zero_grad(set_to_none=True)
             done = sft_backward(models.target, models.drafter, batch, s, chunk_size=spec.optim.loss_chunk_size,
-                                generator=generator)
+                                generator=generator, selector_weight=spec.loss.selector_weight)
             torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), spec.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
             flops.target_forward += target_params.forward(done.tokens)  # features only: no LM head
             flops.drafter_train += drafter_params.train(context=done.tokens, blocks=done.blocks, slots=done.slots)
+            if selects:
+                flops.drafter_train += drafter_params.selector_train(done.slots)
             bar.update(task, completed=step + 1, description=f"sft loss {done.loss:.3f}")
             if tracker:
                 tracker.log({"sft_loss": done.loss, "lr": scheduler.get_last_lr()[0], "flops_total": flops.total},
