@@ -52,12 +52,19 @@ class DeltaNetKernels:
     def wrapped(self, wrap: Wrap) -> Iterator[None]:
         """On this thread, every call of either kernel runs `wrap(kernel, recurrent)` instead; other threads run
         the kernels as they are."""
-        previous = getattr(_LOCAL, "wrap", None)
-        _LOCAL.wrap = wrap
-        try:
+        with thread_setting(_LOCAL, "wrap", wrap):
             yield
-        finally:
-            _LOCAL.wrap = previous
+
+
+@contextmanager
+def thread_setting(local: threading.local, name: str, value: Any) -> Iterator[None]:
+    """`local.name` is `value` on this thread within the block, and what it was after."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, previous)
 
 
 def _install(module: Any) -> tuple[Callable, Callable]:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from opd.models.deltanet import DeltaNetKernels, conv_window
+from opd.models.deltanet import DeltaNetKernels, conv_window, thread_setting
 from opd.models.packed_attention import PackedRows
 
 SEGMENT = 16  # text positions per kernel call (states at its multiples), a block's longest advance, and the chunk
@@ -62,12 +62,8 @@ class LinearReplay:
     @contextmanager
     def packed(self, rows: PackedRows) -> Iterator[None]:
         """Within it, this thread's linear layers run `rows` (prefix, then blocks from their anchors)."""
-        previous = getattr(_LOCAL, "rows", None)
-        _LOCAL.rows = rows
-        try:
+        with thread_setting(_LOCAL, "rows", rows):
             yield
-        finally:
-            _LOCAL.rows = previous
 
     def layer(self, module: nn.Module, forward: Callable, rows: PackedRows, hidden: torch.Tensor,
               **kwargs: Any) -> torch.Tensor:
