@@ -1,7 +1,8 @@
 """DFlash 2 drafters in z-lab's own code (`dflash` 0.1.0's `DFlash2DraftModel`): it loads what we save whole, we
 load what it saves, its convolution and selector modules compute what ours do on random inputs, and its greedy
 `dflash_generate` writes the same responses with the same tokens per verification as our decoder, on the shipped
-tiny target with a DFlash 2 drafter built on the shipped tiny drafter's weights (so drafts are accepted often).
+tiny target, with a DFlash 2 drafter built on the shipped tiny drafter's weights (so drafts are accepted often) and
+with the shipped tiny DFlash 2 drafter.
 
 z-lab shortens the last block to the tokens left in the budget (README: "Using drafters from z-lab's dflash");
 the blocks it drafts whole are compared verification by verification, the response always in full.
@@ -24,7 +25,7 @@ from tests.test_zlab_interop import tiny_target_and_prompts
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # z-lab's calls
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed (pip install .[interop])")
 
-DRAFTER = "opd/assets/tiny/drafter"
+DRAFTER, SHIPPED = "opd/assets/tiny/drafter", "opd/assets/tiny/dflash2"
 MAX_NEW, NUM_PROMPTS = 48, 3
 FIELDS = {"conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 16, "selector_top_k": 8}
 
@@ -34,10 +35,13 @@ def tiny():
     return tiny_target_and_prompts(NUM_PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def saved(tiny, tmp_path_factory):
-    """(our DFlash 2 drafter on the shipped drafter's weights, the directory we saved it to)."""
+@pytest.fixture(scope="module", params=["built", "shipped"])
+def saved(request, tiny, tmp_path_factory):
+    """(our DFlash 2 drafter, its directory): one built on the shipped DFlash drafter's weights with random
+    convolutions and selector, saved here, or the shipped tiny DFlash 2 drafter (trained, opd/assets/tiny/dflash2)."""
     target = tiny[0]
+    if request.param == "shipped":
+        return load_dflash_drafter(SHIPPED, target), SHIPPED
     drafter = dflash2_drafter(target, seed=0, base=DFlashDrafter.from_pretrained(DRAFTER, target),
                               codebook_scale=20.0, kernel_noise=0.02, **FIELDS)
     directory = tmp_path_factory.mktemp("dflash2")
@@ -58,7 +62,7 @@ def test_zlab_loads_our_drafter_whole(saved):
     for name, tensor in drafter.state_dict().items():
         key = name + ".weight" if name.endswith("_codebook") else name  # z-lab's nn.Embedding
         assert torch.equal(theirs[key], tensor), name
-    assert (model.block_size, model.candidate_selector.top_k) == (drafter.block_size, FIELDS["selector_top_k"])
+    assert (model.block_size, model.candidate_selector.top_k) == (drafter.block_size, drafter.config.selector_top_k)
 
 
 @torch.no_grad()
