@@ -32,6 +32,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -45,6 +46,21 @@ from opd.models.packed_attention import PackedRows
 SEGMENT = 16  # text positions per kernel call (states at its multiples), a block's longest advance, and the chunk
 GROUP_BYTES = 1 << 30  # a group of blocks' transient kernel memory (states, advanced inputs) per layer
 _LOCAL = threading.local()  # .rows: the PackedRows of the packed forward running on this thread
+
+
+@dataclass
+class TextRecord:
+    """What one linear layer keeps of the text while its blocks run: the kernel's inputs [B, P, heads, ...] and
+    keyword arguments, and the recurrent state after every `SEGMENT` positions [B, P // SEGMENT + 1, heads, dk, dv]
+    (`_segmented` fills it)."""
+
+    query: torch.Tensor | None = None
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    beta: torch.Tensor | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    states: torch.Tensor | None = None
 
 
 class LinearReplay:
@@ -72,7 +88,7 @@ class LinearReplay:
         prefix = max(row.prefix_len for row in rows.rows)
         cache = DynamicCache(config=self.config)
         cache.activate_past_recording()
-        text: dict[str, Any] = {}
+        text = TextRecord()
         with self.kernels.wrapped(_segmented(text)):
             out_text = forward(hidden[:, :prefix], cache=cache, **kwargs)
         out = hidden.new_zeros(*hidden.shape[:2], out_text.shape[-1])
@@ -93,18 +109,18 @@ class LinearReplay:
                 out[where] = forward(hidden[where], cache=seeded, **kwargs)
         return out
 
-    def _anchor_states(self, text: dict[str, Any], rows: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def _anchor_states(self, text: TextRecord, rows: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Recurrent states after each anchor (inclusive) of the text: its segment's state, advanced over the
         segment's positions up to the anchor in one chunked call (earlier window positions pass no change)."""
         segment = (anchors + 1) // SEGMENT
-        start = text["states"][rows, segment]
+        start = text.states[rows, segment]
         positions = anchors[:, None] - SEGMENT + 1 + torch.arange(SEGMENT, device=anchors.device)
         live = (positions >= (segment * SEGMENT)[:, None])[..., None]
         at = (rows[:, None], positions.clamp(min=0))
-        q, k, v, g, beta = (text[name][at] for name in ("query", "key", "value", "g", "beta"))
+        q, k, v, g, beta = (x[at] for x in (text.query, text.key, text.value, text.g, text.beta))
         kernel = chunked_by_segment(self.kernels.chunked)
         _, state = kernel(q, k, v, g=g * live.to(g.dtype), beta=beta * live.to(beta.dtype), initial_state=start,
-                          output_final_state=True, **text["kwargs"])
+                          output_final_state=True, **text.kwargs)
         return state
 
     def _seeded(self, module: nn.Module, conv: torch.Tensor, state: torch.Tensor) -> DynamicCache:
@@ -117,12 +133,12 @@ class LinearReplay:
         layer.has_previous_state[0] = True
         return cache
 
-    def _group_size(self, text: dict[str, Any]) -> int:
+    def _group_size(self, text: TextRecord) -> int:
         """Blocks per call: a block's advance holds its state and `SEGMENT` positions of kernel inputs, with the
         chunked kernel's fp32 copies and products of them (~4x)."""
-        state = text["states"][0, 0].numel()
-        heads = text["value"].shape[2]
-        per_position = heads * (2 * text["key"].shape[-1] + text["value"].shape[-1] + 2)
+        state = text.states[0, 0].numel()
+        heads = text.value.shape[2]
+        per_position = heads * (2 * text.key.shape[-1] + text.value.shape[-1] + 2)
         return max(1, GROUP_BYTES // (4 * (state + 4 * SEGMENT * per_position)))
 
 
@@ -147,14 +163,14 @@ def chunked_by_segment(kernel: Callable) -> Callable:
     return kernel
 
 
-def _segmented(text: dict[str, Any]) -> Callable:
+def _segmented(text: TextRecord) -> Callable:
     """The chunked kernel run `SEGMENT` positions at a time, keeping its inputs and the state at every segment
-    boundary in `text`: states [B, segments + 1, heads, dk, dv], after 0, SEGMENT, 2·SEGMENT, ... positions."""
+    boundary (after 0, SEGMENT, 2·SEGMENT, ... positions) in `text`."""
 
     def wrap(kernel: Callable, _recurrent: Callable) -> Callable:
         def run(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
             kwargs.pop("chunk_size", None)
-            text.update(query=query, key=key, value=value, g=g, beta=beta, kwargs=kwargs)
+            text.query, text.key, text.value, text.g, text.beta, text.kwargs = query, key, value, g, beta, kwargs
             kernel_ = chunked_by_segment(kernel)
             outputs, states, state = [], [], initial_state
             for s in range(0, query.shape[1], SEGMENT):
@@ -164,7 +180,7 @@ def _segmented(text: dict[str, Any]) -> Callable:
                 outputs.append(out)
                 states.append(state)
             first = torch.zeros_like(states[0]) if initial_state is None else initial_state.to(states[0])
-            text["states"] = torch.stack([first, *states], dim=1)
+            text.states = torch.stack([first, *states], dim=1)
             return torch.cat(outputs, dim=1), state if output_final_state else None
 
         return run
