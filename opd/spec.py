@@ -247,6 +247,9 @@ class ModelsSpec(_Section):
         """A warm drafter's checkpoint fixes its architecture; the spec must describe the same drafter."""
         if self.drafter_path is None:
             return []
+        if self.drafter_path != "random" and self.drafter.dflash2:
+            return [f"drafter.selector_rank: set for a random DFlash 2 drafter, but drafter_path is "
+                    f"{self.drafter_path}, which brings its own (expected the four DFlash 2 fields unset)"]
         config = _read_json(Path(self.drafter_path) / "config.json")
         if config is None:
             return []

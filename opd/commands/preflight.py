@@ -45,9 +45,6 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
             from opd.models.dflash_format import check_dflash2_fields
 
             check_dflash2_fields(m.drafter.dflash2, target.hidden_size, target.vocab_size, "models.drafter.{}")
-    elif m.drafter.dflash2:
-        raise OpdError(f"models.drafter.selector_rank: set for a random DFlash 2 drafter, but models.drafter_path is "
-                       f"{m.drafter_path}, which brings its own (expected the four DFlash 2 fields unset)")
     else:
         check_drafter(m.drafter_path, target, m.drafter.block_size)
         check_selector_term(spec)

@@ -118,9 +118,6 @@ def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
     path = drafter_path or spec.models.drafter_path
     if path not in (None, "random") and not (Path(path) / "config.json").is_file():
         raise OpdError(f"drafter: {path}/config.json not found (expected a drafter directory or 'random')")
-    if path not in (None, "random") and spec.models.drafter.dflash2:
-        raise OpdError(f"models.drafter.selector_rank: set for a random DFlash 2 drafter, but the drafter is {path}, "
-                       "which brings its own (expected the four DFlash 2 fields unset)")
 
 
 def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:

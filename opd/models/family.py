@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from opd.errors import OpdError
 from opd.models.dflash_format import ARCHITECTURE_2, DFLASH2_FIELDS
 from opd.models.drafter_cache import DrafterCache
 

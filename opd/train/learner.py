@@ -39,18 +39,20 @@ def lr_lambda(optim: OptimSpec, total_steps: int):
     return factor
 
 
-def freeze_unused_selector(drafter: Drafter, weight: float) -> None:
-    """DFlash 2's selector trains only through its own term (opd/distill/selector_loss.py): without it (weight 0)
-    it is frozen, so no optimizer holds it and it is saved as loaded."""
+def selector_trains(drafter: Drafter, weight: float) -> bool:
+    """Whether a step has DFlash 2's selector term (opd/distill/selector_loss.py), the selector's only way to
+    train: without it (weight 0, or no selector) a selector is frozen, so no optimizer holds it and it is saved as
+    loaded. Call before `build_optimizer`."""
     if drafter.selector is not None:
         drafter.selector.requires_grad_(weight > 0)
+    return drafter.selector is not None and weight > 0
 
 
 def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
                     masters: bool = True):
     """AdamW and its schedule. A bf16/fp16 drafter's AdamW steps fp32 master weights (opd/train/master_weights.py)
     unless `masters` is False: DeepSpeed ZeRO, which keeps fp32 partitions of them itself."""
-    trainable = [p for p in drafter.parameters() if p.requires_grad]  # a frozen selector: `freeze_unused_selector`
+    trainable = [p for p in drafter.parameters() if p.requires_grad]  # a frozen selector: `selector_trains`
     opt = adamw(trainable, masters=masters, lr=lr or optim.lr, betas=tuple(optim.betas),
                 weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
@@ -83,7 +85,7 @@ class Learner:
     def __init__(self, spec: ExperimentSpec, drafter: Drafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
         self.drafter.train()
-        freeze_unused_selector(drafter, spec.loss.selector_weight)
+        self._selects = selector_trains(drafter, spec.loss.selector_weight)
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
                                                          masters=not zero_keeps_masters(spec.optim))
         self.group, self.engine = group or Group(), None
@@ -161,11 +163,6 @@ class Learner:
             sums += torch.tensor([loss.item(), terms.acc.item(), terms.rej.item(), flops], dtype=torch.float64)
             del batch, hidden, terms  # free this micro-batch's device copy before the next arrives
         return sums.to(self._device)
-
-    @property
-    def _selects(self) -> bool:
-        """Whether the step has DFlash 2's selector term (opd/distill/selector_loss.py)."""
-        return self.drafter.selector is not None and self.spec.loss.selector_weight > 0
 
     def _selector_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
         """`loss.selector_weight` x the selector term of this micro-batch, or 0."""

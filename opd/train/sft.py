@@ -41,7 +41,7 @@ from opd.run_dir import RunDirLock
 from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
-from opd.train.learner import build_optimizer, freeze_unused_selector
+from opd.train.learner import build_optimizer, selector_trains
 from opd.train.sft_data import SftExample, sft_examples, sft_store
 
 
@@ -230,9 +230,8 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
     steps_per_epoch = math.ceil(len(examples) / s.batch_size)
     steps = steps_per_epoch * s.epochs
     optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, schedule=s.schedule, batch_size=s.batch_size)
-    freeze_unused_selector(models.drafter, spec.loss.selector_weight)
+    selects = selector_trains(models.drafter, spec.loss.selector_weight)
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
-    selects = models.drafter.selector is not None and spec.loss.selector_weight > 0
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
     target_params, drafter_params = TargetParams.of(models.target.model), DrafterParams.of(models.drafter)
