@@ -404,6 +404,10 @@ class ReplaySpec(_Section):
     anchors: Literal["error", "random"] = "error"
     random_anchors_per_seq: int | None = Field(None, ge=1)  # None = as many as the rollout's error anchors
     teacher_temperature: float = Field(1.0, gt=0)
+    # Whose view of the drafted slots the losses read. target: the target at teacher_temperature (the paper's).
+    # served: the target processed exactly as the server verifies (serving.temperature, top_k and top_p), the p̃
+    # whose Σ min(p̃, q) is the acceptance a q-sampled draft gets; teacher_temperature is then unused.
+    teacher: Literal["target", "served"] = "target"
     teacher_topk: int | None = Field(None, gt=0)  # None = full vocabulary; k = top-k log-probs + tail bucket
     # The scorer's micro-batch as a token budget: each micro-batch's padded teacher rows (sequences x the longest
     # packed row: text plus K-2 slots per drafted block) stay within it, and a sequence over it alone is scored in
@@ -429,6 +433,22 @@ class LossSpec(_Section):
     # DFlash 2 only: weight of its selector term on the same slots, KL from the teacher restricted to the slot's
     # candidates to the selector's q (opd/distill/selector_loss.py). 0 = off, and the selector is then frozen.
     selector_weight: float = Field(1.0, ge=0)
+    # What the drafted slots train towards (opd/distill/acceptance_loss.py). kl: the paper's Eqs. 10-13 (with the
+    # switches above). For drafts sampled from a realized q (serving.draft: sample), the acceptance the server
+    # realizes, α_k = Σ_v min(p̃_k(v), q_k(v)) at each slot given the drafts sampled before it: neg_log_alpha
+    # (-log α) and one_minus_alpha (1 - α) on the paper's slot weights; lk, the LK hybrid λ KL(p̃ || q) + (1 - λ)(1 - α)
+    # with λ = exp(-lk_eta sg[α]); expected_length, the block's 1 + Σ_k Π_{j<=k} α_j, per block.
+    objective: Literal["kl", "neg_log_alpha", "one_minus_alpha", "lk", "expected_length"] = "kl"
+    lk_eta: float = Field(3.0, ge=0)
+    # How the gradient treats the drafts sampled before a slot, which depend on the drafter too. pathwise: as data
+    # (the gradient flows through each slot's q only). score: plus the score-function term of the sampled prefix,
+    # sg[f_k - b_k] ∇ Σ_{j<k} log q_j(d_j), b_k the mean of f_k over the chunk's other blocks (unbiased).
+    prefix_gradient: Literal["pathwise", "score"] = "pathwise"
+
+    @property
+    def on_acceptance(self) -> bool:
+        """Whether the objective is the acceptance of drafts sampled from q (not the paper's KL)."""
+        return self.objective != "kl"
 
     @model_validator(mode="after")
     def _check(self) -> LossSpec:
@@ -632,6 +652,24 @@ class SamplingSpec(_Section):
         return self
 
 
+class ServingSpec(_Section):
+    """The setting the drafter will be served in, part of the recipe: rollouts decode in it (rollout.temperature,
+    top_p and top_k follow it), replay.teacher: served verifies as it does, and the acceptance objectives score it."""
+
+    # argmax: point-mass drafts, as the serving engines draft by default; sample: drafts sampled from the drafter's
+    # realized q and verified with min(1, p/q) (vLLM's probabilistic draft sampling, z-lab's dflash_generate at T>0)
+    draft: Literal["argmax", "sample"] = "argmax"
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> ServingSpec:
+        if self.draft == "sample" and self.temperature == 0:
+            _issues(["draft: sample at temperature 0 (expected argmax; greedy verification takes the argmax)"])
+        return self
+
+
 class EvalSpec(_Section):
     """Periodic held-out τ measurement (speculative decoding against the target)."""
 
@@ -701,10 +739,12 @@ class ExperimentSpec(_Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    # The setting the drafter will be served in (None: no serving mode named, the paper's recipe).
+    serving: ServingSpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
-        issues = self._accumulation_issues() + self._budget_issues()
+        issues = self._accumulation_issues() + self._budget_issues() + self._serving_issues()
         if not issues:
             issues += self._take_run_length()
         if self.models.drafter.kind == "eagle3":
@@ -717,6 +757,45 @@ class ExperimentSpec(_Section):
                           "random anchors are redrafted by a speculative rollout's drafter)")
         _issues(issues)
         return self
+
+    def _serving_issues(self) -> list[str]:
+        """The serving mode against what can train for it; rollouts take its setting (filled in here)."""
+        serving, loss, replay = self.serving, self.loss, self.replay
+        if serving is None:
+            return ([f"loss.objective: {loss.objective} without a serving section (expected serving: {{draft: "
+                     "sample, temperature: ...}: the acceptance is that of a served setting)"] * loss.on_acceptance +
+                    ["replay.teacher: served without a serving section (expected serving: {draft, temperature, top_p, "
+                     "top_k}, or teacher: target)"] * (replay.teacher == "served"))
+        issues = self._take_serving_setting(serving)
+        if loss.on_acceptance and serving.draft != "sample":
+            issues.append(f"loss.objective: {loss.objective} with serving.draft argmax (α = Σ min(p̃, q) is the "
+                          "acceptance of drafts sampled from q; expected serving.draft: sample, or objective: kl)")
+        if loss.on_acceptance and replay.teacher_topk is not None:
+            issues.append(f"replay.teacher_topk: {replay.teacher_topk} with loss.objective {loss.objective} (α needs "
+                          "the teacher over the whole vocabulary; expected null)")
+        if serving.draft == "sample" and self.models.drafter.kind == "eagle3":
+            issues.append("serving.draft: sample with an eagle3 drafter (its chain is fed its argmax, so its sampled "
+                          "drafts have no realized q to train; expected argmax)")
+        if serving.draft == "sample" and self.rollout.rebuilt:
+            issues.append(f"rollout.source: {self.rollout.source} with serving.draft sample (the rebuild recovers "
+                          "point-mass blocks from the text; drafts sampled from q need source: speculative)")
+        truncated = serving.temperature == 0 or serving.top_k > 0 or serving.top_p < 1
+        if replay.teacher == "served" and truncated and loss.kl_mode != "all_forward" and not loss.on_acceptance:
+            issues.append(f"replay.teacher: served with loss.kl_mode {loss.kl_mode} (the served target gives tokens "
+                          "probability 0, so a reverse KL is infinite; expected kl_mode: all_forward)")
+        return issues
+
+    def _take_serving_setting(self, serving: ServingSpec) -> list[str]:
+        """Rollouts decode in the serving setting: rollout.temperature/top_p/top_k follow it, and one set otherwise
+        is refused rather than silently replaced."""
+        issues = []
+        for name in ("temperature", "top_p", "top_k"):
+            mine, served = getattr(self.rollout, name), getattr(serving, name)
+            if name in self.rollout.model_fields_set and mine != served:
+                issues.append(f"rollout.{name}: {mine:g} differs from serving.{name} {served:g} (expected it unset: "
+                              "rollouts decode in the serving setting, rollout.mix adds others)")
+            setattr(self.rollout, name, served)
+        return issues
 
     def _accumulation_issues(self) -> list[str]:
         """An update is whole rollout batches, and its sequences must split over the learner ranks."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling
 from opd.distill.anchors import redraft_at_random_anchors
 from opd.distill.losses import StepNorm, acceptance_aware_loss, teacher_distribution
 from opd.distill.replay import packed_inputs, score, student_hidden
@@ -90,7 +91,7 @@ def test_hidden_state_teacher_equals_the_full_vocabulary_path(models, records, v
     old.loss.backward()
     old_grads = grads(drafter)
     new = acceptance_aware_loss(student_hidden(drafter, batch), batch.teacher, batch.accepted, cfg,
-                                batch.position_mask, head=drafter.lm_head, teacher_temperature=temperature,
+                                batch.position_mask, head=drafter.lm_head, teacher_processing=Sampling(temperature),
                                 chunk_size=7)
     new.loss.backward()
     assert (new.num_acc, new.num_rej) == (old.num_acc, old.num_rej)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from opd.decoding.sampling import Sampling
 from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head, chunked_loss, map_slots
-from opd.spec import LossSpec
+from opd.spec import LossSpec, ReplaySpec, ServingSpec
 from opd.zero_copy import ZeroCopy
 
 
@@ -94,6 +95,35 @@ def teacher_distribution(teacher_logits: torch.Tensor, *, temperature: float = 1
         return TopKTeacher(ids=ids, logprobs=top, tail_logprob=tail)
 
 
+def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """log p̃ [..., V]: logits processed as verification processes the target's (`target_probs`: temperature, then
+    top-k, then top-p, renormalised; greedy is the argmax's point mass), in fp32 or fp64 as the logits come, and
+    differentiable (the drafter's processed logits are its q)."""
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    if sampling.greedy:
+        return torch.full_like(x, -math.inf).scatter(-1, x.argmax(-1, keepdim=True), 0.0)
+    x = x / sampling.temperature
+    if 0 < sampling.top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(sampling.top_k, dim=-1).values[..., -1:], -math.inf)
+    logp = torch.log_softmax(x, dim=-1)
+    if sampling.top_p < 1.0:
+        with torch.no_grad():
+            sorted_p, order = logp.exp().sort(dim=-1, descending=True)
+            drop = torch.zeros_like(sorted_p, dtype=torch.bool).scatter(
+                -1, order, (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p)
+        logp = logp.masked_fill(drop, -math.inf)
+        logp = logp - logp.logsumexp(-1, keepdim=True)
+    return logp
+
+
+def teacher_processing(replay: ReplaySpec, serving: ServingSpec | None) -> Sampling:
+    """How the losses process the target's logits: at `replay.teacher_temperature`, or as the server verifies
+    (`replay.teacher: served`; the spec refuses it without a serving section)."""
+    if replay.teacher == "served":
+        return Sampling.of(serving)
+    return Sampling(replay.teacher_temperature)
+
+
 def topk_teacher(head: torch.nn.Module, hidden: torch.Tensor, *, temperature: float, topk: int,
                  chunk: int = SLOTS_PER_CHUNK) -> TopKTeacher:
     """`teacher_distribution(head(hidden), topk=...)` for final-norm hidden states [N, K-1, H], with the exact
@@ -148,19 +178,21 @@ class StepNorm:
     log_rej: float
     num_acc: int
     num_rej: int
+    num_blocks: int = 0  # the step's drafted blocks (the acceptance objectives' `expected_length` is a mean over them)
 
     @classmethod
     def of(cls, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: LossSpec) -> StepNorm:
         """From (accepted [N], position_mask [N, K-1]) of each micro-batch: small tensors, no forward needed."""
         acc_decay, rej_decay = _log_decay(cfg)
         log_acc = log_rej = -math.inf
-        num_acc = num_rej = 0
+        num_acc = num_rej = num_blocks = 0
         for accepted, mask in blocks:
             acc_set, rej_set = position_sets(accepted, mask.bool(), cfg.first_rejected_only)
             log_acc = _logaddexp(log_acc, _log_weight_sum(acc_set, acc_decay))
             log_rej = _logaddexp(log_rej, _log_weight_sum(rej_set, rej_decay))
             num_acc, num_rej = num_acc + int(acc_set.sum()), num_rej + int(rej_set.sum())
-        return cls(log_acc, log_rej, num_acc, num_rej)
+            num_blocks += int(mask.bool().any(-1).sum())
+        return cls(log_acc, log_rej, num_acc, num_rej, num_blocks)
 
     def mix(self, cfg: LossSpec) -> tuple[float, float]:
         """The weights of L_acc and L_rej in L. A step with an empty set is the other set's mean alone (naive
@@ -267,15 +299,15 @@ def _rejection_surprisal(student: torch.Tensor, teacher: torch.Tensor) -> torch.
 def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTeacher, accepted: torch.Tensor,
                           cfg: LossSpec, position_mask: torch.Tensor | None = None, *,
                           head: torch.nn.Module | None = None, teacher_head: torch.nn.Module | None = None,
-                          teacher_temperature: float = 1.0, norm: StepNorm | None = None,
+                          teacher_processing: Sampling = Sampling(1.0), norm: StepNorm | None = None,
                           chunk_size: int | None = None) -> LossTerms:
     """This batch's part of L = (lambda_acc L_acc + lambda_rej L_rej) / (lambda_acc + lambda_rej), paper eq. 10-13
     plus ablations; the parts of a step's micro-batches sum to the step's L.
 
     Without `head`: student logits [N, K-1, V] and teacher log-probs [N, K-1, V] (see `teacher_distribution`)
     or a TopKTeacher. With `head` (the shared frozen LM head): the drafter's final hidden states [N, K-1, H] and
-    the target's final-norm hidden states [N, K-1, H] (teacher log-probs at `teacher_temperature` are recomputed
-    exactly, chunk by chunk, through `teacher_head`, default `head`: an EAGLE-3 drafter's own head drafts a
+    the target's final-norm hidden states [N, K-1, H] (teacher log-probs, processed by `teacher_processing`, are
+    recomputed exactly, chunk by chunk, through `teacher_head`, default `head`: an EAGLE-3 drafter's own head drafts a
     smaller vocabulary, and the teacher is then the target's head over those ids, renormalised) or a TopKTeacher.
     accepted [N]: r_m; position_mask [N, K-1]: False = padding.
     `norm`: the step's denominators (default: this batch is the whole step). `chunk_size`: slots per chunk
@@ -297,7 +329,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
         elif head is None:
             target = teacher.flatten(0, 1)[index]
         else:
-            target = _teacher_logprobs(teacher_head or head, teacher.flatten(0, 1)[index], teacher_temperature)
+            target = _teacher_logprobs(teacher_head or head, teacher.flatten(0, 1)[index], teacher_processing)
         return _slot_divergence(student_logits, target, w.forward[part], cfg.acceptance_weight)
 
     loss, kl = chunked_loss(head, rows, divergence, w.coef, chunk_size or len(w.rows))
@@ -306,10 +338,11 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
                      num_rej=w.num_rej)
 
 
-def _teacher_logprobs(head: torch.nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Exact teacher log-probs from the target's final-norm hidden states: the same LM head the target ran."""
+def _teacher_logprobs(head: torch.nn.Module, hidden: torch.Tensor, processing: Sampling) -> torch.Tensor:
+    """Exact teacher log-probs from the target's final-norm hidden states (the same LM head the target ran),
+    processed as `processing` says: a temperature (`replay.teacher_temperature`) or the serving setting."""
     with torch.no_grad():
-        return teacher_distribution(apply_head(head, hidden), temperature=temperature)
+        return processed_logprobs(apply_head(head, hidden), processing)
 
 
 def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, position_mask: torch.Tensor | None = None,
@@ -341,7 +374,7 @@ def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, posit
         logprobs = torch.log_softmax(student_logits.to(_compute_dtype(student_logits)), dim=-1)
         if soft is None:
             return -logprobs.gather(-1, targets[part, None]).squeeze(-1)
-        target = _teacher_logprobs(teacher_head, soft[part], 1.0).to(logprobs.dtype)
+        target = _teacher_logprobs(teacher_head, soft[part], Sampling(1.0)).to(logprobs.dtype)
         return -(target.exp() * logprobs).sum(-1)
 
     loss, _ = chunked_loss(head, student.flatten(0, 1)[rows], cross_entropy, coef, chunk_size or len(rows))

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from opd.decoding.sampling import Sampling
 from opd.distill.losses import StepNorm, _kl, _teacher_logprobs, _valid_positions, slot_weights
 from opd.models.dflash2 import CandidateSelector
 from opd.models.lm_head import apply_head, chunks
@@ -39,7 +40,7 @@ from opd.spec import LossSpec
 
 def selector_loss(selector: CandidateSelector, head: nn.Module, teacher_head: nn.Module, student: torch.Tensor,
                   teacher: torch.Tensor, predecessors: torch.Tensor, accepted: torch.Tensor,
-                  position_mask: torch.Tensor, cfg: LossSpec, norm: StepNorm, *, teacher_temperature: float = 1.0,
+                  position_mask: torch.Tensor, cfg: LossSpec, norm: StepNorm, *, teacher_processing: Sampling = Sampling(1.0),
                   chunk_size: int | None = None) -> torch.Tensor:
     """This batch's part of the step's selector term: sum over weighted slots of coef x KL(p̃ || q).
 
@@ -51,7 +52,7 @@ def selector_loss(selector: CandidateSelector, head: nn.Module, teacher_head: nn
     targets = teacher.flatten(0, 1)[w.rows]
 
     def restricted(part: slice, candidates: torch.Tensor) -> torch.Tensor:
-        logprobs = _teacher_logprobs(teacher_head, targets[part], teacher_temperature).gather(-1, candidates)
+        logprobs = _teacher_logprobs(teacher_head, targets[part], teacher_processing).gather(-1, candidates)
         return torch.log_softmax(logprobs, dim=-1)
 
     return _term(selector, head, student.flatten(0, 1)[w.rows], predecessors.flatten().to(student.device)[w.rows],

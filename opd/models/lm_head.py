@@ -17,7 +17,7 @@ autograd graph) are alive at a time; backward hands back the stored row gradient
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -98,14 +98,15 @@ def argmax(head: nn.Module | None, hidden: torch.Tensor, chunk: int) -> torch.Te
 
 
 def chunked_loss(head: nn.Module | None, rows: torch.Tensor, row_loss: RowLoss, coef: torch.Tensor,
-                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_r coef_r loss_r, differentiable w.r.t. hidden rows [R, H] and the head's trainable parameters, if any
-    (an EAGLE-3 drafter's own head); every loss_r detached, [R] float64).
+                 chunk: int, params: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_r coef_r loss_r, differentiable w.r.t. hidden rows [R, ...] and the head's trainable parameters, if
+    any (an EAGLE-3 drafter's own head), and `params`, parameters `row_loss` reads itself (DFlash 2's selector);
+    every loss_r detached, [R] float64).
 
-    `row_loss` sees the logits of one chunk of rows; `coef` [R] are fixed weights (float64). The loss has the
-    row losses' compute dtype (fp32 for bf16 rows)."""
-    params = [] if head is None else [p for p in head.parameters() if p.requires_grad]
-    return _ChunkedLoss.apply(rows, head, row_loss, coef, chunk, *params)
+    `row_loss` sees the logits of one chunk of rows (the rows themselves when `head` is None); `coef` [R] are fixed
+    weights (float64). The loss has the row losses' compute dtype (fp32 for bf16 rows)."""
+    own = [] if head is None else [p for p in head.parameters() if p.requires_grad]
+    return _ChunkedLoss.apply(rows, head, row_loss, coef, chunk, *own, *params)
 
 
 class _ChunkedLoss(torch.autograd.Function):

@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from opd.distill.losses import StepNorm, TopKTeacher, acceptance_aware_loss
+from opd.decoding.sampling import Sampling
+from opd.distill.acceptance_loss import acceptance_objective
+from opd.distill.losses import LossTerms, StepNorm, TopKTeacher, acceptance_aware_loss, teacher_processing
 from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
 from opd.distill.selector_loss import selector_loss
@@ -39,13 +41,14 @@ def lr_lambda(optim: OptimSpec, total_steps: int):
     return factor
 
 
-def selector_trains(drafter: Drafter, weight: float) -> bool:
-    """Whether a step has DFlash 2's selector term (opd/distill/selector_loss.py), the selector's only way to
-    train: without it (weight 0, or no selector) a selector is frozen, so no optimizer holds it and it is saved as
-    loaded. Call before `build_optimizer`."""
+def selector_trains(drafter: Drafter, wanted: bool) -> bool:
+    """Whether a step trains DFlash 2's selector: `wanted` when a loss reads it (its own term,
+    opd/distill/selector_loss.py, or an acceptance objective, whose q is the selector's). Otherwise (or with no
+    selector) a selector is frozen, so no optimizer holds it and it is saved as loaded. Call before
+    `build_optimizer`."""
     if drafter.selector is not None:
-        drafter.selector.requires_grad_(weight > 0)
-    return drafter.selector is not None and weight > 0
+        drafter.selector.requires_grad_(wanted)
+    return drafter.selector is not None and wanted
 
 
 def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
@@ -85,7 +88,8 @@ class Learner:
     def __init__(self, spec: ExperimentSpec, drafter: Drafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
         self.drafter.train()
-        self._selects = selector_trains(drafter, spec.loss.selector_weight)
+        self._selects = selector_trains(drafter, spec.loss.selector_weight > 0 or spec.loss.on_acceptance)
+        self._teacher = teacher_processing(spec.replay, spec.serving)
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
                                                          masters=not zero_keeps_masters(spec.optim))
         self.group, self.engine = group or Group(), None
@@ -147,10 +151,7 @@ class Learner:
             else:  # the last backward of the step is DeepSpeed's accumulation boundary (its reduction)
                 self.engine.set_gradient_accumulation_boundary(i == len(groups) - 1)
                 hidden = self.engine(batch)
-            terms = acceptance_aware_loss(
-                hidden, batch.teacher, batch.accepted, self.spec.loss, batch.position_mask,
-                head=self.drafter.student_head, teacher_head=self.drafter.teacher_head, norm=norm,
-                chunk_size=self.spec.optim.loss_chunk_size, teacher_temperature=self.spec.replay.teacher_temperature)
+            terms = self._main_loss(hidden, batch, norm)
             slots = terms.num_acc + terms.num_rej
             loss = terms.loss + self._selector_term(hidden, batch, norm)
             if self.engine is None:
@@ -164,13 +165,26 @@ class Learner:
             del batch, hidden, terms  # free this micro-batch's device copy before the next arrives
         return sums.to(self._device)
 
+    def _main_loss(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> LossTerms:
+        """This micro-batch's share of the step's objective: the paper's KL loss, or the acceptance of drafts
+        sampled from q at the serving setting (`loss.objective`)."""
+        loss, chunk = self.spec.loss, self.spec.optim.loss_chunk_size
+        if loss.on_acceptance:
+            return acceptance_objective(self.drafter, hidden, batch.teacher, batch.block_ids[batch.block_valid],
+                                        batch.accepted, batch.position_mask, loss, norm,
+                                        serving=Sampling.of(self.spec.serving), teacher_processing=self._teacher,
+                                        chunk_size=chunk)
+        return acceptance_aware_loss(hidden, batch.teacher, batch.accepted, loss, batch.position_mask,
+                                     head=self.drafter.student_head, teacher_head=self.drafter.teacher_head,
+                                     norm=norm, chunk_size=chunk, teacher_processing=self._teacher)
+
     def _selector_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
         """`loss.selector_weight` x the selector term of this micro-batch, or 0."""
-        if not self._selects:
+        if not (self._selects and self.spec.loss.selector_weight > 0):
             return 0.0
         term = selector_loss(self.drafter.selector, self.drafter.student_head, self.drafter.teacher_head, hidden,
                              batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,
-                             self.spec.loss, norm, teacher_temperature=self.spec.replay.teacher_temperature,
+                             self.spec.loss, norm, teacher_processing=self._teacher,
                              chunk_size=self.spec.optim.loss_chunk_size)
         return self.spec.loss.selector_weight * term
 

@@ -30,9 +30,12 @@ from opd.train.messages import AnchorBatch
 
 
 def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
-    """How batch `index` is decoded: the rollout's own setting, or in turn each of `rollout.mix`."""
+    """How batch `index` is decoded: the rollout's own setting (the serving setting, with its draft mode, when the
+    spec names one), or in turn each of `rollout.mix` (point-mass drafts)."""
     settings = spec.rollout.settings
-    return Sampling.of(settings[index % len(settings)])
+    own = index % len(settings) == 0
+    return Sampling.of(settings[index % len(settings)],
+                       sample_drafts=own and spec.serving is not None and spec.serving.draft == "sample")
 
 
 def rollout_needs_models(spec: ExperimentSpec) -> bool:

@@ -230,7 +230,7 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
     steps_per_epoch = math.ceil(len(examples) / s.batch_size)
     steps = steps_per_epoch * s.epochs
     optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, schedule=s.schedule, batch_size=s.batch_size)
-    selects = selector_trains(models.drafter, spec.loss.selector_weight)
+    selects = selector_trains(models.drafter, spec.loss.selector_weight > 0)
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
