@@ -157,8 +157,8 @@ def acceptance_objective(drafter: Drafter, student: torch.Tensor, teacher: torch
         values = slot_objective(cfg.objective, alpha, p_log, logits, serving, cfg.lk_eta, slots.valid[part])
         coef = slots.coef[part].to(values.dtype)
         weighted = coef * values
-        split["acc"] += float(weighted[slots.accepted_slot[part]].sum())
-        split["rej"] += float(weighted[~slots.accepted_slot[part]].sum())
+        split["acc"] += float(weighted.detach()[slots.accepted_slot[part]].sum())
+        split["rej"] += float(weighted.detach()[~slots.accepted_slot[part]].sum())
         out = weighted.sum(-1)
         if cfg.prefix_gradient == "score":
             out = out + prefix_score(values, coef, _log_q_of_drafts(q, before))
@@ -167,7 +167,8 @@ def acceptance_objective(drafter: Drafter, student: torch.Tensor, teacher: torch
     ones = torch.ones(student.shape[0], dtype=torch.float64, device=student.device)
     loss, _ = chunked_loss(None, student, block_loss, ones, per_chunk, selector_params(drafter))
     acc_set = slots.accepted_slot & (slots.coef > 0)
-    return LossTerms(loss=loss, acc=torch.tensor(split["acc"]), rej=torch.tensor(split["rej"]),
+    return LossTerms(loss=loss, acc=torch.tensor(split["acc"], dtype=torch.float64),
+                     rej=torch.tensor(split["rej"], dtype=torch.float64),
                      num_acc=int(acc_set.sum()), num_rej=int(((slots.coef > 0) & ~acc_set).sum()))
 
 
