@@ -90,19 +90,31 @@ def describe_recipe(spec: ExperimentSpec) -> str:
     """The recipe a run trained with, in words, so a table says what produced it."""
     loss, kinds = spec.loss, {"mixed": "forward KL on accepted, reverse KL on rejected slots",
                               "all_forward": "forward KL", "all_reverse": "reverse KL"}
+    objectives = {"neg_log_alpha": "-log α", "one_minus_alpha": "1 - α", "lk": f"the LK hybrid (η {loss.lk_eta:g})",
+                  "expected_length": "the expected block length"}
     if loss == LossSpec():
         words = "the paper's loss (forward KL on accepted, γ-decayed reverse KL on rejected slots)"
+    elif loss.on_acceptance:
+        words = f"acceptance of drafts sampled from q: {objectives[loss.objective]}"
+        if loss.prefix_gradient == "score":
+            words += " with the prefix's score-function term"
     else:
         words = kinds[loss.kl_mode]
         if loss.first_rejected_only:
             words += " on the accepted prefix and the first rejected slot"
         if loss.acceptance_weight:
             words += f", expected-acceptance term x{loss.acceptance_weight:g}"
-    if spec.replay.teacher_temperature != 1.0:
+    if spec.replay.teacher == "served":
+        words += ", teacher as the server verifies"
+    elif spec.replay.teacher_temperature != 1.0:
         words += f", teacher at T={spec.replay.teacher_temperature:g}"
     temperatures = sorted({s.temperature for s in spec.rollout.settings})
     rollouts = "greedy rollouts" if temperatures == [0.0] else \
         "rollouts at " + " and ".join(f"T={t:g}" for t in temperatures)
+    if spec.serving is not None:
+        s = spec.serving
+        served = "greedy" if s.temperature == 0 else f"T={s.temperature:g}, top-p {s.top_p:g}, top-k {s.top_k}"
+        rollouts += f"; served {served}, drafts {'sampled from q' if s.draft == 'sample' else 'point-mass'}"
     return f"{words}; {rollouts}"
 
 

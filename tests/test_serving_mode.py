@@ -1,0 +1,83 @@
+"""The serving mode as part of a recipe (`serving`, `replay.teacher: served`, `loss.objective`): what the spec
+refuses in one line, rollouts that decode in the serving setting, and `opd run` training for it end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from opd.cli import main
+from opd.distill.losses import teacher_processing
+from opd.spec import SpecError, load_spec
+from opd.train.rollout import rollout_sampling
+from tests.test_dflash2 import micro_dflash2  # noqa: F401  (a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY2 = ROOT / "configs" / "tiny-dflash2.yaml"
+SAMPLED = "serving={draft: sample, temperature: 0.6, top_p: 0.95, top_k: 20}"
+
+
+def _load(*overrides: str):
+    return load_spec(TINY2, list(overrides), check_paths=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.objective=one_minus_alpha"], "loss.objective: one_minus_alpha without a serving section"),
+    (["replay.teacher=served"], "replay.teacher: served without a serving section"),
+    (["serving={temperature: 0.6}", "loss.objective=lk"], "loss.objective: lk with serving.draft argmax"),
+    ([SAMPLED, "loss.objective=lk", "replay.teacher_topk=64"], "replay.teacher_topk: 64 with loss.objective lk"),
+    ([SAMPLED, "rollout.source=target"], "rollout.source: target with serving.draft sample"),
+    ([SAMPLED, "rollout.temperature=1.0"], "rollout.temperature: 1 differs from serving.temperature 0.6"),
+    (["serving={temperature: 0.6, top_k: 20}", "replay.teacher=served", "loss.kl_mode=mixed"],
+     "replay.teacher: served with loss.kl_mode mixed"),
+    (["serving={draft: sample}"], "serving.draft: sample at temperature 0"),
+])
+def test_a_recipe_the_drafter_cannot_serve_is_refused_in_one_line(overrides, message):
+    with pytest.raises(SpecError) as err:
+        _load(*overrides)
+    assert any(m.startswith(message) for m in err.value.messages), err.value.messages
+    assert all("\n" not in m for m in err.value.messages)
+
+
+def test_an_eagle3_drafter_has_no_realized_q_to_sample():
+    with pytest.raises(SpecError) as err:
+        load_spec(ROOT / "configs" / "tiny-eagle3.yaml", [SAMPLED], check_paths=False)
+    assert any(m.startswith("serving.draft: sample with an eagle3 drafter") for m in err.value.messages)
+
+
+def test_rollouts_decode_in_the_serving_setting_and_mix_adds_point_mass_batches():
+    spec = _load(SAMPLED, "loss.objective=expected_length", "replay.teacher=served")
+    assert (spec.rollout.temperature, spec.rollout.top_p, spec.rollout.top_k) == (0.6, 0.95, 20)
+    own, mixed = rollout_sampling(spec, 0), rollout_sampling(spec, 1)
+    assert own.sample_drafts and (own.temperature, own.top_k, own.top_p) == (0.6, 20, 0.95)
+    assert not mixed.sample_drafts and mixed.temperature == spec.rollout.mix[0].temperature
+    served = teacher_processing(spec.replay, spec.serving)
+    assert (served.temperature, served.top_k, served.top_p) == (0.6, 20, 0.95)
+    assert load_spec(TINY2, [SAMPLED, "rollout.temperature=0.6"], check_paths=False).rollout.temperature == 0.6
+    assert _load().serving is None and not rollout_sampling(_load(), 0).sample_drafts
+
+
+# The micro drafter is random, so its q rarely falls below p̃ where α has a gradient: the LK hybrid's KL still
+# trains its layers; the expected length, on the served p̃ at T=1, also reaches the selector.
+@pytest.mark.parametrize("objective, gradient, trained", [("expected_length", "score", ("candidate_selector.", "layers.")),
+                                                          ("lk", "pathwise", ("layers.",))])
+def test_opd_run_trains_a_dflash2_drafter_for_sampled_serving(micro_spec_file, micro_dflash2, objective,  # noqa: F811
+                                                              gradient, trained, tmp_path, capsys):
+    """Rollouts draft from the selector's q at the serving setting and the acceptance objective trains the
+    drafter's layers and its selector (whose q it is), with the selector's own term off."""
+    run_dir = tmp_path / "run"
+    args = ["run", str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}", "--set",
+            "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k: 40}", "--set", "replay.teacher=served",
+            "--set", f"loss.objective={objective}", "--set", f"loss.prefix_gradient={gradient}", "--set",
+            "loss.selector_weight=0", "--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set",
+            "eval.every=0"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "acceptance of drafts sampled from q" in capsys.readouterr().out
+    saved = sorted(p.parent for p in run_dir.rglob("config.json") if "dflash_config" in p.read_text())[-1]
+    with safe_open(str(saved / "model.safetensors"), "pt") as after, \
+            safe_open(str(Path(micro_dflash2) / "model.safetensors"), "pt") as before:
+        changed = {name for name in before.keys() if not torch.equal(after.get_tensor(name), before.get_tensor(name))}
+    assert all(any(n.startswith(prefix) for n in changed) for prefix in trained), sorted(changed)
