@@ -18,6 +18,7 @@ from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.losses import teacher_distribution
 from opd.distill.replay import score
+from opd.eval.acceptance_diagnostic import Diagnosis
 from opd.eval.expected import ExpectedAcceptance, record_drafts, slot_acceptance, teacher_acceptance
 from opd.eval.online import evaluate
 from opd.models.build import Models, build_models
@@ -164,3 +165,55 @@ def test_summary_by_hand():
     assert e.tau == pytest.approx(((3.0 + 1.0) / 2 + 1.875) / 2)  # per response, then over responses
     assert e.slot == pytest.approx([0.5, 2 / 3, 2.5 / 3])
     assert e.survival == pytest.approx([1.5 / 3, 0.75 / 3, 0.625 / 3])
+
+
+# ------------------------------------------------------------------------------------- drafts sampled from q
+
+
+@pytest.fixture(scope="module")
+def tiny_sampled_q():
+    """The shipped tiny target and DFlash 2 drafter decoding 48 held-out prompts with drafts sampled from the
+    selector's q at Qwen3's serving setting, replayed: the records, the diagnostic's (α, survival) on them, and the
+    point-mass rule's acceptance of the same drafts (a wrong rule for these drafts)."""
+    assets = ROOT / "opd/assets/tiny"
+    spec = load_spec(ROOT / "configs/tiny-dflash2.yaml", [
+        f"models.target_path={assets}/target", f"models.tokenizer_path={assets}/target",
+        f"models.drafter_path={assets}/dflash2", f"data.train_prompts={assets}/prompts/train.jsonl",
+        f"data.eval_prompts={assets}/prompts/heldout.jsonl", "models.device=cpu"])
+    models = build_models(spec)
+    prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=256, limit=48).prompts
+    sampling = Sampling(0.6, top_k=20, top_p=0.95, sample_drafts=True)
+    records = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id).generate(
+        [p.ids for p in prompts], sampling, max_new_tokens=64, seed=3, keys=list(range(len(prompts))))
+    diagnosis = Diagnosis(models, {"q": sampling})
+    diagnosis.add(records)
+    drafts, _ = record_drafts(records)
+    teacher = score(models.target, records, block_size=models.drafter.block_size).teacher
+    point_mass = teacher_acceptance(drafts, teacher, models.target.lm_head, {"rule": sampling})["rule"]
+    return records, torch.cat(diagnosis.acceptance["q"]), torch.cat(diagnosis.survival["q"]), point_mass
+
+
+def test_q_sampled_prediction_matches_decoding_per_block(tiny_sampled_q):
+    """Blockwise, realised minus predicted accepted length, Σ_k P(accepted >= k | the sampled drafts), has mean zero;
+    the point-mass rule p_T(d) on the same drafts is off by more than sampling error, so the test has the power to see
+    that mistake. (The product of the α_k, which the `expected_length` objective trains, is near it here.)"""
+    records, alpha, survival, point_mass = tiny_sampled_q
+    realised = torch.tensor([r for rec in records for r in rec.accepted], dtype=torch.float64)
+    assert len(realised) > 300 and 0.3 < float(alpha[:, 0].mean()) < 0.99
+
+    def gap(predicted: torch.Tensor) -> tuple[float, float]:
+        diff = realised - predicted.double().sum(-1)
+        return float(diff.mean()), float(diff.std() / math.sqrt(len(diff)))
+
+    mean, se = gap(survival)
+    assert abs(mean) < 4 * se, f"realised - predicted = {mean:.3f} ± {se:.3f}"
+    off, off_se = gap(point_mass.cumprod(-1))
+    assert abs(off) > 4 * off_se, f"a wrong rule went unnoticed: {off:.3f} ± {off_se:.3f}"
+
+
+def test_q_sampled_slot_acceptance_is_one_minus_total_variation(tiny_sampled_q):
+    """The diagnostic's a_k for q-sampled drafts is α_k = Σ min(p_T, q): at the first slot, whose state every block
+    reaches, its mean predicts how often the first draft was accepted."""
+    records, alpha, _, _ = tiny_sampled_q
+    first = torch.tensor([min(r, 1) for rec in records for r in rec.accepted], dtype=torch.float64)
+    assert abs(float(first.mean() - alpha[:, 0].double().mean())) < 4 * 0.5 / math.sqrt(len(first))

@@ -1,5 +1,8 @@
 """Expected acceptance: what speculative decoding would accept, computed exactly from p and q without decoding.
 
+Drafts sampled from q (`draft: sample`) are verified by min(1, p_T/q) instead: `sampled_acceptance` gives slot k's
+α_k = Σ min(p_T,k, q_k) and the exact expected accepted length given the drafts decoding sampled.
+
 The drafter proposes point-mass drafts d = argmax q (DFlash's reference code and the serving engines do), and
 verification (opd/decoding/verify.py) accepts d at a slot with probability p_T(d), where p is the target's
 distribution at that slot given the drafted prefix, processed by the setting's temperature, top-k and top-p.
@@ -25,6 +28,8 @@ import torch
 
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling, target_probs
+from opd.decoding.verify import DraftQ
+from opd.distill.acceptance_loss import prob_of, served_acceptance
 from opd.distill.losses import TopKTeacher
 from opd.eval.acceptance import survival_curve
 from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head
@@ -81,12 +86,14 @@ class ExpectedAcceptance:
     blocks: int
 
     @classmethod
-    def of(cls, acceptance: torch.Tensor, rooms: Sequence[Sequence[int]]) -> ExpectedAcceptance:
+    def of(cls, acceptance: torch.Tensor, rooms: Sequence[Sequence[int]],
+           survival: torch.Tensor | None = None) -> ExpectedAcceptance:
         """From a_k [N, K-1] of N blocks, stacked response by response, and each response's `SequenceRecord.rooms`
         (N in all), counted as `AcceptanceStats` counts realised blocks: a block writes min(accepted + 1, room)
         tokens, whose expectation is 1 + sum of P(accepted >= k) over k < room, and the survival curve is
-        censored at the response end (opd/eval/acceptance.py)."""
-        survival = acceptance.double().cumprod(-1)
+        censored at the response end (opd/eval/acceptance.py). `survival` [N, K-1]: P(accepted >= k) when it is
+        not the product of the a_k (drafts sampled from q: `sampled_acceptance`)."""
+        survival = acceptance.double().cumprod(-1) if survival is None else survival.double()
         room = torch.tensor([r for part in rooms for r in part], dtype=torch.long)
         expected = (survival * (torch.arange(1, survival.shape[1] + 1) < room[:, None])).sum(-1) + 1
         per_response = [part.mean().item() for part in expected.split([len(p) for p in rooms]) if len(part)]
@@ -103,6 +110,23 @@ class ExpectedAcceptance:
         return out
 
 
+def sampled_acceptance(drafts: torch.Tensor, teacher_logprobs: torch.Tensor, q: DraftQ
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(α_k, P(accepted >= k)) [N, K-1] of blocks whose drafts [N, K-1] were sampled from q (over the vocabulary or
+    its ids) and verified against p̃ (log-probs [N, K-1, V], the setting's processing).
+
+    α_k = Σ min(p̃_k, q_k) is slot k's acceptance before its draft is drawn, given the drafts before it. Given the
+    recorded drafts, slot j is accepted with min(1, p̃_j(d_j) / q_j(d_j)) (the coins integrated), so
+    P(accepted >= k | drafts) = Π_{j<k} min(1, p̃_j(d_j) / q_j(d_j)) · α_k, the last slot's draft integrated too:
+    an exact expectation of the realised count on the states decoding visited, not the product of the α_k (a
+    draft that was accepted is not distributed as q)."""
+    alpha = served_acceptance(teacher_logprobs, q)
+    p_draft = teacher_logprobs.exp().gather(-1, drafts[..., None])[..., 0]
+    kept = torch.minimum(torch.ones_like(p_draft), p_draft / prob_of(q, drafts).to(p_draft.dtype).clamp_min(1e-30))
+    before = torch.cat([torch.ones_like(kept[:, :1]), kept[:, :-1].cumprod(-1)], 1)
+    return alpha, before * alpha
+
+
 def record_drafts(records: Sequence[SequenceRecord]) -> tuple[torch.Tensor, list[int]]:
     """Every drafted block of the records as [N, K-1] (replay's block order) and the blocks per record."""
     blocks = [d for r in records for d in r.drafts]
@@ -111,5 +135,6 @@ def record_drafts(records: Sequence[SequenceRecord]) -> tuple[torch.Tensor, list
 
 
 def point_mass_settings(samplings: Sequence) -> dict[str, Sampling]:
-    """The named eval settings (`SamplingSpec`s) this diagnostic describes: those that draft point masses."""
+    """The named eval settings (`SamplingSpec`s) this diagnostic describes on any setting's states: those that
+    draft point masses (a q-sampled setting is diagnosed on its own states only, `Diagnosis`)."""
     return {s.name: Sampling.of(s) for s in samplings if s.draft == "argmax"}

@@ -50,8 +50,9 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
                       diagnosed: list[SamplingSpec]) -> EvalRow:
     sampling = Sampling.of(setting, sample_drafts=setting.draft == "sample")
     records, spec_time, ar_time, ar_tokens, matches = [], 0.0, 0.0, 0, 0
-    # The diagnostic reads argmax q off the recorded drafts, so only point-mass decoding's states are diagnosed.
-    expected = Diagnosis(models, point_mass_settings(diagnosed) if setting.draft == "argmax" else {})
+    # Point-mass rules apply to any point-mass decoding's drafts; a q-sampled setting's own rule to its own states.
+    sampled = {setting.name: sampling} if diagnosed else {}
+    expected = Diagnosis(models, point_mass_settings(diagnosed) if setting.draft == "argmax" else sampled)
     for batch in batches:
         ids, keys = [p.ids for p in batch], [prompt_key(p.id) for p in batch]
         t0 = time.perf_counter()
