@@ -483,6 +483,10 @@ class SftSpec(_Section):
     # Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode.
     response_temperature: Temperature | None = None
     max_flops: float | None = Field(None, gt=0)  # matched-compute continued-SFT budget
+    # Weight of loss.objective's acceptance term (drafts sampled from q at the serving setting) added on SFT's slots,
+    # each slot's prefix the data (teacher forcing) and p̃ the target's view of it, so a warm start is trained for
+    # the serving mode too. 0 = off (cross-entropy only).
+    acceptance_weight: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> SftSpec:
@@ -762,11 +766,17 @@ class ExperimentSpec(_Section):
         """The serving mode against what can train for it; rollouts take its setting (filled in here)."""
         serving, loss, replay = self.serving, self.loss, self.replay
         if serving is None:
-            return ([f"loss.objective: {loss.objective} without a serving section (expected serving: {{draft: "
+            return ([f"sft.acceptance_weight: {self.sft.acceptance_weight:g} without a serving section (expected "
+                     "serving: {draft: sample, temperature: ...})"] * bool(self.sft.acceptance_weight) +
+                    [f"loss.objective: {loss.objective} without a serving section (expected serving: {{draft: "
                      "sample, temperature: ...}: the acceptance is that of a served setting)"] * loss.on_acceptance +
                     ["replay.teacher: served without a serving section (expected serving: {draft, temperature, top_p, "
                      "top_k}, or teacher: target)"] * (replay.teacher == "served"))
         issues = self._take_serving_setting(serving)
+        if self.sft.acceptance_weight and not loss.on_acceptance:
+            issues.append(f"sft.acceptance_weight: {self.sft.acceptance_weight:g} with loss.objective kl (the term is "
+                          "an acceptance objective's; expected loss.objective: one of neg_log_alpha, one_minus_alpha, "
+                          "lk, expected_length)")
         if loss.on_acceptance and serving.draft != "sample":
             issues.append(f"loss.objective: {loss.objective} with serving.draft argmax (α = Σ min(p̃, q) is the "
                           "acceptance of drafts sampled from q; expected serving.draft: sample, or objective: kl)")

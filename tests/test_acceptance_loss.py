@@ -20,7 +20,7 @@ import torch
 from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.decoding.verify import sample_chained_draft, sample_draft
-from opd.distill.acceptance_loss import acceptance_objective, realized_q, served_acceptance
+from opd.distill.acceptance_loss import acceptance_objective, block_slots, realized_q, served_acceptance
 from opd.distill.losses import StepNorm, processed_logprobs, slot_weights
 from opd.distill.replay import score, student_hidden
 from opd.models.dflash2 import CandidateSelector
@@ -169,8 +169,9 @@ def test_objective_and_gradient_equal_the_slot_by_slot_reference(target, drafter
     hidden = student_hidden(drafter, batch).detach().requires_grad_(True)
     params = [p for p in (drafter.selector.parameters() if drafter.selector is not None else [])]
     drafter.zero_grad(set_to_none=True)
-    terms = acceptance_objective(drafter, hidden, batch.teacher, predecessors, batch.accepted, batch.position_mask,
-                                 cfg, norm, serving=SERVING, teacher_processing=teacher, chunk_size=5)
+    slots = block_slots(predecessors, batch.accepted, batch.position_mask, cfg, norm)
+    terms = acceptance_objective(drafter, hidden, batch.teacher, slots, cfg, serving=SERVING,
+                                 teacher_processing=teacher, chunk_size=5)
     got = torch.autograd.grad(terms.loss, [hidden, *params])
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     expected = _written_out(drafter, ref_hidden, batch.teacher, predecessors, batch.accepted, batch.position_mask,
@@ -195,9 +196,9 @@ def test_micro_batches_and_chunks_sum_to_the_step(target, drafter, replayed, obj
     predecessors = batch.block_ids[batch.block_valid]
 
     def part(rows: slice, chunk: int | None) -> float:
-        return float(acceptance_objective(drafter, hidden[rows], batch.teacher[rows], predecessors[rows],
-                                          batch.accepted[rows], batch.position_mask[rows], cfg, norm,
-                                          serving=SERVING, teacher_processing=Sampling(1.0), chunk_size=chunk).loss)
+        slots = block_slots(predecessors[rows], batch.accepted[rows], batch.position_mask[rows], cfg, norm)
+        return float(acceptance_objective(drafter, hidden[rows], batch.teacher[rows], slots, cfg, serving=SERVING,
+                                          teacher_processing=Sampling(1.0), chunk_size=chunk).loss)
 
     whole, cut = part(slice(None), None), len(hidden) // 2
     assert part(slice(None), 3) == pytest.approx(whole, rel=1e-12)
@@ -261,8 +262,9 @@ def test_the_score_term_makes_the_gradient_that_of_the_expected_objective(object
             continue
         predecessors = torch.tensor([[chain.anchor, *path]])
         for g, c in cfg.items():
-            loss = acceptance_objective(chain, chain.hidden[None], chain.teacher(path), predecessors, accepted, mask,
-                                        c, norm, serving=SERVING, teacher_processing=Sampling.of(SERVING)).loss
+            slots = block_slots(predecessors, accepted, mask, c, norm)
+            loss = acceptance_objective(chain, chain.hidden[None], chain.teacher(path), slots, c, serving=SERVING,
+                                        teacher_processing=Sampling.of(SERVING)).loss
             grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
             for acc, grad in zip(estimates[g], grads):
                 acc += float(weight) * (0 if grad is None else grad)
@@ -283,9 +285,9 @@ def test_a_stale_draft_outside_the_candidates_adds_no_score_term(target):
     outside = next(v for v in range(chain.vocab) if v not in logits[0].topk(2).indices.tolist())
     cfg = LossSpec(objective="expected_length", prefix_gradient="score")
     accepted, mask = torch.tensor([0]), torch.ones(1, chain.slots, dtype=torch.bool)
-    loss = acceptance_objective(chain, chain.hidden[None], chain.teacher((outside, 0)),
-                                torch.tensor([[chain.anchor, outside, 0]]), accepted, mask, cfg,
-                                StepNorm.of([(accepted, mask)], cfg), serving=SERVING,
+    slots = block_slots(torch.tensor([[chain.anchor, outside, 0]]), accepted, mask, cfg,
+                        StepNorm.of([(accepted, mask)], cfg))
+    loss = acceptance_objective(chain, chain.hidden[None], chain.teacher((outside, 0)), slots, cfg, serving=SERVING,
                                 teacher_processing=Sampling(1.0)).loss
     grads = torch.autograd.grad(loss, [chain.hidden, *chain.selector.parameters()])
     assert all(torch.isfinite(g).all() for g in grads) and math.isfinite(float(loss))

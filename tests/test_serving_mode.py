@@ -3,6 +3,7 @@ refuses in one line, rollouts that decode in the serving setting, and `opd run` 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 from safetensors import safe_open
 
 from opd.cli import main
-from opd.distill.losses import teacher_processing
-from opd.spec import SpecError, load_spec
+from opd.distill.acceptance_loss import sft_block_slots
+from opd.distill.losses import sft_log_weight_sum, teacher_processing
+from opd.spec import LossSpec, SpecError, load_spec
 from opd.train.rollout import rollout_sampling
 from tests.test_dflash2 import micro_dflash2  # noqa: F401  (a fixture)
 
@@ -34,6 +36,8 @@ def _load(*overrides: str):
     (["serving={temperature: 0.6, top_k: 20}", "replay.teacher=served", "loss.kl_mode=mixed"],
      "replay.teacher: served with loss.kl_mode mixed"),
     (["serving={draft: sample}"], "serving.draft: sample at temperature 0"),
+    (["sft.acceptance_weight=1"], "sft.acceptance_weight: 1 without a serving section"),
+    ([SAMPLED, "sft.acceptance_weight=1"], "sft.acceptance_weight: 1 with loss.objective kl"),
 ])
 def test_a_recipe_the_drafter_cannot_serve_is_refused_in_one_line(overrides, message):
     with pytest.raises(SpecError) as err:
@@ -81,3 +85,36 @@ def test_opd_run_trains_a_dflash2_drafter_for_sampled_serving(micro_spec_file, m
             safe_open(str(Path(micro_dflash2) / "model.safetensors"), "pt") as before:
         changed = {name for name in before.keys() if not torch.equal(after.get_tensor(name), before.get_tensor(name))}
     assert all(any(n.startswith(prefix) for n in changed) for prefix in trained), sorted(changed)
+
+
+def test_sft_slots_weigh_as_sfts_cross_entropy():
+    """Per-slot objectives take SFT's weights exp(-(k-1)/gamma) over the step's sum (so they sum to 1 over the step's
+    valid slots); the expected length weighs every valid slot 1 / ((K-1) x the step's blocks)."""
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    before = torch.zeros(2, 3, dtype=torch.long)
+    log_sum = sft_log_weight_sum(valid, 2.0)
+    per_slot = sft_block_slots(before, valid, LossSpec(objective="one_minus_alpha"), gamma=2.0,
+                               log_weight_sum=log_sum, step_blocks=2)
+    assert float(per_slot.coef.sum()) == pytest.approx(1.0) and float(per_slot.coef[1, 2]) == 0.0
+    assert float(per_slot.coef[0, 1] / per_slot.coef[0, 0]) == pytest.approx(math.exp(-0.5))
+    length = sft_block_slots(before, valid, LossSpec(objective="expected_length"), gamma=2.0, log_weight_sum=log_sum,
+                             step_blocks=4)
+    assert torch.equal(length.coef, valid.double() / 12)
+
+
+def test_opd_sft_trains_the_selector_through_the_acceptance_term(micro_spec_file, micro_dflash2,  # noqa: F811
+                                                                tmp_path, capsys):
+    """`sft.acceptance_weight` adds the serving mode's acceptance on SFT's teacher-forced slots: with the selector's
+    own term off, the selector trains (it is frozen without the acceptance term: test_dflash2)."""
+    out = tmp_path / "sft"
+    args = ["sft", str(micro_spec_file), "--set", f"models.drafter_path={micro_dflash2}", "--set",
+            "serving={draft: sample, temperature: 0.5, top_p: 0.9, top_k: 3}", "--set", "rollout.temperature=0.5",
+            "--set", "replay.teacher=served", "--set", "loss.objective=expected_length", "--set",
+            "sft.acceptance_weight=1", "--set",
+            "loss.selector_weight=0", "--out", str(out), "--set", "sft.epochs=1", "--set", "sft.batch_size=20",
+            "--set", "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6"]
+    assert main(args) == 0, capsys.readouterr().err
+    with safe_open(str(out / "model.safetensors"), "pt") as after, \
+            safe_open(str(Path(micro_dflash2) / "model.safetensors"), "pt") as before:
+        changed = {name for name in before.keys() if not torch.equal(after.get_tensor(name), before.get_tensor(name))}
+    assert any(n.startswith("candidate_selector.") for n in changed), sorted(changed)

@@ -120,10 +120,13 @@ class BlockSlots:
     valid: torch.Tensor  # [N, K-1] bool
 
 
-def block_slots(predecessors: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor, cfg: LossSpec,
-                norm: StepNorm) -> BlockSlots:
-    """The slots' weights: the paper's (`slot_weights`) for the per-slot objectives, 1 / ((K-1) x the step's
-    blocks) at every valid slot for `expected_length`."""
+def block_slots(predecessors: torch.Tensor, accepted: torch.Tensor, position_mask: torch.Tensor | None,
+                cfg: LossSpec, norm: StepNorm) -> BlockSlots:
+    """Replayed blocks' slots: the paper's weights (`slot_weights`) for the per-slot objectives, 1 / ((K-1) x the
+    step's blocks) at every valid slot for `expected_length`. predecessors [N, K-1]: each block's anchor then its
+    drafts (`ScoredBatch.block_ids`)."""
+    valid = _valid_positions(predecessors.shape, position_mask, predecessors.device)
+    accepted = accepted.to(predecessors.device)
     n, k1 = valid.shape
     acc_slot = torch.arange(1, k1 + 1, device=valid.device) <= accepted[:, None]
     if cfg.objective == "expected_length":
@@ -134,16 +137,27 @@ def block_slots(predecessors: torch.Tensor, accepted: torch.Tensor, valid: torch
     return BlockSlots(predecessors, coef.view(n, k1), acc_slot & valid, valid)
 
 
-def acceptance_objective(drafter: Drafter, student: torch.Tensor, teacher: torch.Tensor, predecessors: torch.Tensor,
-                         accepted: torch.Tensor, position_mask: torch.Tensor | None, cfg: LossSpec, norm: StepNorm,
-                         *, serving: Sampling, teacher_processing: Sampling,
+def sft_block_slots(predecessors: torch.Tensor, valid: torch.Tensor, cfg: LossSpec, *, gamma: float,
+                    log_weight_sum: float, step_blocks: int) -> BlockSlots:
+    """SFT's slots (teacher-forced: each slot's predecessor is the data token before it): SFT's weights
+    exp(-(k-1)/gamma) over the step's `log_weight_sum` for the per-slot objectives, 1 / ((K-1) x `step_blocks`) at
+    every valid slot for `expected_length`. Every slot counts as accepted (the data is the target's own text)."""
+    k1 = valid.shape[1]
+    if cfg.objective == "expected_length":
+        coef = valid.to(torch.float64) / (k1 * max(1, step_blocks))
+    else:
+        offsets = torch.arange(k1, device=valid.device, dtype=torch.float64)
+        coef = torch.exp(offsets * (-1.0 / gamma) - log_weight_sum).expand_as(valid) * valid
+    return BlockSlots(predecessors, coef, valid, valid)
+
+
+def acceptance_objective(drafter: Drafter, student: torch.Tensor, teacher: torch.Tensor, slots: BlockSlots,
+                         cfg: LossSpec, *, serving: Sampling, teacher_processing: Sampling,
                          chunk_size: int | None = None) -> LossTerms:
-    """This batch's part of the step's acceptance objective (`cfg.objective`), differentiable w.r.t. the drafter's
-    final hidden states `student` [N, K-1, H] and its selector. teacher [N, K-1, H]: the target's final-norm hidden
-    states at the same slots; predecessors [N, K-1]: the block's anchor then its drafts (`ScoredBatch.block_ids`).
-    `teacher_processing`: p̃'s processing (the serving setting for `replay.teacher: served`)."""
-    valid = _valid_positions(student.shape[:2], position_mask, student.device)
-    slots = block_slots(predecessors.to(student.device), accepted.to(student.device), valid, cfg, norm)
+    """This batch's part of the step's acceptance objective (`cfg.objective`) over `slots` (`block_slots` for
+    Draft-OPD's replayed blocks, `sft_block_slots` for SFT's), differentiable w.r.t. the drafter's final hidden
+    states `student` [N, K-1, H] and its selector. teacher [N, K-1, H]: the target's final-norm hidden states at
+    the same slots. `teacher_processing`: p̃'s processing (the serving setting for `replay.teacher: served`)."""
     split = {"acc": 0.0, "rej": 0.0}
     per_chunk = max(1, (chunk_size or student.shape[0] * student.shape[1]) // student.shape[1])
 

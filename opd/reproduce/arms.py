@@ -159,10 +159,12 @@ def arm_spec(job: ArmJob, steps: int) -> ExperimentSpec:
 
 def shares_samples(experiment: str, overrides: list[str], arm: ArmSpec) -> bool:
     """Whether an opd arm can train on shared target samples: not when its recipe needs the speculative engine
-    (random anchors are redrafted by the rollout's own drafter) or it chooses its rollout source itself."""
+    (random anchors are redrafted by the rollout's own drafter; drafts sampled from q are not a function of the
+    text) or it chooses its rollout source itself."""
     if arm.kind != "opd" or any(s.split("=")[0].strip() == "rollout.source" for s in arm.set):
         return False
-    return load_spec(experiment, [*overrides, *arm.set]).replay.anchors != "random"
+    spec = load_spec(experiment, [*overrides, *arm.set])
+    return spec.replay.anchors != "random" and (spec.serving is None or spec.serving.draft != "sample")
 
 
 def run_arm(job: ArmJob) -> ArmResult:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from opd.decoding.sampling import Sampling
-from opd.distill.acceptance_loss import acceptance_objective
+from opd.distill.acceptance_loss import acceptance_objective, block_slots
 from opd.distill.losses import LossTerms, StepNorm, TopKTeacher, acceptance_aware_loss, teacher_processing
 from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
@@ -170,8 +170,8 @@ class Learner:
         sampled from q at the serving setting (`loss.objective`)."""
         loss, chunk = self.spec.loss, self.spec.optim.loss_chunk_size
         if loss.on_acceptance:
-            return acceptance_objective(self.drafter, hidden, batch.teacher, batch.block_ids[batch.block_valid],
-                                        batch.accepted, batch.position_mask, loss, norm,
+            slots = block_slots(batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask, loss, norm)
+            return acceptance_objective(self.drafter, hidden, batch.teacher, slots, loss,
                                         serving=Sampling.of(self.spec.serving), teacher_processing=self._teacher,
                                         chunk_size=chunk)
         return acceptance_aware_loss(hidden, batch.teacher, batch.accepted, loss, batch.position_mask,

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from opd.data.prompts import train_prompts
-from opd.distill.losses import sft_log_weight_sum, sft_loss
+from opd.decoding.sampling import Sampling
+from opd.distill.acceptance_loss import acceptance_objective, sft_block_slots
+from opd.distill.losses import sft_log_weight_sum, sft_loss, teacher_processing
 from opd.distill.micro_batches import group_by_budget
 from opd.distill.selector_loss import sft_selector_loss
 from opd.errors import OpdError
@@ -39,7 +41,7 @@ from opd.outputs import atomic_dir, check_output_dir
 from opd.progress import progress_bar
 from opd.run_dir import RunDirLock
 from opd.sources.samplers import build_sampler
-from opd.spec import ExperimentSpec, OptimSpec, SftSpec
+from opd.spec import ExperimentSpec, LossSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
 from opd.train.learner import build_optimizer, selector_trains
 from opd.train.sft_data import SftExample, sft_examples, sft_store
@@ -112,15 +114,36 @@ def _layout(seqs: list[list[int]], anchors: list[list[int]], k: int) -> SftBatch
     return SftBatch(ids, valid, anchor_pos, block_valid, labels, input_pos, inputs, label_ok)
 
 
+@dataclass(frozen=True)
+class SftAcceptance:
+    """SFT's acceptance term (`sft.acceptance_weight` x `loss.objective` at the serving setting, on SFT's slots), so
+    a warm start can be trained for the serving mode too (opd/distill/acceptance_loss.py)."""
+
+    weight: float
+    loss: LossSpec
+    serving: Sampling
+    teacher: Sampling  # p̃'s processing (replay.teacher)
+    step_blocks: int = 0  # the step's blocks (`expected_length` is a mean over them), filled per step
+
+    @classmethod
+    def of(cls, spec: ExperimentSpec) -> SftAcceptance | None:
+        if not spec.sft.acceptance_weight:
+            return None
+        return cls(spec.sft.acceptance_weight, spec.loss, Sampling.of(spec.serving),
+                   teacher_processing(spec.replay, spec.serving))
+
+
 def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: float, chunk_size: int,
-                   log_weight_sum: float | None = None, selector_weight: float = 0.0) -> torch.Tensor:
+                   log_weight_sum: float | None = None, selector_weight: float = 0.0,
+                   acceptance: SftAcceptance | None = None) -> torch.Tensor:
     """This micro-batch's share of the SFT loss (the step's mean when `log_weight_sum` is the step's).
 
     Features come from the target's decoder alone (no [B, T, V] logits) and the drafter's logits are formed
     `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary. A chain
     drafter is fed the data tokens (training-time test). DFlash learns the data tokens; EAGLE-3 the target's
     distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it. A DFlash 2
-    drafter's selector adds `selector_weight` x its term (opd/distill/selector_loss.py)."""
+    drafter's selector adds `selector_weight` x its term (opd/distill/selector_loss.py), and `acceptance` its
+    weight x the serving mode's acceptance at the teacher-forced slots (the target's view of the data prefix)."""
     batch = batch.to(target.device)
     hidden_t, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
     hidden = drafter.block_hidden(features, batch.ids, batch.valid, batch.anchor_pos, batch.inputs)
@@ -134,6 +157,14 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
     loss = sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
                     head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
                     teacher=teacher, teacher_head=drafter.teacher_head)
+    if acceptance is not None:
+        rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
+        view = hidden_t[rows, batch.input_pos][batch.block_valid]
+        cut = sft_block_slots(batch.inputs[batch.block_valid], mask, acceptance.loss, gamma=gamma,
+                              log_weight_sum=log_weight_sum, step_blocks=acceptance.step_blocks)
+        loss = loss + acceptance.weight * acceptance_objective(
+            drafter, slots, view, cut, acceptance.loss, serving=acceptance.serving,
+            teacher_processing=acceptance.teacher, chunk_size=chunk_size).loss
     if drafter.selector is None or not selector_weight:
         return loss
     return loss + selector_weight * sft_selector_loss(
@@ -142,7 +173,8 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
 
 
 def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], sft: SftSpec, *,
-                 chunk_size: int, generator: torch.Generator, selector_weight: float = 0.0) -> SftStep:
+                 chunk_size: int, generator: torch.Generator, selector_weight: float = 0.0,
+                 acceptance: SftAcceptance | None = None) -> SftStep:
     """Accumulate one SFT step's gradient micro-batch by micro-batch: each backward is that micro-batch's exact
     share of the step's weighted mean, so `sft.micro_batch_size` never changes the gradient."""
     micro = sft_micro_batches(examples, anchors_per_seq=sft.anchors_per_seq, max_length=sft.max_length,
@@ -150,10 +182,12 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
                               generator=generator, micro_batch_tokens=sft.micro_batch_tokens)
     log_norm = float(torch.logsumexp(torch.tensor([sft_log_weight_sum(b.position_mask, sft.gamma) for b in micro],
                                                   dtype=torch.float64), dim=0))
+    if acceptance is not None:
+        acceptance = replace(acceptance, step_blocks=sum(int(b.block_valid.sum()) for b in micro))
     loss = 0.0
     for batch in micro:
         part = sft_batch_loss(target, drafter, batch, gamma=sft.gamma, chunk_size=chunk_size, log_weight_sum=log_norm,
-                              selector_weight=selector_weight)
+                              selector_weight=selector_weight, acceptance=acceptance)
         part.backward()
         loss += part.item()
     return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
@@ -230,7 +264,8 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
     steps_per_epoch = math.ceil(len(examples) / s.batch_size)
     steps = steps_per_epoch * s.epochs
     optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, schedule=s.schedule, batch_size=s.batch_size)
-    selects = selector_trains(models.drafter, spec.loss.selector_weight > 0)
+    acceptance = SftAcceptance.of(spec)
+    selects = selector_trains(models.drafter, spec.loss.selector_weight > 0 or acceptance is not None)
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
@@ -245,7 +280,8 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
             batch = [examples[i] for i in order[j : j + s.batch_size]]
             optimizer.zero_grad(set_to_none=True)
             done = sft_backward(models.target, models.drafter, batch, s, chunk_size=spec.optim.loss_chunk_size,
-                                generator=generator, selector_weight=spec.loss.selector_weight)
+                                generator=generator, selector_weight=spec.loss.selector_weight,
+                                acceptance=acceptance)
             torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), spec.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
