@@ -178,7 +178,7 @@ def test_objective_and_gradient_equal_the_slot_by_slot_reference(target, drafter
                             cfg, norm, teacher)
     want = torch.autograd.grad(expected, [ref_hidden, *params])
     assert len(batch.accepted) > 8 and float(expected.detach()) > 0
-    assert float(terms.loss) == pytest.approx(float(expected.detach()), rel=1e-9)
+    assert float(terms.loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-9)
     assert float(terms.acc + terms.rej) == pytest.approx(float(expected.detach()), rel=1e-9)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=1e-8, atol=1e-12)
@@ -198,7 +198,7 @@ def test_micro_batches_and_chunks_sum_to_the_step(target, drafter, replayed, obj
     def part(rows: slice, chunk: int | None) -> float:
         slots = block_slots(predecessors[rows], batch.accepted[rows], batch.position_mask[rows], cfg, norm)
         return float(acceptance_objective(drafter, hidden[rows], batch.teacher[rows], slots, cfg, serving=SERVING,
-                                          teacher_processing=Sampling(1.0), chunk_size=chunk).loss)
+                                          teacher_processing=Sampling(1.0), chunk_size=chunk).loss.detach())
 
     whole, cut = part(slice(None), None), len(hidden) // 2
     assert part(slice(None), 3) == pytest.approx(whole, rel=1e-12)
