@@ -21,7 +21,7 @@ from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.decoding.verify import sample_chained_draft, sample_draft
 from opd.distill.acceptance_loss import acceptance_objective, block_slots, realized_q, served_acceptance
-from opd.distill.losses import StepNorm, processed_logprobs, slot_weights
+from opd.distill.losses import StepNorm, acceptance_aware_loss, processed_logprobs, slot_weights
 from opd.distill.replay import score, student_hidden
 from opd.models.dflash2 import CandidateSelector
 from opd.spec import LossSpec
@@ -291,3 +291,24 @@ def test_a_stale_draft_outside_the_candidates_adds_no_score_term(target):
                                 teacher_processing=Sampling(1.0)).loss
     grads = torch.autograd.grad(loss, [chain.hidden, *chain.selector.parameters()])
     assert all(torch.isfinite(g).all() for g in grads) and math.isfinite(float(loss))
+
+
+def test_the_served_teacher_enters_the_papers_kl():
+    """Point-mass drafts keep the paper's objectives; `replay.teacher: served` makes their teacher p̃, the target
+    processed as the server verifies (here top-k 3, so the forward KL is over p̃'s three tokens)."""
+    g = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(5, 8, bias=False).double()
+    student, teacher = torch.randn(4, 3, 5, generator=g, dtype=torch.float64), torch.randn(4, 3, 5, generator=g,
+                                                                                          dtype=torch.float64)
+    cfg, served = LossSpec(kl_mode="all_forward"), Sampling(0.6, top_k=3)
+    accepted = torch.tensor([0, 1, 3, 2])
+    got = acceptance_aware_loss(student, teacher, accepted, cfg, head=head, teacher_processing=served).loss
+    w = slot_weights(accepted, torch.ones(4, 3, dtype=torch.bool), cfg, StepNorm.of([(accepted, torch.ones(4, 3))],
+                                                                                      cfg))
+    expected = 0.0
+    for row, c in zip(w.rows.tolist(), w.coef.tolist()):
+        p = processed_logprobs(head(teacher.flatten(0, 1)[row]), served).exp()
+        q = torch.log_softmax(head(student.flatten(0, 1)[row]), -1)
+        assert int((p > 0).sum()) == 3
+        expected += c * float(sum(p[v] * (torch.log(p[v]) - q[v]) for v in range(8) if p[v] > 0))
+    assert float(got.detach()) == pytest.approx(expected, rel=1e-10)
