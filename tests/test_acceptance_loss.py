@@ -297,7 +297,7 @@ def test_the_served_teacher_enters_the_papers_kl():
     """Point-mass drafts keep the paper's objectives; `replay.teacher: served` makes their teacher p̃, the target
     processed as the server verifies (here top-k 3, so the forward KL is over p̃'s three tokens)."""
     g = torch.Generator().manual_seed(2)
-    head = torch.nn.Linear(5, 8, bias=False).double()
+    head = torch.nn.Linear(5, 8, bias=False).double().requires_grad_(False)
     student, teacher = torch.randn(4, 3, 5, generator=g, dtype=torch.float64), torch.randn(4, 3, 5, generator=g,
                                                                                           dtype=torch.float64)
     cfg, served = LossSpec(kl_mode="all_forward"), Sampling(0.6, top_k=3)
