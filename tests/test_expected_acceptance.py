@@ -66,17 +66,22 @@ def test_sampled_prediction_matches_realised_acceptance(rows):
     assert 0.05 < predicted.slot[0] < 0.95  # a real test, not one decided by a degenerate drafter
 
 
+def _tiny(config: str, drafter: str, prompts: int) -> tuple[Models, list[Prompt]]:
+    """The shipped tiny target with one of its drafters (opd/assets/tiny/<drafter>) and the first held-out prompts."""
+    assets = ROOT / "opd/assets/tiny"
+    spec = load_spec(ROOT / "configs" / config, [
+        f"models.target_path={assets}/target", f"models.tokenizer_path={assets}/target",
+        f"models.drafter_path={assets}/{drafter}", f"data.train_prompts={assets}/prompts/train.jsonl",
+        f"data.eval_prompts={assets}/prompts/heldout.jsonl", "models.device=cpu"])
+    models = build_models(spec)
+    return models, load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=256, limit=prompts).prompts
+
+
 @pytest.fixture(scope="module")
 def tiny_sampled():
     """The shipped tiny target and warm drafter decoding 64 held-out prompts at Qwen3's serving setting:
     realistic acceptance (a block accepts 0-7 drafts), so the prediction is tested where it is informative."""
-    assets = ROOT / "opd/assets/tiny"
-    spec = load_spec(ROOT / "configs/tiny.yaml", [
-        f"models.target_path={assets}/target", f"models.tokenizer_path={assets}/target",
-        f"models.drafter_path={assets}/drafter", f"data.train_prompts={assets}/prompts/train.jsonl",
-        f"data.eval_prompts={assets}/prompts/heldout.jsonl", "models.device=cpu"])
-    models = build_models(spec)
-    prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=256, limit=64).prompts
+    models, prompts = _tiny("tiny.yaml", "drafter", 64)
     decoder = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id)
     records = decoder.generate([p.ids for p in prompts], SERVING, max_new_tokens=64, seed=3,
                                keys=list(range(len(prompts))))
@@ -175,13 +180,7 @@ def tiny_sampled_q():
     """The shipped tiny target and DFlash 2 drafter decoding 48 held-out prompts with drafts sampled from the
     selector's q at Qwen3's serving setting, replayed: the records, the diagnostic's (α, survival) on them, and the
     point-mass rule's acceptance of the same drafts (a wrong rule for these drafts)."""
-    assets = ROOT / "opd/assets/tiny"
-    spec = load_spec(ROOT / "configs/tiny-dflash2.yaml", [
-        f"models.target_path={assets}/target", f"models.tokenizer_path={assets}/target",
-        f"models.drafter_path={assets}/dflash2", f"data.train_prompts={assets}/prompts/train.jsonl",
-        f"data.eval_prompts={assets}/prompts/heldout.jsonl", "models.device=cpu"])
-    models = build_models(spec)
-    prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=256, limit=48).prompts
+    models, prompts = _tiny("tiny-dflash2.yaml", "dflash2", 48)
     sampling = Sampling(0.6, top_k=20, top_p=0.95, sample_drafts=True)
     records = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id).generate(
         [p.ids for p in prompts], sampling, max_new_tokens=64, seed=3, keys=list(range(len(prompts))))
