@@ -130,7 +130,7 @@ def test_every_preset_layers_onto_every_experiment(preset: Path, tmp_path: Path)
     """A preset holds only its recipe's fields, so `base: [experiment, preset]` works for every shipped
     experiment and changes nothing but those fields."""
     raw = yaml.safe_load(preset.read_text())
-    assert "base" not in raw and set(raw) <= {"rollout", "replay", "loss"}
+    assert "base" not in raw and set(raw) <= {"rollout", "replay", "loss", "serving"}
     for experiment in [PAPER, *sorted((ROOT / "configs").glob("qwen3-*.yaml"))]:
         write(tmp_path / "run.yaml", {"base": [str(experiment), str(preset)]})
         layered = flatten(load_spec(tmp_path / "run.yaml", check_paths=False))
