@@ -142,8 +142,8 @@ def _dflash_shapes(path: str, target: SimpleNamespace) -> tuple[dict[str, tuple[
     import torch
     from torch import nn
 
-    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
     from opd.models.dflash2 import dflash_class
+    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
 
     config = read_config(Path(path) / CONFIG_FILE, target)
     with torch.device("meta"):
