@@ -8,14 +8,18 @@ PY := .venv/bin/python
 UV := $(PY) -m uv pip install -q --python $(PY) --compile-bytecode
 VENV_STAMP := .venv/.installed
 DS_STAMP := .venv/.deepspeed
-.PHONY: run test lint test-all bench clean-venv
+# The versions the tests passed on, which every install here is constrained to (`uv pip install -c`, `pip -c`):
+# `make lock` writes it from a venv that passed, `make upgrade-check` tries the newest releases.
+LOCK := requirements.lock
 
-$(VENV_STAMP): pyproject.toml
+.PHONY: run test lint test-all bench lock upgrade-check clean-venv
+
+$(VENV_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --no-compile torch==2.13.0 uv
+	$(PY) -m pip install -q --no-compile -c $(LOCK) torch==2.13.0 uv
 	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages/torch > /dev/null || true
-	$(UV) -e '.[dev]'
-	$(UV) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
+	$(UV) -c $(LOCK) -e '.[dev]'
+	$(UV) -c $(LOCK) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
 	touch $(VENV_STAMP)
 
 run: $(VENV_STAMP)
@@ -52,6 +56,40 @@ bench: $(VENV_STAMP)
 	$(PY) bench/decode.py
 	$(PY) bench/replay.py
 	$(PY) bench/pipeline.py
+
+# The lock from the venv `make test` passed in: every installed version but torch (the local CPU wheel, pinned
+# above and by the `gpu` extra), pip and the project itself.
+lock: $(VENV_STAMP)
+	{ echo "# The versions the tests passed on, written by \`make lock\` (uv pip freeze); every install is constrained to it."; \
+	  $(PY) -m uv pip freeze --python $(PY) --exclude-editable --exclude torch --exclude pip; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+
+# The newest releases of every dependency, above the ranges in pyproject.toml (torch aside: it moves with the GPU
+# stack's pins), in a scratch venv under build/upgrade, then every check `make test` runs. Prints what moved
+# against the lock and which checks broke; build/upgrade/requirements.lock is the lock to adopt (with the ranges
+# widened) once they all pass. Needs the package index.
+UPGRADE := build/upgrade
+UPY := $(UPGRADE)/venv/bin/python
+UBIN := $(UPGRADE)/venv/bin
+upgrade-check:
+	rm -rf $(UPGRADE) && mkdir -p $(UPGRADE)
+	python3 -m venv $(UPGRADE)/venv
+	$(UPY) -m pip install -q --no-compile torch==2.13.0 uv
+	$(UPY) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  reqs = p["dependencies"] + [r for x in ("dev",) for r in p["optional-dependencies"][x]]; \
+	  print("\n".join(sorted({re.split(r"[^A-Za-z0-9_.-]", r)[0] for r in reqs} - {"torch"})))' > $(UPGRADE)/unpinned.txt
+	$(UPY) -m uv pip install -q --python $(UPY) --override $(UPGRADE)/unpinned.txt -e '.[dev]'
+	$(UPY) -m uv pip install -q --python $(UPY) --no-deps dflash
+	$(UPY) -m uv pip freeze --python $(UPY) --exclude-editable --exclude torch --exclude pip > $(UPGRADE)/requirements.lock
+	grep -v '^#' $(LOCK) > $(UPGRADE)/locked.txt
+	@echo "moved against $(LOCK) (< locked, > newest):"
+	@diff $(UPGRADE)/locked.txt $(UPGRADE)/requirements.lock | grep '^[<>]' || echo "  nothing"
+	@broken=""; \
+	$(UBIN)/ruff check . || broken="$$broken ruff"; \
+	$(UBIN)/mypy $(MYPY_PATHS) || broken="$$broken mypy"; \
+	$(UPY) -m pytest $(PYTEST_XDIST) || broken="$$broken tests"; \
+	if [ -n "$$broken" ]; then echo "upgrade-check: broken on the newest releases:$$broken"; exit 1; fi; \
+	echo "upgrade-check: every check passes on the newest releases"
 
 clean-venv:
 	rm -rf .venv
