@@ -12,13 +12,13 @@ DS_STAMP := .venv/.deepspeed
 # `make lock` writes it from a venv that passed, `make upgrade-check` tries the newest releases.
 LOCK := requirements.lock
 
-.PHONY: run test lint test-all bench lock upgrade-check clean-venv
+.PHONY: run test lint docs test-all bench lock upgrade-check clean-venv
 
 $(VENV_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --no-compile -c $(LOCK) torch==2.13.0 uv
 	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages/torch > /dev/null || true
-	$(UV) -c $(LOCK) -e '.[dev]'
+	$(UV) -c $(LOCK) -e '.[dev,docs]'
 	$(UV) -c $(LOCK) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
 	touch $(VENV_STAMP)
 
@@ -34,14 +34,22 @@ PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint $(VENV_STAMP)
 	$(PY) -m pytest $(PYTEST_XDIST)
 
-# What `make test` checks besides the tests, fastest first: ruff's lint on the whole tree, and mypy on MYPY_PATHS
-# (the modules still listed in pyproject.toml's follow-up are not reported).
+# What `make test` checks besides the tests, fastest first. ruff: lint on the whole tree, format only on the files
+# in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (the modules still
+# listed in pyproject.toml's follow-up are not reported); the docs with --strict, so a broken link, anchor or
+# reference page fails (never -q: it hides the warnings that --strict counts).
+FORMATTED := docs/hooks/reference.py
 MYPY_PATHS := opd/models opd/decoding opd/distill opd/train
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
 
 lint: $(VENV_STAMP)
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check $(FORMATTED)
 	.venv/bin/mypy $(MYPY_PATHS)
+	$(DOCS_ENV) .venv/bin/mkdocs build --strict
 
+docs: $(VENV_STAMP)
+	$(DOCS_ENV) .venv/bin/mkdocs serve
 
 # DeepSpeed's CPU build (no compiled ops) for tests/test_deepspeed.py; only test-all installs it, so `make test`
 # stays as light as before.
@@ -76,9 +84,9 @@ upgrade-check:
 	python3 -m venv $(UPGRADE)/venv
 	$(UPY) -m pip install -q --no-compile torch==2.13.0 uv
 	$(UPY) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-	  reqs = p["dependencies"] + [r for x in ("dev",) for r in p["optional-dependencies"][x]]; \
+	  reqs = p["dependencies"] + [r for x in ("dev", "docs") for r in p["optional-dependencies"][x]]; \
 	  print("\n".join(sorted({re.split(r"[^A-Za-z0-9_.-]", r)[0] for r in reqs} - {"torch"})))' > $(UPGRADE)/unpinned.txt
-	$(UPY) -m uv pip install -q --python $(UPY) --override $(UPGRADE)/unpinned.txt -e '.[dev]'
+	$(UPY) -m uv pip install -q --python $(UPY) --override $(UPGRADE)/unpinned.txt -e '.[dev,docs]'
 	$(UPY) -m uv pip install -q --python $(UPY) --no-deps dflash
 	$(UPY) -m uv pip freeze --python $(UPY) --exclude-editable --exclude torch --exclude pip > $(UPGRADE)/requirements.lock
 	grep -v '^#' $(LOCK) > $(UPGRADE)/locked.txt
@@ -87,6 +95,7 @@ upgrade-check:
 	@broken=""; \
 	$(UBIN)/ruff check . || broken="$$broken ruff"; \
 	$(UBIN)/mypy $(MYPY_PATHS) || broken="$$broken mypy"; \
+	$(DOCS_ENV) $(UBIN)/mkdocs build --strict --site-dir $(CURDIR)/$(UPGRADE)/site || broken="$$broken docs"; \
 	$(UPY) -m pytest $(PYTEST_XDIST) || broken="$$broken tests"; \
 	if [ -n "$$broken" ]; then echo "upgrade-check: broken on the newest releases:$$broken"; exit 1; fi; \
 	echo "upgrade-check: every check passes on the newest releases"
