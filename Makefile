@@ -85,7 +85,8 @@ upgrade-check:
 	$(UPY) -m pip install -q --no-compile torch==2.13.0 uv
 	$(UPY) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 	  reqs = p["dependencies"] + [r for x in ("dev", "docs") for r in p["optional-dependencies"][x]]; \
-	  print("\n".join(sorted({re.split(r"[^A-Za-z0-9_.-]", r)[0] for r in reqs} - {"torch"})))' > $(UPGRADE)/unpinned.txt
+	  names = {re.match(r"[A-Za-z0-9_.-]+(\[[^]]*\])?", r).group(0) for r in reqs}; \
+	  print("\n".join(sorted(n for n in names if n != "torch")))' > $(UPGRADE)/unpinned.txt
 	$(UPY) -m uv pip install -q --python $(UPY) --override $(UPGRADE)/unpinned.txt -e '.[dev,docs]'
 	$(UPY) -m uv pip install -q --python $(UPY) --no-deps dflash
 	$(UPY) -m uv pip freeze --python $(UPY) --exclude-editable --exclude torch --exclude pip > $(UPGRADE)/requirements.lock
