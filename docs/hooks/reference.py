@@ -151,15 +151,20 @@ def _type(annotation: Any) -> str:
     return annotation.__name__
 
 
-def _default(field: Any) -> str:
-    if field.default_factory is not None:
+def _default(name: str, field: Any, section: BaseModel | None) -> str:
+    """The field's default: as the section's default instance holds it when it has one (a section's default may
+    differ from its class's, as `resources.evaluator`'s does), else as the field declares it."""
+    if section is not None:
+        value = getattr(section, name)
+    elif field.default_factory is not None:
         value = field.default_factory()
-        if isinstance(value, BaseModel):
-            return "(section)"
-        return f"`{json.dumps(value if not isinstance(value, list) else [_plain(v) for v in value])}`"
-    if field.default is PydanticUndefined:
+    elif field.default is PydanticUndefined:
         return "required"
-    return f"`{json.dumps(_plain(field.default))}`"
+    else:
+        value = field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return f"`{json.dumps([_plain(v) for v in value] if isinstance(value, list) else _plain(value))}`"
 
 
 def _plain(value: Any) -> Any:
@@ -211,9 +216,11 @@ def spec_page() -> str:
         "Unknown keys, infinite and NaN floats are refused everywhere.",
         "",
     ]
-    sections: list[tuple[str, type[BaseModel]]] = [("", spec_module.ExperimentSpec)]
+    # (dotted path, model, its default instance when the section has one); each section is followed by its own
+    # subsections, in field order
+    sections: list[tuple[str, type[BaseModel], BaseModel | None]] = [("", spec_module.ExperimentSpec, None)]
     while sections:
-        path, model = sections.pop(0)
+        path, model, instance = sections.pop(0)
         title = f"`{path}`" if path else "Top level"
         out += [
             f"## {title}",
@@ -223,15 +230,22 @@ def spec_page() -> str:
             "| field | type | default | note |",
             "|---|---|---|---|",
         ]
+        subsections = []
         for name, field in model.model_fields.items():
             annotation = field.rebuild_annotation() if field.metadata else field.annotation
             dotted = f"{path}.{name}" if path else name
-            inner = _models(field.annotation)
-            listed = typing.get_origin(field.annotation) is list
-            sections += [(dotted + ("[]" if listed else ""), sub) for sub in inner]
+            inner, items = _models(field.annotation), "[]" if typing.get_origin(field.annotation) is list else ""
+            if instance is not None:
+                default = getattr(instance, name)
+            else:
+                default = field.default_factory() if field.default_factory is not None else None
+            subsections += [(dotted + items, sub, None if items else default) for sub in inner]
             note = notes.get((model.__name__, name), "")
             if inner:
-                note = (note + " " if note else "") + f"See `{dotted}{'[]' if listed else ''}` below."
-            out.append(f"| `{name}` | {_cell(_type(annotation))} | {_cell(_default(field))} | {_cell(note)} |")
+                note = (note + " " if note else "") + f"See `{dotted}{items}` below."
+            out.append(
+                f"| `{name}` | {_cell(_type(annotation))} | {_cell(_default(name, field, instance))} | {_cell(note)} |"
+            )
+        sections[0:0] = subsections
         out.append("")
     return "\n".join(out)
