@@ -54,7 +54,7 @@ docs: $(VENV_STAMP)
 # DeepSpeed's CPU build (no compiled ops) for tests/test_deepspeed.py; only test-all installs it, so `make test`
 # stays as light as before.
 $(DS_STAMP): $(VENV_STAMP)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev,deepspeed]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(LOCK) -e '.[dev,deepspeed]'
 	touch $(DS_STAMP)
 
 test-all: $(DS_STAMP)
