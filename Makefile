@@ -8,15 +8,18 @@ PY := .venv/bin/python
 UV := $(PY) -m uv pip install -q --python $(PY) --compile-bytecode
 VENV_STAMP := .venv/.installed
 DS_STAMP := .venv/.deepspeed
+# The versions the tests passed on, which every install here is constrained to (`uv pip install -c`, `pip -c`):
+# `make lock` writes it from a venv that passed, `make upgrade-check` tries the newest releases.
+LOCK := requirements.lock
 
-.PHONY: run test test-all bench clean-venv
+.PHONY: run test lint docs test-all bench lock upgrade-check clean-venv
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --no-compile torch==2.13.0 uv
+	$(PY) -m pip install -q --no-compile -c $(LOCK) torch==2.13.0 uv
 	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages/torch > /dev/null || true
-	$(UV) -e '.[dev]'
-	$(UV) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
+	$(UV) -c $(LOCK) -e '.[dev,docs]'
+	$(UV) -c $(LOCK) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
 	touch $(VENV_STAMP)
 
 run: $(VENV_STAMP)
@@ -28,13 +31,30 @@ run: $(VENV_STAMP)
 TEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: $(VENV_STAMP)
+test: lint $(VENV_STAMP)
 	$(PY) -m pytest $(PYTEST_XDIST)
+
+# What `make test` checks besides the tests, fastest first. ruff: lint on the whole tree, format only on the files
+# in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (the modules still
+# listed in pyproject.toml's follow-up are not reported); the docs with --strict, so a broken link, anchor or
+# reference page fails (never -q: it hides the warnings that --strict counts).
+FORMATTED := docs/hooks/reference.py
+MYPY_PATHS := opd/models opd/decoding opd/distill opd/train
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+
+lint: $(VENV_STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check $(FORMATTED)
+	.venv/bin/mypy $(MYPY_PATHS)
+	$(DOCS_ENV) .venv/bin/mkdocs build --strict
+
+docs: $(VENV_STAMP)
+	$(DOCS_ENV) .venv/bin/mkdocs serve
 
 # DeepSpeed's CPU build (no compiled ops) for tests/test_deepspeed.py; only test-all installs it, so `make test`
 # stays as light as before.
 $(DS_STAMP): $(VENV_STAMP)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev,deepspeed]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(LOCK) -e '.[dev,deepspeed]'
 	touch $(DS_STAMP)
 
 test-all: $(DS_STAMP)
@@ -44,6 +64,42 @@ bench: $(VENV_STAMP)
 	$(PY) bench/decode.py
 	$(PY) bench/replay.py
 	$(PY) bench/pipeline.py
+
+# The lock from the venv `make test` passed in: every installed version but torch (the local CPU wheel, pinned
+# above and by the `gpu` extra), pip and the project itself.
+lock: $(VENV_STAMP)
+	{ echo "# The versions the tests passed on, written by \`make lock\` (uv pip freeze); every install is constrained to it."; \
+	  $(PY) -m uv pip freeze --python $(PY) --exclude-editable --exclude torch --exclude pip; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+
+# The newest releases of every dependency, above the ranges in pyproject.toml (torch aside: it moves with the GPU
+# stack's pins), in a scratch venv under build/upgrade, then every check `make test` runs. Prints what moved
+# against the lock and which checks broke; build/upgrade/requirements.lock is the lock to adopt (with the ranges
+# widened) once they all pass. Needs the package index.
+UPGRADE := build/upgrade
+UPY := $(UPGRADE)/venv/bin/python
+UBIN := $(UPGRADE)/venv/bin
+upgrade-check:
+	rm -rf $(UPGRADE) && mkdir -p $(UPGRADE)
+	python3 -m venv $(UPGRADE)/venv
+	$(UPY) -m pip install -q --no-compile torch==2.13.0 uv
+	$(UPY) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  reqs = p["dependencies"] + [r for x in ("dev", "docs") for r in p["optional-dependencies"][x]]; \
+	  names = {re.match(r"[A-Za-z0-9_.-]+(\[[^]]*\])?", r).group(0) for r in reqs}; \
+	  print("\n".join(sorted(n for n in names if n != "torch")))' > $(UPGRADE)/unpinned.txt
+	$(UPY) -m uv pip install -q --python $(UPY) --override $(UPGRADE)/unpinned.txt -e '.[dev,docs]'
+	$(UPY) -m uv pip install -q --python $(UPY) --no-deps dflash
+	$(UPY) -m uv pip freeze --python $(UPY) --exclude-editable --exclude torch --exclude pip > $(UPGRADE)/requirements.lock
+	grep -v '^#' $(LOCK) > $(UPGRADE)/locked.txt
+	@echo "moved against $(LOCK) (< locked, > newest):"
+	@diff $(UPGRADE)/locked.txt $(UPGRADE)/requirements.lock | grep '^[<>]' || echo "  nothing"
+	@broken=""; \
+	$(UBIN)/ruff check . || broken="$$broken ruff"; \
+	$(UBIN)/mypy $(MYPY_PATHS) || broken="$$broken mypy"; \
+	$(DOCS_ENV) $(UBIN)/mkdocs build --strict --site-dir $(CURDIR)/$(UPGRADE)/site || broken="$$broken docs"; \
+	$(UPY) -m pytest $(PYTEST_XDIST) || broken="$$broken tests"; \
+	if [ -n "$$broken" ]; then echo "upgrade-check: broken on the newest releases:$$broken"; exit 1; fi; \
+	echo "upgrade-check: every check passes on the newest releases"
 
 clean-venv:
 	rm -rf .venv

@@ -1030,7 +1030,7 @@ def _apply_override(data: dict[str, Any], item: str) -> str | None:
         return f"--set {item!r}: {_yaml_problem(exc)}"
     node: dict[str, Any] | list[Any] = data
     try:
-        for depth, part in enumerate(parts[:-1]):
+        for depth in range(len(parts) - 1):
             node = _child(node, parts[: depth + 1], indexed=parts[depth + 1].isdigit())
         node[_slot(node, parts)] = value
     except ValueError as exc:

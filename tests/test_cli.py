@@ -196,9 +196,9 @@ def test_layer_ids_that_disagree_with_the_warm_drafter_are_refused(tmp_path, cap
     assert "disagrees with the warm drafter's [1, 3]" in capsys.readouterr().err
 
 
-def test_the_readme_says_to_activate_the_venv_before_its_opd_commands() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert readme.index("source .venv/bin/activate") < readme.index("opd validate")
+def test_getting_started_says_to_activate_the_venv_before_its_opd_commands() -> None:
+    page = (Path(__file__).parents[1] / "docs" / "getting-started.md").read_text()
+    assert page.index("source .venv/bin/activate") < page.index("opd validate")
 
 
 def test_printed_commands_name_the_venv_when_it_is_not_active(monkeypatch) -> None:

@@ -93,7 +93,7 @@ def test_records_rebuild_the_response(target, sampling):
     for rec in decoder.generate(MIXED_PROMPTS, sampling, max_new_tokens=30, seed=1):
         assert rec.draft_version == 7 and rec.finish_reason in ("eos", "length")
         rebuilt = rec.response_ids[:1]
-        for m, (anchor, block, r) in enumerate(zip(rec.anchors, rec.drafts, rec.accepted)):
+        for anchor, block, r in zip(rec.anchors, rec.drafts, rec.accepted):
             assert anchor == len(rebuilt) - 1  # every block starts at the last committed token
             assert len(block) == 3 and 0 <= r <= 3
             rebuilt += block[:r]

@@ -1,9 +1,9 @@
-"""The layering the README states (Layout): actors/ → opd/, never back, except the launcher edge
+"""The layering docs/design/architecture.md states: actors/ → opd/, never back, except the launcher edge
 opd/commands/launch.py → actors/; no Ray inside opd/ outside the launcher; no import cycles among opd/ and actors/;
 and inside opd/ the floors below, where a module imports only from its own floor or one beneath it.
 
-`LAYERS` is the one place the order is written down; the README's Layout section prints it (see
-`test_the_readme_states_the_layer_order`)."""
+`LAYERS` is the one place the order is written down; the architecture page prints it (see
+`test_the_architecture_page_states_the_layer_order`)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_the_root_of_opd_stays_small():
     assert len(root) <= 10, root
 
 
-def test_the_readme_states_the_layer_order():
-    readme = (ROOT / "README.md").read_text()
+def test_the_architecture_page_states_the_layer_order():
+    page = (ROOT / "docs" / "design" / "architecture.md").read_text()
     order = " < ".join(floor[0].removeprefix("opd.") if floor[0] != "opd" else "ground" for floor in LAYERS)
-    assert order in readme, f"README.md should state the layer order: {order}"
+    assert order in page, f"docs/design/architecture.md should state the layer order: {order}"

@@ -13,8 +13,8 @@ import yaml
 
 from actors.driver import RayRun, place, relaunch, run_ray
 from actors.queues import BatchQueue, Lost
-from opd.distill.replay import ScoredBatch
 from opd.cli import main
+from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
 from opd.models.flops import FlopCounter
 from opd.spec import ExperimentSpec, load_spec

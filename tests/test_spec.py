@@ -96,14 +96,14 @@ def _flat(value, prefix: str = "") -> dict[str, str]:
 
 def test_make_run_runs_the_recommended_preset_on_the_papers_setup() -> None:
     """`make run` runs configs/tiny.yaml, which is tiny-paper.yaml with exactly the sampled-serving preset's fields
-    changed (and its name), the recipe the README recommends."""
+    changed (and its name), the recipe the docs recommend (Getting started)."""
     assert ".venv/bin/opd run configs/tiny.yaml" in (ROOT / "Makefile").read_text()
     preset = _flat(yaml.safe_load((ROOT / "configs" / "presets" / "sampled-serving.yaml").read_text()))
     paper, tiny = flatten(load_spec(PAPER, check_paths=False)), flatten(load_spec(TINY, check_paths=False))
     changed = {key for key in tiny.keys() | paper.keys() if tiny.get(key) != paper.get(key)}
     assert changed == {"name", "rollout.mix", *preset}  # rollout.mix: the paper's empty list, flattened as one key
     assert all(tiny[key] == value for key, value in preset.items())
-    assert "configs/presets/sampled-serving.yaml" in (ROOT / "README.md").read_text()
+    assert "configs/presets/sampled-serving.yaml" in (ROOT / "docs" / "getting-started.md").read_text()
 
 
 def test_the_paper_config_keeps_the_papers_loss() -> None:

@@ -19,9 +19,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from transformers import (GptOssConfig, GptOssForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from opd.cli import main
 from opd.data.prompts import Prompt
@@ -33,15 +44,23 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.dense_reference import dense_teacher_masks, per_block_states
 from opd.distill.replay import CommittedView, packed_inputs, score
 from opd.errors import OpdError
+from opd.models import linear_replay
 from opd.models.deltanet import DeltaNetKernels
 from opd.models.flops import TargetParams
-from opd.models import linear_replay
 from opd.models.linear_replay import GROUP_BYTES, SEGMENT
 from opd.models.target import Target, load_target
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_drafter
-from tests.test_decoding import (EOS, MASK, MIXED_PROMPTS, PROMPT, chi_square, constant_drafter, exact_joint,
-                                 sampled_joint)
+from tests.test_decoding import (
+    EOS,
+    MASK,
+    MIXED_PROMPTS,
+    PROMPT,
+    chi_square,
+    constant_drafter,
+    exact_joint,
+    sampled_joint,
+)
 from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
 FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5")

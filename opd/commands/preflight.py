@@ -86,9 +86,10 @@ def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
 
 
 def check_layer_kinds_of(path: str) -> None:
-    """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly (README: Target families),
-    by `Target`'s own rule (`attention_windows`) applied to the model class's skeleton built from config.json: no
-    weights are read, so a run ends here in seconds rather than when an actor loads the target."""
+    """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly
+    (docs/guides/target-layer-kind.md), by `Target`'s own rule (`attention_windows`) applied to the model class's
+    skeleton built from config.json: no weights are read, so a run ends here in seconds rather than when an actor
+    loads the target."""
     from opd.models.shared_head import skeleton, target_config
     from opd.models.target import attention_windows
 
@@ -142,8 +143,8 @@ def _dflash_shapes(path: str, target: SimpleNamespace) -> tuple[dict[str, tuple[
     import torch
     from torch import nn
 
-    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
     from opd.models.dflash2 import dflash_class
+    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
 
     config = read_config(Path(path) / CONFIG_FILE, target)
     with torch.device("meta"):

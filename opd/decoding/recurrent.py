@@ -25,8 +25,9 @@ it has run (recording a long prompt's kernel inputs would hold about 400 KB a to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -32,13 +32,13 @@ from transformers.cache_utils import StaticCache
 
 from opd.decoding.batch import right_pad
 from opd.decoding.compaction import compact, crop, row_mask
-from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.record import SequenceRecord
+from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, next_token, sample_chained_draft, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
-from opd.models.family import Drafter
 from opd.models.deltanet import linear_layers
+from opd.models.family import Drafter, chains
 from opd.models.target import Target
 
 
@@ -165,7 +165,7 @@ class SpeculativeDecoder:
         argmax drafts, whose logits verification does not need)."""
         sampled = sampling.sample_drafts and not sampling.greedy
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
-        if sampled and self.drafter.chains_q:
+        if sampled and chains(self.drafter):
             return sample_chained_draft(self.drafter, s.draft_cache, s.anchor, s.anchor_pos, sampling, seed=seed,
                                         keys=s.keys, start=s.response_len)
         drafts, logits = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)

@@ -21,7 +21,7 @@ import torch
 
 from opd.decoding.sampling import Sampling, keyed_uniform, sample_from, target_probs
 from opd.models.drafter_cache import DrafterCache
-from opd.models.family import Drafter
+from opd.models.family import ChainedDrafter
 
 # Keyed random streams (see sampling.py): accept/reject coins, the token the target emits at a position, and the
 # token a sampled draft proposes for it.
@@ -57,7 +57,7 @@ def sample_draft(draft_logits: torch.Tensor, sampling: Sampling, *, seed: int = 
     return sample_from(q, _draft_uniforms(draft_logits.shape[:2], seed, keys, start, draft_logits.device)), q
 
 
-def sample_chained_draft(drafter: Drafter, cache: DrafterCache, anchor_ids: torch.Tensor,
+def sample_chained_draft(drafter: ChainedDrafter, cache: DrafterCache, anchor_ids: torch.Tensor,
                          anchor_positions: torch.Tensor, sampling: Sampling, *, seed: int = 0,
                          keys: torch.Tensor | None = None, start: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, DraftQ]:
@@ -139,7 +139,7 @@ def _verify(draft: torch.Tensor, q: DraftQ | None, logits: torch.Tensor, samplin
     return Verdict(accepted, sample_from(p_bonus, u))
 
 
-def _draft_uniforms(shape: tuple[int, int], seed: int, keys: torch.Tensor | None, start: torch.Tensor | None,
+def _draft_uniforms(shape: tuple[int, ...], seed: int, keys: torch.Tensor | None, start: torch.Tensor | None,
                     device: torch.device) -> torch.Tensor:
     """The uniforms [B, K−1] a block's sampled drafts are drawn with: slot k draws at response index start + k."""
     keys, positions = _keyed_positions(shape[0], shape[1], keys, start, device)

@@ -28,8 +28,16 @@ from pydantic import ValidationError
 
 from opd.data.prompts import Prompt, load_tokenizer
 from opd.data.render import Rendering
-from opd.data.suite import (BenchmarkPrompts, SuiteCard, scored_settings, second_turn_rows, suite_inputs,
-                            suite_prompts, target_context, thinking)
+from opd.data.suite import (
+    BenchmarkPrompts,
+    SuiteCard,
+    scored_settings,
+    second_turn_rows,
+    suite_inputs,
+    suite_prompts,
+    target_context,
+    thinking,
+)
 from opd.decoding.record import SequenceRecord
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats, pooled_interval

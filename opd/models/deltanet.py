@@ -45,7 +45,7 @@ class DeltaNetKernels:
         if len(self.modules) != len(self.layers) or len(kernels) != len(files) or len(files) != 1:
             raise OpdError(f"target {type(model).__name__}: its 'linear_attention' layers {self.layers} are not all "
                            "Gated DeltaNet layers with transformers' gated delta rule kernels, which the decoder "
-                           "and packed replay run from each row's own state (README: Target families)")
+                           "and packed replay run from each row's own state (docs/guides/target-layer-kind.md)")
         self.chunked, self.recurrent = _install(kernels[0])
 
     @contextmanager

@@ -10,8 +10,9 @@ one (opd/models/build.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -25,13 +26,18 @@ KINDS = ("dflash", "eagle3")
 class Drafter(Protocol):
     """A drafter on the target's frozen embedding (and, for DFlash, its LM head)."""
 
-    config: object
     sft_target: str  # what SFT teaches: "data" tokens, or the "target"'s distribution at the same slots
     # Whether q at a slot depends on the draft sampled at the slot before (DFlash 2's selector): its sampled drafts
-    # (`draft: sample`) then come from `draft_path`, not from the logits `draft` returns.
+    # (`draft: sample`) then come from `draft_path` (a `ChainedDrafter`), not from the logits `draft` returns.
     chains_q: bool
-    # DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py); None for the others.
-    selector: nn.Module | None
+
+    @property
+    def config(self) -> object:
+        """The family's config (what `save_pretrained` writes as config.json)."""
+
+    @property
+    def selector(self) -> nn.Module | None:
+        """DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py); None for the others."""
 
     @property
     def block_size(self) -> int:
@@ -86,11 +92,26 @@ class Drafter(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
+class ChainedDrafter(Drafter, Protocol):
+    """A drafter whose q at a slot depends on the draft chosen at the slot before (`chains_q`: DFlash 2)."""
+
+    def draft_path(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
+                   pick: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [B,K-1], candidates [B,K-1,k]) of one block per sequence, slot k's candidate chosen by
+        `pick(k, scores [B,k])` given the draft before it."""
+
+
+def chains(drafter: Drafter) -> TypeGuard[ChainedDrafter]:
+    """Whether `drafter` chains its slots, so that its sampled drafts come from `draft_path`."""
+    return drafter.chains_q
+
+
 def clone_drafter(drafter: Drafter) -> Drafter:
     """A separate drafter with the same weights on the same shared target modules (a rollout's or an
     evaluator's copy): both families keep those as `_shared`, outside their parameters."""
-    clone = type(drafter)(drafter.config, *drafter._shared).to(next(drafter.parameters()).device)
-    clone.load_state_dict(drafter.state_dict())
+    module: Any = drafter  # an nn.Module of its family's class, constructed as (config, *shared)
+    clone = type(module)(module.config, *module._shared).to(next(module.parameters()).device)
+    clone.load_state_dict(module.state_dict())
     return clone
 
 

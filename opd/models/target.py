@@ -1,5 +1,5 @@
 """The frozen target model: a Hugging Face causal LM of full-attention, sliding-window (with or without sinks)
-and linear-attention layers (README "Target families"), plus the hidden-state features a DFlash drafter reads.
+and linear-attention layers (docs/guides/target-layer-kind.md), plus the hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
@@ -54,7 +54,7 @@ class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
     Its layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE, Gemma 4,
-    gpt-oss), or linear attention (Qwen3.5; README "Target families"): the decoder's per-row cache packing and
+    gpt-oss), or linear attention (Qwen3.5; docs/guides/target-layer-kind.md): the decoder's per-row cache packing and
     packed replay are exact for the attention kinds; the decoder rolls linear layers back itself
     (opd/decoding/recurrent.py) and packed replay runs each drafted block from its anchor's state
     (opd/models/linear_replay.py).
@@ -264,7 +264,7 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     if other:
         problems = "; ".join(f"layers {layers} are '{kind}'" for kind, layers in other.items())
         raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention, sliding-window (with or "
-                       "without sinks) and linear-attention layers are supported (README: Target families)")
+                       "without sinks) and linear-attention layers are supported (docs/guides/target-layer-kind.md)")
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in kinds and not window:
         raise OpdError(f"target {type(model).__name__}: sliding-window layers without a `sliding_window` in its "

@@ -212,7 +212,7 @@ class SampleStore:
 
     def check_budget(self, spec: ExperimentSpec) -> None:
         """Every prompt has the samples the step budget reads at every setting, or one error naming the count."""
-        for s, (key, count) in enumerate(zip(self.settings, samples_needed(spec, len(self.pool)))):
+        for key, count in zip(self.settings, samples_needed(spec, len(self.pool))):
             for prompt in self.pool.values():
                 have = sum((key, prompt.id, j) in self.rows for j in range(count))
                 if have < count:
