@@ -32,6 +32,7 @@ formed, reduced and dropped after that chunk's gradient is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ from torch import nn
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ
 from opd.distill.losses import LossTerms, StepNorm, _valid_positions, processed_logprobs, slot_weights
+from opd.models.dflash2 import CandidateSelector
 from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunked_loss
 from opd.spec import LossSpec
@@ -54,10 +56,11 @@ def realized_q(drafter: Drafter, hidden: torch.Tensor, logits: torch.Tensor, pre
     A drafter without a selector samples its processed logits (opd/decoding/verify.py, `sample_draft`); DFlash 2's
     selector samples softmax(scores / T) over its top-k candidates given the predecessor (`sample_chained_draft`).
     """
-    selector = drafter.selector
-    if selector is None:
+    if drafter.selector is None:
         return DraftQ(processed_logprobs(logits, serving).exp())
-    unary, ids = logits.topk(selector.top_k, dim=-1)
+    selector = cast(CandidateSelector, drafter.selector)  # the one family with a selector (opd/models/dflash2.py)
+    top_k: int = selector.top_k  # type: ignore[assignment]  # set for every DFlash 2 config (dflash_format)
+    unary, ids = logits.topk(top_k, dim=-1)
     gate = selector.hidden_projection(hidden.to(selector.hidden_projection.weight.dtype))
     scores = selector.scores(gate.flatten(0, -2), predecessors.flatten(), unary.flatten(0, -2).to(gate.dtype),
                              ids.flatten(0, -2))

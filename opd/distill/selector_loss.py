@@ -40,8 +40,8 @@ from opd.spec import LossSpec
 
 def selector_loss(selector: CandidateSelector, head: nn.Module, teacher_head: nn.Module, student: torch.Tensor,
                   teacher: torch.Tensor, predecessors: torch.Tensor, accepted: torch.Tensor,
-                  position_mask: torch.Tensor, cfg: LossSpec, norm: StepNorm, *, teacher_processing: Sampling = Sampling(1.0),
-                  chunk_size: int | None = None) -> torch.Tensor:
+                  position_mask: torch.Tensor, cfg: LossSpec, norm: StepNorm, *,
+                  teacher_processing: Sampling = Sampling(1.0), chunk_size: int | None = None) -> torch.Tensor:
     """This batch's part of the step's selector term: sum over weighted slots of coef x KL(p̃ || q).
 
     student [N, K-1, H]: the drafter's final hidden states (with grad); teacher [N, K-1, H]: the target's final-norm
