@@ -22,9 +22,9 @@ from opd.errors import OpdError
 from opd.models.drafter_cache import DrafterCache
 
 
-def row_mask(used: torch.Tensor, width: int) -> torch.Tensor:
+def row_mask(used: list[int], width: int, device: torch.device) -> torch.Tensor:
     """0/1 mask [B, width]: row b's first used[b] columns hold its entries, the rest are free."""
-    return (torch.arange(width, device=used.device)[None, :] < used[:, None]).long()
+    return (torch.arange(width, device=device)[None, :] < torch.tensor(used, device=device)[:, None]).long()
 
 
 def pack_block(x: torch.Tensor, dim: int, used: torch.Tensor, block: int, width: int) -> torch.Tensor:
@@ -42,26 +42,35 @@ def pack_block(x: torch.Tensor, dim: int, used: torch.Tensor, block: int, width:
     return x.narrow(dim, 0, width)
 
 
-def compact(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor, kept: torch.Tensor,
-            block: int) -> torch.Tensor:
-    """Pack the block both caches just appended (row b keeps its first kept[b] slots); returns the new `used`."""
-    new_used = used + kept
-    width = int(new_used.max())
-    for layer in _dynamic_layers(target_cache):
-        layer.keys = pack_block(layer.keys, 2, used, block, width)
-        layer.values = pack_block(layer.values, 2, used, block, width)
-    draft_cache.keys = [pack_block(k, 2, used, block, width) for k in draft_cache.keys]
-    draft_cache.values = [pack_block(v, 2, used, block, width) for v in draft_cache.values]
-    draft_cache.positions = pack_block(draft_cache.positions, 1, used, block, width)
-    if draft_cache.states is not None:
-        draft_cache.states = pack_block(draft_cache.states, 1, used, block, width)
-    draft_cache.valid = row_mask(new_used, width).bool()
+def compact(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int], block: int,
+            draft_block: int) -> list[int]:
+    """Pack the block both caches just appended (the target's `block` slots, the drafter's first `draft_block` of
+    them, which hold every kept slot; row b keeps its first kept[b]); returns the new `used`.
+
+    When every row ended at the same column (always at batch 1), each row's block already starts at its own next
+    free column: nothing moves, the caches are only cropped, and the drafter's appended `valid` already is the
+    packed layout's."""
+    new_used = [u + n for u, n in zip(used, kept)]
+    width = max(new_used)
+    if min(used) == max(used):
+        crop(target_cache, draft_cache, width)
+    else:
+        columns = torch.tensor(used, device=draft_cache.positions.device)
+        for layer in _dynamic_layers(target_cache):
+            layer.keys = pack_block(layer.keys, 2, columns, block, width)
+            layer.values = pack_block(layer.values, 2, columns, block, width)
+        draft_cache.keys = [pack_block(k, 2, columns, draft_block, width) for k in draft_cache.keys]
+        draft_cache.values = [pack_block(v, 2, columns, draft_block, width) for v in draft_cache.values]
+        draft_cache.positions = pack_block(draft_cache.positions, 1, columns, draft_block, width)
+        if draft_cache.states is not None:
+            draft_cache.states = pack_block(draft_cache.states, 1, columns, draft_block, width)
+        draft_cache.valid = row_mask(new_used, width, columns.device).bool()
+    draft_cache.dense = min(new_used) == width
     return new_used
 
 
-def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> None:
-    """After rows left the batch, drop the columns no remaining row uses."""
-    width = int(used.max())
+def crop(target_cache: Cache, draft_cache: DrafterCache, width: int) -> None:
+    """Drop the columns past `width` (the longest remaining row): after a step, or after rows left the batch."""
     for layer in _dynamic_layers(target_cache):
         layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
     draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]

@@ -74,8 +74,8 @@ class SpeculativeDecoder:
         state = self._prefill(prompts, keys, sampling, seed, max_new_tokens)
         for rec, token in zip(records, state.anchor.tolist()):
             rec.response_ids.append(token)
-        self._drop_finished(state, records, max_new_tokens)
-        while bool(state.live.any()):
+        self._drop([i for i, rec in enumerate(records) if _done(rec, self.eos_id, max_new_tokens)], state)
+        while any(state.live):
             self._step(state, records, sampling, seed, max_new_tokens)
         for rec in records:
             _finish(rec, self.eos_id, max_new_tokens)
@@ -88,7 +88,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         device = self.target.device
         ids, mask = right_pad(prompts, pad_id=self.eos_id, device=device)
-        used = mask.sum(-1)
+        used = [len(p) for p in prompts]
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         capacity = ids.shape[1] + self.drafter.block_size * (max_new_tokens - 1) if self.static_cache else None
         target_cache, full_mask = None, mask
@@ -98,23 +98,25 @@ class SpeculativeDecoder:
         prefill = nullcontext()
         if self.rollback is not None:
             target_cache = self.rollback.new_cache()
-            prefill = self.rollback.prefill(target_cache, used, ids.shape[1])
+            prefill = self.rollback.prefill(target_cache, mask.sum(-1), ids.shape[1])
         with prefill:
             out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
                               use_cache=True)
         keys_t = torch.tensor(keys, device=device)
-        last = out.logits[torch.arange(len(prompts), device=device), used - 1]
-        first = next_token(last, sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
+        last = mask.sum(-1) - 1
+        first = next_token(out.logits[torch.arange(len(prompts), device=device), last], sampling, seed=seed,
+                           keys=keys_t, positions=torch.zeros_like(keys_t))
         draft_cache = self.drafter.new_cache(len(prompts), capacity)
-        next_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter_(1, (used - 1)[:, None], first[:, None])
+        next_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter_(1, last[:, None], first[:, None])
         self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool(), next_ids)
+        draft_cache.dense = capacity is None and min(used) == max(used)
         self.timings["verify"] += time.perf_counter() - t0
-        return _State(rows=torch.arange(len(prompts), device=device), keys=keys_t,
+        return _State(rows=list(range(len(prompts))), keys=keys_t,
                       target_cache=out.past_key_values, target_mask=full_mask if self.static_cache else None,
                       filled=ids.shape[1], used=used,
-                      draft_cache=draft_cache, anchor=first, anchor_pos=used.clone(),
+                      draft_cache=draft_cache, anchor=first, anchor_pos=last + 1,
                       response_len=torch.ones(len(prompts), dtype=torch.long, device=device),
-                      live=torch.ones(len(prompts), dtype=torch.bool, device=device))
+                      live=[True] * len(prompts))
 
     def _step(self, s: _State, records: list[SequenceRecord], sampling: Sampling, seed: int,
               max_new_tokens: int) -> None:
@@ -122,8 +124,9 @@ class SpeculativeDecoder:
         drafts, draft_q = self._draft(s, sampling, seed)
         clock.append(time.perf_counter())
         k = drafts.shape[1] + 1
+        offsets = torch.arange(k, device=drafts.device)
         block = torch.cat([s.anchor[:, None], drafts], 1)
-        block_pos = s.anchor_pos[:, None] + torch.arange(k, device=block.device)
+        block_pos = s.anchor_pos[:, None] + offsets
         with self._recording():
             out = self.target(block, attention_mask=self._block_mask(s, k), position_ids=block_pos,
                               past_key_values=s.target_cache, use_cache=True)
@@ -134,21 +137,28 @@ class SpeculativeDecoder:
         else:
             verdict = verify_sampled(drafts, draft_q.probs, out.logits, sampling, seed=seed, keys=s.keys,
                                      start=s.response_len, draft_ids=draft_q.ids)
-        kept = torch.arange(k, device=block.device)[None, :] <= verdict.accepted[:, None]  # anchor + accepted
+        # The one host transfer of a step: per row, accepted, bonus and the drafts, for the records and the caches.
+        facts = torch.cat([verdict.accepted[:, None], verdict.bonus[:, None], drafts], 1).tolist()
+        accepted = [row[0] for row in facts]
+        # Slots past every row's kept ones are rejected everywhere: the drafter's context never needs them (a static
+        # cache writes all K, so that its shapes never change).
+        width = k if self.static_cache else max(accepted) + 1
+        kept = offsets[None, :width] <= verdict.accepted[:, None]  # anchor + accepted
         if self.rollback is not None:
             self.rollback.keep(out.past_key_values, verdict.accepted + 1)
         clock.append(time.perf_counter())
         # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
         next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
                                                                            verdict.bonus[:, None])
-        self.drafter.extend_cache(s.draft_cache, out.features, block_pos, kept, next_ids)
+        self.drafter.extend_cache(s.draft_cache, out.features[:, :width], block_pos[:, :width], kept,
+                                  next_ids[:, :width])
         clock.append(time.perf_counter())
         s.target_cache = out.past_key_values
-        self._keep_slots(s, kept, verdict.accepted + 1)
-        self._record(s, records, drafts, verdict.accepted, verdict.bonus)
+        self._keep_slots(s, kept, accepted, k)
+        done = self._record(s, records, facts, max_new_tokens)
         s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
         s.response_len = s.response_len + verdict.accepted + 1
-        self._drop_finished(s, records, max_new_tokens)
+        self._drop(done, s)
         clock.append(time.perf_counter())
         # "draft" and "verify" are the two models' forwards; everything else is bookkeeping.
         self.timings["draft"] += (clock[1] - clock[0]) + (clock[4] - clock[3])
@@ -174,54 +184,66 @@ class SpeculativeDecoder:
         drafts, q = sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
         return drafts, DraftQ(q)
 
-    def _block_mask(self, s: _State, k: int) -> torch.Tensor:
+    def _block_mask(self, s: _State, k: int) -> torch.Tensor | None:
         """The target's 2-D mask for verifying a K-token block: every row's used columns plus the block itself
-        (appended after the cache's last column)."""
+        (appended after the cache's last column). None where every row uses every column (always at batch 1) and
+        the target has no sliding-window layers (whose masks `kind_masks` narrows from this one): the model's own
+        causal mask is then the same, and it is how z-lab's decoder calls the target."""
         if not self.static_cache:
-            used = row_mask(s.used, s.target_cache.get_seq_length())
+            if min(s.used) == max(s.used) and not self.target.windowed:
+                return None
+            used = row_mask(s.used, s.target_cache.get_seq_length(), s.anchor.device)
             return torch.cat([used, used.new_ones(len(s.rows), k)], 1)
         s.target_mask[:, s.filled : s.filled + k] = 1
         return s.target_mask
 
-    def _keep_slots(self, s: _State, kept: torch.Tensor, count: torch.Tensor) -> None:
-        """Keep each row's anchor and accepted drafts (`kept` [B, K], `count` of them per row): packed to the
-        left of both caches, or, in a static cache, left in place with the rejected slots as masked holes."""
+    def _keep_slots(self, s: _State, kept: torch.Tensor, accepted: list[int], k: int) -> None:
+        """Keep each row's anchor and accepted drafts (`kept` [B, ≤K], accepted[b] + 1 of them per row): packed to
+        the left of both caches, or, in a static cache, left in place with the rejected slots as masked holes."""
         if self.static_cache:
-            s.target_mask[:, s.filled : s.filled + len(kept[0])] = kept.long()
-            s.filled += len(kept[0])
+            s.target_mask[:, s.filled : s.filled + k] = kept.long()
+            s.filled += k
             return
-        s.used = compact(s.target_cache, s.draft_cache, s.used, count, len(kept[0]))
+        s.used = compact(s.target_cache, s.draft_cache, s.used, [r + 1 for r in accepted], k, kept.shape[1])
 
-    def _record(self, s: _State, records: list[SequenceRecord], drafts: torch.Tensor, accepted: torch.Tensor,
-                bonus: torch.Tensor) -> None:
-        """Append this step's facts; the committed tokens are the accepted drafts followed by the bonus.
+    def _record(self, s: _State, records: list[SequenceRecord], facts: list[list[int]],
+                max_new_tokens: int) -> list[int]:
+        """Append this step's facts (per row: accepted, bonus, drafts); the committed tokens are the accepted drafts
+        followed by the bonus. Returns the batch indices of the rows that are now done.
 
         Finished rows that stay in a static batch are skipped: their tokens are meaningless."""
-        for row, live, anchor_idx, block, r, b in zip(s.rows.tolist(), s.live.tolist(),
-                                                       (s.response_len - 1).tolist(), drafts.tolist(),
-                                                       accepted.tolist(), bonus.tolist()):
+        done = []
+        for i, (row, live, (r, b, *block)) in enumerate(zip(s.rows, s.live, facts)):
             if not live:
                 continue
             rec = records[row]
-            rec.anchors.append(anchor_idx)
+            rec.anchors.append(len(rec.response_ids) - 1)
             rec.drafts.append(block)
             rec.accepted.append(r)
-            rec.response_ids.extend(block[:r] + [b])
+            new = block[:r] + [b]
+            rec.response_ids.extend(new)
+            if self.eos_id in new or len(rec.response_ids) >= max_new_tokens:
+                done.append(i)
+        return done
 
-    def _drop_finished(self, s: _State, records: list[SequenceRecord], max_new_tokens: int) -> None:
-        """Rows that emitted eos or hit the length limit leave the batch, so they cost no more compute; with a
-        static cache they stay (shapes must not change) and are only marked finished."""
-        done = [i for i, row in enumerate(s.rows.tolist())
-                if self.eos_id in records[row].response_ids or len(records[row].response_ids) >= max_new_tokens]
+    def _drop(self, done: list[int], s: _State) -> None:
+        """Rows that emitted eos or hit the length limit (batch indices `done`) leave the batch, so they cost no
+        more compute; with a static cache they stay (shapes must not change) and are only marked finished."""
         if not done:
             return
         if self.static_cache:
-            s.live[done] = False
+            for i in done:
+                s.live[i] = False
             return
-        keep = torch.tensor(sorted(set(range(len(s.rows))) - set(done)), dtype=torch.long, device=s.rows.device)
+        keep = [i for i in range(len(s.rows)) if i not in done]
         s.select(keep)
-        if len(keep):
-            crop(s.target_cache, s.draft_cache, s.used)
+        if keep:
+            crop(s.target_cache, s.draft_cache, max(s.used))
+            s.draft_cache.dense = min(s.used) == max(s.used)
+
+
+def _done(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> bool:
+    return eos_id in rec.response_ids or len(rec.response_ids) >= max_new_tokens
 
 
 def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
@@ -237,20 +259,27 @@ def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
 
 
 class _State:
-    """Per-batch tensors of the rows in the batch; `rows` maps them back to the caller's prompt order, `live`
+    """Per-batch values of the rows in the batch; `rows` maps them back to the caller's prompt order, `live`
     says which still decode (all of them unless a static cache keeps finished rows), `used` counts each row's
-    packed cache columns (growing caches), `filled` the slots written and `target_mask` the mask (static)."""
+    packed cache columns (growing caches), `filled` the slots written and `target_mask` the mask (static).
+    `rows`, `live` and `used` are host lists: the bookkeeping reads them every step without a device sync."""
 
-    def __init__(self, *, rows, keys, target_cache, target_mask, filled, used, draft_cache, anchor, anchor_pos,
-                 response_len, live) -> None:
+    def __init__(self, *, rows: list[int], keys: torch.Tensor, target_cache, target_mask: torch.Tensor | None,
+                 filled: int, used: list[int], draft_cache, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                 response_len: torch.Tensor, live: list[bool]) -> None:
         self.rows, self.keys, self.live = rows, keys, live
         self.target_cache, self.target_mask, self.filled, self.used = target_cache, target_mask, filled, used
         self.draft_cache = draft_cache
         self.anchor, self.anchor_pos, self.response_len = anchor, anchor_pos, response_len
 
-    def select(self, keep: torch.Tensor) -> None:
-        for name in ("rows", "keys", "live", "used", "anchor", "anchor_pos", "response_len"):
-            setattr(self, name, getattr(self, name)[keep])
-        if len(keep):
-            select_rows(self.target_cache, keep)
-            self.draft_cache.select(keep)
+    def select(self, keep: list[int]) -> None:
+        """Keep only these batch rows."""
+        for name in ("rows", "live", "used"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        if not keep:
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.anchor.device)
+        for name in ("keys", "anchor", "anchor_pos", "response_len"):
+            setattr(self, name, getattr(self, name)[index])
+        select_rows(self.target_cache, index)
+        self.draft_cache.select(index)
