@@ -133,15 +133,21 @@ class CandidateSelector(nn.Module):
     def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [B,S], candidates [B,S,k]): slot by slot, `pick(slot, scores [B,k])` chooses a candidate index
-        [B] given the draft chosen before it (the anchor first), and that draft is the next slot's predecessor."""
+        [B] given the draft chosen before it (the anchor first), and that draft is the next slot's predecessor.
+
+        A slot's predecessor is the anchor (slot 0) or one of the k candidates of the slot before, so every score
+        the walk can ask for is formed up front in one batched matmul, [B,S,k,k] (predecessor i, candidate j;
+        slot 0's k rows all score the anchor); the walk itself is a row lookup and a pick per slot."""
         unary, candidates = logits.topk(self.top_k, dim=-1)
-        gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
-        predecessor, path = anchor_ids, []
+        gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # [B,S,rank]
+        before = torch.cat([anchor_ids[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
+        queries = self.predecessor_codebook[before] * gates[:, :, None, :]  # [B,S,k,rank]
+        pairs = unary[:, :, None, :] + queries @ self.successor_codebook[candidates].transpose(-1, -2)
+        index, picks = torch.zeros_like(anchor_ids)[:, None, None].expand(-1, 1, self.top_k), []
         for slot in range(hidden.shape[1]):
-            index = pick(slot, self.scores(gates[:, slot], predecessor, unary[:, slot], candidates[:, slot]))
-            predecessor = candidates[:, slot].gather(-1, index[:, None])[:, 0]
-            path.append(predecessor)
-        return torch.stack(path, dim=1), candidates
+            picks.append(pick(slot, pairs[:, slot].gather(1, index)[:, 0]))
+            index = picks[-1][:, None, None].expand(-1, 1, self.top_k)
+        return candidates.gather(-1, torch.stack(picks, dim=1)[..., None])[..., 0], candidates
 
     def flops_per_slot(self) -> int:
         """One slot's selector work: the hidden projection (2·rank·H), the gate (rank) and k candidate dot
