@@ -15,7 +15,7 @@ the tokens stay identical. A row's free columns are masked by `row_mask`, so row
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from opd.decoding.recurrent import is_linear
 from opd.errors import OpdError
@@ -31,15 +31,20 @@ def pack_block(x: torch.Tensor, dim: int, used: torch.Tensor, block: int, width:
     """Move the last `block` entries of x along `dim` (batch first) to columns used[b].., then crop to `width`.
 
     A row's slots past its new length land in its free columns, which its mask hides and the next block
-    overwrites. The block is copied out first, so a destination that overlaps it reads the old values.
+    overwrites.
     """
-    start = x.shape[dim] - block
+    move_block(x, dim, used, x.shape[dim] - block, block)
+    return x.narrow(dim, 0, width)
+
+
+def move_block(x: torch.Tensor, dim: int, used: torch.Tensor, start: int, block: int) -> None:
+    """In place: the `block` entries of every row at columns start.. along `dim` move to columns used[b]... The
+    block is copied out first, so a destination that overlaps it reads the old values."""
     source = x.narrow(dim, start, block).clone()
     columns = used[:, None] + torch.arange(block, device=used.device)  # [B, block]
     shape = [len(used)] + [1] * (x.dim() - 1)
     shape[dim] = block
     x.scatter_(dim, columns.view(shape).expand_as(source), source)
-    return x.narrow(dim, 0, width)
 
 
 def compact(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int], block: int,
@@ -69,6 +74,31 @@ def compact(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kep
     return new_used
 
 
+def compact_static(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int],
+                   block: int) -> list[int]:
+    """The packing of fixed-shape caches (`rollout.static_cache`): the step wrote `block` slots at the same
+    columns of every row, from the longest row's end; row b's first kept[b] move, in place, to its own next
+    columns, and both write counters rewind to the new longest row, so the next block overwrites what was
+    rejected. The caches then need only prompt + max_new_tokens + 2K columns, and attention runs over those
+    instead of K per step. Returns the new `used`."""
+    start = draft_cache.filled - block
+    new_used = [u + n for u, n in zip(used, kept)]
+    width = max(new_used)
+    layers = _static_layers(target_cache)
+    if min(used) != start or max(used) != start:
+        columns = torch.tensor(used, device=draft_cache.positions.device)
+        for x in [t for layer in layers for t in (layer.keys, layer.values)] + draft_cache.keys + draft_cache.values:
+            move_block(x, 2, columns, start, block)
+        move_block(draft_cache.positions, 1, columns, start, block)
+        if draft_cache.states is not None:
+            move_block(draft_cache.states, 1, columns, start, block)
+    for layer in layers:
+        layer.crop(width - start - block)  # a negative count rewinds the layer's write counter
+    draft_cache.filled = width
+    draft_cache.valid = row_mask(new_used, draft_cache.valid.shape[1], draft_cache.valid.device).bool()
+    return new_used
+
+
 def crop(target_cache: Cache, draft_cache: DrafterCache, width: int) -> None:
     """Drop the columns past `width` (the longest remaining row): after a step, or after rows left the batch."""
     for layer in _dynamic_layers(target_cache):
@@ -78,6 +108,16 @@ def crop(target_cache: Cache, draft_cache: DrafterCache, width: int) -> None:
     draft_cache.positions, draft_cache.valid = draft_cache.positions[:, :width], draft_cache.valid[:, :width]
     if draft_cache.states is not None:
         draft_cache.states = draft_cache.states[:, :width]
+
+
+def _static_layers(cache: Cache) -> list[StaticLayer]:
+    """The target cache's fixed-shape layers (a full-attention target's: the decoder refuses static caches for
+    sliding-window and linear-attention targets)."""
+    bad = {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
+    if bad:
+        raise OpdError(f"a static cache packs the target's KV cache per row; {sorted(bad)} cache layers are not "
+                       "supported (plain StaticLayer only)")
+    return list(cache.layers)
 
 
 def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:

@@ -11,14 +11,18 @@ masked (the target gets a 2-D attention mask and explicit position ids; the draf
 The caches are as long as the longest row's text, not K columns per step. A row's output depends only on its
 own tokens and its own keyed random numbers, never on its neighbours' acceptance.
 
-`static_cache=True` is EXPERIMENTAL and off by default: it keeps one shape for the whole batch, which CUDA graphs
-and torch.compile(mode="reduce-overhead") would need, but nothing here compiles or captures a graph, so today
-it only costs memory. The target KV cache is an HF `StaticCache` and the drafter cache is preallocated, both
-sized prompt width + K x (max_new_tokens - 1) (prefill commits one token and every step at least one more, so
-no row needs more than max_new_tokens - 1 steps); the block's rejected slots stay as masked holes, the 2-D
-attention mask spans that whole length (unwritten slots are zeros), and finished rows stay in the batch, their
-outputs ignored. Each step writes the same K slots of every row: the cache's own write counter advances by K,
-which is the `cache_position` that transformers 5 no longer takes as an argument.
+`static_cache=True` is off by default: it keeps one shape for the whole batch, which torch.compile and CUDA
+graphs need. The target KV cache is an HF `StaticCache` and the drafter cache is preallocated, both sized prompt
+width + max_new_tokens + 2K; each step writes the same K slots of every row after the longest row, then packs
+each row's kept slots in place (`compact_static`) and rewinds both write counters, so a row's text stays packed
+as in the growing caches. The 2-D attention mask spans the whole capacity (free columns are zeros), and
+finished rows stay in the batch, their outputs ignored and their caches no longer growing.
+
+`compiled=True` (off by default; needs `static_cache`) runs the verify forward and the draft forward through
+`torch.compile`: both then see one shape per batch size and cache capacity, so each compiles once. The capacity
+is rounded up to a multiple of `CAPACITY_STEP` so that batches whose prompts differ a little in length share
+the compiled code. Prefill, verification's rule and the bookkeeping stay eager (prefill's shape changes with
+every batch). Drafts sampled along a chain (DFlash 2's `sample_chained_draft`) are drafted eagerly.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from transformers.cache_utils import StaticCache
 
 from opd.decoding.batch import right_pad
-from opd.decoding.compaction import compact, crop, row_mask
+from opd.decoding.compaction import compact, compact_static, crop, row_mask
 from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
@@ -39,14 +44,20 @@ from opd.decoding.verify import DraftQ, next_token, sample_chained_draft, sample
 from opd.errors import OpdError
 from opd.models.family import Drafter
 from opd.models.deltanet import linear_layers
+from opd.models.drafter_cache import DrafterCache
 from opd.models.target import Target
+
+CAPACITY_STEP = 256  # a compiled decoder's cache capacities are multiples of this, so batches share compiled code
 
 
 class SpeculativeDecoder:
     """Owns a target and a drafter; the drafter's weights can be swapped between calls (`load_drafter`)."""
 
     def __init__(self, target: Target, drafter: Drafter, *, eos_id: int, draft_version: int = 0,
-                 static_cache: bool = False) -> None:
+                 static_cache: bool = False, compiled: bool = False) -> None:
+        if compiled and not static_cache:
+            raise OpdError("compiled decoding needs static_cache=True (torch.compile needs one shape per batch); "
+                           "expected static_cache=True or compiled=False")
         if static_cache and target.windowed:
             raise OpdError("rollout.static_cache: not with a target that has sliding-window layers (a static "
                            "cache's sliding layers count the window in slots, and the rejected slots stay as holes); "
@@ -56,8 +67,21 @@ class SpeculativeDecoder:
                            "recurrent states are rolled back per row in a growing cache); expected static_cache: false")
         self.target, self.drafter, self.eos_id = target, drafter, eos_id
         self.rollback = RecurrentRollback(target.model) if linear_layers(target.model) else None
-        self.draft_version, self.static_cache = draft_version, static_cache
+        self.draft_version, self.static_cache, self.compiled = draft_version, static_cache, compiled
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls
+        self._verify_forward = torch.compile(self._target_forward, dynamic=False) if compiled else self._target_forward
+        self._draft_forward = torch.compile(self._drafter_forward, dynamic=False) if compiled else self._drafter_forward
+
+    def _target_forward(self, block: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+                        cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify forward (logits [B,K,V], features [B,K,n*H]); the cache is updated in place."""
+        out = self.target(block, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        return out.logits, out.features
+
+    def _drafter_forward(self, cache: DrafterCache, anchor: torch.Tensor, anchor_pos: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft forward: (drafts [B,K−1], logits [B,K−1,V])."""
+        return self.drafter.draft(cache, anchor, anchor_pos)
 
     def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Adopt new draft weights in place (all tensors are copied before the version changes)."""
@@ -90,7 +114,10 @@ class SpeculativeDecoder:
         ids, mask = right_pad(prompts, pad_id=self.eos_id, device=device)
         used = [len(p) for p in prompts]
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        capacity = ids.shape[1] + self.drafter.block_size * (max_new_tokens - 1) if self.static_cache else None
+        # A live row holds < prompt + max_new_tokens columns, a finishing step adds up to K, the next block K more.
+        capacity = ids.shape[1] + max_new_tokens + 2 * self.drafter.block_size if self.static_cache else None
+        if capacity is not None and self.compiled:
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         target_cache, full_mask = None, mask
         if capacity is not None:
             target_cache = StaticCache(config=self.target.config, max_cache_len=capacity)
@@ -128,14 +155,13 @@ class SpeculativeDecoder:
         block = torch.cat([s.anchor[:, None], drafts], 1)
         block_pos = s.anchor_pos[:, None] + offsets
         with self._recording():
-            out = self.target(block, attention_mask=self._block_mask(s, k), position_ids=block_pos,
-                              past_key_values=s.target_cache, use_cache=True)
+            logits, features = self._verify_forward(block, self._block_mask(s, k), block_pos, s.target_cache)
         clock.append(time.perf_counter())
         # The response index decided by drafted slot 0 is the anchor's index + 1 = current response length.
         if draft_q is None:
-            verdict = verify(drafts, out.logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
+            verdict = verify(drafts, logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
         else:
-            verdict = verify_sampled(drafts, draft_q.probs, out.logits, sampling, seed=seed, keys=s.keys,
+            verdict = verify_sampled(drafts, draft_q.probs, logits, sampling, seed=seed, keys=s.keys,
                                      start=s.response_len, draft_ids=draft_q.ids)
         # The one host transfer of a step: per row, accepted, bonus and the drafts, for the records and the caches.
         facts = torch.cat([verdict.accepted[:, None], verdict.bonus[:, None], drafts], 1).tolist()
@@ -145,15 +171,13 @@ class SpeculativeDecoder:
         width = k if self.static_cache else max(accepted) + 1
         kept = offsets[None, :width] <= verdict.accepted[:, None]  # anchor + accepted
         if self.rollback is not None:
-            self.rollback.keep(out.past_key_values, verdict.accepted + 1)
+            self.rollback.keep(s.target_cache, verdict.accepted + 1)
         clock.append(time.perf_counter())
         # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
         next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
                                                                            verdict.bonus[:, None])
-        self.drafter.extend_cache(s.draft_cache, out.features[:, :width], block_pos[:, :width], kept,
-                                  next_ids[:, :width])
+        self.drafter.extend_cache(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids[:, :width])
         clock.append(time.perf_counter())
-        s.target_cache = out.past_key_values
         self._keep_slots(s, kept, accepted, k)
         done = self._record(s, records, facts, max_new_tokens)
         s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
@@ -178,7 +202,7 @@ class SpeculativeDecoder:
         if sampled and self.drafter.chains_q:
             return sample_chained_draft(self.drafter, s.draft_cache, s.anchor, s.anchor_pos, sampling, seed=seed,
                                         keys=s.keys, start=s.response_len)
-        drafts, logits = self.drafter.draft(s.draft_cache, s.anchor, s.anchor_pos)
+        drafts, logits = self._draft_forward(s.draft_cache, s.anchor, s.anchor_pos)
         if not sampled:
             return drafts, None
         drafts, q = sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
@@ -198,13 +222,15 @@ class SpeculativeDecoder:
         return s.target_mask
 
     def _keep_slots(self, s: _State, kept: torch.Tensor, accepted: list[int], k: int) -> None:
-        """Keep each row's anchor and accepted drafts (`kept` [B, ≤K], accepted[b] + 1 of them per row): packed to
-        the left of both caches, or, in a static cache, left in place with the rejected slots as masked holes."""
-        if self.static_cache:
-            s.target_mask[:, s.filled : s.filled + k] = kept.long()
-            s.filled += k
+        """Keep each row's anchor and accepted drafts (`kept` [B, ≤K], accepted[b] + 1 of them per row), packed to
+        the left of both caches (a static batch's finished rows keep nothing more)."""
+        counts = [r + 1 if live else 0 for r, live in zip(accepted, s.live)]
+        if not self.static_cache:
+            s.used = compact(s.target_cache, s.draft_cache, s.used, counts, k, kept.shape[1])
             return
-        s.used = compact(s.target_cache, s.draft_cache, s.used, [r + 1 for r in accepted], k, kept.shape[1])
+        s.used = compact_static(s.target_cache, s.draft_cache, s.used, counts, k)
+        s.filled = max(s.used)
+        s.target_mask = row_mask(s.used, s.target_mask.shape[1], s.target_mask.device)
 
     def _record(self, s: _State, records: list[SequenceRecord], facts: list[list[int]],
                 max_new_tokens: int) -> list[int]:
@@ -261,7 +287,8 @@ def _finish(rec: SequenceRecord, eos_id: int, max_new_tokens: int) -> None:
 class _State:
     """Per-batch values of the rows in the batch; `rows` maps them back to the caller's prompt order, `live`
     says which still decode (all of them unless a static cache keeps finished rows), `used` counts each row's
-    packed cache columns (growing caches), `filled` the slots written and `target_mask` the mask (static).
+    packed cache columns, `filled` the longest row's (where a static cache writes the next block) and `target_mask`
+    the static path's mask.
     `rows`, `live` and `used` are host lists: the bookkeeping reads them every step without a device sync."""
 
     def __init__(self, *, rows: list[int], keys: torch.Tensor, target_cache, target_mask: torch.Tensor | None,
