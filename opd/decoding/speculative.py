@@ -54,7 +54,8 @@ class SpeculativeDecoder:
     """Owns a target and a drafter; the drafter's weights can be swapped between calls (`load_drafter`)."""
 
     def __init__(self, target: Target, drafter: Drafter, *, eos_id: int, draft_version: int = 0,
-                 static_cache: bool = False, compiled: bool = False) -> None:
+                 static_cache: bool = False, compiled: bool | str = False) -> None:
+        """`compiled`: False (eager), True (torch.compile with inductor) or the name of a torch.compile backend."""
         if compiled and not static_cache:
             raise OpdError("compiled decoding needs static_cache=True (torch.compile needs one shape per batch); "
                            "expected static_cache=True or compiled=False")
@@ -69,8 +70,11 @@ class SpeculativeDecoder:
         self.rollback = RecurrentRollback(target.model) if linear_layers(target.model) else None
         self.draft_version, self.static_cache, self.compiled = draft_version, static_cache, compiled
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls
-        self._verify_forward = torch.compile(self._target_forward, dynamic=False) if compiled else self._target_forward
-        self._draft_forward = torch.compile(self._drafter_forward, dynamic=False) if compiled else self._drafter_forward
+        self._verify_forward, self._draft_forward = self._target_forward, self._drafter_forward
+        if compiled:
+            backend = "inductor" if compiled is True else compiled
+            self._verify_forward = torch.compile(self._target_forward, backend=backend, dynamic=False)
+            self._draft_forward = torch.compile(self._drafter_forward, backend=backend, dynamic=False)
 
     def _target_forward(self, block: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
                         cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
