@@ -67,7 +67,7 @@ def decoders(models, drafter, drafter_dir: str, prompts: list[list[int]], args) 
                 [0, len(p):].tolist() for p in prompts]
 
     def ours(batch: int, compiled: bool = False) -> Decode:
-        decoder = SpeculativeDecoder(target, drafter, eos_id=eos, **({"static_cache": True, "compiled": True} if compiled else {}))
+        decoder = SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=compiled, compiled=compiled)
         return lambda: [r.response_ids for i in range(0, len(prompts), batch)
                         for r in decoder.generate(prompts[i : i + batch], Sampling(), max_new_tokens=budget)]
 
