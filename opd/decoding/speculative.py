@@ -61,7 +61,7 @@ class SpeculativeDecoder:
                            "expected static_cache=True or compiled=False")
         if static_cache and target.windowed:
             raise OpdError("rollout.static_cache: not with a target that has sliding-window layers (a static "
-                           "cache's sliding layers count the window in slots, and the rejected slots stay as holes); "
+                           "cache's sliding layers count the window in cache columns, which per-row packing moves); "
                            "expected static_cache: false")
         if static_cache and linear_layers(target.model):
             raise OpdError("rollout.static_cache: not with a target that has linear-attention layers (their "
