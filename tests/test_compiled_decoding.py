@@ -1,5 +1,5 @@
 """The compiled decoding step (`SpeculativeDecoder(compiled=...)`, on the static-cache path) writes exactly what
-the eager decoder writes, and compiles each forward once per batch shape.
+the eager decoder writes, for DFlash 1, DFlash 2 and EAGLE-3, and compiles each forward once per batch shape.
 
 The fast tests compile with torch.compile's "eager" backend: Dynamo captures the same graphs and installs the
 same guards as with inductor (what breaks a compiled step: graph breaks, recompiles, in-place cache updates lost
@@ -53,6 +53,22 @@ def test_compiled_writes_what_eager_writes(target, sampling):
         with torch._dynamo.config.patch(error_on_recompile=True):
             for prompt in MIXED_PROMPTS[1:3]:
                 assert facts(decode(compiled, [prompt], sampling)) == facts(decode(eager, [prompt], sampling))
+
+
+def test_compiled_eagle3_writes_what_eager_writes():
+    """EAGLE-3's chain drafts through the same compiled step (its cache carries layer states besides K/V)."""
+    from tests.test_eagle3 import trained_like
+
+    torch._dynamo.reset()
+    target = micro_target(seed=0, vocab_size=8, num_layers=6, layer_ids=[1, 2, 3])
+    drafter = trained_like(target)
+    eager = SpeculativeDecoder(target, drafter, eos_id=EOS)
+    compiled = SpeculativeDecoder(target, drafter, eos_id=EOS, static_cache=True, compiled="eager")
+    assert facts(decode(compiled, MIXED_PROMPTS, Sampling())) == facts(decode(eager, MIXED_PROMPTS, Sampling()))
+    decode(compiled, MIXED_PROMPTS[:1], Sampling())
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in MIXED_PROMPTS[1:3]:
+            assert facts(decode(compiled, [prompt], Sampling())) == facts(decode(eager, [prompt], Sampling()))
 
 
 def test_compiled_needs_the_static_cache(target):
