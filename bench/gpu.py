@@ -1,6 +1,6 @@
 """One-GPU benchmark at Qwen3-4B's shapes: decoding, packed replay and the learner step, within a time budget.
 
-    python bench/gpu.py [--budget-s 420] [--tiny] [--drafter dflash|eagle3] [--json OUT]
+    python bench/gpu.py [--budget-s 420] [--tiny] [--drafter dflash|eagle3] [--[no-]compile] [--json OUT]
 
 Random weights, so no checkpoint or download is needed: a Qwen3 target with Qwen3-4B's shapes (hidden 2560,
 36 layers, 32 query / 8 KV heads of 128, MLP 9728, vocabulary 151936) and, by `--drafter`, a 5-layer DFlash
@@ -10,8 +10,10 @@ family interface (decode, `score` + `student_hidden`, `Learner`), so the rows co
 uses flash_attention_2 when flash-attn is installed, else sdpa; replay and the learner always use sdpa, because
 packed replay needs a 4-D attention mask that flash-attn does not take.
 
-- decode: greedy autoregressive vs speculative decoding at batch 1 and 16, and at the largest batch also the
-  opt-in static-shape speculative path (`rollout.static_cache`: StaticCache, finished rows kept). A random
+- decode: greedy autoregressive vs speculative decoding at batch 1 and 16, at the largest batch also the
+  opt-in static-shape speculative path (`rollout.static_cache`: StaticCache, finished rows kept), and with
+  `--compile` (the default on a GPU) the compiled static-shape step (`SpeculativeDecoder(compiled=True)`)
+  at every batch, its compilation in the warm-up run. A random
   drafter's drafts are almost never accepted (τ ≈ 1), so these rows measure the *cost* side — tokens/s and latency
   per step (one target forward, or one draft + verify step) — not the speedup a trained drafter gives; `opd eval`
   measures that.
@@ -152,10 +154,13 @@ def describe(drafter: Drafter, kind: str) -> dict:
     return {"kind": kind, "num_layers": c.num_hidden_layers, "block_size": drafter.block_size}
 
 
-def bench_decode(target: Target, drafter: Drafter, plan: Plan, clock: Clock) -> list[dict]:
+def bench_decode(target: Target, drafter: Drafter, plan: Plan, clock: Clock, compiled: bool = False) -> list[dict]:
+    """`compiled`: also the compiled static-shape step (`SpeculativeDecoder(compiled=True)`) at every batch; its
+    warm-up run compiles."""
     vocab, eos = target.vocab_size, target.vocab_size - 2  # eos: an ordinary id the prompts never contain
-    decoders = {static: SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=static)
-                for static in (False, True)}
+    decoders = {mode: SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=mode != "dynamic",
+                                         compiled=mode == "compiled")
+                for mode in ("dynamic", "static", "compiled")}
     g = torch.Generator().manual_seed(0)
     rows, deadline = [], clock.deadline("decode")
     for batch in plan.decode_batches:
@@ -165,8 +170,8 @@ def bench_decode(target: Target, drafter: Drafter, plan: Plan, clock: Clock) -> 
             out = generate_autoregressive(target, prompts, Sampling(), max_new_tokens=plan.new_tokens, eos_id=eos)
             return {"tokens": sum(map(len, out)), "steps": max(map(len, out))}
 
-        def speculative(static: bool = False) -> dict:
-            decoder = decoders[static]
+        def speculative(mode: str = "dynamic") -> dict:
+            decoder = decoders[mode]
             steps = decoder.timings["steps"]
             out = decoder.generate(prompts, Sampling(), max_new_tokens=plan.new_tokens)
             return {"tokens": sum(len(r.response_ids) for r in out), "steps": int(decoder.timings["steps"] - steps),
@@ -174,7 +179,9 @@ def bench_decode(target: Target, drafter: Drafter, plan: Plan, clock: Clock) -> 
 
         modes = [("autoregressive", autoregressive), ("speculative", speculative)]
         if batch == max(plan.decode_batches):  # fixed shapes matter most where finished rows would leave the batch
-            modes.append(("speculative_static", lambda: speculative(static=True)))
+            modes.append(("speculative_static", lambda: speculative("static")))
+        if compiled:  # a batch-1 step is bound by kernel launches, so compiling matters most there
+            modes.append(("speculative_compiled", lambda: speculative("compiled")))
         for mode, fn in modes:
             r = clock.measure(f"decode {mode} batch {batch}", fn, deadline, plan.repeats)
             if r:
@@ -249,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small shapes, runs on a CPU in seconds")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall-time budget for all sections")
     parser.add_argument("--drafter", choices=KINDS, default="dflash", help="drafter family (default: dflash)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also the compiled decoding step at every batch (default: on a GPU)")
     parser.add_argument("--json", metavar="OUT", help="default: bench/results/gpu.json (gpu_tiny.json with --tiny, "
                                                       "gpu_eagle3.json / gpu_tiny_eagle3.json with --drafter eagle3)")
     args = parser.parse_args(argv)
@@ -267,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
               "build_s": time.monotonic() - clock.start,
               "note": "random weights: acceptance (tau) is meaningless, decode rows measure tokens/s and step latency"}
     errors: dict[str, str] = {}
-    for section, fn in (("decode", bench_decode), ("replay", bench_replay), ("learner", bench_learner)):
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    result["compiled_decoding"] = compiled
+    sections = (("decode", lambda *a: bench_decode(*a, compiled=compiled)), ("replay", bench_replay),
+                ("learner", bench_learner))
+    for section, fn in sections:
         if section == "replay":
             target.model.set_attn_implementation("sdpa")
         try:

@@ -356,11 +356,10 @@ class RolloutSpec(_Section):
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
-    # EXPERIMENTAL, keep off. Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept)
-    # is what CUDA graphs and torch.compile would need, but nothing compiles or captures a graph yet, so it only
-    # costs memory and time: same tokens, caches of prompt + K x (max_new_tokens - 1) slots per row (rejected
-    # slots stay as holes) against prompt + committed tokens on the default path, which compacts them.
-    # Held-out eval uses it too.
+    # Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept, each row's kept slots
+    # packed in place): the shapes a compiled decoding step needs (`SpeculativeDecoder(compiled=True)`,
+    # bench/decode_vs_zlab.py). Same tokens; caches of prompt + max_new_tokens + 2K columns per row. Held-out eval
+    # uses it too.
     static_cache: bool = False
     # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
     # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.

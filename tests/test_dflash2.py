@@ -150,6 +150,30 @@ def test_selector_takes_the_best_path_left_to_right(drafter):
     assert not torch.equal(path, logits.argmax(-1))
 
 
+@torch.no_grad()
+def test_path_walks_as_scores_slot_by_slot(drafter):
+    """`path` forms every (predecessor, candidate) score up front; a walk through `scores` one slot at a time (the
+    selector loss's call) hands `pick` the same scores and, greedy or not, draws the same path."""
+    gen = torch.Generator().manual_seed(4)
+    s = drafter.candidate_selector
+    hidden = torch.randn(6, 5, 32, dtype=torch.float64, generator=gen)
+    logits = torch.randn(6, 5, 8, dtype=torch.float64, generator=gen)
+    anchors = torch.randint(0, 8, (6,), generator=gen)
+    choices = torch.randint(0, 4, (6, 5), generator=gen)
+    for pick in (lambda slot, scores: scores.argmax(-1), lambda slot, scores: choices[:, slot]):
+        seen = []
+        path, candidates = s.path(hidden, logits, anchors, lambda slot, scores: pick(slot, seen.append(scores)
+                                                                                       or scores))
+        unary, top = logits.topk(s.top_k, dim=-1)
+        gates, previous = s.hidden_projection(hidden), anchors
+        for slot in range(5):
+            scores = s.scores(gates[:, slot], previous, unary[:, slot], top[:, slot])
+            assert torch.allclose(seen[slot], scores, rtol=0, atol=1e-12)
+            previous = top[:, slot].gather(-1, pick(slot, scores)[:, None])[:, 0]
+            assert torch.equal(path[:, slot], previous)
+        assert torch.equal(candidates, top)
+
+
 def test_training_layout_drafts_as_decoding_does(target, drafter):
     """`block_hidden` (many blocks of a sequence in one forward) gives every block the logits `draft` gives it alone:
     the convolutions never reach across blocks."""

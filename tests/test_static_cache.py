@@ -81,14 +81,34 @@ def test_every_step_has_the_same_shapes(target, monkeypatch):
     assert len(draft_shapes) == 1
 
 
-def test_capacity_is_exactly_enough(target):
-    """A row whose drafts are all rejected commits one token per step and runs the max_new_tokens - 1 steps the
-    preallocation is sized for (a cache one block shorter raises)."""
+def test_capacity_is_enough(target):
+    """A row whose drafts are all rejected commits one token per step and runs max_new_tokens - 1 steps; the
+    packed static caches (prompt + max_new_tokens + 2K columns) hold it, as they hold ragged rows that finish."""
     prompt = [MIXED_PROMPTS[2]]  # greedy never emits eos within 24 tokens, so eos drafts are always rejected
     decoder = SpeculativeDecoder(target, constant_drafter(target, EOS), eos_id=EOS, static_cache=True)
     rec = decoder.generate(prompt, Sampling(), max_new_tokens=24)[0]
     assert rec.accepted == [0] * 23 and rec.finish_reason == "length"
     assert rec.response_ids == generate_autoregressive(target, prompt, Sampling(), max_new_tokens=24, eos_id=EOS)[0]
+
+
+def test_the_static_caches_stay_packed(target, monkeypatch):
+    """Before each verification the static cache's write counter is the longest row's prompt + committed tokens
+    (the pending anchor excepted; a finished row's stop growing): rejected slots are overwritten, not kept as
+    holes. Two rows that accept differently, one finishing first, so blocks really move."""
+    prompts, counters, target_forward = [MIXED_PROMPTS[2], MIXED_PROMPTS[5]], [], type(target).forward
+
+    def spy_target(self, ids, **kw):
+        counters.append(int(kw["past_key_values"].get_seq_length()))
+        return target_forward(self, ids, **kw)
+
+    monkeypatch.setattr(type(target), "forward", spy_target)
+    records = SpeculativeDecoder(target, constant_drafter(target, 5), eos_id=EOS, static_cache=True).generate(
+        prompts, Sampling(), max_new_tokens=24)
+    used = [[len(p) + sum(r + 1 for r in rec.accepted[:step]) for step in range(len(counters) - 1)]
+            for p, rec in zip(prompts, records)]
+    assert counters[1:] == [max(row) for row in zip(*used)]
+    assert records[0].accepted != records[1].accepted and len(records[0].accepted) != len(records[1].accepted)
+    assert 0 < max(records[1].accepted) < 3  # some drafted slots kept, some overwritten
 
 
 def test_training_with_the_static_cache_takes_the_same_steps(micro_spec_file, tmp_path):

@@ -15,53 +15,93 @@ the tokens stay identical. A row's free columns are masked by `row_mask`, so row
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from opd.decoding.recurrent import is_linear
 from opd.errors import OpdError
 from opd.models.drafter_cache import DrafterCache
 
 
-def row_mask(used: torch.Tensor, width: int) -> torch.Tensor:
+def row_mask(used: list[int], width: int, device: torch.device) -> torch.Tensor:
     """0/1 mask [B, width]: row b's first used[b] columns hold its entries, the rest are free."""
-    return (torch.arange(width, device=used.device)[None, :] < used[:, None]).long()
+    return (torch.arange(width, device=device)[None, :] < torch.tensor(used, device=device)[:, None]).long()
 
 
 def pack_block(x: torch.Tensor, dim: int, used: torch.Tensor, block: int, width: int) -> torch.Tensor:
     """Move the last `block` entries of x along `dim` (batch first) to columns used[b].., then crop to `width`.
 
     A row's slots past its new length land in its free columns, which its mask hides and the next block
-    overwrites. The block is copied out first, so a destination that overlaps it reads the old values.
+    overwrites.
     """
-    start = x.shape[dim] - block
+    move_block(x, dim, used, x.shape[dim] - block, block)
+    return x.narrow(dim, 0, width)
+
+
+def move_block(x: torch.Tensor, dim: int, used: torch.Tensor, start: int, block: int) -> None:
+    """In place: the `block` entries of every row at columns start.. along `dim` move to columns used[b]... The
+    block is copied out first, so a destination that overlaps it reads the old values."""
     source = x.narrow(dim, start, block).clone()
     columns = used[:, None] + torch.arange(block, device=used.device)  # [B, block]
     shape = [len(used)] + [1] * (x.dim() - 1)
     shape[dim] = block
     x.scatter_(dim, columns.view(shape).expand_as(source), source)
-    return x.narrow(dim, 0, width)
 
 
-def compact(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor, kept: torch.Tensor,
-            block: int) -> torch.Tensor:
-    """Pack the block both caches just appended (row b keeps its first kept[b] slots); returns the new `used`."""
-    new_used = used + kept
-    width = int(new_used.max())
-    for layer in _dynamic_layers(target_cache):
-        layer.keys = pack_block(layer.keys, 2, used, block, width)
-        layer.values = pack_block(layer.values, 2, used, block, width)
-    draft_cache.keys = [pack_block(k, 2, used, block, width) for k in draft_cache.keys]
-    draft_cache.values = [pack_block(v, 2, used, block, width) for v in draft_cache.values]
-    draft_cache.positions = pack_block(draft_cache.positions, 1, used, block, width)
-    if draft_cache.states is not None:
-        draft_cache.states = pack_block(draft_cache.states, 1, used, block, width)
-    draft_cache.valid = row_mask(new_used, width).bool()
+def compact(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int], block: int,
+            draft_block: int) -> list[int]:
+    """Pack the block both caches just appended (the target's `block` slots, the drafter's first `draft_block` of
+    them, which hold every kept slot; row b keeps its first kept[b]); returns the new `used`.
+
+    When every row ended at the same column (always at batch 1), each row's block already starts at its own next
+    free column: nothing moves, the caches are only cropped, and the drafter's appended `valid` already is the
+    packed layout's."""
+    new_used = [u + n for u, n in zip(used, kept)]
+    width = max(new_used)
+    if min(used) == max(used):
+        crop(target_cache, draft_cache, width)
+    else:
+        columns = torch.tensor(used, device=draft_cache.positions.device)
+        for layer in _dynamic_layers(target_cache):
+            layer.keys = pack_block(layer.keys, 2, columns, block, width)
+            layer.values = pack_block(layer.values, 2, columns, block, width)
+        draft_cache.keys = [pack_block(k, 2, columns, draft_block, width) for k in draft_cache.keys]
+        draft_cache.values = [pack_block(v, 2, columns, draft_block, width) for v in draft_cache.values]
+        draft_cache.positions = pack_block(draft_cache.positions, 1, columns, draft_block, width)
+        if draft_cache.states is not None:
+            draft_cache.states = pack_block(draft_cache.states, 1, columns, draft_block, width)
+        draft_cache.valid = row_mask(new_used, width, columns.device).bool()
+    draft_cache.dense = min(new_used) == width
     return new_used
 
 
-def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> None:
-    """After rows left the batch, drop the columns no remaining row uses."""
-    width = int(used.max())
+def compact_static(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int],
+                   block: int) -> list[int]:
+    """The packing of fixed-shape caches (`rollout.static_cache`): the step wrote `block` slots at the same
+    columns of every row, from the longest row's end; row b's first kept[b] move, in place, to its own next
+    columns, and both write counters rewind to the new longest row, so the next block overwrites what was
+    rejected. The caches then need only prompt + max_new_tokens + 2K columns, and attention runs over those
+    instead of K per step. Returns the new `used`."""
+    assert draft_cache.filled is not None, "a static drafter cache counts the columns written"
+    start = draft_cache.filled - block
+    new_used = [u + n for u, n in zip(used, kept)]
+    width = max(new_used)
+    layers = _static_layers(target_cache)
+    if min(used) != start or max(used) != start:
+        columns = torch.tensor(used, device=draft_cache.positions.device)
+        for x in [t for layer in layers for t in (layer.keys, layer.values)] + draft_cache.keys + draft_cache.values:
+            move_block(x, 2, columns, start, block)
+        move_block(draft_cache.positions, 1, columns, start, block)
+        if draft_cache.states is not None:
+            move_block(draft_cache.states, 1, columns, start, block)
+    for layer in layers:
+        layer.crop(width - start - block)  # a negative count rewinds the layer's write counter
+    draft_cache.filled = width
+    draft_cache.valid = row_mask(new_used, draft_cache.valid.shape[1], draft_cache.valid.device).bool()
+    return new_used
+
+
+def crop(target_cache: Cache, draft_cache: DrafterCache, width: int) -> None:
+    """Drop the columns past `width` (the longest remaining row): after a step, or after rows left the batch."""
     for layer in _dynamic_layers(target_cache):
         layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
     draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]
@@ -69,6 +109,16 @@ def crop(target_cache: Cache, draft_cache: DrafterCache, used: torch.Tensor) -> 
     draft_cache.positions, draft_cache.valid = draft_cache.positions[:, :width], draft_cache.valid[:, :width]
     if draft_cache.states is not None:
         draft_cache.states = draft_cache.states[:, :width]
+
+
+def _static_layers(cache: Cache) -> list[StaticLayer]:
+    """The target cache's fixed-shape layers (a full-attention target's: the decoder refuses static caches for
+    sliding-window and linear-attention targets)."""
+    bad = {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
+    if bad:
+        raise OpdError(f"a static cache packs the target's KV cache per row; {sorted(bad)} cache layers are not "
+                       "supported (plain StaticLayer only)")
+    return list(cache.layers)
 
 
 def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:

@@ -9,6 +9,7 @@ are reproducible and can be compared with per-sequence decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -51,8 +52,12 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors; only the low 32 bits are kept, so int64 wrap-around is harmless."""
+H = TypeVar("H", torch.Tensor, int)
+
+
+def _hash32(x: H) -> H:
+    """A 32-bit integer mixer on int64 tensors or Python ints (the same numbers: only the low 32 bits are kept, so
+    int64 wrap-around is harmless)."""
     x = x & _MASK32
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
     x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
@@ -61,8 +66,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 def keyed_uniform(seed: int, keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform [0, 1) numbers, one per (key, position), identical whatever batch they are computed in."""
-    x = _hash32(torch.full_like(positions, seed) * 0x9E3779B1 + stream)
-    x = _hash32(x ^ _hash32(keys.to(positions.dtype).expand_as(positions) + 0x632BE5AB))
+    salt = _hash32(seed * 0x9E3779B1 + stream)  # one number per call, so formed on the host
+    x = _hash32(_hash32(keys.to(positions.dtype).expand_as(positions) + 0x632BE5AB) ^ salt)
     x = _hash32(x ^ (positions * 0x85EBCA77))
     return (x >> 8).float() / float(1 << 24)
 

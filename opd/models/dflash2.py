@@ -35,7 +35,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, read_config
@@ -75,16 +74,16 @@ class BlockConvolution(nn.Module):
 
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, pass_index: int) -> torch.Tensor:
         """out[t] = sum_j (base[j] + dynamic[t, j]) * x[t - j], within each block (positions before its start are
-        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree."""
+        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree; a
+        shifted tap adds only where it reads inside the block (z-lab adds zeros elsewhere, which changes nothing)."""
         batch, length, hidden = x.shape
         shape = (batch, length // self.block_size, self.block_size, hidden // self.group_size, self.group_size)
         blocks, taps = x.view(shape), dynamic.reshape(*shape[:3], self.taps, shape[3], 1)
         base = self.base_kernel[pass_index].to(x.dtype).view(self.taps, *shape[3:])
-        out = torch.zeros_like(blocks)
-        for j in range(min(self.taps, self.block_size)):  # a tap past the block's length reads only zeros
-            shifted = F.pad(blocks[:, :, : self.block_size - j], (0, 0, 0, 0, j, 0))
-            out = out + base[j] * shifted
-            out = out + taps[:, :, :, j] * shifted
+        out = torch.addcmul(base[0] * blocks, taps[:, :, :, 0], blocks)
+        for j in range(1, min(self.taps, self.block_size)):  # a tap past the block's length reads only zeros
+            shifted, later = blocks[:, :, : self.block_size - j], out[:, :, j:]
+            later.copy_(torch.addcmul(later + base[j] * shifted, taps[:, :, j:, j], shifted))
         return out.view_as(x)
 
 
@@ -127,21 +126,37 @@ class CandidateSelector(nn.Module):
 
     def argmax_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [B,S] for slots' hidden [B,S,H] and logits [B,S,V]: slot by slot, the best-scoring
-        candidate given the draft chosen before it (the anchor first)."""
-        return self.path(hidden, logits, anchor_ids, lambda _, scores: scores.argmax(-1))[0]
+        candidate given the draft chosen before it (the anchor first). The best candidate after every possible
+        predecessor is one argmax over the score table (`pair_scores`), so the walk is only index lookups."""
+        pairs, candidates = self.pair_scores(hidden, logits, anchor_ids)
+        best = pairs.argmax(-1)  # [B,S,k]: per slot, the best candidate after each of the predecessors
+        picks = [best[:, 0, :1]]  # slot 0's predecessor is the anchor (row 0)
+        for slot in range(1, hidden.shape[1]):
+            picks.append(best[:, slot].gather(1, picks[-1]))
+        return candidates.gather(-1, torch.cat(picks, dim=1)[..., None])[..., 0]
+
+    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores [B,S,k,k], candidates [B,S,k]): every score a walk can ask for, formed in one batched matmul.
+        A slot's predecessor is the anchor (slot 0) or one of the previous slot's k candidates, so scores[b, s, i, j]
+        is candidate j of slot s after candidate i of slot s-1; slot 0's k rows all score after the anchor."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # [B,S,rank]
+        before = torch.cat([anchor_ids[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
+        queries = self.predecessor_codebook[before] * gates[:, :, None, :]  # [B,S,k,rank]
+        return unary[:, :, None, :] + queries @ self.successor_codebook[candidates].transpose(-1, -2), candidates
 
     def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [B,S], candidates [B,S,k]): slot by slot, `pick(slot, scores [B,k])` chooses a candidate index
-        [B] given the draft chosen before it (the anchor first), and that draft is the next slot's predecessor."""
-        unary, candidates = logits.topk(self.top_k, dim=-1)
-        gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
-        predecessor, path = anchor_ids, []
+        [B] given the draft chosen before it (the anchor first), and that draft is the next slot's predecessor.
+        The scores come from `pair_scores`, so the walk is a row lookup and a pick per slot."""
+        pairs, candidates = self.pair_scores(hidden, logits, anchor_ids)
+        index, picks = torch.zeros_like(anchor_ids)[:, None, None].expand(-1, 1, self.top_k), []
         for slot in range(hidden.shape[1]):
-            index = pick(slot, self.scores(gates[:, slot], predecessor, unary[:, slot], candidates[:, slot]))
-            predecessor = candidates[:, slot].gather(-1, index[:, None])[:, 0]
-            path.append(predecessor)
-        return torch.stack(path, dim=1), candidates
+            picks.append(pick(slot, pairs[:, slot].gather(1, index)[:, 0]))
+            index = picks[-1][:, None, None].expand(-1, 1, self.top_k)
+        return candidates.gather(-1, torch.stack(picks, dim=1)[..., None])[..., 0], candidates
 
     def flops_per_slot(self) -> int:
         """One slot's selector work: the hidden projection (2·rank·H), the gate (rank) and k candidate dot

@@ -461,9 +461,12 @@ class DFlashDrafter(nn.Module):
 
 
 def _block_masks(cache: DrafterCache, anchor_positions: torch.Tensor, block_size: int,
-                 attention: list[LayerAttention]) -> list[torch.Tensor]:
+                 attention: list[LayerAttention]) -> list[torch.Tensor | None]:
     """Bool masks [B,1,K,C+K] for one block per row (decoding), one per layer: the block sees the cached context
-    it may (`DrafterCache.visible_before`) and all of itself, narrowed by each layer's rule (built once per rule)."""
+    it may (`DrafterCache.visible_before`) and all of itself, narrowed by each layer's rule (built once per rule).
+    Where every layer is plain and the cache `dense`, a block sees every key: no masks (None), as z-lab runs it."""
+    if cache.dense and all(rule.plain for rule in attention):
+        return [None] * len(attention)
     sees_context = cache.visible_before(anchor_positions)[:, None, :].expand(-1, block_size, -1)
     base = torch.cat([sees_context, sees_context.new_ones(len(sees_context), block_size, block_size)], dim=-1)
     query = anchor_positions[:, None] + torch.arange(block_size, device=anchor_positions.device)  # [B,K]

@@ -21,7 +21,9 @@ class DrafterCache:
     """Per drafter layer K/V [B, kv_heads, L, d], each entry's position [B, L] and validity [B, L].
 
     `states` [B, L, H] is what a chain drafter (EAGLE-3) keeps besides K/V: its layer's output at every cached
-    position, from which the first step of a chain starts. DFlash keeps none."""
+    position, from which the first step of a chain starts. DFlash keeps none. `dense`: whoever fills the cache
+    knows that every entry is valid and lies before the next anchor (a batch whose rows are all equally long;
+    always at batch 1), so a block may attend to all of it without a mask."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -29,6 +31,7 @@ class DrafterCache:
     valid: torch.Tensor
     filled: int | None = None
     states: torch.Tensor | None = None
+    dense: bool = False
 
     @classmethod
     def empty(cls, like: torch.Tensor, *, layers: int, batch_size: int, kv_heads: int, head_dim: int,

@@ -51,11 +51,11 @@ _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  
 # ------------------------------------------------------------------------------------------------ kernels
 
 
-def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA with a bool mask [B|1, 1, S, T] for q [B, H, S, d] and k, v [B, kv, T, d], H = G·kv: query head h
-    uses key head h // G (HF's repeat_kv order), computed without copying keys or values. `sinks` [H]: a logit
-    per head that enters every softmax (gpt-oss), as `with_sink_key` lays it out."""
+    """SDPA with a bool mask [B|1, 1, S, T] (None: every key) for q [B, H, S, d] and k, v [B, kv, T, d],
+    H = G·kv: query head h uses key head h // G (HF's repeat_kv order), computed without copying keys or values.
+    `sinks` [H]: a logit per head that enters every softmax (gpt-oss), as `with_sink_key` lays it out."""
     if sinks is not None:
         q, k, v, mask, scale = with_sink_key(q, k, v, mask, scale, sinks)
     batch, heads, rows, dim = q.shape
@@ -63,7 +63,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     folded = q.reshape(batch, k.shape[1], groups * rows, dim)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
+    mask = None if mask is None else mask.repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
     return out.view(batch, heads, rows, v.shape[-1])
 
 
