@@ -125,7 +125,7 @@ def _written_out(drafter, hidden, teacher, predecessors, accepted, mask, cfg: Lo
             else:
                 r = torch.log_softmax(logits / SERVING.temperature, -1)
                 kl = sum(p[v] * (torch.log(p[v]) - r[v]) for v in range(len(p)) if p[v] > 0)
-                lam = math.exp(-cfg.lk_eta * float(alpha))
+                lam = math.exp(-cfg.lk_eta * float(alpha.detach()))
                 f = lam * kl + (1 - lam) * (1 - alpha)
             total = total + coef[n, k] * f
     return total
