@@ -232,6 +232,10 @@ class _Producer:
     def put(self, queue: BatchQueue, item, ticket: Ticket) -> None:
         queue.put(item, ticket)
 
+    def own(self) -> list:
+        """A reference this actor owns, wrapped so that Ray hands over the reference, not the value."""
+        return [ray.put(torch.zeros(10))]
+
     def claim_and_put(self, queue: BatchQueue, ledger) -> Ticket:
         """Act as one more rollout producer: claim the next batch and enqueue it."""
         ticket = ray.get(ledger.claim.remote(ray.get(ledger.register.remote("producer")), 99))
@@ -318,9 +322,11 @@ def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluste
     producer = _Producer.remote()
     try:
         ray.get(producer.put.remote(queue, {"payload": torch.ones(10)}, Ticket(7, 2)))
+        probe = ray.get(producer.own.remote())  # another object the producer owns, fetched without dequeuing
         ray.kill(producer, no_restart=True)
-        wait_for(lambda: _dead(producer))  # under load the kill itself can take seconds to land
-        time.sleep(1.0)  # then let the owner's death reach the object directory
+        # Under load the kill, and then the owner's death reaching this process, can each take seconds: wait until
+        # the probe is lost as the batch will be, rather than for a fixed time.
+        wait_for(lambda: _owner_gone(probe[0]))
         with pytest.raises(Lost) as lost:
             queue.get()
         assert lost.value.ticket == Ticket(7, 2)  # never silently dropped: the consumer learns what to re-produce
@@ -328,10 +334,10 @@ def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluste
         queue.shutdown()
 
 
-def _dead(actor) -> bool:
+def _owner_gone(ref) -> bool:
     try:
-        ray.get(actor.__ray_ready__.remote(), timeout=1.0)
-    except ray.exceptions.RayActorError:
+        ray.get(ref, timeout=1.0)
+    except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
         return True
     except ray.exceptions.GetTimeoutError:
         pass
