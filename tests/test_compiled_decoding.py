@@ -19,18 +19,8 @@ from opd.errors import OpdError
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.test_decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter
 from tests.test_dflash2 import dflash2_drafter
+from tests.test_static_cache import KEYS, facts, target  # noqa: F401  (target: a fixture)
 from tests.test_zlab_interop import tiny_target_and_prompts
-
-KEYS = list(range(100, 100 + len(MIXED_PROMPTS)))
-
-
-@pytest.fixture(scope="module")
-def target():
-    return micro_target(seed=0, vocab_size=8, layer_ids=[0, 2, 3])
-
-
-def facts(records) -> list[tuple]:
-    return [(r.response_ids, r.accepted, r.anchors, r.drafts, r.finish_reason) for r in records]
 
 
 def decode(decoder: SpeculativeDecoder, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int = 24):

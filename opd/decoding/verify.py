@@ -125,7 +125,7 @@ def _verify(draft: torch.Tensor, q: DraftQ | None, logits: torch.Tensor, samplin
     if q is None:
         accepted = _leading_true(coins < p_draft)
     else:  # u < min(1, p/q), written without the division: q(d) > 0 for a token drawn from q
-        accepted = _leading_true(coins * _q_of(q, draft) < p_draft)
+        accepted = _leading_true(coins * prob_of(q, draft) < p_draft)
     # The bonus comes from the residual at the first rejected slot, or from p after the last slot when everything
     # was accepted. Only the one row it needs is formed, so no [B, K−1, V] residual is ever held.
     rows, slot = torch.arange(b, device=draft.device), accepted.clamp_max(k1 - 1)
@@ -146,11 +146,12 @@ def _draft_uniforms(shape: tuple[int, ...], seed: int, keys: torch.Tensor | None
     return keyed_uniform(seed, keys[:, None], positions, STREAM_DRAFT)
 
 
-def _q_of(q: DraftQ, draft: torch.Tensor) -> torch.Tensor:
-    """q(d) [B, K−1] of each draft (zero for a token outside the candidates)."""
+def prob_of(q: DraftQ, tokens: torch.Tensor) -> torch.Tensor:
+    """q(token) [...] of tokens [...] (zero for a token outside a sparse q's candidates); differentiable, so the
+    acceptance objectives' score-function term reads it too."""
     if q.ids is None:
-        return q.probs.gather(-1, draft[..., None])[..., 0]
-    return (q.probs * (q.ids == draft[..., None])).sum(-1)
+        return q.probs.gather(-1, tokens[..., None])[..., 0]
+    return (q.probs * (q.ids == tokens[..., None])).sum(-1)
 
 
 def _keyed_positions(b: int, width: int, keys: torch.Tensor | None, start: torch.Tensor | None,

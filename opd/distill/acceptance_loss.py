@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from opd.decoding.sampling import Sampling
-from opd.decoding.verify import DraftQ
+from opd.decoding.verify import DraftQ, prob_of
 from opd.distill.losses import LossTerms, StepNorm, _valid_positions, processed_logprobs, slot_weights
 from opd.models.dflash2 import CandidateSelector
 from opd.models.family import Drafter
@@ -74,13 +74,6 @@ def served_acceptance(teacher_logprobs: torch.Tensor, q: DraftQ) -> torch.Tensor
     if q.ids is not None:
         p = p.gather(-1, q.ids)
     return torch.minimum(p, q.probs.to(p.dtype)).sum(-1)
-
-
-def prob_of(q: DraftQ, tokens: torch.Tensor) -> torch.Tensor:
-    """q(token) [...] of tokens [...] (0 for a token outside a sparse q's ids)."""
-    if q.ids is None:
-        return q.probs.gather(-1, tokens[..., None])[..., 0]
-    return (q.probs * (q.ids == tokens[..., None])).sum(-1)
 
 
 def slot_objective(objective: str, alpha: torch.Tensor, teacher_logprobs: torch.Tensor, logits: torch.Tensor,

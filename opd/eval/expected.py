@@ -28,8 +28,8 @@ import torch
 
 from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling, target_probs
-from opd.decoding.verify import DraftQ
-from opd.distill.acceptance_loss import prob_of, served_acceptance
+from opd.decoding.verify import DraftQ, prob_of
+from opd.distill.acceptance_loss import served_acceptance
 from opd.distill.losses import TopKTeacher
 from opd.eval.acceptance import survival_curve
 from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head
@@ -121,7 +121,7 @@ def sampled_acceptance(drafts: torch.Tensor, teacher_logprobs: torch.Tensor, q: 
     an exact expectation of the realised count on the states decoding visited, not the product of the α_k (a
     draft that was accepted is not distributed as q)."""
     alpha = served_acceptance(teacher_logprobs, q)
-    p_draft = teacher_logprobs.exp().gather(-1, drafts[..., None])[..., 0]
+    p_draft = teacher_logprobs.gather(-1, drafts[..., None])[..., 0].exp()
     kept = torch.minimum(torch.ones_like(p_draft), p_draft / prob_of(q, drafts).to(p_draft.dtype).clamp_min(1e-30))
     before = torch.cat([torch.ones_like(kept[:, :1]), kept[:, :-1].cumprod(-1)], 1)
     return alpha, before * alpha

@@ -90,6 +90,7 @@ class Learner:
         self.drafter.train()
         self._selects = selector_trains(drafter, spec.loss.selector_weight > 0 or spec.loss.on_acceptance)
         self._teacher = teacher_processing(spec.replay, spec.serving)
+        self._serving = Sampling.of(spec.serving) if spec.serving is not None else None
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
                                                          masters=not zero_keeps_masters(spec.optim))
         self.group, self.engine = group or Group(), None
@@ -172,7 +173,7 @@ class Learner:
         if loss.on_acceptance:
             slots = block_slots(batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask, loss, norm)
             return acceptance_objective(self.drafter, hidden, batch.teacher, slots, loss,
-                                        serving=Sampling.of(self.spec.serving), teacher_processing=self._teacher,
+                                        serving=self._serving, teacher_processing=self._teacher,
                                         chunk_size=chunk)
         return acceptance_aware_loss(hidden, batch.teacher, batch.accepted, loss, batch.position_mask,
                                      head=self.drafter.student_head, teacher_head=self.drafter.teacher_head,
