@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -221,25 +220,30 @@ def test_target_depth_is_read_from_checkpoint(tmp_path: Path) -> None:
                       check_paths=False)
 
 
-def test_target_config_is_read_once_per_process_until_it_changes(tmp_path: Path, monkeypatch) -> None:
+def test_files_are_read_when_the_spec_is_resolved_and_never_when_an_actor_validates_it(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
     target = make_model_dir(tmp_path / "target", {"num_hidden_layers": 8})
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
     reads = []
-    read_text = Path.read_text
+    read_text, read_bytes = Path.read_text, Path.read_bytes
 
-    def counting(self: Path, *args, **kwargs) -> str:
-        if self.name == "config.json":
-            reads.append(self)
-        return read_text(self, *args, **kwargs)
+    def counting(original):
+        def read(self: Path, *args, **kwargs):
+            reads.append(self.name)
+            return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", counting)
-    data = {**MINIMAL, "models": {"target_path": target, "drafter": {"num_layers": 2}}}
-    first = ExperimentSpec.model_validate(data)
-    second = ExperimentSpec.model_validate(first.model_dump())  # what every actor does with the driver's spec
-    assert len(reads) == 1 and first == second and second.models.target_num_layers == 8
-    config = Path(target) / "config.json"
-    config.write_text(json.dumps({"num_hidden_layers": 12}))
-    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # a later mtime
-    assert ExperimentSpec.model_validate(data).models.target_num_layers == 12 and len(reads) == 2
+        return read
+
+    monkeypatch.setattr(Path, "read_text", counting(read_text))
+    monkeypatch.setattr(Path, "read_bytes", counting(read_bytes))
+    data = {**MINIMAL, "models": {"target_path": target, "drafter": {"num_layers": 2}},
+            "data": {**MINIMAL["data"], "train_prompts": str(prompts)}}
+    resolved = validate_spec(data, check_paths=False)
+    assert sorted(reads) == ["config.json", "train.jsonl"]
+    assert resolved.models.target_num_layers == 8 and resolved.data.train_pool_size == 2
+    again = ExperimentSpec.model_validate(resolved.model_dump())  # what every actor does with the driver's spec
+    assert again == resolved and sorted(reads) == ["config.json", "train.jsonl"]
 
 
 def test_warm_drafter_must_match_spec(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 - `reference/cli.md`: every `opd` command's help, from the argparse parser (`opd.cli.build_parser`).
 - `reference/spec.md`: every experiment-spec field, from the pydantic models (`opd.spec.ExperimentSpec`): its type,
-  default and bounds from the model, its note from the comments beside the field in `opd/spec.py`.
+  default and bounds from the model, its note from the comments beside the field in `opd/spec/schema.py`.
 - `results/bench/...`: the measured runs in `bench/results/` (reports, plots and their JSON), mounted as they are,
   so the results pages link to them without a copy in `docs/`, and `results/bench/index.md`, a list of the reports.
 - `changelog.md`: the repository's `CHANGELOG.md`.
@@ -204,13 +204,13 @@ def _cell(text: str) -> str:
 
 
 def spec_page() -> str:
-    import opd.spec as spec_module
+    import opd.spec.schema as spec_module
 
     notes = _field_notes(Path(spec_module.__file__).read_text(encoding="utf-8"))
     out = [
         "# Experiment spec",
         "",
-        "Generated at every docs build from the pydantic models in `opd/spec.py`: each field's type, default and",
+        "Generated at every docs build from the pydantic models in `opd/spec/schema.py`: each field's type, default and",
         "bounds come from the model, its note from the comment beside the field in the source. Cross-field rules",
         "(the validators) are not listed here: `opd validate CONFIG` applies them all and prints the resolved spec.",
         "Unknown keys, infinite and NaN floats are refused everywhere.",

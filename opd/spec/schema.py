@@ -1,4 +1,4 @@
-"""Experiment specs: one validated pydantic tree for everything a run needs.
+"""The experiment spec's schema: one validated pydantic tree for everything a run needs.
 
 A bad spec must fail in `opd validate` (or the first second of `opd train`), never hours into a cluster job,
 so every field is typed and bounded, unknown keys are rejected, and the cross-field rules that would otherwise
@@ -6,31 +6,21 @@ surface late (layer ids beyond the target, roles that can never be scheduled, ba
 checked up front. Defaults are the Draft-OPD paper's settings (16-token blocks, 5 drafter layers, mixed KL with
 γ = 0.8, lr 3e-4 with cosine decay).
 
-Loading (`load_spec`):
-- YAML in; a file may name `base: other.yaml` (relative to that file). Mappings deep-merge, the child wins,
-  lists and scalars are replaced; chains are allowed and cycles are reported. `base: [a.yaml, b.yaml]` merges
-  them in order, so a preset (configs/presets/) can be layered on any experiment.
-- `--set a.b=c` overrides are applied after inheritance; the value is parsed as YAML, so `optim.lr=1e-4`,
-  `loss.rejected_decay=false` and `resources.rollout.replicas=2` arrive typed.
-- Relative model and data paths are kept as written and resolved against the current working directory when
-  used; the shipped configs use paths relative to the repository root, so run `opd` from there.
-- Every problem becomes one line `field.path: what is wrong (what is expected)` inside a `SpecError`.
+Validation here reads no file: what the files say (the target's depth, the prompt pool's size, the warm drafter)
+is filled in or checked once, in the driver, by `opd.spec.resolve`, so an actor validates the resolved spec it is
+handed without touching the filesystem. Loading YAML is `opd.spec.load`; flattening for MLflow `opd.spec.export`.
 """
 
 from __future__ import annotations
 
-import copy
-import difflib
-import functools
-import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from opd.errors import OpdError
@@ -158,37 +148,13 @@ class DrafterSpec(_Section):
         return default_target_layer_ids(target_num_layers, self.num_layers)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A checkpoint's config.json, or None when absent or unreadable (check_paths reports missing dirs).
-
-    Read once per process while the file is unchanged (keyed by resolved path, inode, mtime and size): a spec is
-    validated several times per actor, and the file may sit on a slow shared filesystem.
-    """
-    try:
-        resolved = path.resolve()
-        stat = resolved.stat()
-    except (OSError, RuntimeError):
-        return None
-    data = _read_json_once(resolved, stat.st_ino, stat.st_mtime_ns, stat.st_size)
-    return copy.deepcopy(data)  # callers get their own copy; the cached one stays as read
-
-
-@functools.lru_cache(maxsize=64)
-def _read_json_once(path: Path, inode: int, mtime_ns: int, size: int) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 class ModelsSpec(_Section):
     """Where the target, tokenizer and warm drafter live, and how to load them."""
 
     target_path: str
     drafter_path: str | None = None  # warm drafter in DFlash format; None = random init
     tokenizer_path: str | None = None  # None = target_path
-    target_num_layers: int | None = Field(None, ge=1)  # read from target_path/config.json when it exists
+    target_num_layers: int | None = Field(None, ge=1)  # filled from target_path/config.json when it exists
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU Ray gave this actor, else the CPU
@@ -206,24 +172,8 @@ class ModelsSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ModelsSpec:
-        issues = self._take_target_depth()
-        issues += self._check_layer_ids()
-        issues += self._check_warm_drafter()
-        _issues(issues)
+        _issues(self._check_layer_ids())
         return self
-
-    def _take_target_depth(self) -> list[str]:
-        """Fill or cross-check the target depth from the checkpoint, so layer ids are checked against the truth."""
-        config = _read_json(Path(self.target_path) / "config.json")
-        depth = (config or {}).get("num_hidden_layers")
-        if not isinstance(depth, int):
-            return []
-        if self.target_num_layers is None:
-            self.target_num_layers = depth
-        elif self.target_num_layers != depth:
-            return [f"target_num_layers: {self.target_num_layers} disagrees with num_hidden_layers {depth} in "
-                    f"{self.target_path}/config.json (expected {depth} or unset)"]
-        return []
 
     def _check_layer_ids(self) -> list[str]:
         ids, depth = self.layer_ids, self.target_num_layers
@@ -242,35 +192,6 @@ class ModelsSpec(_Section):
             return [f"{path}: layer {max(ids)}{origin} is outside the target (expected ids in [0, {depth}), "
                     f"target_num_layers = {depth})"]
         return []
-
-    def _check_warm_drafter(self) -> list[str]:
-        """A warm drafter's checkpoint fixes its architecture; the spec must describe the same drafter."""
-        if self.drafter_path is None:
-            return []
-        if self.drafter_path != "random" and self.drafter.dflash2:
-            return [f"drafter.selector_rank: set for a random DFlash 2 drafter, but drafter_path is "
-                    f"{self.drafter_path}, which brings its own (expected the four DFlash 2 fields unset)"]
-        config = _read_json(Path(self.drafter_path) / "config.json")
-        if config is None:
-            return []
-        kind = "eagle3" if "eagle3" in " ".join(config.get("architectures") or []).lower() else "dflash"
-        if kind != self.drafter.kind:
-            return [f"drafter.kind: {self.drafter.kind} but {self.drafter_path}/config.json is a {kind} drafter "
-                    f"(expected kind: {kind})"]
-        if kind == "eagle3":
-            found = {"block_size": config.get("block_size"), "draft_vocab_size": config.get("draft_vocab_size")}
-            ours = {"block_size": self.drafter.block_size, "draft_vocab_size": self.drafter.draft_vocab_size}
-        else:
-            dflash = config.get("dflash_config") or {}  # read first, then the top level, as z-lab's code does
-            found = {"block_size": dflash.get("block_size", config.get("block_size")),
-                     "num_layers": config.get("num_hidden_layers"),
-                     "target_layer_ids": dflash.get("target_layer_ids", config.get("target_layer_ids")),
-                     "mask_token_id": dflash.get("mask_token_id", config.get("mask_token_id"))}
-            ours = {"block_size": self.drafter.block_size, "num_layers": self.drafter.num_layers,
-                    "target_layer_ids": self.layer_ids, "mask_token_id": self.drafter.mask_token_id}
-        return [f"drafter.{key}: {ours[key]} disagrees with the warm drafter's {found[key]} in "
-                f"{self.drafter_path}/config.json (expected {found[key]})"
-                for key in found if found[key] is not None and ours[key] is not None and found[key] != ours[key]]
 
 
 # ------------------------------------------------------------------------------------------ data and decoding
@@ -306,31 +227,8 @@ class DataSpec(_Section):
         if self.render == "raw" and self.reasoning_effort is not None:
             issues.append(f"reasoning_effort: {self.reasoning_effort} but render is raw, which has no template to "
                           "pass it to (expected render: chat, or reasoning_effort: null)")
-        lines = _count_lines(Path(self.train_prompts))
-        if lines is not None and self.train_pool_size is None:
-            self.train_pool_size = lines
-        elif lines is not None and self.train_pool_size != lines:
-            issues.append(f"train_pool_size: {self.train_pool_size} disagrees with the {lines} prompts in "
-                          f"{self.train_prompts} (expected {lines} or unset)")
         _issues(issues)
         return self
-
-
-def _count_lines(path: Path) -> int | None:
-    """Non-blank lines of a prompt file, or None when it cannot be read; once per unchanged file, like `_read_json`."""
-    try:
-        stat = path.resolve().stat()
-    except (OSError, RuntimeError):
-        return None
-    return _count_lines_once(path.resolve(), stat.st_ino, stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=16)
-def _count_lines_once(path: Path, inode: int, mtime_ns: int, size: int) -> int | None:
-    try:
-        return sum(1 for line in path.read_bytes().splitlines() if line.strip())
-    except OSError:
-        return None
 
 
 # Target sampling; the same rule applies in rollout and evaluation so τ means the same thing in both.
@@ -897,299 +795,3 @@ def with_eval_samples(spec: ExperimentSpec, path: str | Path) -> ExperimentSpec:
     return spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": str(path)})})
 
 
-# ------------------------------------------------------------------------------------------------ paths
-
-
-def check_paths(spec: ExperimentSpec) -> list[str]:
-    """One message per required path that is missing or of the wrong kind; empty when all are usable."""
-    m, d = spec.models, spec.data
-    wanted = [("models.target_path", m.target_path, "model"),
-              ("models.tokenizer_path", m.tokenizer_path if m.tokenizer_path != m.target_path else None, "dir"),
-              ("models.drafter_path", m.drafter_path, "model"),
-              ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
-              ("rollout.samples_path", spec.rollout.samples_path if spec.rollout.source == "samples" else None,
-               "file"), ("eval.samples_path", spec.eval.samples_path, "file"),
-              ("eval.suite", spec.eval.suite, "suite")]
-    return [msg for field, path, kind in wanted
-            if path is not None and (msg := _path_problem(field, Path(path), kind))]
-
-
-_path_problems = check_paths  # load_spec's keyword `check_paths` shadows the function inside it
-
-
-def _path_problem(field: str, path: Path, kind: str) -> str | None:
-    expected = {"model": "a model directory with config.json", "dir": "a directory", "file": "a jsonl file",
-                "suite": "the directory `opd suite build --suite NAME --out DIR` wrote"}[kind]
-    if not path.exists():
-        problem = "does not exist"
-    elif kind == "file" and not path.is_file():
-        problem = "is not a file"
-    elif kind != "file" and not path.is_dir():
-        problem = "is not a directory"
-    elif kind == "model" and not (path / "config.json").is_file():
-        problem = "has no config.json"
-    else:
-        return None
-    where = "" if path.is_absolute() else f", relative to {os.getcwd()}"
-    return f"{field}: {path} {problem} (expected {expected}{where})"
-
-
-# ------------------------------------------------------------------------------------------------ loading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise resolve silently (last one wins)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line for a YAML error, with its 1-based line and column when PyYAML knows them."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
-    return f"invalid YAML{where}: {problem}"
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    """One config file as a mapping, or a SpecError naming the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError([f"{path}: file not found (expected a YAML spec)"]) from None
-    except IsADirectoryError:
-        raise SpecError([f"{path}: is a directory (expected a YAML spec file)"]) from None
-    except UnicodeDecodeError:
-        raise SpecError([f"{path}: not UTF-8 text (expected a YAML spec file)"]) from None
-    except OSError as exc:
-        raise SpecError([f"{path}: cannot read ({exc.strerror})"]) from None
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)
-    except yaml.YAMLError as exc:
-        raise SpecError([f"{path}: {_yaml_problem(exc)}"]) from None
-    if data is None:
-        raise SpecError([f"{path}: file is empty (expected a YAML mapping of spec sections)"])
-    if not isinstance(data, dict):
-        raise SpecError([f"{path}: top level is a {type(data).__name__} (expected a mapping of spec sections)"])
-    return data
-
-
-def _deep_merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """Child wins; mappings merge recursively so a child states only its difference."""
-    merged = dict(base)
-    for key, value in child.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _resolve_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A config with its `base:` chain merged in; `chain` holds the files above it, to detect cycles."""
-    real = path.resolve()
-    if real in chain:
-        cycle = " -> ".join(str(p) for p in (*chain, real))
-        raise SpecError([f"{path}: base cycle {cycle} (expected a chain that ends)"])
-    data = _read_yaml(path)
-    base = data.pop("base", None)
-    bases = [base] if isinstance(base, str) else base or []
-    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
-        raise SpecError([f"{path}: base: got {base!r} (expected the path of another YAML spec, or a list of them)"])
-    merged: dict[str, Any] = {}
-    for name in bases:
-        base_path = Path(os.path.normpath(path.parent / name))
-        if not base_path.exists():
-            raise SpecError([f"{path}: base: {base_path} not found (expected a YAML spec, relative to this file)"])
-        merged = _deep_merge(merged, _resolve_file(base_path, (*chain, real)))
-    return _deep_merge(merged, data)
-
-
-def _apply_override(data: dict[str, Any], item: str) -> str | None:
-    """Apply one `a.b=c` in place; return a problem line instead when it is malformed.
-
-    A numeric segment indexes a list (`eval.sampling.0.temperature=0.6`); a list the config does not set is
-    first filled with the spec's default, so its items can be addressed as they will be validated."""
-    key, sep, raw = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(parts):
-        return f"--set {item!r}: malformed (expected KEY=VALUE with a dotted key, e.g. optim.lr=1e-4)"
-    try:
-        value = yaml.load(raw, Loader=_StrictLoader)
-    except yaml.YAMLError as exc:
-        return f"--set {item!r}: {_yaml_problem(exc)}"
-    node: dict[str, Any] | list[Any] = data
-    try:
-        for depth in range(len(parts) - 1):
-            node = _child(node, parts[: depth + 1], indexed=parts[depth + 1].isdigit())
-        node[_slot(node, parts)] = value
-    except ValueError as exc:
-        return f"--set {item!r}: {exc}"
-    return None
-
-
-def _child(node: dict[str, Any] | list[Any], path: list[str], indexed: bool) -> dict[str, Any] | list[Any]:
-    """The section or list at `path` (its last segment read from `node`); a missing one is created: the spec's
-    default list when the next segment is an index, else an empty section."""
-    if isinstance(node, dict) and path[-1] not in node and not path[-1].isdigit():
-        default = _default_list(path)
-        if indexed and default is None:
-            raise ValueError(f"{'.'.join(path)} is not a list (an index needs a list field; set the whole value "
-                             f"instead, e.g. --set {'.'.join(path)}=[...])")
-        node[path[-1]] = {} if default is None else default
-    child = node[_slot(node, path)]
-    if not isinstance(child, (dict, list)):
-        raise ValueError(f"{'.'.join(path)} is a {type(child).__name__}, not a section (expected a mapping or "
-                         "a list)")
-    return child
-
-
-def _slot(node: dict[str, Any] | list[Any], path: list[str]) -> str | int:
-    """The key or list index that the last segment of `path` names in `node`."""
-    where, part = ".".join(path[:-1]) or "the spec", path[-1]
-    if isinstance(node, dict):
-        if part.isdigit():
-            raise ValueError(f"{where} is a mapping, not a list (index {part} needs a list field)")
-        return part
-    indices = f"0..{len(node) - 1}" if node else "none: the list is empty"
-    if not part.isdigit():
-        raise ValueError(f"{where} is a list (expected an item index, {indices}; got {part!r})")
-    if int(part) >= len(node):
-        raise ValueError(f"{where}.{part}: index out of range ({where} has {len(node)} items; indices {indices})")
-    return int(part)
-
-
-def _default_list(path: list[str]) -> list[Any] | None:
-    """The spec's default for the list field at `path` (as plain data), None for anything else."""
-    model: type[BaseModel] = ExperimentSpec
-    for depth, part in enumerate(path):
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        if depth == len(path) - 1:
-            default = field.get_default(call_default_factory=True)
-            if not isinstance(default, (list, tuple)):  # a tuple default (optim.betas) is a list in YAML
-                return None
-            return [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in default]
-        nested = [t for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                  if isinstance(t, type) and issubclass(t, BaseModel)]
-        if not nested:
-            return None
-        model = nested[0]
-    return None
-
-
-def _error_path(loc: tuple[int | str, ...]) -> str:
-    """Pydantic location as `eval.sampling[1].top_p`."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
-    """Field names of the spec model at `loc`, to suggest the intended key for an unknown one."""
-    model: type[BaseModel] = ExperimentSpec
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        nested = [t for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                  if isinstance(t, type) and issubclass(t, BaseModel)] if field else []
-        if not nested:
-            return []
-        model = nested[0]
-    return list(model.model_fields)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _format_error(err: dict[str, Any]) -> list[str]:
-    """Pydantic error -> `field.path: what is wrong (what is expected)` lines."""
-    loc, kind = tuple(err["loc"]), err["type"]
-    path = _error_path(loc)
-    if kind == "spec_issues":
-        prefix = f"{path}." if path else ""
-        return [prefix + issue for issue in err["ctx"]["issues"]]
-    if kind == "extra_forbidden":
-        fields = _fields_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(fields)}"
-        return [f"{path}: unknown key ({hint})"]
-    if kind == "missing":
-        return [f"{path}: missing (a value is required)"]
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return [f"{path or 'spec'}: got a {type(err['input']).__name__} (expected a mapping of fields)"]
-    msg = err["msg"].removeprefix("Input ")
-    return [f"{path}: got {_short(err['input'])} ({msg[0].lower() + msg[1:]})"]
-
-
-def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> ExperimentSpec:
-    """A raw mapping as an ExperimentSpec, or a SpecError listing every problem."""
-    try:
-        spec = ExperimentSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError([line for err in exc.errors() for line in _format_error(err)]) from None
-    problems = _path_problems(spec) if check_paths else []
-    if problems:
-        raise SpecError(problems)
-    return spec
-
-
-def load_spec(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> ExperimentSpec:
-    """Load a YAML spec with its `base:` chain and `--set` overrides, validated; raises SpecError."""
-    data = _resolve_file(Path(path))
-    problems = [p for item in overrides if (p := _apply_override(data, item))]
-    if problems:
-        raise SpecError(problems)
-    return validate_spec(data, check_paths=check_paths)
-
-
-# ------------------------------------------------------------------------------------------------ export
-
-
-def field_default(dotted: str) -> str | None:
-    """The schema default of a `flatten` key, in `flatten`'s form; None where the path has none (a required field,
-    an item of a list, or no such field)."""
-    model: Any = ExperimentSpec
-    *sections, name = dotted.split(".")
-    for part in sections:
-        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
-        model = field.annotation if field is not None else None
-    if not (isinstance(model, type) and issubclass(model, BaseModel)) or name not in model.model_fields:
-        return None
-    field = model.model_fields[name]
-    if field.is_required():
-        return None
-    value = TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def flatten(spec: ExperimentSpec) -> dict[str, str]:
-    """Dotted key -> string value, for MLflow params (`optim.lr` -> "0.0003"; lists of sections by index)."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, sub in value.items():
-                walk(f"{prefix}.{key}" if prefix else key, sub)
-        elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
-            for i, sub in enumerate(value):
-                walk(f"{prefix}.{i}", sub)
-        else:
-            out[prefix] = value if isinstance(value, str) else json.dumps(value)
-
-    walk("", spec.model_dump(mode="json"))
-    return out

@@ -1,0 +1,118 @@
+"""A model directory, read once: its `config.json`, its safetensors headers, where its tokenizer is.
+
+The spec's resolution, the preflight, the family detection, the builders and the suite all ask a model directory the
+same questions (how deep is the target, which family is this drafter, do its weight files hold what the config
+says). Each reading was once its own `json.loads`, with its own message for a missing file. Here the directory is
+read once into a value, every reader takes that value, and each check is written once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opd.errors import OpdError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A local Hugging Face-style model directory (a target or a drafter) and its parsed config.json."""
+
+    path: Path
+    config: dict[str, Any]
+    role: str = "model"  # how messages name it: "target model", "drafter"
+    _headers: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def read(cls, path: str | Path, role: str = "model") -> ModelDir:
+        """The directory at `path`, or a one-line OpdError naming the file and what is expected."""
+        config_path = Path(path) / CONFIG_FILE
+        if not config_path.is_file():
+            raise OpdError(f"{role}: {config_path} not found (expected a local model directory with {CONFIG_FILE})")
+        return cls(Path(path), _json(config_path, role), role)
+
+    @classmethod
+    def find(cls, path: str | Path | None, role: str = "model") -> ModelDir | None:
+        """The directory, or None when it is absent or unreadable (the spec's path check names those)."""
+        if path is None or path == "random":
+            return None
+        try:
+            return cls.read(path, role)
+        except OpdError:
+            return None
+
+    # -- config fields -----------------------------------------------------------------------------------------
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's fields: a multimodal checkpoint nests them under `text_config`."""
+        nested = self.config.get("text_config")
+        return nested if isinstance(nested, dict) else self.config
+
+    @property
+    def architectures(self) -> list[str]:
+        value = self.config.get("architectures")
+        return [str(a) for a in value] if isinstance(value, list) else []
+
+    @property
+    def num_layers(self) -> int | None:
+        """`num_hidden_layers`, None when the config does not say (or says something that is not an integer)."""
+        value = self.text_config.get("num_hidden_layers")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def int_field(self, name: str) -> int:
+        """An integer field of the language model's config, or a one-line OpdError naming it."""
+        value = self.text_config.get(name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise OpdError(f"{self.role} {self.path}/{CONFIG_FILE}: field {name!r} missing or not an integer")
+        return value
+
+    # -- weight files ------------------------------------------------------------------------------------------
+
+    def weight_files(self) -> list[Path]:
+        """The safetensors files the directory's index names (a missing one is a one-line OpdError), else its one
+        `model.safetensors`, else none (weights in another format, which transformers reads itself)."""
+        index = self.path / WEIGHTS_INDEX
+        if not index.is_file():
+            single = self.path / WEIGHTS_FILE
+            return [single] if single.is_file() else []
+        files = [self.path / name for name in sorted(set(_json(index, self.role).get("weight_map", {}).values()))]
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise OpdError(f"{missing[0]}: weights file not found (expected it next to {CONFIG_FILE}, as "
+                           f"{WEIGHTS_INDEX} names it)")
+        return files
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape from the safetensors headers, which safetensors checks against each file's length,
+        so a truncated file is caught without reading the weights. Read once per directory value."""
+        if not self._headers:
+            from safetensors import SafetensorError, safe_open
+
+            for path in self.weight_files():
+                try:
+                    with safe_open(str(path), framework="pt") as f:
+                        for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                            self._headers[name] = {"shape": tuple(f.get_slice(name).get_shape()), "file": path.name}
+                except (SafetensorError, OSError) as exc:
+                    raise OpdError(f"{path}: unreadable safetensors file ({exc})") from None
+        return {name: header["shape"] for name, header in self._headers.items()}
+
+
+def _json(path: Path, role: str) -> dict[str, Any]:
+    """A JSON object file, or a one-line OpdError naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OpdError(f"{role}: cannot read {path} ({exc})") from None
+    except ValueError as exc:
+        raise OpdError(f"{role}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise OpdError(f"{role}: {path} holds a {type(data).__name__} (expected a JSON object)")
+    return data
