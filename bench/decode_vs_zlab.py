@@ -31,7 +31,8 @@ from opd.data.prompts import eval_prompts
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.build import build_models
-from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
+from opd.models.dflash2 import DFlash2Drafter
+from opd.models.families import load_drafter
 from opd.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def decoders(models, drafter, drafter_dir: str, prompts: list[list[int]], args) 
 
 def measure(name: str, models, drafter_dir: str, prompts: list[list[int]], args) -> list[dict]:
     """One drafter's rows: tokens/s (best round) of every decoder, identical responses asserted."""
-    drafter = load_dflash_drafter(drafter_dir, models.target)
+    drafter = load_drafter(drafter_dir, models.target)
     device = models.target.device
     runs = decoders(models, drafter, drafter_dir, prompts, args)
     best: dict[str, float] = {}

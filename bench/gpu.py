@@ -51,12 +51,14 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
 from opd.eval.acceptance import AcceptanceStats
+from opd.formats.dflash import default_target_layer_ids
+from opd.formats.eagle3 import Eagle3Config
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
-from opd.models.eagle3_format import Eagle3Config
-from opd.models.family import KINDS, Drafter
+from opd.models.families import FAMILIES
+from opd.models.family import Drafter
 from opd.models.target import Target
-from opd.spec import default_target_layer_ids, validate_spec
+from opd.spec import validate_spec
 from opd.train.learner import Learner
 
 RESULTS = Path(__file__).parent / "results"
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="small shapes, runs on a CPU in seconds")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall-time budget for all sections")
-    parser.add_argument("--drafter", choices=KINDS, default="dflash", help="drafter family (default: dflash)")
+    parser.add_argument("--drafter", choices=list(FAMILIES), default="dflash", help="drafter family (default: dflash)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="also the compiled decoding step at every batch (default: on a GPU)")
     parser.add_argument("--json", metavar="OUT", help="default: bench/results/gpu.json (gpu_tiny.json with --tiny, "

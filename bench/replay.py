@@ -37,10 +37,11 @@ from rich.table import Table
 from opd.decoding.record import SequenceRecord
 from opd.distill.losses import teacher_distribution
 from opd.distill.replay import score, student_hidden
+from opd.formats.dflash import default_target_layer_ids
 from opd.models.build import DTYPES, build_models, random_drafter
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
-from opd.spec import default_target_layer_ids, load_spec
+from opd.spec import load_spec
 
 RESULTS = Path(__file__).parent / "results" / "replay.json"
 # The shipped target's shape (opd/tiny/build.py BuildConfig), used when its config.json is not there yet.

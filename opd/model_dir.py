@@ -112,7 +112,7 @@ def _json(path: Path, role: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise OpdError(f"{role}: cannot read {path} ({exc})") from None
     except ValueError as exc:
-        raise OpdError(f"{role}: {path} is not valid JSON ({exc})") from None
+        raise OpdError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise OpdError(f"{role}: {path} holds a {type(data).__name__} (expected a JSON object)")
     return data

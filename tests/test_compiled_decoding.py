@@ -70,13 +70,13 @@ def test_compiled_needs_the_static_cache(target):
 def inductor_matches_eager(device: str) -> None:
     """The shipped tiny target with each shipped drafter, greedy, batch 1 and batched: inductor's compiled step
     writes the eager decoder's responses and blocks."""
-    from opd.models.dflash2 import load_dflash_drafter
+    from opd.models.families import load_drafter
 
     torch._dynamo.reset()
     target, prompts = tiny_target_and_prompts(4)
     target = target.to(device)
     for path in ("opd/assets/tiny/drafter", "opd/assets/tiny/dflash2"):
-        drafter = load_dflash_drafter(path, target).to(device)
+        drafter = load_drafter(path, target).to(device)
         eos = target.config.eos_token_id
         eager = SpeculativeDecoder(target, drafter, eos_id=eos)
         compiled = SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=True, compiled=True)

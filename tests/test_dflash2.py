@@ -27,9 +27,10 @@ from opd.distill.replay import score, student_hidden
 from opd.distill.selector_loss import selector_loss, sft_selector_loss
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
-from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
-from opd.models.dflash_format import DFlashConfig
+from opd.formats.dflash import DFlashConfig
+from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
+from opd.models.families import load_drafter
 from opd.models.flops import DrafterParams
 from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
@@ -85,7 +86,7 @@ def test_save_load_round_trip_is_bit_exact_in_zlabs_layout(target, drafter, tmp_
     assert shapes["candidate_selector.hidden_projection.weight"] == (4, h)
     assert shapes["layers.0.attention_conv.base_kernel"] == shapes["layers.0.mlp_conv.base_kernel"] == (2, k, h)
     assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * k * h // 4, h)
-    loaded = load_dflash_drafter(tmp_path, target)
+    loaded = load_drafter(tmp_path, target)
     assert type(loaded) is DFlash2Drafter and loaded.config == drafter.config
     assert loaded.state_dict().keys() == drafter.state_dict().keys()
     assert all(torch.equal(loaded.state_dict()[n], t) for n, t in drafter.state_dict().items())
@@ -267,7 +268,7 @@ def test_a_top_k_teacher_with_the_selector_term_is_refused_before_any_compute(mi
     use = ["--set", f"models.drafter_path={micro_dflash2}", "--set", "replay.teacher_topk=4"]
     assert main(["validate", str(micro_spec_file), *use]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "loss.selector_weight: a DFlash 2 drafter's selector term reads the full" in err
+    assert "\n" not in err and "with a dflash2 drafter and replay.teacher_topk 4 (the selector's term reads the full" in err
     assert main(["validate", str(micro_spec_file), *use, "--set", "loss.selector_weight=0"]) == 0
 
 
@@ -280,20 +281,20 @@ def test_a_random_dflash2_drafter_comes_from_the_spec(micro_spec_file, micro_ass
     from opd.models.build import build_models
     from opd.spec import load_spec
 
-    sets = [f"models.drafter.{k}={v}" for k, v in RANDOM_DFLASH2.items()]
+    sets = ["models.drafter.kind=dflash2", *(f"models.drafter.{k}={v}" for k, v in RANDOM_DFLASH2.items())]
     spec = load_spec(str(micro_spec_file), ["models.drafter_path=", *sets])
     drafter = build_models(spec).drafter
     assert isinstance(drafter, DFlash2Drafter) and drafter.config.selector_top_k == 4
     random = ["--set", "models.drafter_path="]
-    cases = [(sets[1:], "drafter.conv_kernel_size: missing"),
-             ([*sets[:1], "models.drafter.conv_group_size=7", *sets[2:]], "models.drafter.conv_group_size is 7"),
+    cases = [([sets[0], *sets[2:]], "drafter.conv_kernel_size: missing"),
+             ([*sets[:2], "models.drafter.conv_group_size=7", *sets[3:]], "models.drafter.conv_group_size is 7"),
              (sets, None)]
     for values, message in cases:
         args = ["validate", str(micro_spec_file), *(random if message else []),
                 *(x for v in values for x in ("--set", v))]
         assert main(args) == 2
         err = capsys.readouterr().err.strip()
-        assert "\n" not in err and (message or "set for a random DFlash 2 drafter") in err, err
+        assert "\n" not in err and (message or "a warm DFlash 2 drafter brings its own") in err, err
 
 
 @torch.no_grad()

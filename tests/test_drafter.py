@@ -350,7 +350,7 @@ def test_mismatched_checkpoint_raises_one_line_opd_error(setup, tmp_path, kwargs
 
 def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
     target, drafter, *_ = setup
-    with pytest.raises(OpdError, match="config.json: drafter config not found"):
+    with pytest.raises(OpdError, match="config.json not found"):
         DFlashDrafter.from_pretrained(tmp_path / "absent", target)
     drafter.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -422,8 +422,9 @@ def test_serving_refuses_the_targets_last_layer_that_vllm_cannot_capture(tmp_pat
     from types import SimpleNamespace
 
     from opd.commands.serve_bench import drafter_block_size
+    from opd.formats.dflash import DFlashSpec
 
-    spec = SimpleNamespace(models=SimpleNamespace(target_path=str(tmp_path / "no-target")))
+    spec = SimpleNamespace(models=SimpleNamespace(target_path=str(tmp_path / "no-target"), drafter=DFlashSpec()))
     _hand_written_checkpoint(tmp_path / "last", layer_ids=(0, 2, 3))
     with pytest.raises(OpdError, match=r"include 3, the target's last layer, which vLLM's DFlash path cannot") as info:
         drafter_block_size(str(tmp_path / "last"), spec)

@@ -21,7 +21,7 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
 from opd.eval.acceptance import AcceptanceStats
-from opd.models.dflash_format import DFlashConfig
+from opd.formats.dflash import DFlashConfig
 from opd.models.drafter import DFlashDrafter
 from opd.models.flops import DrafterParams
 from opd.models.target import load_target

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from opd.errors import OpdError
-from opd.models.eagle3_format import (
+from opd.formats.eagle3 import (
     ARCHITECTURE,
     ARCHITECTURES,
     CONFIG_FILE,
@@ -24,9 +24,10 @@ from opd.models.eagle3_format import (
     expected_shapes,
     read_config,
     read_tensors,
-    vllm_speculative_config,
     write_checkpoint,
 )
+from opd.model_dir import ModelDir
+from opd.models.eagle3 import Eagle3Family
 
 TINY_TARGET = Path(__file__).resolve().parents[1] / "opd/assets/tiny/target"
 V, H, L, VD, K = 40, 32, 6, 12, 4
@@ -90,7 +91,7 @@ def _edit_config(directory: Path, edit) -> Path:
 def test_round_trip(tmp_path: Path) -> None:
     config, state = _config(), _state(_config(), seed=3)
     write_checkpoint(tmp_path, config, {**state, "embed_tokens.weight": torch.zeros(V, H)}, torch.float32)
-    loaded = read_config(tmp_path / CONFIG_FILE, _target(), block_size=99)
+    loaded = read_config(ModelDir.read(tmp_path), _target(), block_size=99)
     assert loaded == config and loaded.block_size == K  # the file's block_size wins over the argument
     assert loaded.aux_layer_ids == [2, 3, 3] and loaded.target_layer_ids == [1, 2, 2]
     tensors = read_tensors(tmp_path / WEIGHTS_FILE, loaded)
@@ -134,7 +135,8 @@ def test_for_shipped_tiny_target() -> None:
     assert (config.head_dim, config.intermediate_size, config.vocab_size, config.rope_theta) == (64, 768, 2048, 1e4)
     assert config.aux_layer_ids == default_aux_layer_ids(6) == [2, 3, 3]
     assert default_aux_layer_ids(36) == [2, 18, 33]
-    assert vllm_speculative_config("/d", 8) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 7}
+    assert Eagle3Family().vllm_config(ModelDir(Path("/d"), {}), 8) == {"method": "eagle3", "model": "/d",
+                                                                       "num_speculative_tokens": 7}
 
 
 @pytest.mark.parametrize(("place", "ids", "want"), [
@@ -191,20 +193,20 @@ def _set(key, value):
 def test_config_errors(checkpoint: Path, edit, field: str) -> None:
     path = _edit_config(checkpoint, edit)
     with pytest.raises(OpdError, match=field) as info:
-        read_config(path, _target(), block_size=K)
+        read_config(ModelDir.read(path.parent), _target(), block_size=K)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_config_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(OpdError, match="config.json: drafter config not found"):
-        read_config(tmp_path / CONFIG_FILE, _target(), block_size=K)
+    with pytest.raises(OpdError, match="config.json not found"):
+        read_config(ModelDir.read(tmp_path), _target(), block_size=K)
     (tmp_path / CONFIG_FILE).write_text("{")
     with pytest.raises(OpdError, match="not valid JSON"):
-        read_config(tmp_path / CONFIG_FILE, _target(), block_size=K)
+        read_config(ModelDir.read(tmp_path), _target(), block_size=K)
     hf = _config().to_hf_dict()
     del hf["block_size"]
     (tmp_path / CONFIG_FILE).write_text(json.dumps(hf))
-    assert read_config(tmp_path / CONFIG_FILE, _target(), block_size=7).block_size == 7
+    assert read_config(ModelDir.read(tmp_path), _target(), block_size=7).block_size == 7
 
 
 def _ids_to_d2t(ids: list[int]) -> torch.Tensor:
@@ -239,7 +241,7 @@ def test_tensor_errors(checkpoint: Path, change: dict, message: str) -> None:
         tensors.pop(name) if t is None else tensors.__setitem__(name, t)
     save_file(tensors, str(path))
     with pytest.raises(OpdError, match=message) as info:
-        read_tensors(path, read_config(checkpoint / CONFIG_FILE, _target(), block_size=K))
+        read_tensors(path, read_config(ModelDir.read(checkpoint), _target(), block_size=K))
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 

@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from opd.cli import main
 from opd.commands.preflight import check_layer_kinds_of
 from opd.errors import OpdError
-from opd.models.dflash_format import FULL, SLIDING, DFlashConfig
+from opd.formats.dflash import FULL, SLIDING, DFlashConfig
 from opd.models.drafter import DFlashDrafter
 from opd.models.lm_head import teacher_head
 from opd.models.shared_head import embedding_scale, load_shared_head

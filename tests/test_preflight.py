@@ -121,8 +121,8 @@ def eagle3_spec(micro_spec_file, micro_assets, tmp_path):
     from torch import nn
     from transformers import AutoConfig
 
+    from opd.formats.eagle3 import Eagle3Config
     from opd.models.eagle3 import Eagle3Drafter
-    from opd.models.eagle3_format import Eagle3Config
 
     config = Eagle3Config.for_target(AutoConfig.from_pretrained(micro_assets["target"]), draft_vocab_size=32,
                                      block_size=4, aux_layer_ids=[2, 3, 3])

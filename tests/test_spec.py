@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opd.formats.dflash import default_target_layer_ids
 from opd.spec import (
     ExperimentSpec,
     LossSpec,
     ReplaySpec,
     SpecError,
     check_paths,
-    default_target_layer_ids,
     flatten,
     load_spec,
     validate_spec,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from opd.errors import OpdError
+from opd.formats.dflash import default_target_layer_ids
 from opd.models.packed_attention import PackedRow, PackedRows
 from opd.models.target import Target, load_target
-from opd.spec import default_target_layer_ids
 from opd.tiny.micro import micro_target
 
 TOL = 1e-6  # HF Qwen3 computes RMSNorm and RoPE in float32 even for float64 models.

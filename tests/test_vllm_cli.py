@@ -261,8 +261,8 @@ def save_eagle3(path: Path, aux_layer_ids: list[int], block_size: int | None = 4
     from torch import nn
     from transformers import AutoConfig
 
+    from opd.formats.eagle3 import Eagle3Config
     from opd.models.eagle3 import Eagle3Drafter
-    from opd.models.eagle3_format import Eagle3Config
 
     config = Eagle3Config.for_target(AutoConfig.from_pretrained(TINY / "target"), draft_vocab_size=512,
                                      block_size=block_size or 2, aux_layer_ids=aux_layer_ids)

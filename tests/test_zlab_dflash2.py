@@ -17,8 +17,9 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.models.dflash2 import DFlash2Drafter, load_dflash_drafter
+from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
+from opd.models.families import load_drafter
 from tests.test_dflash2 import dflash2_drafter
 from tests.test_zlab_interop import tiny_target_and_prompts
 
@@ -41,7 +42,7 @@ def saved(request, tiny, tmp_path_factory):
     convolutions and selector, saved here, or the shipped tiny DFlash 2 drafter (trained, opd/assets/tiny/dflash2)."""
     target = tiny[0]
     if request.param == "shipped":
-        return load_dflash_drafter(SHIPPED, target), SHIPPED
+        return load_drafter(SHIPPED, target), SHIPPED
     drafter = dflash2_drafter(target, seed=0, base=DFlashDrafter.from_pretrained(DRAFTER, target),
                               codebook_scale=20.0, kernel_noise=0.02, **FIELDS)
     directory = tmp_path_factory.mktemp("dflash2")
@@ -105,7 +106,7 @@ def test_a_checkpoint_zlab_saves_loads_here(saved, tiny, tmp_path, how):
         model = zlab.DFlash2DraftModel(Qwen3Config.from_pretrained(directory))
         model.load_state_dict(state)
     model.save_pretrained(tmp_path)
-    loaded = load_dflash_drafter(tmp_path, tiny[0])
+    loaded = load_drafter(tmp_path, tiny[0])
     assert type(loaded) is DFlash2Drafter and loaded.config == drafter.config
     assert all(torch.equal(loaded.state_dict()[n], t) for n, t in drafter.state_dict().items())
 

@@ -18,7 +18,7 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.models.dflash_format import DFlashConfig
+from opd.formats.dflash import DFlashConfig
 from opd.models.drafter import DFlashDrafter
 from opd.models.target import load_target
 from tests.test_drafter_variants import FULL, SLIDING, VARIANTS, with_change

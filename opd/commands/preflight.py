@@ -10,15 +10,15 @@ config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inp
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, mask_token_id, train_prompts
+from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, train_prompts
 from opd.data.render import Rendering
 from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
+from opd.formats.section import DrafterSection
+from opd.model_dir import WEIGHTS_FILE, ModelDir
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
 
@@ -38,16 +38,12 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
-    if m.drafter_path is None:
-        if m.drafter.kind == "dflash":  # a random DFlash drafter takes the tokenizer's mask token; EAGLE-3 has none
-            mask_token_id(tokenizer, m.drafter.mask_token_id)
-        if m.drafter.dflash2:
-            from opd.models.dflash_format import check_dflash2_fields
-
-            check_dflash2_fields(m.drafter.dflash2, target.hidden_size, target.vocab_size, "models.drafter.{}")
+    if m.warm:
+        check_drafter(m.drafter_path, target, m.drafter)
     else:
-        check_drafter(m.drafter_path, target, m.drafter.block_size)
-        check_selector_term(spec)
+        from opd.models.families import family
+
+        family(m.drafter.kind).check_random(m.drafter, tokenizer, target)
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":
@@ -69,20 +65,15 @@ def check_suite(spec: ExperimentSpec, tokenizer) -> None:
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
     """The target's shape from its config.json (what a drafter must fit), after checking its weight files."""
-    config = _json(Path(path) / "config.json", "target model")
-    try:
-        shape = SimpleNamespace(hidden_size=int(config["hidden_size"]), vocab_size=int(config["vocab_size"]),
-                                num_layers=int(config["num_hidden_layers"]), layer_ids=layer_ids)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise OpdError(f"target model {path}/config.json: field {exc} missing or not an integer") from None
-    index = Path(path) / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(_json(index, "target model").get("weight_map", {}).values()))
-        for shard in shards:
-            check_safetensors(Path(path) / shard)
-    elif (Path(path) / "model.safetensors").is_file():
-        check_safetensors(Path(path) / "model.safetensors")
-    return shape
+    directory = ModelDir.read(path, "target model")
+    directory.tensor_shapes()
+    return target_shape(directory, layer_ids)
+
+
+def target_shape(directory: ModelDir, layer_ids: list[int]) -> SimpleNamespace:
+    """What a drafter checkpoint is checked against (`TargetShape`), from the target's config.json alone."""
+    return SimpleNamespace(hidden_size=directory.int_field("hidden_size"), vocab_size=directory.int_field("vocab_size"),
+                           num_layers=directory.int_field("num_hidden_layers"), layer_ids=layer_ids)
 
 
 def check_layer_kinds_of(path: str) -> None:
@@ -101,92 +92,20 @@ def check_layer_kinds_of(path: str) -> None:
     attention_windows(model)
 
 
-def check_selector_term(spec: ExperimentSpec) -> None:
-    """A DFlash 2 drafter's selector term reads the teacher at its candidates, which a top-k teacher may not hold
-    (opd/distill/selector_loss.py): refused together, from the drafter's config.json."""
-    from opd.models.family import is_dflash2
+def check_drafter(path: str, target: SimpleNamespace, section: DrafterSection) -> None:
+    """The warm drafter fits the target: config, tensor names and shapes, read from the header only, as its
+    family lays them out (told apart by its config.json)."""
+    from opd.models.families import detect
 
-    config = json.loads((Path(spec.models.drafter_path) / "config.json").read_text(encoding="utf-8"))
-    if is_dflash2(config) and spec.loss.selector_weight > 0 and spec.replay.teacher_topk is not None:
-        raise OpdError("loss.selector_weight: a DFlash 2 drafter's selector term reads the full teacher at its "
-                       "candidates; expected replay.teacher_topk: null, or loss.selector_weight: 0")
-
-
-def check_drafter(path: str, target: SimpleNamespace, block_size: int) -> None:
-    """The warm drafter fits the target: config, tensor names and shapes, read from the header only. Either
-    family, told apart by its config.json; `block_size` is the spec's, which an EAGLE-3 file without one takes."""
-    from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
-    from opd.models.family import checkpoint_kind
-
-    if not (Path(path) / CONFIG_FILE).is_file():
-        raise OpdError(f"drafter: {path}/config.json not found (expected a DFlash or EAGLE-3 drafter directory or "
-                       "'random')")
-    if checkpoint_kind(path) == "eagle3":
-        expected, borrowed = _eagle3_shapes(path, target, block_size)
-    else:
-        expected, borrowed = _dflash_shapes(path, target)
-    weights = Path(path) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise OpdError(f"{weights}: drafter weights not found")
-    found = {k: v for k, v in check_safetensors(weights).items() if not borrowed(k)}
+    directory = ModelDir.read(path, "drafter")
+    expected, borrowed = detect(directory).expected_shapes(directory, target, section)
+    where = directory.path / WEIGHTS_FILE
+    if not directory.weight_files():
+        raise OpdError(f"{where}: drafter weights not found")
+    found = {k: v for k, v in directory.tensor_shapes().items() if not borrowed(k)}
     for problem, names in (("missing", expected.keys() - found.keys()), ("unexpected", found.keys() - expected.keys())):
         if names:
-            raise OpdError(f"{weights}: {problem} tensor(s) {', '.join(sorted(names)[:5])}")
+            raise OpdError(f"{where}: {problem} tensor(s) {', '.join(sorted(names)[:5])}")
     for name, shape in expected.items():
         if found[name] != shape:
-            raise OpdError(f"{weights}: tensor {name} has shape {list(found[name])}, expected {list(shape)}")
-
-
-def _dflash_shapes(path: str, target: SimpleNamespace) -> tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]:
-    """(tensor shapes, which names are the target's tensors that the loader drops) of a DFlash drafter: one
-    built on the meta device gives the shapes without allocating them."""
-    import torch
-    from torch import nn
-
-    from opd.models.dflash2 import dflash_class
-    from opd.models.dflash_format import CONFIG_FILE, SHARED_TENSOR_SUFFIXES, read_config
-
-    config = read_config(Path(path) / CONFIG_FILE, target)
-    with torch.device("meta"):
-        shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
-                                                                                 config.vocab_size, bias=False)
-        expected = {k: tuple(v.shape) for k, v in dflash_class(config)(config, *shared).state_dict().items()}
-    return expected, lambda name: name.endswith(SHARED_TENSOR_SUFFIXES)
-
-
-def _eagle3_shapes(path: str, target: SimpleNamespace,
-                   block_size: int) -> tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]:
-    """(tensor shapes, which names are the target's embedding that the loader drops) of an EAGLE-3 drafter,
-    whose fused layers must be the ones the spec captures (`target.layer_ids`), as the loader demands later."""
-    from opd.models.eagle3_format import CONFIG_FILE, SHARED_EMBEDDING, expected_shapes, read_config
-
-    config = read_config(Path(path) / CONFIG_FILE, target, block_size)
-    if config.target_layer_ids != target.layer_ids:
-        raise OpdError(f"drafter {path}: fuses target layers {config.target_layer_ids} but "
-                       f"models.drafter.target_layer_ids resolves to {target.layer_ids} (expected them to agree)")
-    return expected_shapes(config), lambda name: name == SHARED_EMBEDDING
-
-
-def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors header; a truncated or corrupt file raises OpdError."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise OpdError(f"{path}: weights file not found (expected it next to config.json)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except (SafetensorError, OSError) as exc:
-        raise OpdError(f"{path}: unreadable safetensors file ({exc})") from None
-
-
-def _json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise OpdError(f"{what}: {path} not found (expected a local HF model directory)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpdError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise OpdError(f"{path}: expected a JSON object")
-    return data
+            raise OpdError(f"{where}: tensor {name} has shape {list(found[name])}, expected {list(shape)}")

@@ -17,14 +17,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from opd.commands.preflight import check_target
+from opd.commands.preflight import target_shape
 from opd.data.prompts import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, check_vllm_capturable
-from opd.models.eagle3_format import AUX_IDS_FIELD
-from opd.models.eagle3_format import read_config as read_eagle3_config
-from opd.models.family import checkpoint_kind
+from opd.model_dir import ModelDir
+from opd.models.families import detect
 from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar
 from opd.serving.engine import (
@@ -65,41 +63,16 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
-    """Check an exported drafter directory of either family up front (a one-line error beats a vLLM traceback
-    minutes into loading) and return its block size."""
-    file = Path(path) / CONFIG_FILE
-    if not file.is_file():
-        raise OpdError(f"--draft {path}: {CONFIG_FILE} not found (expected an exported DFlash or EAGLE-3 drafter "
-                       "directory)")
-    if checkpoint_kind(path) == "eagle3":
-        return _eagle3_block_size(path, spec)
+    """Check an exported drafter directory of any family up front (a one-line error beats a vLLM traceback minutes
+    into loading) and return its block size."""
     try:
-        config = DFlashConfig.from_hf_dict(json.loads(file.read_text()))
-        check_vllm_capturable(config)
-    except (json.JSONDecodeError, OpdError) as exc:
+        directory = ModelDir.read(path, "drafter")
+        found = detect(directory)
+        target_dir = ModelDir.find(spec.models.target_path, "target model")
+        target = target_shape(target_dir, []) if target_dir is not None else None
+        return found.served_block_size(directory, target, spec.models.drafter)
+    except OpdError as exc:
         raise OpdError(f"--draft {path}: {exc}") from None
-    target_file = Path(spec.models.target_path) / CONFIG_FILE
-    target = json.loads(target_file.read_text()) if target_file.is_file() else {}
-    wanted = (target.get("hidden_size"), target.get("num_hidden_layers"))
-    if target and (config.hidden_size, config.num_target_layers) != wanted:
-        raise OpdError(f"--draft {path}: drafts for a target of hidden size {config.hidden_size} with "
-                       f"{config.num_target_layers} layers, but {spec.models.target_path} has hidden size "
-                       f"{wanted[0]} with {wanted[1]} layers")
-    return config.block_size
-
-
-def _eagle3_block_size(path: str, spec: ExperimentSpec) -> int:
-    """An EAGLE-3 drafter fits the target's config.json (vocabulary, hidden size, layer ids in range) and fuses
-    three distinct layers: vLLM captures each layer once, so a repeated id would leave its fc short of a state.
-    K is the file's `block_size`, else the spec's (SpecForge's files have none: the chain length is a serving
-    choice)."""
-    target = check_target(spec.models.target_path, [])
-    config = read_eagle3_config(Path(path) / CONFIG_FILE, target, spec.models.drafter.block_size)
-    ids = config.aux_layer_ids
-    if len(set(ids)) != len(ids):
-        raise OpdError(f"--draft {path}: {AUX_IDS_FIELD} {ids} repeat a layer, which vLLM captures once, so its fc "
-                       f"would get {len(set(ids))} states for 3 (expected distinct ids)")
-    return config.block_size
 
 
 def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, json_out: str | None,

@@ -29,7 +29,7 @@ def resolved_yaml(spec: ExperimentSpec) -> str:
     models, drafter = data["models"], data["models"]["drafter"]
     models["tokenizer_path"] = spec.models.tokenizer
     drafter["target_layer_ids"] = spec.models.layer_ids
-    if drafter["mask_token_id"] is None and drafter["kind"] == "dflash":  # EAGLE-3 has no mask token
+    if "mask_token_id" in drafter and drafter["mask_token_id"] is None:  # a family with a mask token
         drafter["mask_token_id"] = tokenizer_mask_id(Path(spec.models.tokenizer))
     data["tracking"]["run_dir"] = str(spec.run_dir)
     data["tracking"]["uri"] = spec.tracking_uri

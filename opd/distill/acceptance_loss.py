@@ -41,7 +41,7 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, prob_of
 from opd.distill.losses import LossTerms, StepNorm, _valid_positions, processed_logprobs, slot_weights
 from opd.models.dflash2 import CandidateSelector
-from opd.models.family import Drafter
+from opd.models.family import Drafter, chains
 from opd.models.lm_head import apply_head, chunked_loss
 from opd.spec import LossSpec
 
@@ -56,9 +56,9 @@ def realized_q(drafter: Drafter, hidden: torch.Tensor, logits: torch.Tensor, pre
     A drafter without a selector samples its processed logits (opd/decoding/verify.py, `sample_draft`); DFlash 2's
     selector samples softmax(scores / T) over its top-k candidates given the predecessor (`sample_chained_draft`).
     """
-    if drafter.selector is None:
+    if not chains(drafter):
         return DraftQ(processed_logprobs(logits, serving).exp())
-    selector = cast(CandidateSelector, drafter.selector)  # the one family with a selector (opd/models/dflash2.py)
+    selector = cast(CandidateSelector, drafter.selector)  # the chaining family's (opd/models/dflash2.py)
     top_k: int = selector.top_k  # type: ignore[assignment]  # set for every DFlash 2 config (dflash_format)
     unary, ids = logits.topk(top_k, dim=-1)
     gate = selector.hidden_projection(hidden.to(selector.hidden_projection.weight.dtype))
@@ -193,4 +193,4 @@ def _log_q_of_drafts(q: DraftQ, predecessors: torch.Tensor) -> torch.Tensor:
 
 def selector_params(drafter: Drafter) -> list[nn.Parameter]:
     """The selector's trainable parameters (none without a selector, or with a frozen one)."""
-    return [p for p in (drafter.selector.parameters() if drafter.selector is not None else ()) if p.requires_grad]
+    return [p for p in drafter.selector.parameters() if p.requires_grad] if chains(drafter) else []

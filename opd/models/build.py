@@ -1,24 +1,20 @@
-"""Builders: turn a validated spec into loaded models (torchtune-style functions, no registry)."""
+"""Builders: turn a validated spec into loaded models (torchtune-style functions; the drafter's family does its
+own part, opd/models/families.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from opd.data.prompts import load_tokenizer, mask_token_id
+from opd.data.prompts import load_tokenizer
 from opd.errors import OpdError
-from opd.models.dflash2 import dflash_class, load_dflash_drafter
-from opd.models.dflash_format import check_dflash2_fields
-from opd.models.drafter import DFlashConfig
-from opd.models.eagle3 import Eagle3Drafter
-from opd.models.eagle3_format import Eagle3Config
-from opd.models.family import Drafter, checkpoint_kind
-from opd.models.lm_head import teacher_head
-from opd.models.shared_head import SharedHead, embedding_scale, load_shared_head
+from opd.model_dir import ModelDir
+from opd.models.families import detect, family
+from opd.models.family import Drafter
+from opd.models.shared_head import SharedHead, load_shared_head
 from opd.models.target import Target, load_target
-from opd.spec import DrafterSpec, ExperimentSpec
+from opd.spec import ExperimentSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -86,9 +82,9 @@ def build_learner_models(spec: ExperimentSpec) -> LearnerModels:
 
 def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, drafter_path: str | None = None, *,
                   seed: int | None = None) -> Drafter:
-    """A drafter of `models.drafter.kind` on `base`'s embedding (and DFlash: its LM head): from `drafter_path`
-    (default: the spec's warm drafter), or random from `seed` when the path is "random" or no drafter is
-    configured."""
+    """A drafter on `base`'s embedding (and DFlash: its LM head): from `drafter_path` (default: the spec's warm
+    drafter; a checkpoint is of the family its config.json says, the spec's own resolved to agree), or of the
+    spec's family, random from `seed`, when the path is "random" or no drafter is configured."""
     m = spec.models
     path = drafter_path or m.drafter_path
     if len(tokenizer) > base.vocab_size:
@@ -96,17 +92,11 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
                        f"{base.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
         return random_drafter(spec, base, tokenizer, spec.seed if seed is None else seed)
-    kind = checkpoint_kind(path)
-    if kind != m.drafter.kind:
-        raise OpdError(f"drafter {path}: a {kind or 'unknown'} checkpoint but models.drafter.kind is "
-                       f"{m.drafter.kind} (expected them to agree)")
-    if kind == "eagle3":
-        drafter = Eagle3Drafter.from_pretrained(path, base, m.drafter.block_size).to(base.device)
-        if drafter.config.target_layer_ids != base.layer_ids:
-            raise OpdError(f"drafter {path}: fuses target layers {drafter.config.target_layer_ids} but "
-                           f"models.drafter.target_layer_ids resolves to {base.layer_ids} (expected them to agree)")
-    else:
-        drafter = load_dflash_drafter(path, base).to(base.device)
+    directory = ModelDir.read(path, "drafter")
+    found = detect(directory)  # a checkpoint named apart from the spec's (`opd eval --draft`) is of its own family
+    section = (m.drafter if found.kind == m.drafter.kind
+               else found.section.model_validate({"block_size": m.drafter.block_size}))
+    drafter = found.load(directory, base, section)
     if drafter.block_size != m.drafter.block_size:
         raise OpdError(f"drafter {path}: block_size {drafter.block_size} but models.drafter.block_size is "
                        f"{m.drafter.block_size} (expected them to agree)")
@@ -116,36 +106,12 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
 def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
     """Before any weights load: a named drafter directory must exist."""
     path = drafter_path or spec.models.drafter_path
-    if path not in (None, "random") and not (Path(path) / "config.json").is_file():
-        raise OpdError(f"drafter: {path}/config.json not found (expected a drafter directory or 'random')")
+    if path not in (None, "random"):
+        ModelDir.read(path, "drafter")
 
 
 def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
-    """A freshly initialised drafter of the spec's kind (EAGLE-3: the identity draft vocabulary until SFT sets one
-    from its data)."""
-    d = spec.models.drafter
+    """A freshly initialised drafter of the spec's family, from `seed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if d.kind == "eagle3":
-            config = Eagle3Config.for_target(target.config, draft_vocab_size=draft_vocab_size(d, target.vocab_size),
-                                             block_size=d.block_size,
-                                             aux_layer_ids=[i + 1 for i in target.layer_ids])
-            return Eagle3Drafter(config, target.embed_tokens, target.lm_head).to(target.device)
-        config = DFlashConfig.for_target(target.config, num_layers=d.num_layers, block_size=d.block_size,
-                                         mask_token_id=mask_token_id(tokenizer, d.mask_token_id),
-                                         target_layer_ids=target.layer_ids,
-                                         input_embedding_scale=embedding_scale(target.embed_tokens))
-        if d.dflash2:
-            check_dflash2_fields(d.dflash2, config.hidden_size, config.vocab_size, "models.drafter.{}")
-            config = replace(config, **d.dflash2)
-        return dflash_class(config)(config, target.embed_tokens, target.lm_head,
-                                    teacher_head(target)).to(target.device)
-
-
-def draft_vocab_size(drafter: DrafterSpec, vocab_size: int) -> int:
-    """`models.drafter.draft_vocab_size`, default the public Qwen3 drafters' 32,000 (or the whole vocabulary)."""
-    size = drafter.draft_vocab_size or min(32000, vocab_size)
-    if size > vocab_size:
-        raise OpdError(f"models.drafter.draft_vocab_size: {size} is larger than the target's vocabulary "
-                       f"{vocab_size} (expected at most {vocab_size})")
-    return size
+        return family(spec.models.drafter.kind).random(spec.models.drafter, target, tokenizer)

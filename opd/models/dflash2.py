@@ -32,13 +32,14 @@ where a full-vocabulary KL is infinite, so it has a term of its own (opd/distill
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from opd.models.dflash_format import CONFIG_FILE, DFlashConfig, read_config
-from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter
+from opd.formats.dflash import DFlash2Spec, DFlashConfig, DFlashSpec, TargetShape, check_dflash2_fields
+from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import BlockChunks
 from opd.models.shared_head import SharedHead
@@ -213,11 +214,19 @@ class DFlash2Drafter(DFlashDrafter):
         return per_token, self.candidate_selector.flops_per_slot()
 
 
-def dflash_class(config: DFlashConfig) -> type[DFlashDrafter]:
-    """The drafter class a DFlash config describes."""
-    return DFlash2Drafter if config.dflash2 else DFlashDrafter
+class DFlash2Family(DFlashFamily):
+    """DFlash 2 (z-lab's `DFlash2DraftModel`): the DFlash format with its four `dflash_config` fields."""
 
+    section = DFlash2Spec
+    drafter_class = DFlash2Drafter
 
-def load_dflash_drafter(directory: str | Path, target: Target | SharedHead) -> DFlashDrafter:
-    """A DFlash or DFlash 2 checkpoint for `target`, as its config.json says; mismatches raise one-line OpdErrors."""
-    return dflash_class(read_config(Path(directory) / CONFIG_FILE, target)).from_pretrained(directory, target)
+    def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
+        fields = cast(DFlash2Spec, section).fields
+        config = super().config(section, base, tokenizer)
+        check_dflash2_fields(fields, config.hidden_size, config.vocab_size, "models.drafter.{}")
+        return replace(config, **fields)
+
+    def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
+        super().check_random(section, tokenizer, target)
+        check_dflash2_fields(cast(DFlash2Spec, section).fields, target.hidden_size, target.vocab_size,
+                             "models.drafter.{}")

@@ -16,32 +16,39 @@ How it works (DFlash, arXiv 2602.06036; public code z-lab/dflash):
   it is formed: drafts, the losses, SFT.
 
 The checkpoint layout (config.json + model.safetensors) is the public one, so drafters trained here load in
-vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/models/dflash_format.py` reads and writes it,
+vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/formats/dflash.py` reads and writes it,
 `DFlashConfig` included.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opd.data.prompts import mask_token_id
 from opd.errors import OpdError
-from opd.models.dflash_format import (
-    CONFIG_FILE,
+from opd.formats.dflash import (
+    SHARED_TENSOR_SUFFIXES,
     WEIGHTS_FILE,
     DFlashConfig,
+    DFlashSpec,
+    TargetShape,
+    check_vllm_capturable,
     read_config,
     read_tensors,
     write_checkpoint,
 )
+from opd.formats.layer_attention import LayerAttention
+from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache
-from opd.models.layer_attention import LayerAttention
+from opd.models.drafter_family import DrafterFamily, Shapes
 from opd.models.lm_head import softcap, teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
-from opd.models.shared_head import SharedHead
+from opd.models.shared_head import SharedHead, embedding_scale
 from opd.models.target import Target
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,7 +284,6 @@ class DFlashDrafter(nn.Module):
 
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
     chains_q = False  # q_k is the logits' own (`draft`), whatever was drafted at the slots before
-    selector = None  # no candidate selector (DFlash 2 has one)
 
     def extra_flops(self) -> tuple[int, int]:
         """(FLOPs per block token, per drafted slot) beyond its weights': none (opd/models/flops.py)."""
@@ -453,10 +459,9 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: Target | SharedHead) -> DFlashDrafter:
         """Load a public-layout DFlash checkpoint for `target`; any mismatch raises a one-line OpdError."""
-        directory = Path(directory)
-        drafter = cls(read_config(directory / CONFIG_FILE, target), target.embed_tokens, target.lm_head,
-                      teacher_head(target))
-        drafter.load_state_dict(read_tensors(directory / WEIGHTS_FILE, drafter.state_dict()))
+        model_dir = ModelDir.read(directory, "drafter")
+        drafter = cls(read_config(model_dir, target), target.embed_tokens, target.lm_head, teacher_head(target))
+        drafter.load_state_dict(read_tensors(model_dir.path / WEIGHTS_FILE, drafter.state_dict()))
         return drafter
 
 
@@ -476,3 +481,51 @@ def _block_masks(cache: DrafterCache, anchor_positions: torch.Tensor, block_size
         if rule not in masks:
             masks[rule] = base if rule.plain else base & rule.sees(query[:, :, None], keys[:, None, :])
     return [masks[rule][:, None] for rule in attention]
+
+
+class DFlashFamily(DrafterFamily):
+    """DFlash (z-lab's `DFlashDraftModel`): the public DFlash format, vLLM's and SGLang's `method: dflash`."""
+
+    section = DFlashSpec
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
+
+    def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
+        """A random drafter's config: the target's shape, the section's depth and block, the tokenizer's mask."""
+        return DFlashConfig.for_target(base.config, num_layers=section.num_layers, block_size=section.block_size,
+                                       mask_token_id=mask_token_id(tokenizer, section.mask_token_id),
+                                       target_layer_ids=base.layer_ids,
+                                       input_embedding_scale=embedding_scale(base.embed_tokens))
+
+    def random(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashDrafter:
+        config = self.config(section, base, tokenizer)
+        return self.drafter_class(config, base.embed_tokens, base.lm_head, teacher_head(base)).to(base.device)
+
+    def load(self, directory: ModelDir, base: Target | SharedHead, section: DFlashSpec) -> DFlashDrafter:
+        return self.drafter_class.from_pretrained(directory.path, base).to(base.device)
+
+    def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
+        mask_token_id(tokenizer, section.mask_token_id)
+
+    def expected_shapes(self, directory: ModelDir, target: TargetShape, section: DFlashSpec) -> Shapes:
+        """A drafter built on the meta device gives the shapes without allocating them."""
+        config = read_config(directory, target)
+        with torch.device("meta"):
+            shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
+                                                                                     config.vocab_size, bias=False)
+            drafter = self.drafter_class(config, *shared)
+        return {k: tuple(v.shape) for k, v in drafter.state_dict().items()}, (
+            lambda name: name.endswith(SHARED_TENSOR_SUFFIXES))
+
+    def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: DFlashSpec) -> int:
+        """The engines capture the target layers the config names and run its layers as z-lab's code does."""
+        config = DFlashConfig.from_hf_dict(directory.config)
+        check_vllm_capturable(config)
+        if target is not None and (config.hidden_size, config.num_target_layers) != (target.hidden_size,
+                                                                                     target.num_layers):
+            raise OpdError(f"drafts for a target of hidden size {config.hidden_size} with {config.num_target_layers} "
+                           f"layers, but the target has hidden size {target.hidden_size} with {target.num_layers} "
+                           "layers")
+        return config.block_size
+
+    def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
+        return {"method": "dflash", "model": str(directory.path), "num_speculative_tokens": block_size - 1}

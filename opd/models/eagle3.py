@@ -24,23 +24,33 @@ steps for every block at once (EAGLE-3's training-time test, with the chain fed 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
-from opd.models.drafter_cache import DrafterCache
-from opd.models.eagle3_format import (
-    CONFIG_FILE,
+from opd.errors import OpdError
+from opd.formats.dflash import TargetShape
+from opd.formats.eagle3 import (
+    AUX_IDS_FIELD,
+    SHARED_EMBEDDING,
     WEIGHTS_FILE,
     Eagle3Config,
+    Eagle3Spec,
+    draft_vocab,
+    expected_shapes,
     read_config,
     read_tensors,
     write_checkpoint,
 )
+from opd.model_dir import ModelDir
+from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
+from opd.models.drafter_cache import DrafterCache
+from opd.models.drafter_family import DrafterFamily, Shapes
 from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
+from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 
 
@@ -128,13 +138,12 @@ class Eagle3Drafter(nn.Module):
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Adopt a draft vocabulary (opd/models/eagle3_format.py `draft_vocab`)."""
+        """Adopt a draft vocabulary (opd/formats/eagle3.py `draft_vocab`)."""
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
     sft_target = "target"  # SFT learns the target's distribution over the draft vocabulary (SpecForge's recipe)
     chains_q = False  # sampled drafts come from the logits `draft` returns (the chain is fed its argmax)
-    selector = None  # no candidate selector
 
     def extra_flops(self) -> tuple[int, int]:
         """No work beyond its weights' (FLOP counting)."""
@@ -295,10 +304,10 @@ class Eagle3Drafter(nn.Module):
         """Load a public EAGLE-3 checkpoint for `target`; any mismatch raises a one-line OpdError. `block_size`
         applies when the file has none (SpecForge's have none: the chain length is a serving choice; 8 is its
         training unroll of 7 steps plus the anchor)."""
-        directory = Path(directory)
-        config = read_config(directory / CONFIG_FILE, target, block_size)
+        model_dir = ModelDir.read(directory, "drafter")
+        config = read_config(model_dir, target, block_size)
         drafter = cls(config, target.embed_tokens, target.lm_head)
-        drafter.load_state_dict(read_tensors(directory / WEIGHTS_FILE, config))
+        drafter.load_state_dict(read_tensors(model_dir.path / WEIGHTS_FILE, config))
         return drafter
 
 
@@ -360,3 +369,63 @@ def _chain_chunk(q: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tens
     own = torch.arange(blocks * steps, device=q.device) // steps == torch.arange(blocks, device=q.device)[:, None]
     mask = torch.cat([visible, own.expand(len(visible), -1, -1)], dim=2)
     return grouped_sdpa(q, keys, values, mask[:, None], scale)
+
+
+class Eagle3Family(DrafterFamily):
+    """EAGLE-3 (SpecForge's format; vLLM's and SGLang's `method: eagle3`): a chain over its own draft vocabulary."""
+
+    section = Eagle3Spec
+
+    def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> Eagle3Drafter:
+        """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`)."""
+        config = Eagle3Config.for_target(base.config, draft_vocab_size=draft_vocab_size(section, base.vocab_size),
+                                         block_size=section.block_size, aux_layer_ids=[i + 1 for i in base.layer_ids])
+        return Eagle3Drafter(config, base.embed_tokens, base.lm_head).to(base.device)
+
+    def load(self, directory: ModelDir, base: Target | SharedHead, section: Eagle3Spec) -> Eagle3Drafter:
+        drafter = Eagle3Drafter.from_pretrained(directory.path, base, section.block_size).to(base.device)
+        _check_fused_layers(directory, drafter.config, base.layer_ids)
+        return drafter
+
+    def check_random(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
+        draft_vocab_size(section, target.vocab_size)
+
+    def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Eagle3Spec) -> Shapes:
+        """Its fused layers must be the ones the spec captures, as loading demands later."""
+        config = read_config(directory, target, section.block_size)
+        _check_fused_layers(directory, config, target.layer_ids)
+        return expected_shapes(config), lambda name: name == SHARED_EMBEDDING
+
+    def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: Eagle3Spec) -> int:
+        """vLLM captures each layer once, so a repeated id would leave its fc short of a state. K is the file's
+        `block_size`, else the spec's (SpecForge's files have none: the chain length is a serving choice)."""
+        if target is None:
+            raise OpdError("an EAGLE-3 drafter is checked against its target, whose config.json was not found")
+        config = read_config(directory, target, section.block_size)
+        ids = config.aux_layer_ids
+        if len(set(ids)) != len(ids):
+            raise OpdError(f"{AUX_IDS_FIELD} {ids} repeat a layer, which vLLM captures once, so "
+                           f"its fc would get {len(set(ids))} states for 3 (expected distinct ids)")
+        return config.block_size
+
+    def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
+        return {"method": "eagle3", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+
+    def fit_to_data(self, drafter: Any, token_counts: torch.Tensor) -> None:
+        """The draft vocabulary: the data's most frequent response tokens (SpecForge's and EAGLE's rule)."""
+        drafter.set_vocab(*draft_vocab(token_counts, drafter.config.draft_vocab_size))
+
+
+def draft_vocab_size(section: Eagle3Spec, vocab_size: int) -> int:
+    """`models.drafter.draft_vocab_size`, default the public Qwen3 drafters' 32,000 (or the whole vocabulary)."""
+    size = section.draft_vocab_size or min(32000, vocab_size)
+    if size > vocab_size:
+        raise OpdError(f"models.drafter.draft_vocab_size: {size} is larger than the target's vocabulary "
+                       f"{vocab_size} (expected at most {vocab_size})")
+    return size
+
+
+def _check_fused_layers(directory: ModelDir, config: Eagle3Config, layer_ids: list[int]) -> None:
+    if config.target_layer_ids != layer_ids:
+        raise OpdError(f"drafter {directory.path}: fuses target layers {config.target_layer_ids} but "
+                       f"models.drafter.target_layer_ids resolves to {layer_ids} (expected them to agree)")

@@ -1,15 +1,16 @@
-"""The drafter family interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
+"""The drafter interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
 
-Two families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward; DFlash 2,
-opd/models/dflash2.py, is a DFlash drafter whose selector chains the block's drafts) and EAGLE-3 (opd/models/eagle3.py:
-a chain of K-1 argmax steps). Both draft point masses, so the rebuild (opd/sources/rebuild.py) and
-replay hold for either, and nothing outside opd/models/ asks which family it holds. `models.drafter.kind` picks
-one (opd/models/build.py).
+Three families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward), DFlash 2
+(opd/models/dflash2.py: a DFlash drafter whose selector chains the block's drafts) and EAGLE-3 (opd/models/eagle3.py:
+a chain of K-1 argmax steps). All draft point masses, so the rebuild (opd/sources/rebuild.py) and replay hold for
+each. A drafter whose q at a slot depends on the draft before it (`chains_q`) is a `ChainedDrafter` too: its
+sampled drafts and its selector's loss terms come through that protocol, asked with `chains`, never by family.
+What differs by family outside drafting (building, checkpoints, serving) is its `DrafterFamily`
+(opd/models/drafter_family.py, looked up by `models.drafter.kind` in opd/models/families.py).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
@@ -17,10 +18,7 @@ from typing import Any, Protocol, TypeGuard
 import torch
 from torch import nn
 
-from opd.models.dflash_format import ARCHITECTURE_2, DFLASH2_FIELDS
 from opd.models.drafter_cache import DrafterCache
-
-KINDS = ("dflash", "eagle3")
 
 
 class Drafter(Protocol):
@@ -34,10 +32,6 @@ class Drafter(Protocol):
     @property
     def config(self) -> object:
         """The family's config (what `save_pretrained` writes as config.json)."""
-
-    @property
-    def selector(self) -> nn.Module | None:
-        """DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py); None for the others."""
 
     @property
     def block_size(self) -> int:
@@ -95,6 +89,10 @@ class Drafter(Protocol):
 class ChainedDrafter(Drafter, Protocol):
     """A drafter whose q at a slot depends on the draft chosen at the slot before (`chains_q`: DFlash 2)."""
 
+    @property
+    def selector(self) -> nn.Module:
+        """What chains the slots: DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py)."""
+
     def draft_path(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
                    pick: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [B,K-1], candidates [B,K-1,k]) of one block per sequence, slot k's candidate chosen by
@@ -113,24 +111,3 @@ def clone_drafter(drafter: Drafter) -> Drafter:
     clone = type(module)(module.config, *module._shared).to(next(module.parameters()).device)
     clone.load_state_dict(module.state_dict())
     return clone
-
-
-def is_dflash2(config: dict) -> bool:
-    """Whether a config.json describes a DFlash 2 drafter (its architecture, or any of its dflash_config keys)."""
-    dflash = config.get("dflash_config")
-    keys = set(dflash) if isinstance(dflash, dict) else set()
-    return ARCHITECTURE_2 in (config.get("architectures") or []) or bool(keys & set(DFLASH2_FIELDS))
-
-
-def checkpoint_kind(directory: str | Path) -> str | None:
-    """Which family a drafter directory's config.json describes (None when unreadable or neither)."""
-    try:
-        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    architectures = " ".join(config.get("architectures") or []) if isinstance(config, dict) else ""
-    if "eagle3" in architectures.lower():
-        return "eagle3"
-    if "DFlash" in architectures or "dflash_config" in config:
-        return "dflash"
-    return None

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
-from opd.models.layer_attention import LayerAttention
+from opd.formats.layer_attention import LayerAttention
 
 CHUNK_ROWS = 1024  # block query rows per attention call: bounds its mask at CHUNK_ROWS x (prefix + CHUNK_ROWS)
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
@@ -308,7 +308,7 @@ class BlockChunks:
     """The drafter's training attention: M blocks of K rows per batch row, block m seeing the valid context
     positions before anchors[b, m] and its own block, run a chunk of blocks at a time. Context index == position
     (`forward_blocks`' contract). `attention` is the layer's rule on top (z-lab's causality and sliding window,
-    opd/models/layer_attention.py); the plain DFlash layer sees its whole own block. A windowed layer's chunk skips
+    opd/formats/layer_attention.py); the plain DFlash layer sees its whole own block. A windowed layer's chunk skips
     the context keys that no query of the chunk can reach."""
 
     context_valid: torch.Tensor  # [B, C] bool

@@ -13,8 +13,8 @@ from typing import Any
 
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.models.eagle3_format import vllm_speculative_config
-from opd.models.family import checkpoint_kind
+from opd.model_dir import ModelDir
+from opd.models.families import detect
 from opd.spec import ExperimentSpec
 
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -49,16 +49,10 @@ def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dic
 
 
 def speculative_config(drafter_dir: str, block_size: int) -> dict:
-    """vLLM's speculative config for an exported drafter of either family, told apart by its config.json, so
-    callers never ask which family they serve; both draft block_size − 1 tokens per step."""
-    if checkpoint_kind(drafter_dir) == "eagle3":
-        return vllm_speculative_config(drafter_dir, block_size)
-    return dflash_config(drafter_dir, block_size)
-
-
-def dflash_config(drafter_dir: str, block_size: int) -> dict:
-    """vLLM's speculative config for an exported DFlash drafter: it drafts block_size − 1 tokens per step."""
-    return {"method": "dflash", "model": drafter_dir, "num_speculative_tokens": block_size - 1}
+    """vLLM's speculative config for an exported drafter of any family, as its config.json says, so callers never
+    ask which family they serve; every family drafts block_size − 1 tokens per step."""
+    directory = ModelDir.read(drafter_dir, "drafter")
+    return detect(directory).vllm_config(directory, block_size)
 
 
 def sampling_params(sampling: Sampling, max_tokens: int, seed: int | None = None) -> Any:

@@ -8,7 +8,6 @@ from opd.spec.resolve import check_paths
 from opd.spec.schema import (
     ClusterSpec,
     DataSpec,
-    DrafterSpec,
     EvalSpec,
     ExperimentSpec,
     LossSpec,
@@ -24,12 +23,9 @@ from opd.spec.schema import (
     SftSpec,
     SpecError,
     TrackingSpec,
-    default_eagle3_layer_ids,
-    default_target_layer_ids,
     with_eval_samples,
 )
 
-__all__ = ["ClusterSpec", "DataSpec", "DrafterSpec", "EvalSpec", "ExperimentSpec", "LossSpec", "ModelsSpec",
+__all__ = ["ClusterSpec", "DataSpec", "EvalSpec", "ExperimentSpec", "LossSpec", "ModelsSpec",
            "OptimSpec", "ReplaySpec", "ResourcesSpec", "RoleSpec", "RolloutSampling", "RolloutSpec", "SamplingSpec",
-           "ServingSpec", "SftSpec", "SpecError", "TrackingSpec", "check_paths", "default_eagle3_layer_ids",
-           "default_target_layer_ids", "field_default", "flatten", "load_spec", "validate_spec", "with_eval_samples"]
+           "ServingSpec", "SftSpec", "SpecError", "TrackingSpec", "check_paths", "field_default", "flatten", "load_spec", "validate_spec", "with_eval_samples"]

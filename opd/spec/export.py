@@ -23,7 +23,8 @@ def field_default(dotted: str) -> str | None:
     field = model.model_fields[name]
     if field.is_required():
         return None
-    value = TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
+    annotation: Any = field.annotation
+    value = TypeAdapter(annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
     return value if isinstance(value, str) else json.dumps(value)
 
 

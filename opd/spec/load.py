@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,8 @@ def _apply_override(data: dict[str, Any], item: str) -> str | None:
     try:
         for depth in range(len(parts) - 1):
             node = _child(node, parts[: depth + 1], indexed=parts[depth + 1].isdigit())
-        node[_slot(node, parts)] = value
+        container: Any = node  # a mapping indexed by key or a list by position, as `_slot` says
+        container[_slot(node, parts)] = value
     except ValueError as exc:
         return f"--set {item!r}: {exc}"
     return None
@@ -138,7 +139,8 @@ def _child(node: dict[str, Any] | list[Any], path: list[str], indexed: bool) -> 
             raise ValueError(f"{'.'.join(path)} is not a list (an index needs a list field; set the whole value "
                              f"instead, e.g. --set {'.'.join(path)}=[...])")
         node[path[-1]] = {} if default is None else default
-    child = node[_slot(node, path)]
+    container: Any = node  # as `_slot` says: a key of a mapping or a position in a list
+    child = container[_slot(node, path)]
     if not isinstance(child, (dict, list)):
         raise ValueError(f"{'.'.join(path)} is a {type(child).__name__}, not a section (expected a mapping or "
                          "a list)")
@@ -172,35 +174,66 @@ def _default_list(path: list[str]) -> list[Any] | None:
             if not isinstance(default, (list, tuple)):  # a tuple default (optim.betas) is a list in YAML
                 return None
             return [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in default]
-        nested = [t for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                  if isinstance(t, type) and issubclass(t, BaseModel)]
+        nested = _sections(field.annotation)
         if not nested:
             return None
         model = nested[0]
     return None
 
 
+def _sections(annotation: Any) -> list[type[BaseModel]]:
+    """The spec models an annotation holds: a section, the items of a list of them, or a tagged union's members."""
+    return [t for t in (annotation, *getattr(annotation, "__args__", ()))
+            if isinstance(t, type) and issubclass(t, BaseModel)]
+
+
+def _untagged(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type[BaseModel] | None]:
+    """(`loc` without the tags pydantic puts after a tagged union's field, such as `dflash` in
+    models.drafter.dflash.block_size, the spec model `loc` ends in, None past a section)."""
+    model: type[BaseModel] | None = ExperimentSpec
+    out: list[int | str] = []
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        out.append(part)
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        members = _sections(field.annotation) if field else []
+        tags = {str(m.model_fields["kind"].default): m for m in members if "kind" in m.model_fields}
+        if len(members) > 1 and parts and parts[0] in tags:
+            model = tags[str(parts.pop(0))]
+        else:
+            model = members[0] if members else None
+    return tuple(out), model
+
+
 def _error_path(loc: tuple[int | str, ...]) -> str:
     """Pydantic location as `eval.sampling[1].top_p`."""
     out = ""
-    for part in loc:
+    for part in _untagged(loc)[0]:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
+def _other_family(loc: tuple[int | str, ...]) -> str | None:
+    """The kind of the tagged union member that has the unknown key at the end of `loc`, when another member does
+    (a DFlash 2 option on a dflash drafter), else None."""
+    parent = _untagged(loc[:-1])[0]
+    if not parent or isinstance(parent[-1], int):
+        return None
+    container = _untagged(parent[:-1])[1]
+    field = container.model_fields.get(parent[-1]) if container is not None else None
+    members = _sections(field.annotation) if field is not None else []
+    owners = [str(m.model_fields["kind"].default) for m in members
+              if "kind" in m.model_fields and loc[-1] in m.model_fields]
+    return owners[0] if len(members) > 1 and owners else None
+
+
 def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
     """Field names of the spec model at `loc`, to suggest the intended key for an unknown one."""
-    model: type[BaseModel] = ExperimentSpec
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        nested = [t for t in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                  if isinstance(t, type) and issubclass(t, BaseModel)] if field else []
-        if not nested:
-            return []
-        model = nested[0]
-    return list(model.model_fields)
+    model = _untagged(loc)[1]
+    return list(model.model_fields) if model is not None else []
 
 
 def _short(value: Any) -> str:
@@ -208,7 +241,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _format_error(err: dict[str, Any]) -> list[str]:
+def _format_error(err: Mapping[str, Any]) -> list[str]:
     """Pydantic error -> `field.path: what is wrong (what is expected)` lines."""
     loc, kind = tuple(err["loc"]), err["type"]
     path = _error_path(loc)
@@ -219,6 +252,9 @@ def _format_error(err: dict[str, Any]) -> list[str]:
         fields = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(fields)}"
+        owner = _other_family(loc)
+        if owner:
+            hint = f"an option of kind {owner}; expected kind: {owner}, or the key removed"
         return [f"{path}: unknown key ({hint})"]
     if kind == "missing":
         return [f"{path}: missing (a value is required)"]

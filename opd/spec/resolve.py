@@ -14,8 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from opd.formats import DRAFTER_SECTIONS, detect_section
 from opd.model_dir import ModelDir
 from opd.spec.schema import ExperimentSpec
+
+KINDS = [section.model_fields["kind"].default for section in DRAFTER_SECTIONS]
 
 
 def file_facts(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -28,11 +31,21 @@ def file_facts(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         target = ModelDir.find(models["target_path"], "target model")
         problems += _take(models, "target_num_layers", target.num_layers if target else None, "models",
                           f"num_hidden_layers {{value}} in {models['target_path']}/config.json")
+        _take_kind(models)
     if isinstance(prompts, dict) and isinstance(prompts.get("train_prompts"), str):
         lines = count_prompts(Path(prompts["train_prompts"]))
         problems += _take(prompts, "train_pool_size", lines, "data",
                           f"the {{value}} prompts in {prompts['train_prompts']}")
     return data, problems
+
+
+def _take_kind(models: dict[str, Any]) -> None:
+    """An unset `models.drafter.kind` is the warm drafter's family, as its config.json says."""
+    drafter = models.setdefault("drafter", {})
+    directory = ModelDir.find(models.get("drafter_path"), "drafter") if isinstance(drafter, dict) else None
+    section = detect_section(directory.config) if directory is not None else None
+    if section is not None and "kind" not in drafter:
+        drafter["kind"] = section.model_fields["kind"].default
 
 
 def _take(section: dict[str, Any], name: str, value: int | None, where: str, source: str) -> list[str]:
@@ -59,33 +72,18 @@ def count_prompts(path: Path) -> int | None:
 def warm_drafter_issues(spec: ExperimentSpec) -> list[str]:
     """A warm drafter's checkpoint fixes its architecture; the spec must describe the same drafter."""
     m = spec.models
-    if m.drafter_path is None:
-        return []
-    if m.drafter_path != "random" and m.drafter.dflash2:
-        return [f"models.drafter.selector_rank: set for a random DFlash 2 drafter, but drafter_path is "
-                f"{m.drafter_path}, which brings its own (expected the four DFlash 2 fields unset)"]
     directory = ModelDir.find(m.drafter_path, "drafter")
     if directory is None:
         return []
-    config = directory.config
-    kind = "eagle3" if "eagle3" in " ".join(directory.architectures).lower() else "dflash"
-    if kind != m.drafter.kind:
-        return [f"models.drafter.kind: {m.drafter.kind} but {m.drafter_path}/config.json is a {kind} drafter "
-                f"(expected kind: {kind})"]
-    if kind == "eagle3":
-        found = {"block_size": config.get("block_size"), "draft_vocab_size": config.get("draft_vocab_size")}
-        ours = {"block_size": m.drafter.block_size, "draft_vocab_size": m.drafter.draft_vocab_size}
-    else:
-        dflash = config.get("dflash_config") or {}  # read first, then the top level, as z-lab's code does
-        found = {"block_size": dflash.get("block_size", config.get("block_size")),
-                 "num_layers": config.get("num_hidden_layers"),
-                 "target_layer_ids": dflash.get("target_layer_ids", config.get("target_layer_ids")),
-                 "mask_token_id": dflash.get("mask_token_id", config.get("mask_token_id"))}
-        ours = {"block_size": m.drafter.block_size, "num_layers": m.drafter.num_layers,
-                "target_layer_ids": m.layer_ids, "mask_token_id": m.drafter.mask_token_id}
-    return [f"models.drafter.{key}: {ours[key]} disagrees with the warm drafter's {found[key]} in "
-            f"{m.drafter_path}/config.json (expected {found[key]})"
-            for key in found if found[key] is not None and ours[key] is not None and found[key] != ours[key]]
+    section = detect_section(directory.config)
+    if section is None or section.model_fields["kind"].default != m.drafter.kind:
+        found = "an unknown" if section is None else f"a {section.model_fields['kind'].default}"
+        return [f"models.drafter.kind: {m.drafter.kind} but {m.drafter_path}/config.json is {found} drafter "
+                f"(expected kind: {'one of ' + ', '.join(KINDS) if section is None else found.split()[-1]})"]
+    return [f"models.drafter.{key}: {ours} disagrees with the warm drafter's {found} in {m.drafter_path}/config.json "
+            f"(expected {found})"
+            for key, (ours, found) in m.drafter.checkpoint_fields(directory.config, m.layer_ids).items()
+            if found is not None and ours is not None and found != ours]
 
 
 def check_paths(spec: ExperimentSpec) -> list[str]:

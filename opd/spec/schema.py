@@ -17,13 +17,15 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
 
 from opd.errors import OpdError
+from opd.formats import DrafterSpec
+from opd.formats.dflash import DFlashSpec
+from opd.formats.section import Section, spec_issues
 
 
 class SpecError(OpdError):
@@ -32,12 +34,6 @@ class SpecError(OpdError):
     def __init__(self, messages: Sequence[str]):
         self.messages = list(messages)
         super().__init__("\n".join(self.messages))
-
-
-def _issues(issues: list[str]) -> None:
-    """Raise all cross-field problems of one model together, so a user fixes them in one pass."""
-    if issues:
-        raise PydanticCustomError("spec_issues", "{summary}", {"summary": "; ".join(issues), "issues": issues})
 
 
 def _num(x: float) -> str:
@@ -52,103 +48,10 @@ def _whole_updates(updates: float) -> int:
     return max(1, math.ceil(round(updates, 9)))
 
 
-class _Section(BaseModel):
-    """Base of every spec model: unknown keys are errors, because a typo must not silently fall back to a default;
-    so are infinite and NaN floats (`.inf` is valid YAML), since no temperature, rate or weight means them."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
 # ---------------------------------------------------------------------------------------------------- models
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default feature layers: spread from layer 1 to L-3 (n = 1: the middle), as public drafters use.
-
-    Python's round (half to even) on purpose: the public code does the same, so ids match bit for bit.
-    """
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
-    """The engines' EAGLE-3 capture, the states entering layers 2, L//2 and L-3, as this project's ids (output of
-    decoder layer i = entering i+1): [1, L//2-1, L-4], SpecForge's numbers. They may repeat on a shallow target."""
-    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
-
-
-DFLASH2_SPEC_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
-class DrafterSpec(_Section):
-    """Architecture of the drafter; must match a warm drafter checkpoint when one is given.
-
-    kind dflash: a block of K-1 drafts per forward (DFlash). kind eagle3: one layer drafting a chain of K-1
-    argmax steps over its own draft vocabulary (EAGLE-3, the public SpecForge format)."""
-
-    kind: Literal["dflash", "eagle3"] = "dflash"
-    num_layers: int | None = Field(None, ge=1)  # decoder layers; None = 5 for DFlash, EAGLE-3's one
-    block_size: int = Field(16, ge=2)  # K tokens per block, anchor included; K-1 are drafted
-    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # None = the family's default for the target
-    mask_token_id: int | None = Field(None, ge=0)  # DFlash: None = the tokenizer's mask token
-    draft_vocab_size: int | None = Field(None, ge=1)  # EAGLE-3: None = min(32000, the target's vocabulary)
-    # EAGLE-3 draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which
-    # lossless rebuild and replay need.
-    tree_topk: int = Field(1, ge=1)
-    # A random DFlash 2 drafter (dflash_config's names, opd/models/dflash2.py): all four, or none for DFlash 1. A warm
-    # drafter brings its own; these must then be unset.
-    conv_kernel_size: int | None = Field(None, ge=1)
-    conv_group_size: int | None = Field(None, ge=1)
-    selector_rank: int | None = Field(None, ge=1)
-    selector_top_k: int | None = Field(None, ge=1)
-
-    @property
-    def dflash2(self) -> dict[str, int] | None:
-        """The DFlash 2 fields of a random drafter, or None."""
-        fields = {name: getattr(self, name) for name in DFLASH2_SPEC_FIELDS}
-        return fields if self.selector_rank is not None else None
-
-    @model_validator(mode="after")
-    def _check(self) -> DrafterSpec:
-        """Options of the other family are refused by value (a resolved spec is re-validated in every actor)."""
-        if self.kind == "eagle3":
-            wrong = [] if self.mask_token_id is None else [
-                f"mask_token_id: {self.mask_token_id} on an eagle3 drafter (a DFlash-only option; expected null)"]
-            if self.num_layers not in (None, 1):
-                wrong.append(f"num_layers: {self.num_layers} on an eagle3 drafter (EAGLE-3 drafts with one layer; "
-                             "expected 1 or unset)")
-            if self.tree_topk > 1:
-                wrong.append(f"tree_topk: {self.tree_topk} is a draft tree (expected 1: only chains draft point "
-                             "masses, which rebuild and replay need)")
-        else:
-            wrong = [f"{name}: {value} on a dflash drafter (an EAGLE-3-only option; expected kind: eagle3)"
-                     for name, value in (("draft_vocab_size", self.draft_vocab_size), ("tree_topk", self.tree_topk))
-                     if value not in (None, 1)]
-        given = [name for name in DFLASH2_SPEC_FIELDS if getattr(self, name) is not None]
-        if self.kind == "eagle3" and given:
-            wrong.append(f"{given[0]}: on an eagle3 drafter (a DFlash 2 option; expected kind: dflash)")
-        elif given and len(given) < len(DFLASH2_SPEC_FIELDS):
-            missing = next(name for name in DFLASH2_SPEC_FIELDS if name not in given)
-            wrong.append(f"{missing}: missing (a DFlash 2 drafter takes all of {', '.join(DFLASH2_SPEC_FIELDS)})")
-        _issues([f"drafter.{w}" for w in wrong])
-        if self.num_layers is None:
-            self.num_layers = 1 if self.kind == "eagle3" else 5
-        return self
-
-    def resolved_layer_ids(self, target_num_layers: int | None) -> list[int] | None:
-        """The target layers whose hidden states feed the drafter; None while the target depth is unknown."""
-        if self.target_layer_ids is not None:
-            return list(self.target_layer_ids)
-        if target_num_layers is None:
-            return None
-        if self.kind == "eagle3":
-            return default_eagle3_layer_ids(target_num_layers)
-        return default_target_layer_ids(target_num_layers, self.num_layers)
-
-
-class ModelsSpec(_Section):
+class ModelsSpec(Section):
     """Where the target, tokenizer and warm drafter live, and how to load them."""
 
     target_path: str
@@ -158,7 +61,8 @@ class ModelsSpec(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU Ray gave this actor, else the CPU
-    drafter: DrafterSpec = Field(default_factory=DrafterSpec)
+    # The drafter's family (`kind`: dflash, dflash2, eagle3; unset: the warm drafter's, else dflash) and its options
+    drafter: DrafterSpec = Field(default_factory=DFlashSpec)
 
     @property
     def tokenizer(self) -> str:
@@ -166,38 +70,51 @@ class ModelsSpec(_Section):
         return self.tokenizer_path or self.target_path
 
     @property
+    def warm(self) -> bool:
+        """Whether the drafter is loaded from a checkpoint (not randomly initialised)."""
+        return self.drafter_path not in (None, "random")
+
+    @property
     def layer_ids(self) -> list[int] | None:
-        """Resolved `drafter.target_layer_ids`."""
-        return self.drafter.resolved_layer_ids(self.target_num_layers)
+        """The target layers whose hidden states feed the drafter: `drafter.target_layer_ids`, else the family's
+        default for the target; None while the target's depth is unknown."""
+        if self.drafter.target_layer_ids is not None:
+            return list(self.drafter.target_layer_ids)
+        if self.target_num_layers is None:
+            return None
+        return self.drafter.default_layer_ids(self.target_num_layers)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kind(cls, data: Any) -> Any:
+        """A drafter section without `kind` is DFlash's (resolution first fills a warm drafter's own family)."""
+        drafter = data.get("drafter") if isinstance(data, dict) else None
+        if isinstance(drafter, dict) and "kind" not in drafter:
+            data = {**data, "drafter": {**drafter, "kind": "dflash"}}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelsSpec:
-        _issues(self._check_layer_ids())
+        issues = [f"drafter.{issue}" for issue in self.drafter.init_issues(self.warm)]
+        spec_issues(issues + self._check_layer_ids())
         return self
 
     def _check_layer_ids(self) -> list[str]:
         ids, depth = self.layer_ids, self.target_num_layers
-        path = "drafter.target_layer_ids"
         if ids is None:
             return []
         origin = "" if self.drafter.target_layer_ids else f" (the default for a {depth}-layer target)"
-        if self.drafter.kind == "eagle3":
-            if len(ids) != 3:
-                return [f"{path}: {ids} (expected 3 ids: EAGLE-3's fc fuses three target layers)"]
-        elif not ids:
-            return [f"{path}: empty (expected at least one target layer id)"]
-        elif any(b <= a for a, b in zip(ids, ids[1:])):
-            return [f"{path}: {ids}{origin} is not strictly increasing (expected distinct ids in ascending order)"]
-        if depth is not None and max(ids) >= depth:
-            return [f"{path}: layer {max(ids)}{origin} is outside the target (expected ids in [0, {depth}), "
-                    f"target_num_layers = {depth})"]
-        return []
+        issues = self.drafter.layer_id_issues(ids, origin)
+        if not issues and depth is not None and max(ids) >= depth:
+            issues = [f"target_layer_ids: layer {max(ids)}{origin} is outside the target (expected ids in "
+                      f"[0, {depth}), target_num_layers = {depth})"]
+        return [f"drafter.{issue}" for issue in issues]
 
 
 # ------------------------------------------------------------------------------------------ data and decoding
 
 
-class DataSpec(_Section):
+class DataSpec(Section):
     """Prompt pools (jsonl, one `prompt` or chat `messages` per line) and how a row becomes the target's ids."""
 
     train_prompts: str
@@ -227,7 +144,7 @@ class DataSpec(_Section):
         if self.render == "raw" and self.reasoning_effort is not None:
             issues.append(f"reasoning_effort: {self.reasoning_effort} but render is raw, which has no template to "
                           "pass it to (expected render: chat, or reasoning_effort: null)")
-        _issues(issues)
+        spec_issues(issues)
         return self
 
 
@@ -237,7 +154,7 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 TopK = Annotated[int, Field(ge=0)]  # 0 = off
 
 
-class RolloutSampling(_Section):
+class RolloutSampling(Section):
     """A further target sampling setting for `rollout.mix`."""
 
     temperature: Temperature = 0.0
@@ -245,7 +162,7 @@ class RolloutSampling(_Section):
     top_k: TopK = 0
 
 
-class RolloutSpec(_Section):
+class RolloutSpec(Section):
     """Target-assisted speculative decoding that produces the training data."""
 
     mode: Literal["draft_opd", "naive"] = "draft_opd"  # naive = train on committed tokens only (ablation)
@@ -277,9 +194,9 @@ class RolloutSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:
         if self.source == "samples" and self.samples_path is None:
-            _issues(["samples_path: none with source samples (expected the jsonl file `opd gen-samples` wrote)"])
+            spec_issues(["samples_path: none with source samples (expected the jsonl file `opd gen-samples` wrote)"])
         if self.source == "speculative" and self.samples_path is not None:
-            _issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own (expected "
+            spec_issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own (expected "
                      "source: samples or target, or no samples_path)"])
         return self
 
@@ -295,7 +212,7 @@ class RolloutSpec(_Section):
         return [own, *self.mix]
 
 
-class ReplaySpec(_Section):
+class ReplaySpec(Section):
     """Which blocks are replayed and how the teacher is scored."""
 
     anchors: Literal["error", "random"] = "error"
@@ -314,7 +231,7 @@ class ReplaySpec(_Section):
     micro_batch_tokens: int | None = Field(None, ge=1)
 
 
-class LossSpec(_Section):
+class LossSpec(Section):
     """The acceptance-aware loss (eq. 10-13) and its ablation switches."""
 
     kl_mode: Literal["mixed", "all_forward", "all_reverse"] = "mixed"
@@ -350,11 +267,11 @@ class LossSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> LossSpec:
         if self.lambda_acc + self.lambda_rej <= 0:
-            _issues(["lambda_rej: lambda_acc + lambda_rej is 0 (expected a positive sum; the loss divides by it)"])
+            spec_issues(["lambda_rej: lambda_acc + lambda_rej is 0 (expected a positive sum; the loss divides by it)"])
         return self
 
 
-class SftSpec(_Section):
+class SftSpec(Section):
     """DFlash-style SFT: the warm start and the matched-compute baseline."""
 
     gamma: float = Field(7.0, gt=0)  # position weight exp(-(k-1)/gamma)
@@ -388,7 +305,7 @@ class SftSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> SftSpec:
         if self.batch_size % self.micro_batch_size:
-            _issues([f"micro_batch_size: {self.micro_batch_size} does not divide batch_size {self.batch_size} "
+            spec_issues([f"micro_batch_size: {self.micro_batch_size} does not divide batch_size {self.batch_size} "
                      "(expected a divisor)"])
         return self
 
@@ -400,7 +317,7 @@ class SftSpec(_Section):
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
-class OptimSpec(_Section):
+class OptimSpec(Section):
     """AdamW for the drafter (plain torch, or DeepSpeed ZeRO)."""
 
     backend: Literal["torch", "deepspeed"] = "torch"
@@ -429,21 +346,21 @@ class OptimSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> OptimSpec:
         if self.zero_stage > 0 and self.backend != "deepspeed":
-            _issues([f"zero_stage: {self.zero_stage} needs backend deepspeed (expected 0 with backend torch)"])
+            spec_issues([f"zero_stage: {self.zero_stage} needs backend deepspeed (expected 0 with backend torch)"])
         return self
 
 
 # ------------------------------------------------------------------------------------------------- resources
 
 
-class ClusterSpec(_Section):
+class ClusterSpec(Section):
     """What the declared cluster offers; roles are checked against it so none waits forever for placement."""
 
     num_gpus: int = Field(0, ge=0)
     num_cpus: int | None = Field(None, ge=1)  # None = do not check CPUs
 
 
-class RoleSpec(_Section):
+class RoleSpec(Section):
     """Replicas of one actor role and the Ray resources each replica requests."""
 
     replicas: int = Field(1, ge=1)
@@ -454,7 +371,7 @@ class RoleSpec(_Section):
 _ROLES = ("rollout", "scorer", "learner", "evaluator")
 
 
-class ResourcesSpec(_Section):
+class ResourcesSpec(Section):
     """Actor placement and the asynchronous pipeline's bounds.
 
     `evaluator` is the one actor (a target and a drafter copy, like a rollout replica) that decodes the held-out
@@ -492,7 +409,7 @@ class ResourcesSpec(_Section):
                           f"discard every batch between broadcasts (expected at least {self.broadcast_every - 1})")
         if self.cluster.num_cpus is not None:
             issues += _fit(roles, "num_cpus", self.cluster.num_cpus)
-        _issues(issues)
+        spec_issues(issues)
         return self
 
 
@@ -514,7 +431,7 @@ def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
 # ------------------------------------------------------------------------------------------ tracking and eval
 
 
-class TrackingSpec(_Section):
+class TrackingSpec(Section):
     """MLflow run and run-directory layout."""
 
     uri: str | None = None  # None = $OPD_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
@@ -531,11 +448,11 @@ class TrackingSpec(_Section):
         try:
             self.run_dir.format(name="x")
         except (KeyError, IndexError, ValueError):
-            _issues([f"run_dir: {self.run_dir!r} has a bad placeholder (expected only {{name}})"])
+            spec_issues([f"run_dir: {self.run_dir!r} has a bad placeholder (expected only {{name}})"])
         return self
 
 
-class SamplingSpec(_Section):
+class SamplingSpec(Section):
     """One named evaluation setting."""
 
     name: str
@@ -549,11 +466,11 @@ class SamplingSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> SamplingSpec:
         if self.draft == "sample" and self.temperature == 0:
-            _issues(["draft: sample at temperature 0 (expected argmax; greedy verification takes the argmax)"])
+            spec_issues(["draft: sample at temperature 0 (expected argmax; greedy verification takes the argmax)"])
         return self
 
 
-class ServingSpec(_Section):
+class ServingSpec(Section):
     """The setting the drafter will be served in, part of the recipe: rollouts decode in it (rollout.temperature,
     top_p and top_k follow it), replay.teacher: served verifies as it does, and the acceptance objectives score it."""
 
@@ -567,11 +484,11 @@ class ServingSpec(_Section):
     @model_validator(mode="after")
     def _check(self) -> ServingSpec:
         if self.draft == "sample" and self.temperature == 0:
-            _issues(["draft: sample at temperature 0 (expected argmax; greedy verification takes the argmax)"])
+            spec_issues(["draft: sample at temperature 0 (expected argmax; greedy verification takes the argmax)"])
         return self
 
 
-class EvalSpec(_Section):
+class EvalSpec(Section):
     """Periodic held-out τ measurement (speculative decoding against the target)."""
 
     every: int = Field(100, ge=0)  # optimizer steps between evals; 0 = only before and after training
@@ -607,14 +524,14 @@ class EvalSpec(_Section):
         names = [s.name for s in self.sampling]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            _issues([f"sampling: name {dupes[0]!r} is used twice (expected unique names; they key the metrics)"])
+            spec_issues([f"sampling: name {dupes[0]!r} is used twice (expected unique names; they key the metrics)"])
         return self
 
 
 # ---------------------------------------------------------------------------------------------- the whole spec
 
 
-class ExperimentSpec(_Section):
+class ExperimentSpec(Section):
     """Everything one Draft-OPD experiment needs; the single source of truth passed to every actor.
 
     A step is one optimizer update, everywhere: the progress bar, checkpoint names (step-0000050), MLflow's step
@@ -645,21 +562,27 @@ class ExperimentSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
-        issues = self._accumulation_issues() + self._budget_issues() + self._serving_issues()
+        issues = self._accumulationspec_issues() + self._budgetspec_issues() + self._servingspec_issues()
         if not issues:
             issues += self._take_run_length()
-        if self.models.drafter.kind == "eagle3":
-            issues += [f"{field}: {value} with an eagle3 drafter (a DFlash-only option; expected {fix})"
-                       for field, value, fix in (("replay.anchors", self.replay.anchors, "error"),
-                                                 ("replay.teacher_topk", self.replay.teacher_topk, "null"))
-                       if value not in ("error", None)]
+        drafter = self.models.drafter
+        if not drafter.random_anchors and self.replay.anchors != "error":
+            issues.append(f"replay.anchors: {self.replay.anchors} with a {drafter.kind} drafter (it trains at the "
+                          "anchors decoding chose; expected error)")
+        if drafter.has_selector and self.loss.selector_weight > 0 and self.replay.teacher_topk is not None:
+            issues.append(f"loss.selector_weight: {self.loss.selector_weight:g} with a {drafter.kind} drafter and "
+                          f"replay.teacher_topk {self.replay.teacher_topk} (the selector's term reads the full teacher "
+                          "at its candidates; expected replay.teacher_topk: null, or loss.selector_weight: 0)")
+        if not drafter.topk_teacher and self.replay.teacher_topk is not None:
+            issues.append(f"replay.teacher_topk: {self.replay.teacher_topk} with a {drafter.kind} drafter (it reads "
+                          "every slot's full teacher; expected null)")
         if self.rollout.rebuilt and self.replay.anchors == "random":
             issues.append(f"replay.anchors: random with rollout.source {self.rollout.source} (expected error anchors: "
                           "random anchors are redrafted by a speculative rollout's drafter)")
-        _issues(issues)
+        spec_issues(issues)
         return self
 
-    def _serving_issues(self) -> list[str]:
+    def _servingspec_issues(self) -> list[str]:
         """The serving mode against what can train for it; rollouts take its setting (filled in here)."""
         serving, loss, replay = self.serving, self.loss, self.replay
         if serving is None:
@@ -680,9 +603,9 @@ class ExperimentSpec(_Section):
         if loss.on_acceptance and replay.teacher_topk is not None:
             issues.append(f"replay.teacher_topk: {replay.teacher_topk} with loss.objective {loss.objective} (α needs "
                           "the teacher over the whole vocabulary; expected null)")
-        if serving.draft == "sample" and self.models.drafter.kind == "eagle3":
-            issues.append("serving.draft: sample with an eagle3 drafter (its chain is fed its argmax, so its sampled "
-                          "drafts have no realized q to train; expected argmax)")
+        if serving.draft == "sample" and not self.models.drafter.samples_from_q:
+            issues.append(f"serving.draft: sample with a {self.models.drafter.kind} drafter (its chain is fed its "
+                          "argmax, so its sampled drafts have no realized q to train; expected argmax)")
         if serving.draft == "sample" and self.rollout.rebuilt:
             issues.append(f"rollout.source: {self.rollout.source} with serving.draft sample (the rebuild recovers "
                           "point-mass blocks from the text; drafts sampled from q need source: speculative)")
@@ -704,7 +627,7 @@ class ExperimentSpec(_Section):
             setattr(self.rollout, name, served)
         return issues
 
-    def _accumulation_issues(self) -> list[str]:
+    def _accumulationspec_issues(self) -> list[str]:
         """An update is whole rollout batches, and its sequences must split over the learner ranks."""
         o, replicas = self.optim, self.resources.learner.replicas
         issues = []
@@ -725,7 +648,7 @@ class ExperimentSpec(_Section):
                           "cannot; expected backend torch, one replica, or micro_batch_size)")
         return issues
 
-    def _budget_issues(self) -> list[str]:
+    def _budgetspec_issues(self) -> list[str]:
         """Token budgets must hold one block, and the longest sequence's unsplittable part: refused here, before
         any compute, rather than on the first long response hours into a run."""
         k, text = self.models.drafter.block_size, self.data.max_prompt_tokens + self.rollout.max_new_tokens

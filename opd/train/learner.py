@@ -18,7 +18,7 @@ from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
 from opd.distill.selector_loss import selector_loss
 from opd.errors import OpdError
-from opd.models.family import Drafter
+from opd.models.family import Drafter, chains
 from opd.models.flops import DrafterParams, FlopCounter
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
@@ -46,9 +46,10 @@ def selector_trains(drafter: Drafter, wanted: bool) -> bool:
     opd/distill/selector_loss.py, or an acceptance objective, whose q is the selector's). Otherwise (or with no
     selector) a selector is frozen, so no optimizer holds it and it is saved as loaded. Call before
     `build_optimizer`."""
-    if drafter.selector is not None:
-        drafter.selector.requires_grad_(wanted)
-    return drafter.selector is not None and wanted
+    if not chains(drafter):
+        return False
+    drafter.selector.requires_grad_(wanted)
+    return wanted
 
 
 def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
@@ -181,7 +182,7 @@ class Learner:
 
     def _selector_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
         """`loss.selector_weight` x the selector term of this micro-batch, or 0."""
-        if not (self._selects and self.spec.loss.selector_weight > 0):
+        if not (self._selects and self.spec.loss.selector_weight > 0 and chains(self.drafter)):
             return 0.0
         term = selector_loss(self.drafter.selector, self.drafter.student_head, self.drafter.teacher_head, hidden,
                              batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,

@@ -30,11 +30,10 @@ from opd.distill.losses import sft_log_weight_sum, sft_loss, teacher_processing
 from opd.distill.micro_batches import group_by_budget
 from opd.distill.selector_loss import sft_selector_loss
 from opd.errors import OpdError
+from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.build import Models, build_models
-from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE
-from opd.models.eagle3 import Eagle3Drafter
-from opd.models.eagle3_format import draft_vocab
-from opd.models.family import Drafter
+from opd.models.families import family
+from opd.models.family import Drafter, chains
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.target import Target
 from opd.outputs import atomic_dir, check_output_dir
@@ -165,7 +164,7 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
         loss = loss + acceptance.weight * acceptance_objective(
             drafter, slots, view, cut, acceptance.loss, serving=acceptance.serving,
             teacher_processing=acceptance.teacher, chunk_size=chunk_size).loss
-    if drafter.selector is None or not selector_weight:
+    if not chains(drafter) or not selector_weight:
         return loss
     return loss + selector_weight * sft_selector_loss(
         drafter.selector, drafter.student_head, slots, batch.labels[batch.block_valid],
@@ -195,12 +194,11 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
                    slots=sum(int(b.label_ok.sum()) for b in micro))
 
 
-def fit_draft_vocab(drafter: Eagle3Drafter, examples: list[SftExample]) -> None:
-    """A fresh EAGLE-3 drafter's draft vocabulary: the SFT data's most frequent response tokens (SpecForge's and
-    EAGLE's rule); a warm drafter keeps the one it was trained with."""
+def response_token_counts(examples: list[SftExample], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the SFT data's responses (what a fresh drafter's family may fit itself
+    to: EAGLE-3's draft vocabulary)."""
     tokens = torch.tensor([t for e in examples for t in e.response_ids], dtype=torch.long)
-    counts = torch.bincount(tokens, minlength=drafter.config.vocab_size)
-    drafter.set_vocab(*draft_vocab(counts, drafter.config.draft_vocab_size))
+    return torch.bincount(tokens, minlength=vocab_size)
 
 
 def _random_anchors(prompt_len: int, length: int, count: int, generator: torch.Generator) -> list[int]:
@@ -240,8 +238,9 @@ def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     prompts = train_prompts(spec.data, models.tokenizer)
     sampler = build_sampler(spec, "autoregressive", models.target, None, models.eos_id)
     examples = sft_examples(spec, sft_store(spec, prompts), prompts, sampler)
-    if isinstance(models.drafter, Eagle3Drafter) and spec.models.drafter_path is None:
-        fit_draft_vocab(models.drafter, examples)
+    if not spec.models.warm:  # a warm drafter keeps what it was trained with
+        family(spec.models.drafter.kind).fit_to_data(models.drafter,
+                                                    response_token_counts(examples, models.target.vocab_size))
     tracker = Tracker(spec)
     try:
         flops = train_sft(spec, models, examples, tracker)

@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 from safetensors.torch import save_file
 
 from opd.errors import OpdError
-from opd.models.dflash_format import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
+from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
+from opd.formats.section import DrafterSection, spec_issues
+from opd.model_dir import ModelDir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's name, and vLLM's registry names for the same one-layer Llama drafter.
@@ -39,6 +42,54 @@ SHARED_EMBEDDING = "embed_tokens.weight"  # the target's frozen embedding, which
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     """EAGLE-3's default capture (EAGLE, vLLM, SGLang): entering layers 2, L//2, L-3; repeats on tiny targets."""
     return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+class Eagle3Spec(DrafterSection):
+    """kind eagle3: one layer drafting a chain of K-1 argmax steps over its own draft vocabulary (EAGLE-3, the
+    public SpecForge format); must match a warm drafter's checkpoint when one is given."""
+
+    kind: Literal["eagle3"] = "eagle3"
+    num_layers: int = Field(1, ge=1)  # EAGLE-3 drafts with one layer
+    draft_vocab_size: int | None = Field(None, ge=1)  # None = min(32000, the target's vocabulary)
+    # Draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which lossless
+    # rebuild and replay need.
+    tree_topk: int = Field(1, ge=1)
+
+    # Its chain is fed its argmax (no realized q to sample), and its training reads every slot's full teacher at
+    # the anchors decoding chose.
+    samples_from_q: ClassVar[bool] = False
+    random_anchors: ClassVar[bool] = False
+    topk_teacher: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Eagle3Spec:
+        wrong = []
+        if self.num_layers != 1:
+            wrong.append(f"num_layers: {self.num_layers} on an eagle3 drafter (EAGLE-3 drafts with one layer; "
+                         "expected 1 or unset)")
+        if self.tree_topk > 1:
+            wrong.append(f"tree_topk: {self.tree_topk} is a draft tree (expected 1: only chains draft point "
+                         "masses, which rebuild and replay need)")
+        spec_issues(wrong)
+        return self
+
+    @classmethod
+    def detects(cls, config: dict[str, Any]) -> bool:
+        return "eagle3" in " ".join(config.get("architectures") or []).lower()
+
+    def default_layer_ids(self, target_num_layers: int) -> list[int]:
+        """The engines' capture (`default_aux_layer_ids`) as this project's ids: the output of decoder layer i is
+        what enters layer i+1."""
+        return [i - 1 for i in default_aux_layer_ids(target_num_layers)]
+
+    def layer_id_issues(self, ids: list[int], origin: str) -> list[str]:
+        if len(ids) != 3:
+            return [f"target_layer_ids: {ids} (expected 3 ids: EAGLE-3's fc fuses three target layers)"]
+        return []
+
+    def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
+        return {"block_size": (self.block_size, config.get("block_size")),
+                "draft_vocab_size": (self.draft_vocab_size, config.get("draft_vocab_size"))}
 
 
 @dataclass
@@ -175,15 +226,13 @@ def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
             "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)}
 
 
-def read_config(path: Path, target: TargetShape, block_size: int) -> Eagle3Config:
-    """Parse config.json and check it describes a drafter for this very target, before any tensor loads."""
-    if not path.is_file():
-        raise OpdError(f"{path}: drafter config not found")
+def read_config(directory: ModelDir, target: TargetShape, block_size: int) -> Eagle3Config:
+    """Parse a drafter directory's config.json and check it describes a drafter for this very target, before any
+    tensor loads."""
+    path = directory.path / CONFIG_FILE
     try:
-        config = Eagle3Config.from_hf_dict(json.loads(path.read_text()), num_target_layers=target.num_layers,
+        config = Eagle3Config.from_hf_dict(directory.config, num_target_layers=target.num_layers,
                                            block_size=block_size)
-    except json.JSONDecodeError as exc:
-        raise OpdError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     except OpdError as exc:
         raise OpdError(f"{path}: {exc}") from exc
     for name, value, why in (("vocab_size", target.vocab_size, "the target's vocabulary"),
@@ -256,8 +305,3 @@ def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     t2d = torch.zeros(counts.numel(), dtype=torch.bool)
     t2d[ids] = True
     return ids - torch.arange(size), t2d
-
-
-def vllm_speculative_config(drafter_dir: str, block_size: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` for this drafter: a chain of K-1 drafts after the anchor."""
-    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}

@@ -27,15 +27,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
+from pydantic import Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from opd.errors import OpdError
-from opd.models.layer_attention import LayerAttention
-from opd.spec import default_target_layer_ids
+from opd.formats.layer_attention import LayerAttention
+from opd.formats.section import DrafterSection
+from opd.model_dir import ModelDir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -57,6 +59,85 @@ class TargetShape(Protocol):
     vocab_size: int
     num_layers: int
     layer_ids: list[int]
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default feature layers: spread from layer 1 to L-3 (n = 1: the middle), as public drafters use.
+
+    Python's round (half to even) on purpose: the public code does the same, so ids match bit for bit.
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def is_dflash2(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes a DFlash 2 drafter (its architecture, or any of its dflash_config keys)."""
+    dflash = config.get("dflash_config")
+    keys = set(dflash) if isinstance(dflash, dict) else set()
+    return ARCHITECTURE_2 in (config.get("architectures") or []) or bool(keys & set(DFLASH2_FIELDS))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spec sections (`models.drafter`)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class DFlashSpec(DrafterSection):
+    """kind dflash: a block of K-1 drafts per forward (DFlash, z-lab's `DFlashDraftModel`); must match a warm
+    drafter's checkpoint when one is given."""
+
+    kind: Literal["dflash"] = "dflash"
+    num_layers: int = Field(5, ge=1)  # decoder layers (the paper's 5)
+    mask_token_id: int | None = Field(None, ge=0)  # None = the tokenizer's mask token
+
+    @classmethod
+    def detects(cls, config: dict[str, Any]) -> bool:
+        return "DFlash" in " ".join(config.get("architectures") or []) or "dflash_config" in config
+
+    def default_layer_ids(self, target_num_layers: int) -> list[int]:
+        return default_target_layer_ids(target_num_layers, self.num_layers)
+
+    def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
+        dflash = config.get("dflash_config") or {}  # read first, then the top level, as z-lab's code does
+        return {"block_size": (self.block_size, dflash.get("block_size", config.get("block_size"))),
+                "num_layers": (self.num_layers, config.get("num_hidden_layers")),
+                "target_layer_ids": (layer_ids, dflash.get("target_layer_ids", config.get("target_layer_ids"))),
+                "mask_token_id": (self.mask_token_id, dflash.get("mask_token_id", config.get("mask_token_id")))}
+
+
+class DFlash2Spec(DFlashSpec):
+    """kind dflash2: a DFlash drafter whose candidate selector chains the block's drafts (z-lab's
+    `DFlash2DraftModel`, opd/models/dflash2.py). A random one takes its four fields (dflash_config's names); a warm
+    one brings its own, and they must then be unset."""
+
+    kind: Literal["dflash2"] = "dflash2"  # type: ignore[assignment]  # the union's tag: each family its own
+    conv_kernel_size: int | None = Field(None, ge=1)
+    conv_group_size: int | None = Field(None, ge=1)
+    selector_rank: int | None = Field(None, ge=1)
+    selector_top_k: int | None = Field(None, ge=1)
+
+    has_selector: ClassVar[bool] = True
+
+    @classmethod
+    def detects(cls, config: dict[str, Any]) -> bool:
+        return is_dflash2(config)
+
+    @property
+    def fields(self) -> dict[str, int]:
+        """The four DFlash 2 fields given here (all four for a random drafter, none for a warm one)."""
+        return {name: value for name in DFLASH2_FIELDS if (value := getattr(self, name)) is not None}
+
+    def init_issues(self, warm: bool) -> list[str]:
+        given = self.fields
+        if warm and given:
+            return [f"{next(iter(given))}: set, but a warm DFlash 2 drafter brings its own (expected the four "
+                    "DFlash 2 fields unset)"]
+        missing = [name for name in DFLASH2_FIELDS if name not in given]
+        if not warm and missing:
+            return [f"{missing[0]}: missing (a random DFlash 2 drafter takes all of {', '.join(DFLASH2_FIELDS)})"]
+        return []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -460,14 +541,11 @@ def write_checkpoint(directory: str | Path, config: DFlashConfig, tensors: dict[
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def read_config(path: Path, target: TargetShape) -> DFlashConfig:
-    """Parse config.json and check it describes a drafter for this very target."""
-    if not path.is_file():
-        raise OpdError(f"{path}: drafter config not found")
+def read_config(directory: ModelDir, target: TargetShape) -> DFlashConfig:
+    """Parse a drafter directory's config.json and check it describes a drafter for this very target."""
+    path = directory.path / CONFIG_FILE
     try:
-        config = DFlashConfig.from_hf_dict(json.loads(path.read_text()))
-    except json.JSONDecodeError as exc:
-        raise OpdError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+        config = DFlashConfig.from_hf_dict(directory.config)
     except OpdError as exc:
         raise OpdError(f"{path}: {exc}") from exc
     expected = {

@@ -1,0 +1,62 @@
+"""What a drafter family does besides drafting: build a random drafter, load and check a checkpoint, serve it.
+
+Decoding, replay, the rebuild and the losses only ever call the `Drafter` protocol (opd/models/family.py). Everything
+that depends on which family a checkpoint or a spec is (a random initialisation's config, the tensors a checkpoint
+must hold, the serving engine's speculative config, what a fresh drafter learns from SFT data) is a method of its
+`DrafterFamily`, looked up by `kind` in opd/models/families.py. The builders, the preflight, SFT and serving ask
+the family; none of them tests `kind ==` or the drafter's class. The family's spec section and checkpoint format
+live beneath, in opd/formats/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from opd.formats.dflash import TargetShape
+from opd.formats.section import DrafterSection
+from opd.model_dir import ModelDir
+from opd.models.family import Drafter
+from opd.models.shared_head import SharedHead
+from opd.models.target import Target
+
+Shapes = tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]  # (tensor shapes, which names are the target's)
+
+
+class DrafterFamily:
+    """One drafter family; subclasses are registered in opd/models/families.py under their section's `kind`."""
+
+    section: ClassVar[type[DrafterSection]]  # its spec section (opd/formats/)
+
+    @property
+    def kind(self) -> str:
+        return str(self.section.model_fields["kind"].default)
+
+    def random(self, section: Any, base: Target | SharedHead, tokenizer: Any) -> Drafter:
+        """A freshly initialised drafter for `base` (under the caller's seeded RNG)."""
+        raise NotImplementedError
+
+    def load(self, directory: ModelDir, base: Target | SharedHead, section: Any) -> Drafter:
+        """A checkpoint of this family for `base`; a mismatch is a one-line OpdError."""
+        raise NotImplementedError
+
+    def check_random(self, section: Any, tokenizer: Any, target: TargetShape) -> None:
+        """What a random drafter of `section` needs from the tokenizer and target, checked before any weights."""
+
+    def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Any) -> Shapes:
+        """The tensors a checkpoint of this family for `target` holds, and which of its names are the target's
+        (dropped on load), from its config.json alone."""
+        raise NotImplementedError
+
+    def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: Any) -> int:
+        """K of an exported drafter as a serving engine will run it, after checking that the engine can (and that
+        it fits `target`, None when the target's directory is not at hand)."""
+        raise NotImplementedError
+
+    def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
+        """vLLM's `speculative_config` for an exported drafter: it drafts block_size - 1 tokens per step."""
+        raise NotImplementedError
+
+    def fit_to_data(self, drafter: Drafter, token_counts: Any) -> None:
+        """What a fresh drafter takes from its SFT data's response-token counts before training (nothing, unless
+        the family says otherwise)."""
