@@ -63,7 +63,7 @@ def random_models(spec, seed: int) -> tuple[Target, DFlashDrafter, str]:
         config, shape = Qwen3Config.from_json_file(str(config_file)), f"random, shape of {config_file}"
     else:
         config, shape = Qwen3Config(**TINY_SHAPE), "random, hidden 256 / 6 layers / vocab 2048"
-    config._attn_implementation = m.attn_implementation
+    config._attn_implementation = m.attn_implementation or "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config).to(DTYPES[m.dtype])

@@ -66,6 +66,11 @@ class ModelDir:
         value = self.text_config.get("num_hidden_layers")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+    def int_or_none(self, name: str) -> int | None:
+        """An integer field, at the top level or in the language model's config; None where neither has one."""
+        value = self.config.get(name, self.text_config.get(name))
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     def int_field(self, name: str) -> int:
         """An integer field of the language model's config, or a one-line OpdError naming it."""
         value = self.text_config.get(name)

@@ -15,8 +15,8 @@ LAUNCHER = "opd.commands.launch"
 
 # Bottom to top: the pipeline's stages in the order a prompt meets them, the ground beneath, the entry points above.
 LAYERS: list[tuple[str, ...]] = [
-    ("opd", "opd.errors", "opd.spec", "opd.progress", "opd.zero_copy", "opd.memory", "opd.tracking", "opd.run_dir",
-     "opd.outputs"),
+    ("opd", "opd.errors", "opd.model_dir", "opd.formats", "opd.spec", "opd.progress", "opd.zero_copy", "opd.memory",
+     "opd.tracking", "opd.run_dir", "opd.outputs"),
     ("opd.data",),  # prompt files, chat rendering, the prompt pool
     ("opd.models",),  # target, drafter families, formats, attention, LM head, FLOPs
     ("opd.tiny",),  # the shipped tiny models and their corpora

@@ -15,9 +15,9 @@ from opd.spec import (
     LossSpec,
     ReplaySpec,
     SpecError,
-    check_paths,
     flatten,
     load_spec,
+    path_problems,
     validate_spec,
 )
 
@@ -260,7 +260,7 @@ def test_warm_drafter_must_match_spec(tmp_path: Path) -> None:
 def test_check_paths_lists_every_missing_path(tmp_path: Path) -> None:
     spec = validate_spec({**MINIMAL, "models": {"target_path": str(tmp_path / "nope"), "drafter_path": "d"}},
                          check_paths=False)
-    fields = [m.split(":")[0] for m in check_paths(spec)]
+    fields = [m.split(":")[0] for m in path_problems(spec)]
     assert fields == ["models.target_path", "models.drafter_path", "data.train_prompts", "data.eval_prompts"]
     make_model_dir(tmp_path / "nope", {})
     (tmp_path / "a").write_text("{}\n")
@@ -268,7 +268,7 @@ def test_check_paths_lists_every_missing_path(tmp_path: Path) -> None:
     spec = validate_spec({**MINIMAL, "models": {"target_path": str(tmp_path / "nope")},
                           "data": {"train_prompts": str(tmp_path / "a"), "eval_prompts": str(tmp_path / "b")}},
                          check_paths=False)
-    assert [m.split(":")[0] for m in check_paths(spec)] == ["data.eval_prompts"]
+    assert [m.split(":")[0] for m in path_problems(spec)] == ["data.eval_prompts"]
 
 
 def test_run_dir_and_default_tracking_uri() -> None:

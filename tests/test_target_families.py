@@ -421,8 +421,7 @@ def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp(family.name)
     model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
-    attention = "eager" if family.name == "gpt_oss" else "sdpa"  # transformers' gpt-oss has no sdpa
-    return {**micro_assets, "target": str(root / "target"), "drafter": None, "attention": attention}
+    return {**micro_assets, "target": str(root / "target"), "drafter": None}
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +436,6 @@ def test_opd_run_two_steps(family_run_assets, tracking_uri, source, tmp_path, ca
     spec = {
         "name": "family", "seed": 0, "engine": "local", "steps": 2,
         "models": {"target_path": assets["target"], "dtype": "float32", "drafter_path": assets["drafter"],
-                   "attn_implementation": assets["attention"],
                    "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": LAYER_IDS}},
         "data": {"train_prompts": assets["train"], "eval_prompts": assets["heldout"], "max_prompt_tokens": 200},
         "rollout": {"batch_size": 2, "max_new_tokens": 8, "temperature": 1.0, "source": source},

@@ -199,6 +199,22 @@ def _field_notes(source: str) -> dict[tuple[str, str], str]:
     return notes
 
 
+def _all_models(model: type[BaseModel]) -> list[type[BaseModel]]:
+    """`model` and every spec model beneath it, with their bases (where inherited fields are written)."""
+    found = [c for c in model.__mro__ if isinstance(c, type) and issubclass(c, BaseModel) and c is not BaseModel]
+    for field in model.model_fields.values():
+        for sub in _models(field.annotation):
+            found += _all_models(sub)
+    return found
+
+
+def _titled(dotted: str, model: type[BaseModel], members: int) -> str:
+    """A section's title: a tagged union's member is named by its tag (`models.drafter (kind: eagle3)`)."""
+    if members > 1 and "kind" in model.model_fields:
+        return f"{dotted} (kind: {model.model_fields['kind'].default})"
+    return dotted
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -206,7 +222,9 @@ def _cell(text: str) -> str:
 def spec_page() -> str:
     import opd.spec.schema as spec_module
 
-    notes = _field_notes(Path(spec_module.__file__).read_text(encoding="utf-8"))
+    notes: dict[tuple[str, str], str] = {}
+    for name in sorted({inspect.getsourcefile(model) for model in _all_models(spec_module.ExperimentSpec)}):
+        notes.update(_field_notes(Path(name).read_text(encoding="utf-8")))
     out = [
         "# Experiment spec",
         "",
@@ -239,8 +257,11 @@ def spec_page() -> str:
                 default = getattr(instance, name)
             else:
                 default = field.default_factory() if field.default_factory is not None else None
-            subsections += [(dotted + items, sub, None if items else default) for sub in inner]
-            note = notes.get((model.__name__, name), "")
+            subsections += [
+                (_titled(dotted + items, sub, len(inner)), sub, default if isinstance(default, sub) else None)
+                for sub in inner
+            ]
+            note = next((notes[(c.__name__, name)] for c in model.__mro__ if (c.__name__, name) in notes), "")
             if inner:
                 note = (note + " " if note else "") + f"See `{dotted}{items}` below."
             out.append(

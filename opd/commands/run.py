@@ -9,7 +9,7 @@
 3. With `eval.suite`, evaluate both on that benchmark suite (the same evaluator place) and print, write and log
    its table in the paper's layout, beside the ceiling (opd/eval/suite.py).
 
-`opd train` is step 2 alone. Both first lock the run directory and check every input (`open_run`), so a second
+`opd train` is step 1 alone. Both first lock the run directory and check every input (`open_run`), so a second
 run in the same directory, an unwritable directory or a bad prompt line is one line before any compute.
 """
 

@@ -16,6 +16,7 @@ from opd.data.suite_build import build_suite, parse_files
 from opd.errors import OpdError
 from opd.eval.suite import evaluate_suite
 from opd.eval.suite_report import markdown, metrics, write_report
+from opd.model_dir import ModelDir
 from opd.outputs import check_output_dir
 from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec
@@ -43,9 +44,8 @@ def parse_drafts(items: list[str]) -> dict[str, str]:
             raise OpdError(f"--draft {item!r}: label {label!r} is used twice (expected LABEL=PATH to tell them apart)")
         drafts[label] = path
     for label, path in drafts.items():
-        if path != "random" and not (Path(path) / "config.json").is_file():
-            raise OpdError(f"--draft {label}={path}: {path}/config.json not found (expected a drafter directory or "
-                           "random)")
+        if path != "random":
+            ModelDir.read(path, f"--draft {label}={path}")
     return drafts
 
 

@@ -31,6 +31,7 @@ from opd.data.prompts import Prompt
 from opd.data.render import Rendering, check_tokenizer, render
 from opd.data.source_rows import sha256_of
 from opd.errors import OpdError
+from opd.model_dir import ModelDir
 from opd.spec import SamplingSpec
 
 SUITES_DIR = Path("configs/suites")  # `--suite NAME` resolves here, relative to the repository root
@@ -243,12 +244,8 @@ def check_context(what: str, length: int, tokens: int, context: int | None, wher
 
 def target_context(target_path: str) -> int | None:
     """The target's context length from its config.json (None where it names none), read without loading it."""
-    try:
-        config = json.loads((Path(target_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    size = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
-    return size if isinstance(size, int) else None
+    directory = ModelDir.find(target_path, "target model")
+    return directory.int_or_none("max_position_embeddings") if directory is not None else None
 
 
 def scored_settings(settings: list[SamplingSpec]) -> list[SamplingSpec]:

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from opd.errors import OpdError
+from opd.model_dir import ModelDir
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -98,8 +99,7 @@ def target_config(path: str) -> Any:
     """The target's transformers config, from its config.json alone (a one-line OpdError when unreadable)."""
     from transformers import AutoConfig
 
-    if not (Path(path) / "config.json").is_file():
-        raise OpdError(f"target model: {path}/config.json not found (expected a local HF model directory)")
+    ModelDir.read(path, "target model")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

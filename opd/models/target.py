@@ -12,13 +12,13 @@ import importlib.util
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from opd.errors import OpdError
+from opd.model_dir import ModelDir
 from opd.models.deltanet import linear_layers
 from opd.models.kind_masks import kind_masks
 from opd.models.linear_replay import LinearReplay
@@ -282,7 +282,7 @@ def load_target(
     path: str,
     *,
     dtype: torch.dtype,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     layer_ids: list[int],
     device: str = "cpu",
 ) -> Target:
@@ -294,14 +294,14 @@ def load_target(
 
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")
-    if not (Path(path) / "config.json").is_file():
-        raise OpdError(f"target model: {path}/config.json not found (expected a local HF model directory)")
+    ModelDir.read(path, "target model")
     # transformers' default experts kernel (grouped_mm) takes no float64; its eager loop does, and a dense model
     # ignores the setting
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}  # else HF's pick
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True, **experts
+            path, dtype=dtype, local_files_only=True, **experts, **chosen
         )
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opd.errors import OpdError
+from opd.model_dir import ModelDir
 
 if TYPE_CHECKING:
     from opd.spec import ExperimentSpec
@@ -105,9 +105,5 @@ def _digest(root: str, stamp: tuple) -> str:
 
 def target_vocab_size(path: str | Path) -> int | None:
     """The vocabulary a target's config declares (stored token ids must lie below it), or None without one."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
-    return size if isinstance(size, int) else None
+    directory = ModelDir.find(path, "target model")
+    return directory.int_or_none("vocab_size") if directory is not None else None

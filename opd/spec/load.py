@@ -24,8 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from opd.spec.resolve import check_paths as path_problems
-from opd.spec.resolve import file_facts, warm_drafter_issues
+from opd.spec.resolve import file_facts, path_problems, warm_drafter_issues
 from opd.spec.schema import ExperimentSpec, SpecError
 
 

@@ -86,7 +86,7 @@ def warm_drafter_issues(spec: ExperimentSpec) -> list[str]:
             if found is not None and ours is not None and found != ours]
 
 
-def check_paths(spec: ExperimentSpec) -> list[str]:
+def path_problems(spec: ExperimentSpec) -> list[str]:
     """One message per required path that is missing or of the wrong kind; empty when all are usable."""
     m, d = spec.models, spec.data
     wanted = [("models.target_path", m.target_path, "model"),

@@ -59,7 +59,9 @@ class ModelsSpec(Section):
     tokenizer_path: str | None = None  # None = target_path
     target_num_layers: int | None = Field(None, ge=1)  # filled from target_path/config.json when it exists
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # None = what transformers picks for the model (sdpa where the model has it; gpt-oss: eager); a choice the model
+    # does not support is refused in one line when the target loads
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU Ray gave this actor, else the CPU
     # The drafter's family (`kind`: dflash, dflash2, eagle3; unset: the warm drafter's, else dflash) and its options
     drafter: DrafterSpec = Field(default_factory=DFlashSpec)
@@ -179,7 +181,7 @@ class RolloutSpec(Section):
     # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
     # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.
     mix: list[RolloutSampling] = Field(default_factory=list)
-    # Where the target samples come from (DESIGN.md §6). speculative: the paper's path, rollout actors decode with
+    # Where the target samples come from (docs/concepts.md, rollout sources). speculative: the paper's path, rollout actors decode with
     # a drafter copy that adopts every broadcast and record its blocks. target: rollout actors only sample the
     # target (`sampler`) and the scorer rebuilds the blocks with the newest drafter (opd/sources/rebuild.py), exact because
     # drafts are point masses and decoding is lossless. samples: the same, from a file of stored target samples.
