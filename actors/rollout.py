@@ -24,7 +24,7 @@ class RolloutActor:
     def __init__(self, spec: dict, name: str, store, ledger, out: BatchQueue) -> None:
         self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
                                                                    ledger, out)
-        if rollout_needs_models(self.spec):
+        if rollout_needs_models(self.spec.rollout):
             models = build_models(self.spec)
             target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
         else:  # stored samples or vLLM's own engine: only the prompts

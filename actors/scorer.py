@@ -30,7 +30,7 @@ class ReplayScorerActor:
     def __init__(self, spec: dict, name: str, store, ledger, inbox: BatchQueue, out: BatchQueue) -> None:
         self.spec, self.name = ExperimentSpec.model_validate(spec), name
         self.store, self.ledger, self.inbox, self.out = store, ledger, inbox, out
-        target = build_target(self.spec)
+        target = build_target(self.spec.models)
         drafter = (build_drafter(self.spec, target, load_tokenizer(self.spec.models.tokenizer))
                    if self.spec.rollout.rebuilt else None)
         self.scorer = Scorer(self.spec, target, drafter)

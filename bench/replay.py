@@ -75,7 +75,7 @@ def random_models(spec, seed: int) -> tuple[Target, DFlashDrafter, str]:
         tokenizer = load_tokenizer(m.tokenizer)
         if len(tokenizer) > target.vocab_size:
             raise ValueError("tokenizer larger than the random target's vocabulary")
-        return target, random_drafter(spec, target, tokenizer, seed), shape
+        return target, random_drafter(spec.models, target, tokenizer, seed), shape
     except Exception:  # no usable tokenizer yet: the mask token is only an id to a random drafter
         config = DFlashConfig.for_target(target.config, num_layers=m.drafter.num_layers,
                                          block_size=m.drafter.block_size, mask_token_id=target.vocab_size - 1,

@@ -167,11 +167,11 @@ def test_validate_prints_derived_fields_resolved(tmp_path: Path, capsys: pytest.
     assert printed["replay"]["teacher_topk"] is None and printed["sft"]["max_flops"] is None
 
 
-def test_validate_labels_the_static_cache_experimental(capsys: pytest.CaptureFixture[str]) -> None:
+def test_validate_says_what_the_static_cache_is_for(capsys: pytest.CaptureFixture[str]) -> None:
     for value in ("false", "true"):
         assert main(["validate", TINY, "--no-path-check", "--set", f"rollout.static_cache={value}"]) == 0
         line = next(row for row in capsys.readouterr().out.splitlines() if "static_cache" in row)
-        assert line == f"  static_cache: {value}  # {STATIC_CACHE_NOTE}" and "experimental" in line
+        assert line == f"  static_cache: {value}  # {STATIC_CACHE_NOTE}" and "rollout.compile" in line
 
 
 def test_console_script_lists_commands_without_heavy_imports() -> None:

@@ -50,7 +50,7 @@ def _deepspeed_rank(rank: int, world: int, spec_json: str, address: str, steps: 
     spec = ExperimentSpec.model_validate_json(spec_json)
     group = init_group(address, rank, world, "cpu")
     learner = Learner(spec, build_models(spec).drafter, group)
-    losses = [learner.train_step(shard(steps[0], rank, world), step_norm(steps[0], spec)).loss]
+    losses = [learner.train_step(shard(steps[0], rank, world), step_norm(steps[0], spec.loss)).loss]
     state = learner.state_dict()  # collective under ZeRO
     if rank == 0:
         torch.save({"learner": state, "drafter": learner.drafter.state_dict()}, f"{out}/ckpt.pt")
@@ -59,7 +59,7 @@ def _deepspeed_rank(rank: int, world: int, spec_json: str, address: str, steps: 
     learner = Learner(spec, build_models(spec).drafter, group)
     learner.drafter.load_state_dict(saved["drafter"])
     learner.load_state_dict(saved["learner"])
-    losses += [learner.train_step(shard(micro, rank, world), step_norm(micro, spec)).loss for micro in steps[1:]]
+    losses += [learner.train_step(shard(micro, rank, world), step_norm(micro, spec.loss)).loss for micro in steps[1:]]
     torch.save({"losses": losses, "state": learner.drafter.state_dict(), "partitioned": learner.partitioned},
                f"{out}/rank{rank}.pt")
 

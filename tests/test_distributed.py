@@ -35,7 +35,7 @@ def _rank_main(rank: int, spec_json: str, address: str, steps: list[list], out: 
     torch.set_num_threads(1)
     spec = ExperimentSpec.model_validate_json(spec_json)
     learner = Learner(spec, build_models(spec).drafter, init_group(address, rank, 2, "cpu"))
-    losses = [learner.train_step(shard(micro, rank, 2), step_norm(micro, spec)).loss for micro in steps]
+    losses = [learner.train_step(shard(micro, rank, 2), step_norm(micro, spec.loss)).loss for micro in steps]
     torch.save({"losses": losses, "state": learner.drafter.state_dict()}, f"{out}/rank{rank}.pt")
 
 

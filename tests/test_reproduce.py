@@ -195,7 +195,7 @@ def test_a_built_suite_is_one_held_out_family_per_benchmark(tmp_path):
                 tmp_path / "suite", {}, log=lambda _: None)
     spec = load_spec(root / "configs/tiny-paper.yaml", check_paths=False)
     tokenizer = load_tokenizer(spec.models.tokenizer)
-    families = family_prompts(spec, tokenizer, "mini", str(tmp_path / "suite"), 3)
+    families = family_prompts(spec.data, tokenizer, "mini", str(tmp_path / "suite"), 3)
     assert list(families) == ["mini-tiny-math", "mini-tiny-reworded"]
     card = built_suite(tmp_path / "suite")
     expected = suite_prompts(read_rows(tmp_path / "suite" / card.benchmarks[0].file), tokenizer,

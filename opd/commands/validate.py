@@ -5,7 +5,7 @@ DFlash default for the target's depth, a DFlash mask token is the tokenizer's, t
 MLflow store follows the run dir). Printing those as `null` hides exactly what a user validates a spec to see,
 so they are filled in here. Fields whose None means "off" (teacher_topk, max_flops, keep_last, ...) or that
 depend on the data (random_anchors_per_seq) stay null. The printed YAML is itself a valid spec that resolves to
-the same values; `rollout.static_cache` carries a comment saying it is experimental. Only JSON files are read,
+the same values; `rollout.static_cache` carries a comment saying what it is for. Only JSON files are read,
 so `opd validate` still imports neither torch nor transformers.
 """
 
@@ -19,8 +19,8 @@ import yaml
 
 from opd.spec import ExperimentSpec
 
-STATIC_CACHE_NOTE = ("experimental, keep off: nothing compiles or captures a graph yet, so it only costs memory "
-                     "(prompt + K x (max_new_tokens - 1) cache slots per row)")
+STATIC_CACHE_NOTE = ("fixed shapes for rollout.compile: the same tokens, caches of prompt + max_new_tokens + 2K "
+                     "columns per row; it pays only when the step is compiled")
 
 
 def resolved_yaml(spec: ExperimentSpec) -> str:

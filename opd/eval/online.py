@@ -31,11 +31,11 @@ from opd.spec import ExperimentSpec, SamplingSpec
 
 def evaluate(models: Models, prompts: list[Prompt], samplings: list[SamplingSpec], *, max_new_tokens: int,
              batch_size: int, seed: int = 0, baseline: bool = True, draft_version: int = 0,
-             static_cache: bool = False, diagnose: bool = False) -> list[EvalRow]:
+             static_cache: bool = False, compiled: bool = False, diagnose: bool = False) -> list[EvalRow]:
     """One row per sampling setting. `diagnose`: also replay each setting's records through the target and give
     the expected acceptance of every point-mass setting on those states (`EvalRow.expected`)."""
     decoder = SpeculativeDecoder(models.target, models.drafter, eos_id=models.eos_id, draft_version=draft_version,
-                                 static_cache=static_cache)
+                                 static_cache=static_cache, compiled=compiled)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     rows = []
     with progress_bar() as bar:
@@ -166,7 +166,7 @@ def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, 
     decoded = [s for s in e.sampling if s.name not in {r.sampling for r in offline}]
     rows = offline + (evaluate(models, prompts.prompts, decoded, max_new_tokens=e.max_new_tokens,
                                batch_size=e.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,
-                               diagnose=True) if decoded else [])
+                               compiled=spec.rollout.compile, diagnose=True) if decoded else [])
     print_rows(rows)
     if json_out:
         write_text_atomic(json_out, json.dumps({"draft": draft or spec.models.drafter_path,

@@ -14,7 +14,7 @@ from opd.models.families import detect, family
 from opd.models.family import Drafter
 from opd.models.shared_head import SharedHead, load_shared_head
 from opd.models.target import Target, load_target
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, ModelsSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -49,16 +49,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def build_target(spec: ExperimentSpec) -> Target:
+def build_target(m: ModelsSpec) -> Target:
     """The frozen target alone (what a replay scorer needs)."""
-    m = spec.models
     return load_target(m.target_path, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation,
                        layer_ids=m.layer_ids or [], device=resolve_device(m.device))
 
 
-def build_shared_head(spec: ExperimentSpec) -> SharedHead:
+def build_shared_head(m: ModelsSpec) -> SharedHead:
     """The target's embedding and LM head alone (what a learner needs), read from its files."""
-    m = spec.models
     return load_shared_head(m.target_path, dtype=DTYPES[m.dtype], layer_ids=m.layer_ids or [],
                             device=resolve_device(m.device))
 
@@ -68,7 +66,7 @@ def build_models(spec: ExperimentSpec, drafter_path: str | None = None, *, seed:
     drafter) or, when the path is "random" or no drafter is configured, freshly initialised from `seed`."""
     _check_drafter_path(spec, drafter_path)
     tokenizer = load_tokenizer(spec.models.tokenizer)
-    target = build_target(spec)
+    target = build_target(spec.models)
     return Models(target, build_drafter(spec, target, tokenizer, drafter_path, seed=seed), tokenizer)
 
 
@@ -76,7 +74,7 @@ def build_learner_models(spec: ExperimentSpec) -> LearnerModels:
     """The spec's warm (or random) drafter on the target's embedding and LM head, without the target."""
     _check_drafter_path(spec, None)
     tokenizer = load_tokenizer(spec.models.tokenizer)
-    head = build_shared_head(spec)
+    head = build_shared_head(spec.models)
     return LearnerModels(head, build_drafter(spec, head, tokenizer), tokenizer)
 
 
@@ -91,7 +89,7 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{base.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
-        return random_drafter(spec, base, tokenizer, spec.seed if seed is None else seed)
+        return random_drafter(m, base, tokenizer, spec.seed if seed is None else seed)
     directory = ModelDir.read(path, "drafter")
     found = detect(directory)  # a checkpoint named apart from the spec's (`opd eval --draft`) is of its own family
     section = (m.drafter if found.kind == m.drafter.kind
@@ -110,8 +108,8 @@ def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
         ModelDir.read(path, "drafter")
 
 
-def random_drafter(spec: ExperimentSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
+def random_drafter(m: ModelsSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
     """A freshly initialised drafter of the spec's family, from `seed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return family(spec.models.drafter.kind).random(spec.models.drafter, target, tokenizer)
+        return family(m.drafter.kind).random(m.drafter, target, tokenizer)

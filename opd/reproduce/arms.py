@@ -30,7 +30,7 @@ from opd.outputs import atomic_dir
 from opd.reproduce.spec import ArmJob, ArmResult, ArmSpec
 from opd.sources.provenance import Provenance
 from opd.sources.samplers import build_sampler
-from opd.spec import ExperimentSpec, SamplingSpec, load_spec
+from opd.spec import DataSpec, ExperimentSpec, SamplingSpec, load_spec
 from opd.train.local import LocalTrainer
 from opd.train.sft import train_sft
 from opd.train.sft_data import sft_examples, sft_store
@@ -49,7 +49,7 @@ class _Evaluator:
         self.prompts = eval_prompts(d, models.tokenizer, n)
         self.families = {"heldout": self.prompts}
         for name, path in job.families.items():
-            self.families.update(family_prompts(spec, models.tokenizer, name, path, n))
+            self.families.update(family_prompts(spec.data, models.tokenizer, name, path, n))
         started = time.perf_counter()
         self.offline = self._offline(job) if job.eval_samples_dir else {}
         self.seconds = time.perf_counter() - started  # all evaluation time, samples and target views included
@@ -113,14 +113,14 @@ class _Evaluator:
         return sorted(rows, key=lambda r: order.index(r.sampling))
 
 
-def family_prompts(spec: ExperimentSpec, tokenizer, name: str, path: str, limit: int) -> dict[str, list[Prompt]]:
+def family_prompts(data: DataSpec, tokenizer, name: str, path: str, limit: int) -> dict[str, list[Prompt]]:
     """A held-out family's first `limit` prompts: a prompt file, or a built suite directory (`opd suite build`),
     which is one family per benchmark, `<name>-<benchmark>`, rendered as `opd suite eval` renders them."""
     if not Path(path).is_dir():
-        return {name: spec_prompts(spec.data, path, tokenizer, limit).prompts}
-    card, rendering = built_suite(path, field=f"families: {name}:"), Rendering.of(spec.data)
+        return {name: spec_prompts(data, path, tokenizer, limit).prompts}
+    card, rendering = built_suite(path, field=f"families: {name}:"), Rendering.of(data)
     return {f"{name}-{bench.name}": suite_prompts(read_rows(Path(path) / bench.file), tokenizer, rendering,
-                                                 spec.data.max_prompt_tokens, f"families: {name}: {bench.file}")[:limit]
+                                                 data.max_prompt_tokens, f"families: {name}: {bench.file}")[:limit]
             for bench in card.benchmarks}
 
 

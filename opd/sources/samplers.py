@@ -48,12 +48,12 @@ def build_sampler(spec: ExperimentSpec, kind: str, target: Target | None, drafte
         return _VllmSampler(spec)
     if kind == "autoregressive":
         return _AutoregressiveSampler(target, eos_id)
-    return _SpeculativeSampler(target, drafter, eos_id, spec.rollout.static_cache)
+    return _SpeculativeSampler(target, drafter, eos_id, spec.rollout.static_cache, spec.rollout.compile)
 
 
 class _SpeculativeSampler:
-    def __init__(self, target: Target, drafter: Drafter, eos_id: int, static_cache: bool) -> None:
-        self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, static_cache=static_cache)
+    def __init__(self, target: Target, drafter: Drafter, eos_id: int, static_cache: bool, compiled: bool) -> None:
+        self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, static_cache=static_cache, compiled=compiled)
         self.target_params, self.drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
 
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:

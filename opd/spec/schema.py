@@ -178,6 +178,9 @@ class RolloutSpec(Section):
     # bench/decode_vs_zlab.py). Same tokens; caches of prompt + max_new_tokens + 2K columns per row. Held-out eval
     # uses it too.
     static_cache: bool = False
+    # torch.compile the decoding step (the draft and verify forwards, on the static cache; inductor): same tokens,
+    # fewer kernel launches per step, which decide a batch-1 step on a GPU. Needs static_cache; held-out eval too.
+    compile: bool = False
     # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
     # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.
     mix: list[RolloutSampling] = Field(default_factory=list)
@@ -197,6 +200,9 @@ class RolloutSpec(Section):
     def _check(self) -> RolloutSpec:
         if self.source == "samples" and self.samples_path is None:
             spec_issues(["samples_path: none with source samples (expected the jsonl file `opd gen-samples` wrote)"])
+        if self.compile and not self.static_cache:
+            spec_issues(["compile: true without static_cache (a compiled step needs one shape per batch; expected "
+                         "static_cache: true)"])
         if self.source == "speculative" and self.samples_path is not None:
             spec_issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own (expected "
                      "source: samples or target, or no samples_path)"])

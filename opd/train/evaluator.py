@@ -135,7 +135,8 @@ class Evaluator:
         e = self.spec.eval
         return evaluate(models, prompts, samplings, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                         seed=self.spec.seed, baseline=baseline, draft_version=version,
-                        static_cache=self.spec.rollout.static_cache, diagnose=diagnose)
+                        static_cache=self.spec.rollout.static_cache, compiled=self.spec.rollout.compile,
+                        diagnose=diagnose)
 
 
 class Evaluations(Protocol):

@@ -20,7 +20,7 @@ from opd.distill.selector_loss import selector_loss
 from opd.errors import OpdError
 from opd.models.family import Drafter, chains
 from opd.models.flops import DrafterParams, FlopCounter
-from opd.spec import ExperimentSpec, OptimSpec
+from opd.spec import ExperimentSpec, LossSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
 from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum
 from opd.train.master_weights import adamw
@@ -113,7 +113,7 @@ class Learner:
         and stop the run after `optim.max_nonfinite_steps` in a row."""
         if norm is None:
             micro_batches = self.trainable(micro_batches)
-            norm = step_norm(micro_batches, self.spec)
+            norm = step_norm(micro_batches, self.spec.loss)
         self.optimizer.zero_grad(set_to_none=True)
         sums = reduce_sum(self._accumulate(micro_batches, norm), self.group)
         loss, acc, rej, train_flops = sums.tolist()
@@ -269,6 +269,6 @@ class Learner:
         self.flops = FlopCounter(**flops)
 
 
-def step_norm(micro_batches: list[ScoredBatch], spec: ExperimentSpec) -> StepNorm:
+def step_norm(micro_batches: list[ScoredBatch], loss: LossSpec) -> StepNorm:
     """The step's loss denominators from its micro-batches' acceptance counts (small tensors; no forward)."""
-    return StepNorm.of(((mb.accepted, mb.position_mask) for mb in micro_batches), spec.loss)
+    return StepNorm.of(((mb.accepted, mb.position_mask) for mb in micro_batches), loss)

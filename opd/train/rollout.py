@@ -25,7 +25,7 @@ from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_fl
 from opd.models.target import Target
 from opd.sources.samplers import build_sampler
 from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, rollout_draw, wanted
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, RolloutSpec
 from opd.train.messages import AnchorBatch
 
 
@@ -38,9 +38,8 @@ def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
                        sample_drafts=own and spec.serving is not None and spec.serving.draft == "sample")
 
 
-def rollout_needs_models(spec: ExperimentSpec) -> bool:
+def rollout_needs_models(r: RolloutSpec) -> bool:
     """Whether rollout holds the HF target (and a drafter): not for stored samples or vLLM's own engine."""
-    r = spec.rollout
     return r.source == "speculative" or (r.source == "target" and r.sampler != "vllm")
 
 
@@ -55,7 +54,8 @@ class RolloutWorker:
         self.decoder = self.sampler = self.draw = self.samples = None
         if source == "speculative":
             self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
-                                              static_cache=spec.rollout.static_cache)
+                                              static_cache=spec.rollout.static_cache,
+                                              compiled=spec.rollout.compile)
             self._target_params, self._drafter_params = TargetParams.of(target.model), DrafterParams.of(drafter)
         if source == "target":
             self.sampler = build_sampler(spec, spec.rollout.sampler, target, drafter, eos_id)

@@ -174,7 +174,7 @@ class TrainingSession:
         self.publisher.check()  # a failed publication stops the run here, at the step after it
         items = sorted(items, key=lambda it: it.batch.index)
         micro = self.learner.trainable([mb for it in items for mb in it.micro_batches])
-        world, norm = self.learner.group.world, step_norm(micro, self.spec)
+        world, norm = self.learner.group.world, step_norm(micro, self.spec.loss)
         if self.spec.optim.micro_batch_tokens is not None:  # ranks share sequences; each packs its own under the budget
             micro = [row for mb in micro for row in sequence_rows(mb)]
         elif self.spec.optim.backend == "deepspeed" and len(micro) % world:
