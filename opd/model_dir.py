@@ -30,11 +30,12 @@ class ModelDir:
     _headers: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def read(cls, path: str | Path, role: str = "model") -> ModelDir:
-        """The directory at `path`, or a one-line OpdError naming the file and what is expected."""
+    def read(cls, path: str | Path, role: str = "model",
+             expected: str = f"a local model directory with {CONFIG_FILE}") -> ModelDir:
+        """The directory at `path`, or a one-line OpdError naming the file and what is `expected` there."""
         config_path = Path(path) / CONFIG_FILE
         if not config_path.is_file():
-            raise OpdError(f"{role}: {config_path} not found (expected a local model directory with {CONFIG_FILE})")
+            raise OpdError(f"{role}: {config_path} not found (expected {expected})")
         return cls(Path(path), _json(config_path, role), role)
 
     @classmethod

@@ -60,9 +60,9 @@ def test_sft_takes_the_draft_vocabulary_from_its_data(micro_spec_file, tmp_path,
 
 @pytest.mark.parametrize(("sets", "message"), [
     (["models.drafter.kind=eagle3", "models.drafter.num_layers=2"], "drafter.num_layers: 2 on an eagle3 drafter"),
-    (["models.drafter.kind=eagle3", "models.drafter.mask_token_id=3"], "drafter.mask_token_id: 3 on an eagle3"),
+    (["models.drafter.kind=eagle3", "models.drafter.mask_token_id=3"], "drafter.mask_token_id: unknown key (an option of kind dflash;"),
     (["models.drafter.kind=eagle3", "models.drafter.tree_topk=4"], "drafter.tree_topk: 4 is a draft tree"),
-    (["models.drafter.draft_vocab_size=10"], "drafter.draft_vocab_size: 10 on a dflash drafter"),
+    (["models.drafter.draft_vocab_size=10"], "drafter.draft_vocab_size: unknown key (an option of kind eagle3;"),
     (["models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,2]"], "(expected 3 ids"),
     (["models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,2,9]"], "layer 9 is outside the target"),
     (["models.drafter.kind=eagle3", "models.drafter_path=", "models.drafter.target_layer_ids=[1,1,2]",

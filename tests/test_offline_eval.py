@@ -49,7 +49,7 @@ def draw_samples(target, drafter, prompts, path, settings, drawn_at=None):
     """What `opd gen-samples --eval` writes: one sample per prompt and setting, drawn by the speculative decoder
     with `drafter`, keyed as held-out evaluation keys its decodes. `drawn_at`: sample at these settings instead,
     but label the rows with `settings` (a plausible mistake the tests must see)."""
-    spec = SimpleNamespace(rollout=SimpleNamespace(static_cache=False))
+    spec = SimpleNamespace(rollout=SimpleNamespace(static_cache=False, compile=False))
     sampler = build_sampler(spec, "speculative", target, drafter, EOS)
     store = SampleStore(path, settings, prompts, MADE)
     store.fetch([Wanted(p, s, 0) for s in range(len(settings)) for p in prompts],

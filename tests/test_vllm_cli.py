@@ -337,4 +337,4 @@ def test_serve_bench_checks_an_eagle3_drafter_before_looking_for_vllm(tiny_spec_
     assert "pip install -e .[gpu]" in one_error_line(capsys)
     (tmp_path / "e3" / "config.json").write_text("{not json")
     assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
-    assert f"--draft {draft}: Expecting property name" in one_error_line(capsys)
+    assert f"--draft {draft}: {draft}/config.json: not valid JSON (Expecting property name" in one_error_line(capsys)

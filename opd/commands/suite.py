@@ -45,7 +45,7 @@ def parse_drafts(items: list[str]) -> dict[str, str]:
         drafts[label] = path
     for label, path in drafts.items():
         if path != "random":
-            ModelDir.read(path, f"--draft {label}={path}")
+            ModelDir.read(path, f"--draft {label}={path}", expected="a drafter directory or random")
     return drafts
 
 

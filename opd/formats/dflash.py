@@ -27,17 +27,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
-import torch
 from pydantic import Field
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from opd.errors import OpdError
 from opd.formats.layer_attention import LayerAttention
 from opd.formats.section import DrafterSection
 from opd.model_dir import ModelDir
+
+if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors, so validating
+    import torch  # a spec (which reads the sections here) stays light
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -532,6 +532,8 @@ def _check_activation(hf: dict[str, Any]) -> None:
 def write_checkpoint(directory: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor],
                      dtype: torch.dtype) -> None:
     """Write config.json (with `dtype`) + model.safetensors in the public layout; `tensors` is a state dict."""
+    from safetensors.torch import save_file
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf = config.to_hf_dict()
@@ -576,6 +578,9 @@ def read_config(directory: ModelDir, target: TargetShape) -> DFlashConfig:
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """A drafter's model.safetensors, or a one-line OpdError when it is missing or unreadable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     if not path.is_file():
         raise OpdError(f"{path}: drafter weights not found")
     try:

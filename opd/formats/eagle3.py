@@ -19,16 +19,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import Field, model_validator
-from safetensors.torch import save_file
 
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
 from opd.formats.section import DrafterSection, spec_issues
 from opd.model_dir import ModelDir
+
+if TYPE_CHECKING:  # torch loads inside the functions that handle tensors (see opd/formats/dflash.py)
+    import torch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's name, and vLLM's registry names for the same one-layer Llama drafter.
@@ -264,6 +265,8 @@ def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
 
 def _check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
     """d2t and t2d must describe the same ascending set of target ids, as SpecForge and the engines assume."""
+    import torch
+
     if d2t.is_floating_point() or d2t.dtype == torch.bool or t2d.dtype != torch.bool:
         raise OpdError(f"{path}: d2t is {d2t.dtype} and t2d {t2d.dtype}; expected integer offsets and a bool mask")
     ids = torch.arange(d2t.numel()) + d2t.long()
@@ -279,6 +282,9 @@ def _check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size:
 def write_checkpoint(directory: str | Path, config: Eagle3Config, state: dict[str, torch.Tensor],
                      dtype: torch.dtype) -> None:
     """Write config.json + model.safetensors; weights in `dtype`, d2t int64 and t2d bool, any embedding left out."""
+    import torch
+    from safetensors.torch import save_file
+
     shapes = expected_shapes(config)
     state = {name: t for name, t in state.items() if name != SHARED_EMBEDDING}
     bad = {name: tuple(t.shape) for name, t in state.items() if shapes.get(name) != tuple(t.shape)}
@@ -297,6 +303,8 @@ def write_checkpoint(directory: str | Path, config: Eagle3Config, state: dict[st
 def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [size], t2d bool [V]) for the `size` most frequent target ids (ties and zero counts by lower id),
     sorted ascending as SpecForge and EAGLE do, so that target id = draft id + d2t[draft id]."""
+    import torch
+
     counts = token_counts.flatten()
     if not 1 <= size <= counts.numel():
         raise OpdError(f"draft vocabulary size {size} must be in 1..{counts.numel()} (the target's vocabulary)")

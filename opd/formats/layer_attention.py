@@ -11,8 +11,10 @@ sees k <= p only. The plain DFlash layer (bidirectional, no window) adds nothing
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads where a rule is applied, so a spec's formats import stays light
+    import torch
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class LayerAttention:
 
     def sees(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Bool, broadcast of query_positions [..., S, 1] against key_positions [..., 1, T]: what this rule allows."""
+        import torch
+
         distance = query_positions - key_positions  # > 0: the key lies before the query
         visible = torch.ones_like(distance, dtype=torch.bool)
         if self.causal:

@@ -105,7 +105,7 @@ def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
     """Before any weights load: a named drafter directory must exist."""
     path = drafter_path or spec.models.drafter_path
     if path not in (None, "random"):
-        ModelDir.read(path, "drafter")
+        ModelDir.read(path, "drafter", expected="a drafter directory or 'random'")
 
 
 def random_drafter(m: ModelsSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:

@@ -36,6 +36,11 @@ class SpecError(OpdError):
         super().__init__("\n".join(self.messages))
 
 
+def _a(word: str) -> str:
+    """`word` with its article: a dflash drafter, an eagle3 drafter."""
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 def _num(x: float) -> str:
     """Format a resource amount without a spurious `.0`."""
     return f"{x:g}"
@@ -575,14 +580,14 @@ class ExperimentSpec(Section):
             issues += self._take_run_length()
         drafter = self.models.drafter
         if not drafter.random_anchors and self.replay.anchors != "error":
-            issues.append(f"replay.anchors: {self.replay.anchors} with a {drafter.kind} drafter (it trains at the "
+            issues.append(f"replay.anchors: {self.replay.anchors} with {_a(drafter.kind)} drafter (it trains at the "
                           "anchors decoding chose; expected error)")
         if drafter.has_selector and self.loss.selector_weight > 0 and self.replay.teacher_topk is not None:
-            issues.append(f"loss.selector_weight: {self.loss.selector_weight:g} with a {drafter.kind} drafter and "
+            issues.append(f"loss.selector_weight: {self.loss.selector_weight:g} with {_a(drafter.kind)} drafter and "
                           f"replay.teacher_topk {self.replay.teacher_topk} (the selector's term reads the full teacher "
                           "at its candidates; expected replay.teacher_topk: null, or loss.selector_weight: 0)")
         if not drafter.topk_teacher and self.replay.teacher_topk is not None:
-            issues.append(f"replay.teacher_topk: {self.replay.teacher_topk} with a {drafter.kind} drafter (it reads "
+            issues.append(f"replay.teacher_topk: {self.replay.teacher_topk} with {_a(drafter.kind)} drafter (it reads "
                           "every slot's full teacher; expected null)")
         if self.rollout.rebuilt and self.replay.anchors == "random":
             issues.append(f"replay.anchors: random with rollout.source {self.rollout.source} (expected error anchors: "
@@ -612,7 +617,7 @@ class ExperimentSpec(Section):
             issues.append(f"replay.teacher_topk: {replay.teacher_topk} with loss.objective {loss.objective} (α needs "
                           "the teacher over the whole vocabulary; expected null)")
         if serving.draft == "sample" and not self.models.drafter.samples_from_q:
-            issues.append(f"serving.draft: sample with a {self.models.drafter.kind} drafter (its chain is fed its "
+            issues.append(f"serving.draft: sample with {_a(self.models.drafter.kind)} drafter (its chain is fed its "
                           "argmax, so its sampled drafts have no realized q to train; expected argmax)")
         if serving.draft == "sample" and self.rollout.rebuilt:
             issues.append(f"rollout.source: {self.rollout.source} with serving.draft sample (the rebuild recovers "
