@@ -2,7 +2,7 @@
 
 - `reference/cli.md`: every `opd` command's help, from the argparse parser (`opd.cli.build_parser`).
 - `reference/spec.md`: every experiment-spec field, from the pydantic models (`opd.spec.ExperimentSpec`): its type,
-  default and bounds from the model, its note from the comments beside the field in `opd/spec/schema.py`.
+  default and bounds from the model, its note from the field's `description` (opd/spec/schema.py, opd/formats/).
 - `results/bench/...`: the measured runs in `bench/results/` (reports, plots and their JSON), mounted as they are,
   so the results pages link to them without a copy in `docs/`, and `results/bench/index.md`, a list of the reports.
 - `changelog.md`: the repository's `CHANGELOG.md`.
@@ -11,12 +11,9 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import inspect
-import io
 import json
 import os
-import tokenize
 import types
 import typing
 from pathlib import Path
@@ -175,39 +172,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _field_notes(source: str) -> dict[tuple[str, str], str]:
-    """(class, field) -> the comment block above the field and the comment beside it, as written in the source."""
-    comments: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-    lines = source.splitlines()
-    notes = {}
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.ClassDef):
-            continue
-        for item in node.body:
-            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
-                continue
-            above: list[str] = []
-            line = item.lineno - 1
-            while line >= 1 and lines[line - 1].strip().startswith("#"):
-                above.insert(0, comments[line])
-                line -= 1
-            beside = [comments[n] for n in range(item.lineno, (item.end_lineno or item.lineno) + 1) if n in comments]
-            notes[(node.name, item.target.id)] = " ".join(above + beside)
-    return notes
-
-
-def _all_models(model: type[BaseModel]) -> list[type[BaseModel]]:
-    """`model` and every spec model beneath it, with their bases (where inherited fields are written)."""
-    found = [c for c in model.__mro__ if isinstance(c, type) and issubclass(c, BaseModel) and c is not BaseModel]
-    for field in model.model_fields.values():
-        for sub in _models(field.annotation):
-            found += _all_models(sub)
-    return found
-
-
 def _titled(dotted: str, model: type[BaseModel], members: int) -> str:
     """A section's title: a tagged union's member is named by its tag (`models.drafter (kind: eagle3)`)."""
     if members > 1 and "kind" in model.model_fields:
@@ -222,14 +186,12 @@ def _cell(text: str) -> str:
 def spec_page() -> str:
     import opd.spec.schema as spec_module
 
-    notes: dict[tuple[str, str], str] = {}
-    for name in sorted({inspect.getsourcefile(model) for model in _all_models(spec_module.ExperimentSpec)}):
-        notes.update(_field_notes(Path(name).read_text(encoding="utf-8")))
     out = [
         "# Experiment spec",
         "",
-        "Generated at every docs build from the pydantic models in `opd/spec/schema.py`: each field's type, default and",
-        "bounds come from the model, its note from the comment beside the field in the source. Cross-field rules",
+        "Generated at every docs build from the pydantic models in `opd/spec/schema.py` and the drafter families'",
+        "sections in `opd/formats/`: each field's type, default, bounds and note (its `description`) come from the",
+        "model. Cross-field rules",
         "(the validators) are not listed here: `opd validate CONFIG` applies them all and prints the resolved spec.",
         "Unknown keys, infinite and NaN floats are refused everywhere.",
         "",
@@ -261,7 +223,7 @@ def spec_page() -> str:
                 (_titled(dotted + items, sub, len(inner)), sub, default if isinstance(default, sub) else None)
                 for sub in inner
             ]
-            note = next((notes[(c.__name__, name)] for c in model.__mro__ if (c.__name__, name) in notes), "")
+            note = field.description or ""
             if inner:
                 note = (note + " " if note else "") + f"See `{dotted}{items}` below."
             out.append(

@@ -89,8 +89,8 @@ class DFlashSpec(DrafterSection):
     drafter's checkpoint when one is given."""
 
     kind: Literal["dflash"] = "dflash"
-    num_layers: int = Field(5, ge=1)  # decoder layers (the paper's 5)
-    mask_token_id: int | None = Field(None, ge=0)  # None = the tokenizer's mask token
+    num_layers: int = Field(5, ge=1, description="decoder layers (the paper's 5)")
+    mask_token_id: int | None = Field(None, ge=0, description="None = the tokenizer's mask token")
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:

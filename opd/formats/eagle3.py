@@ -50,11 +50,11 @@ class Eagle3Spec(DrafterSection):
     public SpecForge format); must match a warm drafter's checkpoint when one is given."""
 
     kind: Literal["eagle3"] = "eagle3"
-    num_layers: int = Field(1, ge=1)  # EAGLE-3 drafts with one layer
-    draft_vocab_size: int | None = Field(None, ge=1)  # None = min(32000, the target's vocabulary)
-    # Draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which lossless
-    # rebuild and replay need.
-    tree_topk: int = Field(1, ge=1)
+    num_layers: int = Field(1, ge=1, description="EAGLE-3 drafts with one layer")
+    draft_vocab_size: int | None = Field(None, ge=1, description="None = min(32000, the target's vocabulary)")
+    tree_topk: int = Field(1, ge=1, description=(
+        "Draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which lossless "
+        "rebuild and replay need."))
 
     # Its chain is fed its argmax (no realized q to sample), and its training reads every slot's full teacher at
     # the anchors decoding chose.

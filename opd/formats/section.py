@@ -33,9 +33,10 @@ class DrafterSection(Section):
     """The fields every drafter family has; a family's section adds its own and says what it can train with."""
 
     kind: str
-    num_layers: int | None = Field(None, ge=1)  # decoder layers; None = the family's default
-    block_size: int = Field(16, ge=2)  # K tokens per block, anchor included; K-1 are drafted
-    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # None = the family's default for the target
+    num_layers: int | None = Field(None, ge=1, description="decoder layers; None = the family's default")
+    block_size: int = Field(16, ge=2, description="K tokens per block, anchor included; K-1 are drafted")
+    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description=(
+        "None = the family's default for the target"))
 
     # What the experiment's rules ask (opd/spec/schema.py): whether its drafts have a realized q to sample at T>0
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has

@@ -60,16 +60,18 @@ class ModelsSpec(Section):
     """Where the target, tokenizer and warm drafter live, and how to load them."""
 
     target_path: str
-    drafter_path: str | None = None  # warm drafter in DFlash format; None = random init
-    tokenizer_path: str | None = None  # None = target_path
-    target_num_layers: int | None = Field(None, ge=1)  # filled from target_path/config.json when it exists
+    drafter_path: str | None = Field(None, description="warm drafter in DFlash format; None = random init")
+    tokenizer_path: str | None = Field(None, description="None = target_path")
+    target_num_layers: int | None = Field(None, ge=1, description="filled from target_path/config.json when it exists")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
-    # None = what transformers picks for the model (sdpa where the model has it; gpt-oss: eager); a choice the model
-    # does not support is refused in one line when the target loads
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU Ray gave this actor, else the CPU
-    # The drafter's family (`kind`: dflash, dflash2, eagle3; unset: the warm drafter's, else dflash) and its options
-    drafter: DrafterSpec = Field(default_factory=DFlashSpec)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(None, description=(
+        "None = what transformers picks for the model (sdpa where the model has it; gpt-oss: eager); a choice the "
+        "model does not support is refused in one line when the target loads"))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "auto: the GPU Ray gave this actor, else the CPU"))
+    drafter: DrafterSpec = Field(default_factory=DFlashSpec, description=(
+        "The drafter's family (`kind`: dflash, dflash2, eagle3; unset: the warm drafter's, else dflash) and its "
+        "options"))
 
     @property
     def tokenizer(self) -> str:
@@ -126,21 +128,22 @@ class DataSpec(Section):
 
     train_prompts: str
     eval_prompts: str
-    max_prompt_tokens: int = Field(1024, ge=1)  # checked on the rendered prompt, template included
-    skip_bad_lines: bool = False  # True = count and skip malformed jsonl lines instead of failing
-    # raw = the prompt text as is (the tiny target, trained without a template); chat = the target tokenizer's
-    # apply_chat_template(messages, add_generation_prompt=True), what a served chat model always sees.
-    render: Literal["raw", "chat"] = "raw"
-    # Passed to the chat template (Qwen3's thinking switch): false adds an empty think block to the generation
-    # prompt, true thinks; null = the template's default (Qwen3 thinks). Responses keep the thinking whole.
-    enable_thinking: bool | None = None
-    # The reasoning level of templates that take one instead of on/off (gpt-oss's `reasoning_effort`, or
-    # `reasoning_strength` where the template reads that; opd/data/render.py); null = the template's default.
-    reasoning_effort: Literal["low", "medium", "high", "xhigh"] | None = None
-    # Prompts in train_prompts (its non-blank lines), which a run length in `epochs` is counted over: read from the
-    # file when it exists, else as written (so `opd validate --no-path-check` can size a cluster run); a written
-    # value must agree with the file, or the epochs would silently mean another number of rollout batches.
-    train_pool_size: int | None = Field(None, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1, description="checked on the rendered prompt, template included")
+    skip_bad_lines: bool = Field(False, description="True = count and skip malformed jsonl lines instead of failing")
+    render: Literal["raw", "chat"] = Field("raw", description=(
+        "raw = the prompt text as is (the tiny target, trained without a template); chat = the target tokenizer's "
+        "apply_chat_template(messages, add_generation_prompt=True), what a served chat model always sees."))
+    enable_thinking: bool | None = Field(None, description=(
+        "Passed to the chat template (Qwen3's thinking switch): false adds an empty think block to the generation "
+        "prompt, true thinks; null = the template's default (Qwen3 thinks). Responses keep the thinking whole."))
+    reasoning_effort: Literal["low", "medium", "high", "xhigh"] | None = Field(None, description=(
+        "The reasoning level of templates that take one instead of on/off (gpt-oss's `reasoning_effort`, or "
+        "`reasoning_strength` where the template reads that; opd/data/render.py); null = the template's default."))
+    train_pool_size: int | None = Field(None, ge=1, description=(
+        "Prompts in train_prompts (its non-blank lines), which a run length in `epochs` is counted over: read from "
+        "the file when it exists, else as written (so `opd validate --no-path-check` can size a cluster run); a "
+        "written value must agree with the file, or the epochs would silently mean another number of rollout "
+        "batches."))
 
     @model_validator(mode="after")
     def _check(self) -> DataSpec:
@@ -172,34 +175,39 @@ class RolloutSampling(Section):
 class RolloutSpec(Section):
     """Target-assisted speculative decoding that produces the training data."""
 
-    mode: Literal["draft_opd", "naive"] = "draft_opd"  # naive = train on committed tokens only (ablation)
-    batch_size: int = Field(8, ge=1)  # prompts per rollout batch
+    mode: Literal["draft_opd", "naive"] = Field("draft_opd", description=(
+        "naive = train on committed tokens only (ablation)"))
+    batch_size: int = Field(8, ge=1, description="prompts per rollout batch")
     max_new_tokens: int = Field(2048, ge=1)
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
-    # Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept, each row's kept slots
-    # packed in place): the shapes a compiled decoding step needs (`SpeculativeDecoder(compiled=True)`,
-    # bench/decode_vs_zlab.py). Same tokens; caches of prompt + max_new_tokens + 2K columns per row. Held-out eval
-    # uses it too.
-    static_cache: bool = False
-    # torch.compile the decoding step (the draft and verify forwards, on the static cache; inductor): same tokens,
-    # fewer kernel launches per step, which decide a batch-1 step on a GPU. Needs static_cache; held-out eval too.
-    compile: bool = False
-    # Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these.
-    # E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit.
-    mix: list[RolloutSampling] = Field(default_factory=list)
-    # Where the target samples come from (docs/concepts.md, rollout sources). speculative: the paper's path, rollout actors decode with
-    # a drafter copy that adopts every broadcast and record its blocks. target: rollout actors only sample the
-    # target (`sampler`) and the scorer rebuilds the blocks with the newest drafter (opd/sources/rebuild.py), exact because
-    # drafts are point masses and decoding is lossless. samples: the same, from a file of stored target samples.
-    source: Literal["speculative", "target", "samples"] = "speculative"
-    # source target: speculative = the speculative decoder with the warm drafter, never updated (lossless, the
-    # fastest on a CPU); autoregressive = plain batched decoding; vllm = vLLM's sampling (a GPU, the [gpu] extra).
-    sampler: Literal["speculative", "autoregressive", "vllm"] = "speculative"
-    # source samples: the file of `opd gen-samples` rows to read. source target: a cache, drawn into where it lacks
-    # a sample and shared by every run that names it (opd reproduce's arms of one seed), under a file lock.
-    samples_path: str | None = None
+    static_cache: bool = Field(False, description=(
+        "Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept, each row's kept "
+        "slots packed in place): the shapes a compiled decoding step needs (`SpeculativeDecoder(compiled=True)`, "
+        "bench/decode_vs_zlab.py). Same tokens; caches of prompt + max_new_tokens + 2K columns per row. Held-out "
+        "eval uses it too."))
+    compile: bool = Field(False, description=(
+        "torch.compile the decoding step (the draft and verify forwards, on the static cache; inductor): same "
+        "tokens, fewer kernel launches per step, which decide a batch-1 step on a GPU. Needs static_cache; held-out "
+        "eval too."))
+    mix: list[RolloutSampling] = Field(default_factory=list, description=(
+        "Rollout batch i decodes with setting i mod (1 + len(mix)): 0 is temperature/top_p/top_k above, then these. "
+        "E.g. one greedy and one T=0.6 batch per step, so training sees the states both serving settings visit."))
+    source: Literal["speculative", "target", "samples"] = Field("speculative", description=(
+        "Where the target samples come from (docs/concepts.md, rollout sources). speculative: the paper's path, "
+        "rollout actors decode with a drafter copy that adopts every broadcast and record its blocks. target: "
+        "rollout actors only sample the target (`sampler`) and the scorer rebuilds the blocks with the newest "
+        "drafter (opd/sources/rebuild.py), exact because drafts are point masses and decoding is lossless. samples: "
+        "the same, from a file of stored target samples."))
+    sampler: Literal["speculative", "autoregressive", "vllm"] = Field("speculative", description=(
+        "source target: speculative = the speculative decoder with the warm drafter, never updated (lossless, the "
+        "fastest on a CPU); autoregressive = plain batched decoding; vllm = vLLM's sampling (a GPU, the [gpu] "
+        "extra)."))
+    samples_path: str | None = Field(None, description=(
+        "source samples: the file of `opd gen-samples` rows to read. source target: a cache, drawn into where it "
+        "lacks a sample and shared by every run that names it (opd reproduce's arms of one seed), under a file "
+        "lock."))
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:
@@ -229,48 +237,51 @@ class ReplaySpec(Section):
     """Which blocks are replayed and how the teacher is scored."""
 
     anchors: Literal["error", "random"] = "error"
-    random_anchors_per_seq: int | None = Field(None, ge=1)  # None = as many as the rollout's error anchors
+    random_anchors_per_seq: int | None = Field(None, ge=1, description="None = as many as the rollout's error anchors")
     teacher_temperature: float = Field(1.0, gt=0)
-    # Whose view of the drafted slots the losses read. target: the target at teacher_temperature (the paper's).
-    # served: the target processed exactly as the server verifies (serving.temperature, top_k and top_p), the p̃
-    # whose Σ min(p̃, q) is the acceptance a q-sampled draft gets; teacher_temperature is then unused.
-    teacher: Literal["target", "served"] = "target"
-    teacher_topk: int | None = Field(None, gt=0)  # None = full vocabulary; k = top-k log-probs + tail bucket
-    # The scorer's micro-batch as a token budget: each micro-batch's padded teacher rows (sequences x the longest
-    # packed row: text plus K-2 slots per drafted block) stay within it, and a sequence over it alone is scored in
-    # parts cut at block boundaries (exact: a block sees only the text up to its anchor and itself). None = cut
-    # rollout batches into optim.micro_batch_size sequences. With a rebuilt rollout source the groups are formed on
-    # the text, before the blocks exist; the blocks then run over each group's cached text.
-    micro_batch_tokens: int | None = Field(None, ge=1)
+    teacher: Literal["target", "served"] = Field("target", description=(
+        "Whose view of the drafted slots the losses read. target: the target at teacher_temperature (the paper's). "
+        "served: the target processed exactly as the server verifies (serving.temperature, top_k and top_p), the p̃ "
+        "whose Σ min(p̃, q) is the acceptance a q-sampled draft gets; teacher_temperature is then unused."))
+    teacher_topk: int | None = Field(None, gt=0, description=(
+        "None = full vocabulary; k = top-k log-probs + tail bucket"))
+    micro_batch_tokens: int | None = Field(None, ge=1, description=(
+        "The scorer's micro-batch as a token budget: each micro-batch's padded teacher rows (sequences x the "
+        "longest packed row: text plus K-2 slots per drafted block) stay within it, and a sequence over it alone is "
+        "scored in parts cut at block boundaries (exact: a block sees only the text up to its anchor and itself). "
+        "None = cut rollout batches into optim.micro_batch_size sequences. With a rebuilt rollout source the groups "
+        "are formed on the text, before the blocks exist; the blocks then run over each group's cached text."))
 
 
 class LossSpec(Section):
     """The acceptance-aware loss (eq. 10-13) and its ablation switches."""
 
     kl_mode: Literal["mixed", "all_forward", "all_reverse"] = "mixed"
-    gamma: float = Field(0.8, gt=0, le=1)  # rejected weight gamma^(k-1)
+    gamma: float = Field(0.8, gt=0, le=1, description="rejected weight gamma^(k-1)")
     lambda_acc: float = Field(1.0, ge=0)
     lambda_rej: float = Field(1.0, ge=0)
     rejected_decay: bool = True
     first_rejected_only: bool = False
     accepted_decay: bool = False
-    # Weight of an expected-acceptance term added on the same slots: coef x -log sum_x q(x) p(x), the log of the
-    # probability that the target (at replay.teacher_temperature) accepts a token drafted from q. 0 = off.
-    acceptance_weight: float = Field(0.0, ge=0)
-    # DFlash 2 only: weight of its selector term on the same slots, KL from the teacher restricted to the slot's
-    # candidates to the selector's q (opd/distill/selector_loss.py). 0 = off, and the selector is then frozen.
-    selector_weight: float = Field(1.0, ge=0)
-    # What the drafted slots train towards (opd/distill/acceptance_loss.py). kl: the paper's Eqs. 10-13 (with the
-    # switches above). For drafts sampled from a realized q (serving.draft: sample), the acceptance the server
-    # realizes, α_k = Σ_v min(p̃_k(v), q_k(v)) at each slot given the drafts sampled before it: neg_log_alpha
-    # (-log α) and one_minus_alpha (1 - α) on the paper's slot weights; lk, the LK hybrid λ KL(p̃ || q) + (1 - λ)(1 - α)
-    # with λ = exp(-lk_eta sg[α]); expected_length, the block's 1 + Σ_k Π_{j<=k} α_j, per block.
-    objective: Literal["kl", "neg_log_alpha", "one_minus_alpha", "lk", "expected_length"] = "kl"
+    acceptance_weight: float = Field(0.0, ge=0, description=(
+        "Weight of an expected-acceptance term added on the same slots: coef x -log sum_x q(x) p(x), the log of the "
+        "probability that the target (at replay.teacher_temperature) accepts a token drafted from q. 0 = off."))
+    selector_weight: float = Field(1.0, ge=0, description=(
+        "DFlash 2 only: weight of its selector term on the same slots, KL from the teacher restricted to the slot's "
+        "candidates to the selector's q (opd/distill/selector_loss.py). 0 = off, and the selector is then frozen."))
+    objective: Literal["kl", "neg_log_alpha", "one_minus_alpha", "lk", "expected_length"] = Field("kl", description=(
+        "What the drafted slots train towards (opd/distill/acceptance_loss.py). kl: the paper's Eqs. 10-13 (with "
+        "the switches above). For drafts sampled from a realized q (serving.draft: sample), the acceptance the "
+        "server realizes, α_k = Σ_v min(p̃_k(v), q_k(v)) at each slot given the drafts sampled before it: "
+        "neg_log_alpha (-log α) and one_minus_alpha (1 - α) on the paper's slot weights; lk, the LK hybrid λ KL(p̃ "
+        "|| q) + (1 - λ)(1 - α) with λ = exp(-lk_eta sg[α]); expected_length, the block's 1 + Σ_k Π_{j<=k} α_j, per "
+        "block."))
     lk_eta: float = Field(3.0, ge=0)
-    # How the gradient treats the drafts sampled before a slot, which depend on the drafter too. pathwise: as data
-    # (the gradient flows through each slot's q only). score: plus the score-function term of the sampled prefix,
-    # sg[f_k - b_k] ∇ Σ_{j<k} log q_j(d_j), b_k the mean of f_k over the chunk's other blocks (unbiased).
-    prefix_gradient: Literal["pathwise", "score"] = "pathwise"
+    prefix_gradient: Literal["pathwise", "score"] = Field("pathwise", description=(
+        "How the gradient treats the drafts sampled before a slot, which depend on the drafter too. pathwise: as "
+        "data (the gradient flows through each slot's q only). score: plus the score-function term of the sampled "
+        "prefix, sg[f_k - b_k] ∇ Σ_{j<k} log q_j(d_j), b_k the mean of f_k over the chunk's other blocks "
+        "(unbiased)."))
 
     @property
     def on_acceptance(self) -> bool:
@@ -287,7 +298,7 @@ class LossSpec(Section):
 class SftSpec(Section):
     """DFlash-style SFT: the warm start and the matched-compute baseline."""
 
-    gamma: float = Field(7.0, gt=0)  # position weight exp(-(k-1)/gamma)
+    gamma: float = Field(7.0, gt=0, description="position weight exp(-(k-1)/gamma)")
     anchors_per_seq: int = Field(512, ge=1)
     max_length: int = Field(3072, ge=2)
     lr: float = Field(6e-4, gt=0)
@@ -295,25 +306,27 @@ class SftSpec(Section):
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
     schedule: Literal["cosine", "constant"] = "cosine"
     batch_size: int = Field(16, ge=1)
-    # Sequences per forward; their gradients accumulate into one step (the same gradient at any size), so memory
-    # is set by this, not batch_size: at Qwen3 shapes one 2048-token sequence with 512 anchors is ~8K block tokens.
-    micro_batch_size: int = Field(1, ge=1)
-    # Or a token budget: each micro-batch's padded rows (sequences x (the longest sequence + anchors x K block
-    # rows)) stay within it, so long and short responses share one memory bound; at least one sequence at max_length
-    # with every anchor, so no sequence is ever over it (checked here, before any compute). None: micro_batch_size.
-    micro_batch_tokens: int | None = Field(None, ge=1)
+    micro_batch_size: int = Field(1, ge=1, description=(
+        "Sequences per forward; their gradients accumulate into one step (the same gradient at any size), so memory "
+        "is set by this, not batch_size: at Qwen3 shapes one 2048-token sequence with 512 anchors is ~8K block "
+        "tokens."))
+    micro_batch_tokens: int | None = Field(None, ge=1, description=(
+        "Or a token budget: each micro-batch's padded rows (sequences x (the longest sequence + anchors x K block "
+        "rows)) stay within it, so long and short responses share one memory bound; at least one sequence at "
+        "max_length with every anchor, so no sequence is ever over it (checked here, before any compute). None: "
+        "micro_batch_size."))
     response_max_new_tokens: int = Field(2048, ge=1)
-    # The SFT data: a sample file (`opd gen-samples --sft` writes it) read, and filled where it lacks a prompt's
-    # response. None: RUN_DIR/sft_data.jsonl.
-    samples_path: str | None = None
-    # Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling).
-    # Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode.
-    response_temperature: Temperature | None = None
-    max_flops: float | None = Field(None, gt=0)  # matched-compute continued-SFT budget
-    # Weight of loss.objective's acceptance term (drafts sampled from q at the serving setting) added on SFT's slots,
-    # each slot's prefix the data (teacher forcing) and p̃ the target's view of it, so a warm start is trained for
-    # the serving mode too. 0 = off (cross-entropy only).
-    acceptance_weight: float = Field(0.0, ge=0)
+    samples_path: str | None = Field(None, description=(
+        "The SFT data: a sample file (`opd gen-samples --sft` writes it) read, and filled where it lacks a prompt's "
+        "response. None: RUN_DIR/sft_data.jsonl."))
+    response_temperature: Temperature | None = Field(None, description=(
+        "Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling). "
+        "Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode."))
+    max_flops: float | None = Field(None, gt=0, description="matched-compute continued-SFT budget")
+    acceptance_weight: float = Field(0.0, ge=0, description=(
+        "Weight of loss.objective's acceptance term (drafts sampled from q at the serving setting) added on SFT's "
+        "slots, each slot's prefix the data (teacher forcing) and p̃ the target's view of it, so a warm start is "
+        "trained for the serving mode too. 0 = off (cross-entropy only)."))
 
     @model_validator(mode="after")
     def _check(self) -> SftSpec:
@@ -340,21 +353,24 @@ class OptimSpec(Section):
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0)  # 0 = off
-    # Sequences per optimizer update (a step): whole rollout batches, batch_size / rollout.batch_size of them, whose
-    # loss is normalised over the whole update (the authors' trainer.update_accumulation_steps x train_batch_size).
-    batch_size: int = Field(24, ge=1)
+    grad_clip: float = Field(1.0, ge=0, description="0 = off")
+    batch_size: int = Field(24, ge=1, description=(
+        "Sequences per optimizer update (a step): whole rollout batches, batch_size / rollout.batch_size of them, "
+        "whose loss is normalised over the whole update (the authors' trainer.update_accumulation_steps x "
+        "train_batch_size)."))
     micro_batch_size: int = Field(1, ge=1)
-    # The learner's micro-batch as a token budget instead of micro_batch_size sequences: the update's sequences are
-    # packed, longest first, into micro-batches whose padded rows (sequences x (longest context + K x most blocks))
-    # stay within it; a sequence over it alone is cut at block boundaries (exact: DFlash blocks never see each
-    # other), so memory is bounded by the budget, not by the longest response times a count. The step's loss is
-    # still normalised over the whole update, so the budget never changes the gradient. None: micro_batch_size.
-    micro_batch_tokens: int | None = Field(None, ge=1)
-    # Drafted slots whose [slots, vocabulary] logits the loss holds at once: the loss's transient memory is about
-    # 8 x this x V x 4 bytes (2 GB at 400 slots and Qwen3's 151,936 tokens; bench/scale.py), whatever the length.
-    loss_chunk_size: int = Field(400, ge=1)
-    max_nonfinite_steps: int = Field(10, ge=0)  # abort after this many skipped non-finite steps
+    micro_batch_tokens: int | None = Field(None, ge=1, description=(
+        "The learner's micro-batch as a token budget instead of micro_batch_size sequences: the update's sequences "
+        "are packed, longest first, into micro-batches whose padded rows (sequences x (longest context + K x most "
+        "blocks)) stay within it; a sequence over it alone is cut at block boundaries (exact: DFlash blocks never "
+        "see each other), so memory is bounded by the budget, not by the longest response times a count. The step's "
+        "loss is still normalised over the whole update, so the budget never changes the gradient. None: "
+        "micro_batch_size."))
+    loss_chunk_size: int = Field(400, ge=1, description=(
+        "Drafted slots whose [slots, vocabulary] logits the loss holds at once: the loss's transient memory is "
+        "about 8 x this x V x 4 bytes (2 GB at 400 slots and Qwen3's 151,936 tokens; bench/scale.py), whatever the "
+        "length."))
+    max_nonfinite_steps: int = Field(10, ge=0, description="abort after this many skipped non-finite steps")
 
     @model_validator(mode="after")
     def _check(self) -> OptimSpec:
@@ -370,7 +386,7 @@ class ClusterSpec(Section):
     """What the declared cluster offers; roles are checked against it so none waits forever for placement."""
 
     num_gpus: int = Field(0, ge=0)
-    num_cpus: int | None = Field(None, ge=1)  # None = do not check CPUs
+    num_cpus: int | None = Field(None, ge=1, description="None = do not check CPUs")
 
 
 class RoleSpec(Section):
@@ -398,12 +414,12 @@ class ResourcesSpec(Section):
     scorer: RoleSpec = Field(default_factory=RoleSpec)
     learner: RoleSpec = Field(default_factory=RoleSpec)
     evaluator: RoleSpec = Field(default_factory=lambda: RoleSpec(num_cpus=0))
-    queue_size: int = Field(4, ge=1)  # bounded queues: producers block, nothing is dropped
-    # In optimizer updates: update s trains only on rollout batches drafted with weights of version >= s - lag,
-    # every one of its batches_per_step batches alike (older ones are counted and discarded). 0 is the authors'
-    # synchronous trainer: all batches of an update come from the weights of the update before.
-    max_policy_lag: int = Field(1, ge=0)
-    broadcast_every: int = Field(1, ge=1)  # learner steps between weight publications
+    queue_size: int = Field(4, ge=1, description="bounded queues: producers block, nothing is dropped")
+    max_policy_lag: int = Field(1, ge=0, description=(
+        "In optimizer updates: update s trains only on rollout batches drafted with weights of version >= s - lag, "
+        "every one of its batches_per_step batches alike (older ones are counted and discarded). 0 is the authors' "
+        "synchronous trainer: all batches of an update come from the weights of the update before."))
+    broadcast_every: int = Field(1, ge=1, description="learner steps between weight publications")
 
     @model_validator(mode="after")
     def _check(self) -> ResourcesSpec:
@@ -447,13 +463,15 @@ def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
 class TrackingSpec(Section):
     """MLflow run and run-directory layout."""
 
-    uri: str | None = None  # None = $OPD_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
+    uri: str | None = Field(None, description="None = $OPD_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db")
     experiment: str = "draft-opd"
-    # {name} = the spec's name. A relative path is resolved in the driver's working directory and handed to every
-    # actor as that absolute path; on a multi-node cluster it must be absolute, on storage every node mounts.
-    run_dir: str = "runs/{name}"
+    run_dir: str = Field("runs/{name}", description=(
+        "{name} = the spec's name. A relative path is resolved in the driver's working directory and handed to "
+        "every actor as that absolute path; on a multi-node cluster it must be absolute, on storage every node "
+        "mounts."))
     checkpoint_every: int = Field(100, ge=1)
-    keep_last: int | None = Field(None, ge=1)  # keep the newest N checkpoints (None: all); GBs each at Qwen3 sizes
+    keep_last: int | None = Field(None, ge=1, description=(
+        "keep the newest N checkpoints (None: all); GBs each at Qwen3 sizes"))
     log_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
@@ -472,9 +490,10 @@ class SamplingSpec(Section):
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
-    # argmax: point-mass drafts, as DFlash's reference code and the serving engines draft; sample: drafts sampled
-    # from the drafter's q with this setting's processing, verified with the full min(1, p/q) rule (lossless too).
-    draft: Literal["argmax", "sample"] = "argmax"
+    draft: Literal["argmax", "sample"] = Field("argmax", description=(
+        "argmax: point-mass drafts, as DFlash's reference code and the serving engines draft; sample: drafts "
+        "sampled from the drafter's q with this setting's processing, verified with the full min(1, p/q) rule "
+        "(lossless too)."))
 
     @model_validator(mode="after")
     def _check(self) -> SamplingSpec:
@@ -487,9 +506,10 @@ class ServingSpec(Section):
     """The setting the drafter will be served in, part of the recipe: rollouts decode in it (rollout.temperature,
     top_p and top_k follow it), replay.teacher: served verifies as it does, and the acceptance objectives score it."""
 
-    # argmax: point-mass drafts, as the serving engines draft by default; sample: drafts sampled from the drafter's
-    # realized q and verified with min(1, p/q) (vLLM's probabilistic draft sampling, z-lab's dflash_generate at T>0)
-    draft: Literal["argmax", "sample"] = "argmax"
+    draft: Literal["argmax", "sample"] = Field("argmax", description=(
+        "argmax: point-mass drafts, as the serving engines draft by default; sample: drafts sampled from the "
+        "drafter's realized q and verified with min(1, p/q) (vLLM's probabilistic draft sampling, z-lab's "
+        "dflash_generate at T>0)"))
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: TopK = 0
@@ -504,29 +524,33 @@ class ServingSpec(Section):
 class EvalSpec(Section):
     """Periodic held-out τ measurement (speculative decoding against the target)."""
 
-    every: int = Field(100, ge=0)  # optimizer steps between evals; 0 = only before and after training
+    every: int = Field(100, ge=0, description="optimizer steps between evals; 0 = only before and after training")
     num_prompts: int = Field(32, ge=1)
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(8, ge=1)
-    # τ-collapse alarm: held-out τ (first sampling setting) below collapse_ratio x the best so far is logged as
-    # `tau_collapse` and, with stop_on_collapse, stops the run (a bad weight sync must not go unnoticed).
-    collapse_ratio: float | None = Field(None, gt=0, le=1)
+    collapse_ratio: float | None = Field(None, gt=0, le=1, description=(
+        "τ-collapse alarm: held-out τ (first sampling setting) below collapse_ratio x the best so far is logged as "
+        "`tau_collapse` and, with stop_on_collapse, stops the run (a bad weight sync must not go unnoticed)."))
     stop_on_collapse: bool = False
-    # Stored target samples of the held-out prompts (`opd gen-samples --eval`): periodic and before/after evals
-    # then rebuild each point-mass setting's blocks on them instead of decoding (opd/eval/offline.py), the same τ
-    # in distribution at a fraction of the cost; `draft: sample` settings and the speedup still decode.
-    samples_path: str | None = None
-    # opd train / opd run without samples_path: first store the warm drafter's decodes of the held-out prompts in
-    # RUN_DIR/eval_samples.jsonl (once; its τ is then exact) and evaluate offline on them. false: always decode.
-    offline: bool = True
-    speedup_prompts: int = Field(32, ge=1)  # offline: prompts still decoded for the before/after speedup column
-    # The periodic eval's expected-acceptance diagnostic (every rule on every setting's states, `eval_expected_*`
-    # in MLflow): a packed target replay per batch, ~7x the offline τ itself on a CPU. `opd eval` always gives it.
-    diagnostic: bool = True
-    # A built benchmark suite (the directory `opd suite build --out DIR` wrote): `opd run` ends with its table in
-    # the paper's layout, the warm and the trained drafter beside the ceiling at every point-mass setting, with
-    # max new tokens per benchmark and thinking mode from the suite's card (opd/eval/suite.py). None: no suite.
-    suite: str | None = None
+    samples_path: str | None = Field(None, description=(
+        "Stored target samples of the held-out prompts (`opd gen-samples --eval`): periodic and before/after evals "
+        "then rebuild each point-mass setting's blocks on them instead of decoding (opd/eval/offline.py), the same "
+        "τ in distribution at a fraction of the cost; `draft: sample` settings and the speedup still decode."))
+    offline: bool = Field(True, description=(
+        "opd train / opd run without samples_path: first store the warm drafter's decodes of the held-out prompts "
+        "in RUN_DIR/eval_samples.jsonl (once; its τ is then exact) and evaluate offline on them. false: always "
+        "decode."))
+    speedup_prompts: int = Field(32, ge=1, description=(
+        "offline: prompts still decoded for the before/after speedup column"))
+    diagnostic: bool = Field(True, description=(
+        "The periodic eval's expected-acceptance diagnostic (every rule on every setting's states, "
+        "`eval_expected_*` in MLflow): a packed target replay per batch, ~7x the offline τ itself on a CPU. `opd "
+        "eval` always gives it."))
+    suite: str | None = Field(None, description=(
+        "A built benchmark suite (the directory `opd suite build --out DIR` wrote): `opd run` ends with its table "
+        "in the paper's layout, the warm and the trained drafter beside the ceiling at every point-mass setting, "
+        "with max new tokens per benchmark and thinking mode from the suite's card (opd/eval/suite.py). None: no "
+        "suite."))
     sampling: list[SamplingSpec] = Field(
         default_factory=lambda: [SamplingSpec(name="greedy", temperature=0.0),
                                  SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)],
@@ -557,9 +581,10 @@ class ExperimentSpec(Section):
     name: str = "experiment"
     seed: int = 0
     engine: Literal["local", "ray"] = "ray"
-    steps: int | None = Field(None, gt=0)  # optimizer updates
-    rollout_batches: int | None = Field(None, gt=0)  # or rollout batches, rounded up to whole updates
-    epochs: float | None = Field(None, gt=0)  # or passes over data.train_pool_size prompts, rounded up likewise
+    steps: int | None = Field(None, gt=0, description="optimizer updates")
+    rollout_batches: int | None = Field(None, gt=0, description="or rollout batches, rounded up to whole updates")
+    epochs: float | None = Field(None, gt=0, description=(
+        "or passes over data.train_pool_size prompts, rounded up likewise"))
     models: ModelsSpec
     data: DataSpec
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
@@ -570,8 +595,8 @@ class ExperimentSpec(Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
-    # The setting the drafter will be served in (None: no serving mode named, the paper's recipe).
-    serving: ServingSpec | None = None
+    serving: ServingSpec | None = Field(None, description=(
+        "The setting the drafter will be served in (None: no serving mode named, the paper's recipe)."))
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
