@@ -614,6 +614,8 @@ def _shard_layout_issues(roles: dict[str, RoleSpec], gpus_per_node: int | None) 
     learner's ranks are its replicas."""
     issues = [f"learner.gpus_per_replica: {roles['learner'].gpus_per_replica} (expected 1: the learner's ranks are "
               "its replicas, each a whole drafter)"] * (roles["learner"].gpus_per_replica != 1)
+    issues += [f"evaluator.gpus_per_replica: {roles['evaluator'].gpus_per_replica} (expected 1: the evaluator holds "
+               "the target whole; sharded are rollout and scorer)"] * (roles["evaluator"].gpus_per_replica != 1)
     for name, role in roles.items():
         if role.gpus_per_replica > 1 and role.num_gpus not in (0, 1):
             issues.append(f"{name}.num_gpus: {_num(role.num_gpus)} with gpus_per_replica {role.gpus_per_replica} "

@@ -160,3 +160,12 @@ def check_sinks(model: Any) -> None:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (a DTensor's local shard; a plain tensor is all of it)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def build_sharded_target(spec: Any, world: int) -> Target:
+    """The spec's target over this replica's `world` ranks (`build_target` when `world` is 1)."""
+    from opd.models.build import DTYPES, resolve_device
+
+    m = spec.models
+    return load_sharded_target(m.target_path, dtype=DTYPES[m.dtype], attn_implementation=m.attn_implementation,
+                               layer_ids=m.layer_ids or [], device=resolve_device(m.device), world=world)
