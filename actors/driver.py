@@ -94,6 +94,10 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
     tensors never cross the network), and the rollout replicas spread wherever they fit (sharded ones: on one
     node). Refused here if the cluster cannot hold them."""
     r = spec.resources
+    if r.rollout.gpus_per_replica > 1 and spec.rollout.sampler == "vllm":
+        raise OpdError(f"resources.rollout.gpus_per_replica: {r.rollout.gpus_per_replica} with rollout.sampler vllm on "
+                       "engine ray (vLLM's own tensor parallelism inside a Ray actor is not wired yet; expected 1, or "
+                       "engine local)")
     bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
     learner_pg = placement_group(bundles, strategy="STRICT_PACK", name="opd-learner")
     # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
