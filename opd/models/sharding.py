@@ -8,12 +8,12 @@ hidden states between layers, the features the hooks capture, the final norm's o
 replicated, never a shard. So the project's code runs unchanged on top: decoding, replay, the rebuild and the
 chunked LM head. The drafter and the teacher's LM head read the target's embedding and head weights directly
 (`F.embedding(ids, embed_tokens.weight)`), which a shard cannot serve, so `ShardedTarget` hands them whole copies,
-gathered once at load: one more embedding and head per rank (2 GB in bf16 at a 248K vocabulary and width 4096). Inside a layer the attention functions see the rank's heads only; `packed_attention`'s wrappers take the
-head count from the tensors they are given, and a layer's sinks are checked here to be sharded like its heads.
+gathered once at load: one more embedding and head per rank (2 GB in bf16 at a 248K vocabulary and width 4096).
+Inside a layer the attention functions see the rank's heads only; `packed_attention`'s wrappers take the head
+count from the tensors they are given, and a layer's sinks are checked here to be sharded like its heads.
 
-The degree must divide the heads, the key/value heads and the experts, which `opd.spec` checks from the target's
-config before anything runs; transformers refuses any other layout with its own error, which is turned into one
-line here.
+The degree must divide the heads, the key/value heads and the experts: `opd.spec` checks it from the target's
+config before anything runs (`shard_degree_issues`), and a loading error of transformers becomes one line here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 from opd.errors import OpdError
 from opd.models.target import Target, load_target
 
-# A follower rank waits in a collective while rank 0 reads its queue or waits for weights.
+# A rank waits in a collective while another still loads its shard (minutes at hundreds of GB) or runs a call.
 TIMEOUT = timedelta(hours=2)
 
 
@@ -41,11 +41,6 @@ class ShardGroup:
 
     rank: int = 0
     world: int = 1
-
-    @property
-    def leader(self) -> bool:
-        """Rank 0: the one that owns the replica's queue I/O and hands the others its inputs."""
-        return self.rank == 0
 
 
 def join_group(address: str, rank: int, world: int, device: str) -> ShardGroup:
