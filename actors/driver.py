@@ -32,6 +32,7 @@ from actors.evaluator import EvaluatorActor, EvaluatorPlacement
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
+from actors.replica import ShardFollower
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
@@ -89,13 +90,19 @@ def _bundle(role: RoleSpec) -> dict[str, float]:
 
 
 def place(spec: ExperimentSpec, timeout_s: float = 60.0):
-    """Two placement groups: the learner ranks (bundles 0..N-1) with their scorers packed on one node (heavy
-    tensors never cross the network), and the rollout replicas spread wherever they fit. Refused here if the
-    cluster cannot hold them."""
+    """Two placement groups: the learner ranks (bundles 0..N-1) with their scorers' ranks packed on one node (heavy
+    tensors never cross the network), and the rollout replicas spread wherever they fit (sharded ones: on one
+    node). Refused here if the cluster cannot hold them."""
     r = spec.resources
-    bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.replicas
+    if r.rollout.gpus_per_replica > 1 and spec.rollout.sampler == "vllm":
+        raise OpdError(f"resources.rollout.gpus_per_replica: {r.rollout.gpus_per_replica} with rollout.sampler vllm on "
+                       "engine ray (vLLM's own tensor parallelism inside a Ray actor is not wired yet; expected 1, or "
+                       "engine local)")
+    bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
     learner_pg = placement_group(bundles, strategy="STRICT_PACK", name="opd-learner")
-    rollout_pg = placement_group([_bundle(r.rollout)] * r.rollout.replicas, strategy="PACK", name="opd-rollout")
+    # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
+    strategy = "STRICT_PACK" if r.rollout.gpus_per_replica > 1 else "PACK"
+    rollout_pg = placement_group([_bundle(r.rollout)] * r.rollout.ranks, strategy=strategy, name="opd-rollout")
     ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
     if len(ready) < 2:
         for pg in (learner_pg, rollout_pg):
@@ -110,17 +117,33 @@ def _node_address() -> str:
     return free_address(ray.util.get_node_ip_address())
 
 
-def learner_address(learner_pg) -> str:
-    """A free host:port on the learner's node for rank 0 to listen on, known before any rank is built, so all of
-    them join the group in their constructors."""
-    strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=0)
+def learner_address(learner_pg, bundle: int = 0) -> str:
+    """A free host:port on the node of `bundle` (the learner's rank 0, or a sharded replica's) for rank 0 to listen
+    on, known before any rank is built, so all of them join the group in their constructors."""
+    strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=bundle)
     return ray.get(_node_address.options(scheduling_strategy=strategy).remote())
 
 
 def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
-    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": MAX_RESTARTS,
+    restarts = MAX_RESTARTS if role.gpus_per_replica == 1 else 0  # a sharded replica dies with any rank
+    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": restarts,
             "max_concurrency": 2,  # so a test or the dashboard can query an actor while its loop runs
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+
+
+def replicas(actor_class, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args) -> tuple[list, list]:
+    """(rank 0 of each replica of `kind`, every other rank): replica i on bundles first + i·N .. first + i·N + N − 1
+    of `pg`, N = gpus_per_replica; rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers
+    (actors/replica.py) in its torch.distributed group."""
+    n, leaders, followers = role.gpus_per_replica, [], []
+    for i in range(role.replicas):
+        name, base = f"{kind}-{i}", first + i * n
+        shard = (learner_address(pg, base), n) if n > 1 else None
+        ranks = [ShardFollower.options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
+            spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
+        leaders.append(actor_class.options(**_on(pg, base, role, name)).remote(spec, name, *args, shard, ranks))
+        followers += ranks
+    return leaders, followers
 
 
 def on_driver_node() -> NodeAffinitySchedulingStrategy:
@@ -210,10 +233,11 @@ class RayRun:
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
             as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
             _Named(EVALUATOR))
-        self.scorers = [ReplayScorerActor.options(**_on(self.learner_pg, n + i, r.scorer, f"scorer-{i}")).remote(
-            as_dict, f"scorer-{i}", store, ledger, anchors, scored) for i in range(r.scorer.replicas)]
-        self.rollouts = [RolloutActor.options(**_on(self.rollout_pg, i, r.rollout, f"rollout-{i}")).remote(
-            as_dict, f"rollout-{i}", store, ledger, anchors) for i in range(r.rollout.replicas)]
+        self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, n, as_dict,
+                                              store, ledger, anchors, scored)
+        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", r.rollout, self.rollout_pg, 0, as_dict,
+                                                store, ledger, anchors)
+        self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
         self.loops: dict = {}  # loop ref -> (actor name, actor)
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it
 
@@ -257,8 +281,8 @@ class RayRun:
             with contextlib.suppress(Exception):
                 end_run(self.spec, self.run_id, status)
         finally:
-            for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, self.evaluator, self.store,
-                          self.ledger]:
+            for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, *self.followers,
+                          self.evaluator, self.store, self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
                 q.shutdown()

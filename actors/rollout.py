@@ -9,28 +9,23 @@ import ray
 
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from opd.data.prompts import load_tokenizer, train_prompts
+from actors.replica import Spmd, join, rollout_worker
 from opd.eval.acceptance import AcceptanceStats
-from opd.models.build import build_models
 from opd.spec import ExperimentSpec
 from opd.train.messages import Ticket, WeightSnapshot
-from opd.train.rollout import RolloutWorker, rollout_needs_models
 
 WAIT_S = 5.0  # longest one blocking wait on the ledger or weight store; then the loop checks again
 
 
 @ray.remote
 class RolloutActor:
-    def __init__(self, spec: dict, name: str, store, ledger, out: BatchQueue) -> None:
+    def __init__(self, spec: dict, name: str, store, ledger, out: BatchQueue, shard: tuple[str, int] | None = None,
+                 followers: list | None = None) -> None:
+        """`shard`: (group address, ranks) when this is rank 0 of a sharded replica whose other ranks are
+        `followers` (actors/replica.py)."""
         self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
                                                                    ledger, out)
-        if rollout_needs_models(self.spec.rollout):
-            models = build_models(self.spec)
-            target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
-        else:  # stored samples or vLLM's own engine: only the prompts
-            target, drafter, tokenizer = None, None, load_tokenizer(self.spec.models.tokenizer)
-        prompts = train_prompts(self.spec.data, tokenizer)
-        self.worker = RolloutWorker(self.spec, target, drafter, tokenizer.eos_token_id, prompts, draft_version=-1)
+        self.worker = Spmd(rollout_worker(self.spec, join(self.spec, shard)), followers or [])
         self.metrics = Metrics()
 
     def ready(self) -> None:

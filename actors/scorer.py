@@ -14,26 +14,24 @@ import ray
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from opd.data.prompts import load_tokenizer
-from opd.models.build import build_drafter, build_target
+from actors.replica import Spmd, join, scorer
 from opd.spec import ExperimentSpec
 from opd.train.ledger import VersionGate
 from opd.train.messages import AnchorBatch, Ticket, WeightSnapshot
 from opd.train.policy_lag import required_version
-from opd.train.scorer import Scorer
 
 WAIT_S = 1.0  # with batches set aside, how long one wait for the inbox lasts before versions are checked again
 
 
 @ray.remote
 class ReplayScorerActor:
-    def __init__(self, spec: dict, name: str, store, ledger, inbox: BatchQueue, out: BatchQueue) -> None:
+    def __init__(self, spec: dict, name: str, store, ledger, inbox: BatchQueue, out: BatchQueue,
+                 shard: tuple[str, int] | None = None, followers: list | None = None) -> None:
+        """`shard`: (group address, ranks) when this is rank 0 of a sharded replica whose other ranks are
+        `followers` (actors/replica.py)."""
         self.spec, self.name = ExperimentSpec.model_validate(spec), name
         self.store, self.ledger, self.inbox, self.out = store, ledger, inbox, out
-        target = build_target(self.spec.models)
-        drafter = (build_drafter(self.spec, target, load_tokenizer(self.spec.models.tokenizer))
-                   if self.spec.rollout.rebuilt else None)
-        self.scorer = Scorer(self.spec, target, drafter)
+        self.scorer = Spmd(scorer(self.spec, join(self.spec, shard)), followers or [])
         self.waiting = VersionGate(partial(required_version, spec=self.spec))
         self.metrics = Metrics()
 

@@ -31,8 +31,9 @@ def require_vllm(command: str) -> Any:
 
 
 def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dict | None = None,
-               max_num_seqs: int | None = None, stats: bool = False) -> Any:
-    """A vLLM engine for the spec's target (its dtype, tokenizer and seed), optionally speculating with a drafter.
+               max_num_seqs: int | None = None, stats: bool = False, tensor_parallel_size: int = 1) -> Any:
+    """A vLLM engine for the spec's target (its dtype, tokenizer and seed), optionally speculating with a drafter,
+    over `tensor_parallel_size` of this process's GPUs.
 
     `max_model_len` is prompt + response budget: otherwise a Qwen3's 40K context sizes the scheduler for nothing.
     `stats` turns on the Prometheus counters that `spec_decode_counts` reads.
@@ -40,7 +41,7 @@ def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dic
     m = spec.models
     kwargs: dict[str, Any] = dict(model=m.target_path, tokenizer=m.tokenizer, dtype=m.dtype, seed=spec.seed,
                                   max_model_len=spec.data.max_prompt_tokens + max_tokens,
-                                  disable_log_stats=not stats)
+                                  disable_log_stats=not stats, tensor_parallel_size=tensor_parallel_size)
     if speculative_config is not None:
         kwargs["speculative_config"] = speculative_config
     if max_num_seqs is not None:

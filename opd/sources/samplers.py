@@ -83,8 +83,9 @@ class _AutoregressiveSampler:
 
 
 class _VllmSampler:
-    """vLLM's plain sampling; its own engine and target copy, built on the first call. FLOPs are counted from the
-    target's config as for the autoregressive sampler, but with logits only at the sampled positions."""
+    """vLLM's plain sampling; its own engine and target copy, built on the first call, tensor-parallel over
+    `resources.rollout.gpus_per_replica` GPUs (vLLM's own ranks). FLOPs are counted from the target's config as for
+    the autoregressive sampler, but with logits only at the sampled positions."""
 
     def __init__(self, spec: ExperimentSpec) -> None:
         self.spec, self.llm, self.params = spec, None, None
@@ -93,7 +94,8 @@ class _VllmSampler:
         from opd.serving.engine import generate, sampling_params, target_llm
 
         if self.llm is None:
-            self.llm = target_llm(self.spec, max_tokens=max_new_tokens)
+            self.llm = target_llm(self.spec, max_tokens=max_new_tokens,
+                                  tensor_parallel_size=self.spec.resources.rollout.gpus_per_replica)
             self.params = _params_from_config(self.spec.models.target_path)
         params = [sampling_params(sampling, max_new_tokens, seed=seed * 1_000_003 + key) for key in keys]
         responses = generate(self.llm, prompts, params)

@@ -4,7 +4,7 @@ rest of the project imports."""
 
 from opd.spec.export import field_default, flatten
 from opd.spec.load import load_spec, validate_spec
-from opd.spec.resolve import path_problems
+from opd.spec.resolve import path_problems, shard_degree_issues
 from opd.spec.schema import (
     ClusterSpec,
     DataSpec,
@@ -28,4 +28,4 @@ from opd.spec.schema import (
 
 __all__ = ["ClusterSpec", "DataSpec", "EvalSpec", "ExperimentSpec", "LossSpec", "ModelsSpec",
            "OptimSpec", "ReplaySpec", "ResourcesSpec", "RoleSpec", "RolloutSampling", "RolloutSpec", "SamplingSpec",
-           "ServingSpec", "SftSpec", "SpecError", "TrackingSpec", "path_problems", "field_default", "flatten", "load_spec", "validate_spec", "with_eval_samples"]
+           "ServingSpec", "SftSpec", "SpecError", "TrackingSpec", "path_problems", "shard_degree_issues", "field_default", "flatten", "load_spec", "validate_spec", "with_eval_samples"]

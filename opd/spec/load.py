@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from opd.spec.resolve import file_facts, path_problems, warm_drafter_issues
+from opd.spec.resolve import SpecFiles, file_facts, path_problems, shard_degree_issues, warm_drafter_issues
 from opd.spec.schema import ExperimentSpec, SpecError
 
 
@@ -267,12 +267,13 @@ def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> Experime
     """A raw mapping as a resolved ExperimentSpec, or a SpecError listing every problem: the fields the files
     fix (the target's depth, the prompt pool's size) are filled from them or checked against them first, so the
     schema's cross-field rules see the true values."""
-    data, problems = file_facts(data)
+    files = SpecFiles.read(data)
+    data, problems = file_facts(data, files)
     try:
         spec = ExperimentSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(problems + [line for err in exc.errors() for line in _format_error(err)]) from None
-    problems += warm_drafter_issues(spec)
+    problems += warm_drafter_issues(spec, files.drafter) + shard_degree_issues(spec.resources, files.target)
     if check_paths:
         problems += path_problems(spec)
     if problems:

@@ -11,41 +11,51 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opd.formats import DRAFTER_SECTIONS, detect_section
 from opd.model_dir import ModelDir
-from opd.spec.schema import ExperimentSpec
+from opd.spec.schema import ExperimentSpec, ResourcesSpec
 
 KINDS = [section.model_fields["kind"].default for section in DRAFTER_SECTIONS]
 
 
-def file_facts(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(a copy of the raw spec with `models.target_num_layers` and `data.train_pool_size` filled from the files
-    where unset, the lines for values that disagree with the files)."""
+@dataclass(frozen=True)
+class SpecFiles:
+    """The model directories a raw spec names, each read once (None where absent or unreadable: the path check
+    names those)."""
+
+    target: ModelDir | None
+    drafter: ModelDir | None
+
+    @classmethod
+    def read(cls, data: dict[str, Any]) -> SpecFiles:
+        models = data.get("models")
+        models = models if isinstance(models, dict) else {}
+        paths = [p if isinstance(p, str) else None for p in (models.get("target_path"), models.get("drafter_path"))]
+        return cls(ModelDir.find(paths[0], "target model"), ModelDir.find(paths[1], "drafter"))
+
+
+def file_facts(data: dict[str, Any], files: SpecFiles) -> tuple[dict[str, Any], list[str]]:
+    """(a copy of the raw spec with `models.target_num_layers`, an unset `models.drafter.kind` and
+    `data.train_prompts`'s size filled from the files, the lines for values that disagree with them)."""
     data = copy.deepcopy(data)
     models, prompts = data.get("models"), data.get("data")
     problems = []
-    if isinstance(models, dict) and isinstance(models.get("target_path"), str):
-        target = ModelDir.find(models["target_path"], "target model")
-        problems += _take(models, "target_num_layers", target.num_layers if target else None, "models",
+    if isinstance(models, dict) and files.target is not None:
+        problems += _take(models, "target_num_layers", files.target.num_layers, "models",
                           f"num_hidden_layers {{value}} in {models['target_path']}/config.json")
-        _take_kind(models)
+    if isinstance(models, dict) and isinstance(models.setdefault("drafter", {}), dict) and files.drafter is not None:
+        section = detect_section(files.drafter.config)  # an unset kind is the warm drafter's family
+        if section is not None and "kind" not in models["drafter"]:
+            models["drafter"]["kind"] = section.model_fields["kind"].default
     if isinstance(prompts, dict) and isinstance(prompts.get("train_prompts"), str):
         lines = count_prompts(Path(prompts["train_prompts"]))
         problems += _take(prompts, "train_pool_size", lines, "data",
                           f"the {{value}} prompts in {prompts['train_prompts']}")
     return data, problems
-
-
-def _take_kind(models: dict[str, Any]) -> None:
-    """An unset `models.drafter.kind` is the warm drafter's family, as its config.json says."""
-    drafter = models.setdefault("drafter", {})
-    directory = ModelDir.find(models.get("drafter_path"), "drafter") if isinstance(drafter, dict) else None
-    section = detect_section(directory.config) if directory is not None else None
-    if section is not None and "kind" not in drafter:
-        drafter["kind"] = section.model_fields["kind"].default
 
 
 def _take(section: dict[str, Any], name: str, value: int | None, where: str, source: str) -> list[str]:
@@ -69,10 +79,27 @@ def count_prompts(path: Path) -> int | None:
         return None
 
 
-def warm_drafter_issues(spec: ExperimentSpec) -> list[str]:
-    """A warm drafter's checkpoint fixes its architecture; the spec must describe the same drafter."""
+SPLIT_COUNTS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+                "num_experts", "num_local_experts")
+
+
+def shard_degree_issues(resources: ResourcesSpec, target: ModelDir | None) -> list[str]:
+    """A role's ranks split the target's heads, key/value heads (and linear-attention heads) by tensor parallelism
+    and its experts by expert parallelism: each count the target's config.json names must divide by the degree."""
+    counts = {key: value for key in SPLIT_COUNTS if target is not None and (value := target.int_or_none(key))}
+    issues = []
+    for name in ("rollout", "scorer", "learner", "evaluator"):
+        degree = getattr(resources, name).gpus_per_replica
+        uneven = [f"{key} {count}" for key, count in counts.items() if count % degree]
+        if degree > 1 and uneven:
+            issues.append(f"resources.{name}.gpus_per_replica: {degree} does not divide the target's "
+                          f"{', '.join(uneven)} (expected a common divisor of {', '.join(map(str, counts.values()))})")
+    return issues
+
+
+def warm_drafter_issues(spec: ExperimentSpec, directory: ModelDir | None) -> list[str]:
+    """A warm drafter's checkpoint (`directory`) fixes its architecture; the spec must describe the same drafter."""
     m = spec.models
-    directory = ModelDir.find(m.drafter_path, "drafter")
     if directory is None:
         return []
     section = detect_section(directory.config)

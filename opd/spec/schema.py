@@ -387,6 +387,8 @@ class ClusterSpec(Section):
 
     num_gpus: int = Field(0, ge=0)
     num_cpus: int | None = Field(None, ge=1, description="None = do not check CPUs")
+    gpus_per_node: int | None = Field(None, ge=1, description=(
+        "None = do not check that a sharded replica fits one node"))
 
 
 class RoleSpec(Section):
@@ -395,6 +397,15 @@ class RoleSpec(Section):
     replicas: int = Field(1, ge=1)
     num_gpus: float = Field(0, ge=0)
     num_cpus: float = Field(1, ge=0)
+    gpus_per_replica: int = Field(1, ge=1, description=(
+        "Ranks one replica spans (rollout, scorer, evaluator): the target is sharded over them by tensor (and, for "
+        "MoE, expert) parallelism, one placement group packed on one node; each rank takes num_gpus and num_cpus "
+        "(num_gpus 1 on GPUs; 0 on CPU, where the ranks are gloo processes). opd/models/sharding.py."))
+
+    @property
+    def ranks(self) -> int:
+        """Processes the role runs: replicas x gpus_per_replica."""
+        return self.replicas * self.gpus_per_replica
 
 
 _ROLES = ("rollout", "scorer", "learner", "evaluator")
@@ -427,6 +438,7 @@ class ResourcesSpec(Section):
         issues = [f"{name}.num_gpus: {_num(role.num_gpus)} (expected at most 1 or a whole number; Ray cannot "
                   "place a fraction above 1)"
                   for name, role in roles.items() if role.num_gpus > 1 and role.num_gpus % 1]
+        issues += _shard_layout_issues(roles, self.cluster.gpus_per_node)
         issues += _fit(roles, "num_gpus", self.cluster.num_gpus)
         if self.evaluator.replicas != 1:
             issues.append(f"evaluator.replicas: {self.evaluator.replicas} (expected 1; one actor evaluates)")
@@ -442,10 +454,27 @@ class ResourcesSpec(Section):
         return self
 
 
+def _shard_layout_issues(roles: dict[str, RoleSpec], gpus_per_node: int | None) -> list[str]:
+    """A sharded replica is one rank per device, all on one node (its placement group is STRICT_PACK); the
+    learner's ranks are its replicas."""
+    issues = [f"learner.gpus_per_replica: {roles['learner'].gpus_per_replica} (expected 1: the learner's ranks are "
+              "its replicas, each a whole drafter)"] * (roles["learner"].gpus_per_replica != 1)
+    issues += [f"evaluator.gpus_per_replica: {roles['evaluator'].gpus_per_replica} (expected 1: the evaluator holds "
+               "the target whole; sharded are rollout and scorer)"] * (roles["evaluator"].gpus_per_replica != 1)
+    for name, role in roles.items():
+        if role.gpus_per_replica > 1 and role.num_gpus not in (0, 1):
+            issues.append(f"{name}.num_gpus: {_num(role.num_gpus)} with gpus_per_replica {role.gpus_per_replica} "
+                          "(expected 1, a GPU per rank, or 0 for CPU ranks)")
+        elif gpus_per_node is not None and role.gpus_per_replica * role.num_gpus > gpus_per_node:
+            issues.append(f"{name}.gpus_per_replica: {role.gpus_per_replica} GPUs, but a node has "
+                          f"cluster.gpus_per_node {gpus_per_node} (a replica's ranks are packed on one node)")
+    return issues
+
+
 def _fit(roles: dict[str, RoleSpec], attr: str, available: float) -> list[str]:
     """Each role alone, then all roles together, must fit the cluster, or the run would hang unplaced."""
     unit = {"num_gpus": "GPUs", "num_cpus": "CPUs"}[attr]
-    each = {name: getattr(role, attr) for name, role in roles.items()}
+    each = {name: getattr(role, attr) * role.gpus_per_replica for name, role in roles.items()}
     need = {name: role.replicas * each[name] for name, role in roles.items()}
     issues = [f"{name}: {role.replicas} replicas x {_num(each[name])} {unit} = {_num(need[name])} {unit}, "
               f"but the cluster declares {_num(available)} (a role that can never be placed)"

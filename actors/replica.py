@@ -1,0 +1,97 @@
+"""A replica that spans ranks (`resources.<role>.gpus_per_replica` > 1): rank 0 is the role's usual actor and owns
+the queue I/O; each other rank is a `ShardFollower` that holds the same object over its shard of the target and
+runs every call rank 0 runs, with the same arguments, in the same order (SPMD). The target's forward is a sequence
+of collectives, and what rank 0 computes (acceptance, the next block) is computed bit for bit alike on every rank
+(the collectives hand every rank the same logits), so the ranks meet at every collective. The group is
+torch.distributed's (opd/models/sharding.py); the ranks join it in their constructors, at an address on rank 0's
+node that the driver picks before any of them exists.
+
+A rank that dies ends the replica's group, so a sharded replica's actors are not restarted: the run fails with
+the rank's error instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from opd.data.prompts import load_tokenizer, train_prompts
+from opd.models.build import build_drafter, build_models, resolve_device
+from opd.models.sharding import build_sharded_target, join_group
+from opd.spec import ExperimentSpec
+from opd.train.rollout import RolloutWorker, rollout_needs_models
+from opd.train.scorer import Scorer
+
+
+def rollout_worker(spec: ExperimentSpec, world: int = 1) -> RolloutWorker:
+    """A rollout replica's worker (target + drafter copy, or only a sampler or sample file) over `world` ranks."""
+    if rollout_needs_models(spec.rollout):
+        tokenizer = load_tokenizer(spec.models.tokenizer)
+        if world == 1:
+            target, drafter = (models := build_models(spec)).target, models.drafter
+        else:
+            target = build_sharded_target(spec, world)
+            drafter = build_drafter(spec, target, tokenizer)
+    else:  # stored samples or vLLM's own engine: only the prompts
+        target, drafter, tokenizer = None, None, load_tokenizer(spec.models.tokenizer)
+    prompts = train_prompts(spec.data, tokenizer)
+    return RolloutWorker(spec, target, drafter, tokenizer.eos_token_id, prompts, draft_version=-1)
+
+
+def scorer(spec: ExperimentSpec, world: int = 1) -> Scorer:
+    """A scorer replica's `Scorer` over `world` ranks, with its drafter when the rollout source is rebuilt."""
+    target = build_sharded_target(spec, world)
+    drafter = build_drafter(spec, target, load_tokenizer(spec.models.tokenizer)) if spec.rollout.rebuilt else None
+    return Scorer(spec, target, drafter)
+
+
+BUILDERS: dict[str, Callable[[ExperimentSpec, int], Any]] = {"rollout": rollout_worker, "scorer": scorer}
+
+
+def join(spec: ExperimentSpec, shard: tuple[str, int] | None, rank: int = 0) -> int:
+    """Join the replica's group when `shard` (address, ranks) is given; the ranks this replica spans."""
+    if shard is None:
+        return 1
+    address, world = shard
+    join_group(address, rank, world, resolve_device(spec.models.device))
+    return world
+
+
+@ray.remote
+class ShardFollower:
+    """Rank > 0 of a sharded replica of `role`: builds what rank 0 builds and runs the calls rank 0 forwards."""
+
+    def __init__(self, spec: dict, role: str, address: str, rank: int, world: int) -> None:
+        parsed = ExperimentSpec.model_validate(spec)
+        self.obj = BUILDERS[role](parsed, join(parsed, (address, world), rank))
+
+    def call(self, method: str, *args: Any) -> None:
+        """Run `method` as rank 0 does; its result stays here (rank 0 ships its own)."""
+        getattr(self.obj, method)(*args)
+
+
+class Spmd:
+    """Rank 0's object, whose method calls also run on the followers: the arguments go once to the object store,
+    the followers start, rank 0 runs, then waits for them (so a follower's error surfaces at the call)."""
+
+    def __init__(self, obj: Any, followers: list) -> None:
+        self.obj, self.followers = obj, followers
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.obj, name)
+        if not callable(attr) or not self.followers:
+            return attr
+        return lambda *args: self._everywhere(name, attr, args)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._everywhere("__call__", self.obj, args) if self.followers else self.obj(*args)
+
+    def _everywhere(self, name: str, method: Callable[..., Any], args: tuple) -> Any:
+        refs = [ray.put(arg) for arg in args]
+        pending = [follower.call.remote(name, *refs) for follower in self.followers]
+        out = method(*args)
+        ray.get(pending)
+        return out
+

@@ -1,0 +1,200 @@
+"""Targets larger than one GPU, laid out on 8×H200 nodes: each role's degree (ranks per replica), memory per rank,
+step time from FLOPs and GPU-hours for the authors' schedule, from the targets' public config fields.
+
+    python bench/sharded_layout.py [--json bench/results/sharded_layout.json] [--markdown bench/results/sharded_layout.md]
+
+The config fields are fixtures (bench/fixtures/targets/*.json, copied by hand from the public config.json files and
+model cards; nothing is downloaded). A role's degree is the smallest of 1, 2, 4, 8 (a replica is packed on one node)
+that the spec accepts for the target (`opd.spec.shard_degree_issues`: it divides the heads, key/value heads and
+experts, as transformers' tensor- and expert-parallel plans split them) and at which a rank fits an H200. A role
+that fits at no such degree is refused in one line naming the role and the bytes.
+
+Memory per rank, bf16: the weights transformers' plan splits, divided by the degree, plus those it keeps whole
+(gpt-oss's plan splits its experts and embedding, not its attention; Qwen3.5's splits attention, linear-attention
+projections, experts and the LM head, not the embedding), plus the whole embedding and LM head that a sharded
+target hands the drafter (opd/models/sharding.py), plus the role's keys and values (split with the attention
+heads) and Gated DeltaNet states (whole on every rank: the plan gathers the linear layers' projections), for its
+resident tokens. 10% of the GPU is left for activations and the allocator.
+
+Time per update (pipelined roles: the slowest one), from FLOPs at an assumed MFU (`--mfu`, 0.4) of the H200's
+989 TFLOP/s dense bf16, and, for decoding, no faster than reading the rank's weights once per verification at
+4.8 TB/s: the authors' update of 210 sequences, `--prompt` prompt and `--response` response tokens at τ `--tau`
+with blocks of 16. GPU-hours: 534 updates (configs/qwen3-4b.yaml's schedule) × that time × the layout's GPUs.
+No assertions: a projection, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from opd.model_dir import ModelDir
+from opd.spec import ResourcesSpec, RoleSpec, shard_degree_issues
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "targets"
+GB, H200_BYTES, USABLE = 1e9, 141e9, 0.9
+PEAK_FLOPS, HBM_BYTES_PER_S = 989e12, 4.8e12
+DEGREES, GPUS_PER_NODE, NODES = (1, 2, 4, 8), 8, 2
+SEQUENCES, ROLLOUT_BATCH, UPDATES, BLOCK, DRAFTER_LAYERS = 210, 21, 534, 16, 5
+SCORER_TOKENS = 16_384  # replay.micro_batch_tokens of the shipped configs
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The parameter counts a layout needs, from a target's config fields."""
+
+    name: str
+    hidden: int
+    vocab: int
+    total: float  # parameters
+    active: float  # parameters a token runs through
+    split: float  # parameters transformers' plan splits over the ranks
+    kv_bytes_per_token: float  # all attention layers, bf16
+    kv_split: bool  # the plan splits the attention heads
+    linear_state_bytes: float  # per sequence, all linear layers (fp32 recurrent + bf16 conv)
+    config: dict
+
+    @property
+    def head_bytes(self) -> float:
+        """Embedding + LM head, bf16 (untied targets here)."""
+        return 2 * self.vocab * self.hidden * 2
+
+
+def shape(name: str, config: dict) -> Shape:
+    text = config.get("text_config") or config
+    h, vocab, layers = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
+    heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    experts, topk, embed = text.get("num_experts") or text["num_local_experts"], text["num_experts_per_tok"], vocab * h
+    if config["model_type"] == "gpt_oss":  # q, k, v, o with biases, sinks; experts: gate_up, down, their biases
+        attention = h * (heads + 2 * kv) * hd + heads * hd * h + (heads + 2 * kv) * hd + h + heads
+        expert = 3 * h * text["intermediate_size"] + 3 * text["intermediate_size"] + h
+        full, linear, shared, router = layers, 0, 0, h * experts + experts
+        state = 0.0
+        split = layers * experts * expert + embed + embed  # experts (EP), embedding and LM head
+    else:  # Qwen3.5: gated queries; Gated DeltaNet qkv, z, b, a, out; shared expert with its gate
+        full = layers // text["full_attention_interval"]
+        linear = layers - full
+        attention = h * (2 * heads + 2 * kv) * hd + heads * hd * h
+        kh, vh, dk, dv = (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
+                          text["linear_value_head_dim"])
+        conv = 2 * kh * dk + vh * dv
+        linear_params = h * (conv + vh * dv + 2 * vh) + vh * dv * h
+        expert = 3 * h * text["moe_intermediate_size"]
+        shared, router = 3 * h * text["shared_expert_intermediate_size"] + h, h * experts
+        state = linear * (vh * dk * dv * 4 + conv * text["linear_conv_kernel_dim"] * 2)
+        split = full * attention + linear * linear_params + layers * (experts * expert + shared) + embed  # + LM head
+    mixers = full * attention + (linear * linear_params if linear else 0)
+    total = mixers + layers * (experts * expert + shared + router) + 2 * embed
+    active = mixers + layers * (topk * expert + shared + router) + embed  # the LM head, not the lookup
+    return Shape(name, h, vocab, total, active, split, 2 * full * 2 * kv * hd, config["model_type"] != "gpt_oss",
+                 state, text)
+
+
+def rank_bytes(s: Shape, degree: int, tokens: float, sequences: float) -> float:
+    """One rank's GPU bytes at `degree`, holding the keys and values of `tokens` and the states of `sequences`."""
+    weights = 2 * (s.split / degree + s.total - s.split)
+    copies = s.head_bytes if degree > 1 else 0.0
+    kv = tokens * s.kv_bytes_per_token / (degree if s.kv_split else 1)
+    return weights + copies + kv + sequences * s.linear_state_bytes
+
+
+def degree_for(s: Shape, role: str, tokens: float, sequences: float) -> tuple[int, float] | str:
+    """(degree, bytes per rank) of the smallest degree the spec accepts that fits an H200, else a one-line refusal."""
+    config = ModelDir(Path(s.name), {"text_config": s.config})
+    issues = {d: shard_degree_issues(ResourcesSpec(scorer=RoleSpec(gpus_per_replica=d)), config)
+              for d in DEGREES}
+    allowed = [d for d in DEGREES if not issues[d]]
+    for d in allowed:
+        if (need := rank_bytes(s, d, tokens, sequences)) <= USABLE * H200_BYTES:
+            return d, need
+    d = max(allowed)
+    limit = next((i[0].split(": ", 1)[1] for i in issues.values() if i), "a node holds 8")
+    return (f"{role}: {s.name} needs {rank_bytes(s, d, tokens, sequences) / GB:.0f} GB per rank at {d} ranks, over "
+            f"the {USABLE * H200_BYTES / GB:.0f} GB an H200 leaves (more ranks: {limit.split(' (')[0]})")
+
+
+def drafter_params(s: Shape) -> float:
+    """A DFlash drafter of `DRAFTER_LAYERS` Qwen3-style layers at the target's width (32 heads of 128, 8 key/value
+    heads, MLP 3x the width: the z-lab drafters' widths for MoE targets are not published), and its fc over 5
+    features."""
+    h = s.hidden
+    return DRAFTER_LAYERS * (2 * h * (4096 + 1024) + 3 * h * 3 * h) + 5 * h * h
+
+
+def project(s: Shape, args) -> dict:
+    p, r, tau = args.prompt, args.response, args.tau
+    rollout_tokens, scorer_tokens = ROLLOUT_BATCH * (p + r), 2 * SCORER_TOKENS
+    roles = {"rollout": degree_for(s, "rollout", rollout_tokens, ROLLOUT_BATCH),
+             "scorer": degree_for(s, "scorer", scorer_tokens, SCORER_TOKENS / (p + r)),
+             "evaluator": degree_for(s, "evaluator", rollout_tokens, ROLLOUT_BATCH)}
+    row: dict = {"target": s.name, "params_b": s.total / 1e9, "active_b": s.active / 1e9,
+                 "weights_gb": 2 * s.total / GB}
+    refused = [v for v in roles.values() if isinstance(v, str)]
+    if refused:
+        return row | {"refused": refused}
+    (dr, br), (ds, bs), (de, be) = roles["rollout"], roles["scorer"], roles["evaluator"]
+    nd = drafter_params(s)
+    learner_bytes = nd * (2 + 4 + 8 + 4) + s.head_bytes  # bf16 copy, fp32 master, AdamW, fp32 grads; head
+    free = NODES * GPUS_PER_NODE - 1 - ds - de
+    replicas = max(1, free // dr)
+    blocks = r / tau
+    rollout_flops = SEQUENCES * (2 * s.active * (p + blocks * BLOCK) + 2 * nd * blocks * BLOCK)
+    flop_time = rollout_flops / (replicas * dr * PEAK_FLOPS * args.mfu)
+    read_time = SEQUENCES / (replicas * ROLLOUT_BATCH) * blocks * (br - 0) / HBM_BYTES_PER_S
+    scorer_flops = SEQUENCES * 2 * s.active * (p + r + blocks * (BLOCK - 1))
+    learner_flops = SEQUENCES * blocks * (BLOCK - 1) * 6 * (nd + s.vocab * s.hidden)
+    times = {"rollout_s": max(flop_time, read_time), "scorer_s": scorer_flops / (ds * PEAK_FLOPS * args.mfu),
+             "learner_s": learner_flops / (PEAK_FLOPS * args.mfu)}
+    gpus = replicas * dr + ds + 1 + de
+    step = max(times.values())
+    return row | {"rollout": f"{replicas} x {dr}", "rollout_gb": br / GB, "scorer": ds, "scorer_gb": bs / GB,
+                  "evaluator": de, "evaluator_gb": be / GB, "learner_gb": learner_bytes / GB, "gpus": gpus,
+                  "nodes": math.ceil(gpus / GPUS_PER_NODE), "rollout_bound": "flops" if flop_time >= read_time
+                  else "weights read", **times, "step_s": step, "gpu_hours": UPDATES * step * gpus / 3600}
+
+
+def markdown(rows: list[dict], args) -> str:
+    head = ("| target | params (B) | active (B) | bf16 weights (GB) | rollout replicas x ranks | GB/rank | scorer "
+            "ranks | GB/rank | evaluator ranks | GB/rank | learner GB | GPUs (nodes) | s/update (rollout, scorer, "
+            "learner) | GPU-hours, 534 updates |\n" + "|---" * 14 + "|\n")
+    lines = []
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['target']} | {r['params_b']:.1f} | {r['active_b']:.1f} | {r['weights_gb']:.0f} | "
+                         "refused (below) |" + " |" * 9)
+            continue
+        lines.append(f"| {r['target']} | {r['params_b']:.1f} | {r['active_b']:.1f} | {r['weights_gb']:.0f} | "
+                     f"{r['rollout']} | {r['rollout_gb']:.0f} | {r['scorer']} | {r['scorer_gb']:.0f} | "
+                     f"{r['evaluator']} | {r['evaluator_gb']:.0f} | {r['learner_gb']:.0f} | {r['gpus']} "
+                     f"({r['nodes']}) | {r['step_s']:.0f} ({r['rollout_s']:.0f}, {r['scorer_s']:.0f}, "
+                     f"{r['learner_s']:.1f}; rollout {r['rollout_bound']}-bound) | {r['gpu_hours']:.0f} |")
+    said = (f"Assumptions: prompt {args.prompt}, response {args.response} tokens, τ {args.tau}, blocks of {BLOCK}, "
+            f"MFU {args.mfu}, bf16, {NODES} nodes of {GPUS_PER_NODE} H200 ({H200_BYTES / GB:.0f} GB, "
+            f"{USABLE:.0%} usable).\n")
+    refusals = "".join(f"- {line}\n" for r in rows for line in r.get("refused", []))
+    return head + "\n".join(lines) + "\n\n" + said + ("\nRefused:\n\n" + refusals if refusals else "")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--response", type=int, default=2048)
+    parser.add_argument("--tau", type=float, default=4.0)
+    parser.add_argument("--mfu", type=float, default=0.4)
+    parser.add_argument("--json", default="bench/results/sharded_layout.json")
+    parser.add_argument("--markdown", default="bench/results/sharded_layout.md")
+    args = parser.parse_args(argv)
+    shapes = [shape(f.stem, json.loads(f.read_text())) for f in sorted(FIXTURES.glob("*.json"))]
+    rows = [project(s, args) for s in shapes]
+    table = markdown(rows, args)
+    print(table)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "shapes": [asdict(s) | {"config": None}
+                                                                            for s in shapes], "rows": rows}, indent=1))
+    Path(args.markdown).write_text(table)
+
+
+if __name__ == "__main__":
+    main()

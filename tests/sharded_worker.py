@@ -1,0 +1,100 @@
+"""Everything that runs the target, on the tiny Qwen3 target and drafter: run whole in the test's process and
+sharded in `world` gloo processes (`python tests/sharded_worker.py RANK WORLD PORT OUT`), whose rank 0 saves
+what it got to OUT for tests/test_sharding.py to compare. Every rank runs the same calls (SPMD). With a model
+directory and an attention implementation after OUT, the forward and packed replay of that model instead
+(`run_forward`: the micro MoE and sink targets)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.replay import CommittedView, score
+from opd.models.families import load_drafter
+from opd.models.lm_head import teacher_head
+from opd.models.packed_attention import PackedRow, PackedRows
+from opd.models.sharding import join_group, load_sharded_target
+from opd.models.target import Target
+from opd.sources.rebuild import rebuild_records
+
+TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
+EOS = 0
+MAX_NEW_TOKENS = 24
+
+
+def prompts() -> list[list[int]]:
+    """Three held-out prompts of different lengths, as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY / "target"), local_files_only=True)
+    rows = [json.loads(line) for line in (TINY / "prompts" / "heldout.jsonl").read_text().splitlines()[:3]]
+    return [tokenizer(row["prompt"])["input_ids"][-24 + 4 * i:] for i, row in enumerate(rows)]
+
+
+def load(world: int) -> tuple[Target, Any]:
+    target = load_sharded_target(str(TINY / "target"), dtype=torch.float32, attn_implementation="sdpa",
+                                 layer_ids=[1, 3], device="cpu", world=world)
+    return target, load_drafter(TINY / "drafter", target)
+
+
+def run_all(target: Target, drafter: Any) -> dict[str, Any]:
+    """Logits and features (padded batch), greedy and sampled speculative decodes, packed replay (alone and over
+    the committed view's keys), the rebuild, and the teacher's LM head over the replayed slots."""
+    ids = prompts()
+    width = max(map(len, ids))
+    batch = torch.tensor([[EOS] * (width - len(p)) + p for p in ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+    out = target(batch, attention_mask=mask)
+    decoder = SpeculativeDecoder(target, drafter, eos_id=EOS)
+    greedy = decoder.generate(ids, Sampling(), max_new_tokens=MAX_NEW_TOKENS)
+    sampled = decoder.generate(ids, Sampling(1.0, top_k=20), max_new_tokens=MAX_NEW_TOKENS, seed=5)
+    scored = score(target, greedy, block_size=drafter.block_size, mode="draft_opd")
+    view = CommittedView.of(target, greedy, drafter.block_size, keep_kv=True)
+    over_view = score(target, greedy, block_size=drafter.block_size, mode="draft_opd", view=view)
+    texts = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in sampled]
+    rebuilt = rebuild_records(target, drafter, texts, batch_size=2)
+    head = teacher_head(target)
+    return {"logits": out.logits, "features": out.features, "greedy": _blocks(greedy), "sampled": _blocks(sampled),
+            "scored_teacher": scored.teacher, "scored_features": scored.features,
+            "view_teacher": over_view.teacher, "rebuilt": _blocks(rebuilt),
+            "teacher_logits": head(scored.teacher.reshape(-1, scored.teacher.shape[-1]))}
+
+
+def run_forward(target: Target) -> dict[str, torch.Tensor]:
+    """Logits and features of one row, and the final hidden states and features of a packed replay layout over it
+    (two blocks of three, one of them reaching past a 4-token window)."""
+    ids = (torch.arange(12)[None] * 7) % target.vocab_size
+    out = target(ids)
+    layout = PackedRows((PackedRow.of(9, [2, 5], 3),), 15)
+    packed = torch.cat([ids[:, :9], ids[:, 3:9]], 1)
+    positions = torch.tensor([[*range(9), 3, 4, 5, 6, 7, 8]])
+    hidden, features = target.hidden_states(packed, attention_mask=layout, position_ids=positions)
+    return {"logits": out.logits, "features": out.features, "packed_hidden": hidden, "packed_features": features}
+
+
+def load_model(path: str, attn_implementation: str, world: int) -> Target:
+    return load_sharded_target(path, dtype=torch.float32, attn_implementation=attn_implementation, layer_ids=[0, 2],
+                               device="cpu", world=world)
+
+
+def _blocks(records: list[SequenceRecord]) -> list[tuple[list[int], list[int], list[list[int]], list[int]]]:
+    return [(r.response_ids, r.anchors, r.drafts, r.accepted) for r in records]
+
+
+def main(rank: int, world: int, port: int, out: str, model: list[str]) -> None:
+    join_group(f"127.0.0.1:{port}", rank, world, "cpu")
+    torch.set_num_threads(1)
+    result = run_forward(load_model(*model, world)) if model else run_all(*load(world))
+    if rank == 0:
+        torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])

@@ -1,0 +1,35 @@
+"""`opd run` on Ray with the rollout and scorer replicas each sharded over 2 gloo ranks (actors/replica.py) takes
+the unsharded local run's steps: the same losses at max_policy_lag 0. Seven Ray workers that each import torch
+and transformers take minutes on 2 cores, so it is `slow`; tests/test_sharding.py runs the same sharded
+computation (decodes, replay, the rebuild) in `make test`."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from actors.driver import run_ray
+from opd.spec import load_spec
+from opd.train.local import LocalTrainer
+
+
+@pytest.fixture
+def ray_cluster():
+    if ray.is_initialized():  # a Ray an earlier module left up in this process
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_sharded_rollout_and_scorer_take_the_unsharded_steps(ray_cluster, micro_spec_file, tmp_path):
+    common = ["steps=2", "eval.every=0", "eval.offline=false"]
+    local = LocalTrainer(load_spec(micro_spec_file, [*common, f"tracking.run_dir={tmp_path / 'local'}"]),
+                         track=False).run()
+    spec = load_spec(micro_spec_file, [*common, "engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1",
+                                       f"tracking.run_dir={tmp_path / 'ray'}", "resources.cluster.num_cpus=4",
+                                       "resources.rollout.gpus_per_replica=2", "resources.scorer.gpus_per_replica=2"])
+    sharded = run_ray(spec, track=False)
+    assert sharded.steps == 2
+    assert sharded.losses == pytest.approx(local.losses, rel=1e-5, abs=1e-7)
