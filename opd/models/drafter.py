@@ -41,6 +41,7 @@ from opd.formats.dflash import (
     read_config,
     read_tensors,
     write_checkpoint,
+    write_speculators,
 )
 from opd.formats.layer_attention import LayerAttention
 from opd.model_dir import ModelDir
@@ -518,7 +519,7 @@ class DFlashFamily(DrafterFamily):
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: DFlashSpec) -> int:
         """The engines capture the target layers the config names and run its layers as z-lab's code does."""
-        config = DFlashConfig.from_hf_dict(directory.config)
+        config = DFlashConfig.from_hf_dict(directory.config, None if target is None else target.num_layers)
         check_vllm_capturable(config)
         if target is not None and (config.hidden_size, config.num_target_layers) != (target.hidden_size,
                                                                                      target.num_layers):
@@ -529,3 +530,10 @@ class DFlashFamily(DrafterFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         return {"method": "dflash", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+
+    def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
+        """The same tensors under speculators' config.json: its converter reads z-lab's DFlash layout but not
+        DFlash 2's, so the DFlash families write speculators' own."""
+        architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
+        write_speculators(directory, drafter.config, drafter.state_dict(), drafter.fc.weight.dtype, verifier,
+                          architectures)

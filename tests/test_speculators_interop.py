@@ -1,0 +1,193 @@
+"""The project's drafters in vLLM's `speculators` (0.9.0), the format library of vLLM's training and serving: its
+model classes load what this project exports, with no missing or unexpected tensor, and compute the same logits on
+the same blocks; what speculators saves loads here as the same drafter.
+
+DFlash goes through speculators' own path for a public checkpoint (`from_pretrained` converts z-lab's layout);
+DFlash 2, which that converter cannot read, is exported in speculators' layout (`save_speculators`). The target is
+the shipped tiny one (its path is the verifier speculators reloads the embedding and LM head from); the drafters
+are the shipped tiny drafter and a DFlash 2 drafter on its weights with random convolutions and selector, so no
+weight is downloaded. speculators' blocks are its training forward's (`_backbone_forward`, the one every DFlash
+family there shares) at anchors chosen so its random anchor pick takes them all; it runs in float32 with eager
+attention (its flex attention compiles a kernel), so logits agree to float32 rounding and their argmax exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.formats.dflash import DFlashConfig
+from opd.model_dir import ModelDir
+from opd.models.dflash2 import DFlash2Drafter
+from opd.models.drafter import DFlashDrafter
+from opd.models.families import detect, family, load_drafter
+from opd.models.lm_head import teacher_head
+from opd.models.target import load_target
+
+# speculators' package __init__ imports its training data pipeline (openai, datasets, hs_connectors) through
+# EAGLE-3's data module for one type alias; the model classes need none of it.
+sys.modules.setdefault("speculators.train.data", types.SimpleNamespace(BatchType=dict))  # type: ignore[arg-type]
+speculators = pytest.importorskip("speculators", reason="speculators is not installed (pip install .[interop])")
+attention = pytest.importorskip("speculators.models.attention")
+entrypoints = pytest.importorskip("speculators.convert.entrypoints")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # speculators' default-layer-id notices
+
+TARGET, DRAFTER = "opd/assets/tiny/target", "opd/assets/tiny/drafter"
+ANCHORS = [3, 10, 17, 25]
+LENGTH = 40
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet():
+    """speculators logs every conversion step through loguru."""
+    from loguru import logger
+
+    logger.disable("speculators")
+    yield
+    logger.enable("speculators")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(TARGET, dtype=torch.float32, layer_ids=[1, 3])
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    """{kind: a drafter of that family on the tiny target}."""
+    shipped = DFlashDrafter.from_pretrained(DRAFTER, target)
+    config = dataclasses.replace(shipped.config, **DFLASH2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        dflash2 = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
+        dflash2.load_state_dict(shipped.state_dict(), strict=False)
+        with torch.no_grad():
+            for layer in dflash2.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.add_(0.3 * torch.randn_like(conv.base_kernel))
+            dflash2.candidate_selector.predecessor_codebook.mul_(40.0)
+            dflash2.candidate_selector.successor_codebook.mul_(40.0)
+    return {"dflash": shipped, "dflash2": dflash2}
+
+
+@pytest.fixture(scope="module")
+def text(target):
+    """A token sequence, the target's final hidden states and its features there."""
+    ids = torch.randint(0, target.config.vocab_size, (1, LENGTH), generator=torch.Generator().manual_seed(0))
+    last, features = target.hidden_states(ids)
+    return ids, last, features
+
+
+def export(kind: str, drafter, directory: Path) -> Path:
+    """The project's export as speculators reads it: z-lab's layout through speculators' converter (DFlash), or
+    speculators' own layout (DFlash 2)."""
+    if kind == "dflash":
+        drafter.save_pretrained(directory / "public")
+        return Path(entrypoints.maybe_convert_external_checkpoint(str(directory / "public"), verifier=TARGET,
+                                                                  output_path=str(directory / "converted")))
+    family(kind).save_speculators(drafter, directory / "speculators", TARGET)
+    return directory / "speculators"
+
+
+def speculators_model(directory: Path):
+    """speculators' model class for a checkpoint, run eagerly in float32."""
+    model = speculators.SpeculatorModel.from_pretrained(str(directory))  # type: ignore[attr-defined]
+    model.config.transformer_layer_config._attn_implementation = "eager"
+    model._create_mask_fn = attention.create_float_mask
+    return model.float().eval()
+
+
+def speculators_blocks(model, text) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [M,K,H], logits [M,K,V]) of speculators' blocks at ANCHORS (all K slots, the anchor's included)."""
+    ids, last, features = text
+    loss_mask = torch.zeros(1, LENGTH)
+    loss_mask[0, ANCHORS] = 1  # exactly len(ANCHORS) valid anchors, so its random pick takes them all
+    with torch.no_grad():
+        hidden, logits, *_ = model._backbone_forward(features, ids, loss_mask, last,
+                                                     torch.zeros(1, LENGTH, dtype=torch.long),
+                                                     max_anchors=len(ANCHORS))
+    block = model.block_size
+    return hidden.view(len(ANCHORS), block, -1), logits.view(len(ANCHORS), block, -1)
+
+
+def our_blocks(drafter, text) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [M,K,H], logits [M,K,V]) of our drafter's blocks at ANCHORS."""
+    ids, _, features = text
+    anchors = torch.tensor([ANCHORS])
+    block = torch.full((1, len(ANCHORS), drafter.block_size), drafter.mask_token_id)
+    block[0, :, 0] = ids[0, anchors[0]]
+    with torch.no_grad():
+        context = drafter.project_context(features)
+        hidden = drafter.forward_blocks(context, torch.ones(1, LENGTH, dtype=torch.bool), block, anchors)[0]
+    return hidden, drafter.logits(hidden)
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal to float32 rounding, with the same argmax everywhere."""
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_speculators_loads_our_export_whole_and_computes_the_same_logits(drafters, text, kind, tmp_path):
+    drafter = drafters[kind]
+    directory = export(kind, drafter, tmp_path)
+    model = speculators_model(directory)
+    assert type(model).__name__ == {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[kind]
+    saved = set(load_file(str(directory / "model.safetensors")))
+    ignored = set(model._keys_to_ignore_on_load_missing)
+    assert saved == set(model.state_dict()) - ignored  # no tensor missing, none unexpected
+    assert model.config.aux_hidden_state_layer_ids == [i + 1 for i in drafter.config.target_layer_ids]
+    assert (model.block_size, model.mask_token_id) == (drafter.block_size, drafter.mask_token_id)
+    ours, theirs = our_blocks(drafter, text), speculators_blocks(model, text)
+    assert_close(ours[1], theirs[1])
+    if kind == "dflash2":  # the selector's scores of each slot's top-k after the text's own previous token
+        ids = text[0][0]
+        previous = torch.stack([ids[a:a + drafter.block_size] for a in ANCHORS])
+        previous = torch.cat([previous[:, :1], previous[:, :-1]], dim=1)
+        candidates, scores = model.candidate_selector.select(theirs[1], theirs[0], previous)
+        selector = drafter.candidate_selector
+        gate = selector.hidden_projection(ours[0])
+        unary = ours[1].gather(-1, candidates)
+        mine = torch.stack([selector.scores(gate[:, k], previous[:, k], unary[:, k], candidates[:, k])
+                            for k in range(drafter.block_size)], dim=1)
+        assert torch.equal(candidates, ours[1].topk(DFLASH2["selector_top_k"], dim=-1).indices)
+        assert_close(mine.detach(), scores.detach())
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_what_speculators_saves_loads_here_as_the_same_drafter(drafters, target, kind, tmp_path):
+    drafter = drafters[kind]
+    speculators_model(export(kind, drafter, tmp_path)).save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
+    directory = ModelDir.read(tmp_path / "saved", "drafter")
+    assert detect(directory).kind == kind
+    loaded = load_drafter(tmp_path / "saved", target)
+    assert type(loaded) is type(drafter) and loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+
+
+def test_speculators_layout_names_what_it_cannot_say(drafters):
+    from opd.errors import OpdError
+    from opd.formats.speculators import dflash_public, dflash_speculators
+
+    public = drafters["dflash"].config.to_hf_dict()
+    layout = dflash_speculators(public, TARGET, ["Qwen3ForCausalLM"])
+    with pytest.raises(OpdError, match="'sample_from_anchor' is true"):
+        dflash_public(layout | {"sample_from_anchor": True}, 6)
+    with pytest.raises(OpdError, match="'draft_vocab_size' is 32"):
+        dflash_public(layout | {"draft_vocab_size": 32}, 6)
+    scaled = public | {"dflash_config": public["dflash_config"] | {"output_multiplier": 0.5}}
+    with pytest.raises(OpdError, match="'dflash_config.output_multiplier' has no counterpart"):
+        dflash_speculators(scaled, TARGET, [])
+    assert DFlashConfig.from_hf_dict(layout, 6) == drafters["dflash"].config
