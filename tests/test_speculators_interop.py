@@ -3,12 +3,17 @@ model classes load what this project exports, with no missing or unexpected tens
 the same blocks; what speculators saves loads here as the same drafter.
 
 DFlash goes through speculators' own path for a public checkpoint (`from_pretrained` converts z-lab's layout);
-DFlash 2, which that converter cannot read, is exported in speculators' layout (`save_speculators`). The target is
+DFlash 2, which that converter cannot read, is exported in speculators' layout (`save_speculators`); EAGLE-3 goes
+through speculators' EAGLE-3 converter (SpecForge's layout), given the layer ids, which it does not read from
+`eagle_config`. The target is
 the shipped tiny one (its path is the verifier speculators reloads the embedding and LM head from); the drafters
 are the shipped tiny drafter and a DFlash 2 drafter on its weights with random convolutions and selector, so no
 weight is downloaded. speculators' blocks are its training forward's (`_backbone_forward`, the one every DFlash
 family there shares) at anchors chosen so its random anchor pick takes them all; it runs in float32 with eager
-attention (its flex attention compiles a kernel), so logits agree to float32 rounding and their argmax exactly.
+attention (its flex attention compiles a kernel), so logits agree to float32 rounding and their argmax exactly. EAGLE-3's chain is compared step by step against
+speculators' training-time test with the text's own tokens fed to the chain (its teacher forcing). With
+transformers 5.24, speculators' EAGLE-3 `from_pretrained` keeps the randomly initialised embedding (it reloads the
+verifier's only where it is NaN), so the test reloads it as its DFlash classes do.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from opd.formats.dflash import DFlashConfig
+from opd.formats.eagle3 import Eagle3Spec, draft_vocab
 from opd.model_dir import ModelDir
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
@@ -37,8 +43,10 @@ sys.modules.setdefault("speculators.train.data", types.SimpleNamespace(BatchType
 speculators = pytest.importorskip("speculators", reason="speculators is not installed (pip install .[interop])")
 attention = pytest.importorskip("speculators.models.attention")
 entrypoints = pytest.importorskip("speculators.convert.entrypoints")
+eagle3_core = pytest.importorskip("speculators.models.eagle3.core")
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # speculators' default-layer-id notices
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # speculators' default-layer-id notices
+              pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]  # its Llama calls
 
 TARGET, DRAFTER = "opd/assets/tiny/target", "opd/assets/tiny/drafter"
 ANCHORS = [3, 10, 17, 25]
@@ -179,7 +187,7 @@ def test_what_speculators_saves_loads_here_as_the_same_drafter(drafters, target,
 
 def test_speculators_layout_names_what_it_cannot_say(drafters):
     from opd.errors import OpdError
-    from opd.formats.speculators import dflash_public, dflash_speculators
+    from opd.formats.speculators import dflash_public, dflash_speculators, eagle3_public
 
     public = drafters["dflash"].config.to_hf_dict()
     layout = dflash_speculators(public, TARGET, ["Qwen3ForCausalLM"])
@@ -191,3 +199,63 @@ def test_speculators_layout_names_what_it_cannot_say(drafters):
     with pytest.raises(OpdError, match="'dflash_config.output_multiplier' has no counterpart"):
         dflash_speculators(scaled, TARGET, [])
     assert DFlashConfig.from_hf_dict(layout, 6) == drafters["dflash"].config
+    with pytest.raises(OpdError, match="an entering id of 1"):
+        eagle3_public({"speculators_model_type": "eagle3", "transformer_layer_config": {"model_type": "llama"},
+                       "eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
+
+
+@pytest.fixture(scope="module")
+def eagle3():
+    """(target reading the three layers EAGLE-3 fuses, an EAGLE-3 drafter on it with a fitted draft vocabulary)."""
+    target = load_target(TARGET, dtype=torch.float32, layer_ids=[1, 2, 3])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = family("eagle3").random(Eagle3Spec(draft_vocab_size=512, block_size=4), target, None)
+        drafter.set_vocab(*draft_vocab(torch.rand(target.config.vocab_size), 512))
+    return target, drafter
+
+
+def eagle3_export(drafter, directory: Path):
+    """Our SpecForge-layout export through speculators' EAGLE-3 converter, loaded by its class."""
+    drafter.save_pretrained(directory / "public")
+    entrypoints.convert_model(str(directory / "public"), TARGET, "eagle3", output_path=str(directory / "converted"),
+                              eagle_aux_hidden_state_layer_ids=drafter.config.aux_layer_ids)
+    model = speculators_model(directory / "converted")
+    model._attn_impl = "eager"
+    model._load_verifier_weights(overwrite_embed_tokens=True)
+    return model, directory / "converted"
+
+
+def test_speculators_loads_our_eagle3_export_whole_and_computes_the_same_chain(eagle3, tmp_path, monkeypatch):
+    target, drafter = eagle3
+    model, directory = eagle3_export(drafter, tmp_path)
+    assert type(model).__name__ == "Eagle3DraftModel"
+    saved = set(load_file(str(directory / "model.safetensors")))
+    assert saved == set(model.state_dict()) - set(model._keys_to_ignore_on_load_missing) | {"d2t", "t2d"}
+    assert model.config.eagle_aux_hidden_state_layer_ids == drafter.config.aux_layer_ids
+    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    last, features = target.hidden_states(ids)
+    steps = []
+    monkeypatch.setattr(eagle3_core, "compute_metrics", lambda logits, *a, **k: (steps.append(logits),
+                                                                                  (torch.zeros(()), {}))[1])
+    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # a column pairs position p with the token after it
+    with torch.no_grad():
+        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
+              position_ids=torch.arange(30)[None], verifier_last_hidden_states=last, ttt_steps=drafter.block_size - 1)
+        anchors = torch.tensor([[5, 12, 20]])
+        inputs = torch.stack([ids[0, a:a + drafter.block_size] for a in anchors[0]])[None]
+        ours = drafter.logits(drafter.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool), anchors,
+                                                   inputs))[0]
+    theirs = torch.stack([step[0, anchors[0] - 1] for step in steps], dim=1)  # chain step s of anchor a: row a-1
+    assert_close(ours, theirs)
+
+
+def test_what_speculators_saves_for_eagle3_loads_here_as_the_same_drafter(eagle3, tmp_path):
+    target, drafter = eagle3
+    model, _ = eagle3_export(drafter, tmp_path)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    loaded = family("eagle3").load(ModelDir.read(tmp_path / "saved", "drafter"), target,
+                                   Eagle3Spec(block_size=drafter.block_size))
+    assert loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))

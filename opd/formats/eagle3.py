@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
 from opd.formats.section import DrafterSection, spec_issues
+from opd.formats.speculators import eagle3_public, eagle3_tensor_name, is_speculators, model_type
 from opd.model_dir import ModelDir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -35,7 +36,8 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 ARCHITECTURES = frozenset({ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM"})
 AUX_IDS_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
 # Variants that change the forward (extra norms, scaled RoPE, biases); refused when set truthy.
-UNSUPPORTED_OPTIONS = ("fc_norm", "norm_before_fc", "norm_before_residual", "rope_scaling", "attention_bias")
+UNSUPPORTED_OPTIONS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output", "rope_scaling",
+                       "attention_bias")
 SHARED_EMBEDDING = "embed_tokens.weight"  # the target's frozen embedding, which some exports carry
 
 
@@ -75,7 +77,7 @@ class Eagle3Spec(DrafterSection):
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:
-        return "eagle3" in " ".join(config.get("architectures") or []).lower()
+        return "eagle3" in " ".join(config.get("architectures") or []).lower() or model_type(config) == "eagle3"
 
     def default_layer_ids(self, target_num_layers: int) -> list[int]:
         """The engines' capture (`default_aux_layer_ids`) as this project's ids: the output of decoder layer i is
@@ -148,7 +150,10 @@ class Eagle3Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, num_target_layers: int, block_size: int) -> Eagle3Config:
-        """Read an EAGLE-3 config.json (ours, SpecForge's or vLLM's names); a bad field raises OpdError naming it."""
+        """Read an EAGLE-3 config.json (ours, SpecForge's or vLLM's names, or speculators' layout); a bad field
+        raises OpdError naming it."""
+        if is_speculators(d):
+            d = eagle3_public(d) | {"architectures": [ARCHITECTURE]}
         archs = d.get("architectures")
         if not isinstance(archs, list) or not set(archs) & ARCHITECTURES:
             raise OpdError(f"config field 'architectures' is {archs!r}; expected one of {sorted(ARCHITECTURES)}")
@@ -245,7 +250,7 @@ def read_config(directory: ModelDir, target: TargetShape, block_size: int) -> Ea
 
 def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Load model.safetensors, drop a shared embedding, check names, shapes and the vocabulary mapping."""
-    tensors = load_weights(path)
+    tensors = {eagle3_tensor_name(name): t for name, t in load_weights(path).items()}
     tensors.pop(SHARED_EMBEDDING, None)
     for name, what in (("d2t", "draft-to-target vocabulary offsets"), ("t2d", "target-to-draft vocabulary mask")):
         if name not in tensors:

@@ -1,4 +1,4 @@
-"""vLLM's `speculators` checkpoint layout (speculators 0.9.0), both ways, for the DFlash families.
+"""vLLM's `speculators` checkpoint layout (speculators 0.9.0): both ways for the DFlash families, read for EAGLE-3.
 
 `speculators` is the format library of vLLM's own training and serving. Its checkpoints keep the public drafters'
 tensor names (DFlash's `layers.*`, `fc`, `hidden_norm`, `norm`; DFlash 2's convolutions and codebooks) but wrap the
@@ -8,8 +8,9 @@ drafts per step and the verifier. Its layer ids (`aux_hidden_state_layer_ids`) n
 target layer i, one more than z-lab's `target_layer_ids` (the output of layer i), as speculators' own z-lab
 converter maps them; it does not record the target's depth, so reading one needs the target at hand.
 
-Reading translates a speculators config.json into the public DFlash layout that `DFlashConfig.from_hf_dict` reads,
-so every check of that reader holds; writing goes the other way from a `DFlashConfig`. What the layout cannot say
+Reading translates a speculators config.json into the public layout the family's reader takes (z-lab's for DFlash,
+SpecForge's for EAGLE-3, whose `layers.0.*` tensors are SpecForge's `midlayer.*`), so every check of that reader
+holds; writing goes the other way from a `DFlashConfig` (speculators' converter reads SpecForge's EAGLE-3 layout). What the layout cannot say
 (a reduced draft vocabulary, an anchor slot that drafts, z-lab's logit scalars, causal full-attention layers) is a
 one-line OpdError naming the field.
 """
@@ -122,3 +123,28 @@ def dflash_speculators(public: dict[str, Any], verifier: str | None,
             "speculators_config": speculators_config(kind, block - 1, verifier, verifier_architectures),
             **{name: dflash[name] for name in DFLASH2_DEFAULTS if name in dflash},
             "tie_word_embeddings": False}
+
+
+# EAGLE-3 options of speculators' layout, carried to the top level where the EAGLE-3 reader refuses the ones it does
+# not implement
+EAGLE3_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def eagle3_public(hf: dict[str, Any]) -> dict[str, Any]:
+    """SpecForge's EAGLE-3 config.json (less `architectures`, which the reader names) of a speculators one."""
+    if model_type(hf) != "eagle3":
+        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected 'eagle3')")
+    layer = layer_fields(hf.get("transformer_layer_config"))
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    if isinstance(ids, list) and ids[:1] == [1]:  # the public layout reads a first id of 1 as SpecForge's
+        raise OpdError(f"config field 'eagle_aux_hidden_state_layer_ids' is {ids}: an entering id of 1 cannot be "
+                       "told from SpecForge's output-of-layer ids in the public layout (expected a first id >= 2)")
+    return ({k: v for k, v in layer.items() if k not in ("architectures", "dtype")}
+            | {"draft_vocab_size": hf.get("draft_vocab_size"), "target_hidden_size": hf.get("target_hidden_size"),
+               "eagle_config": {} if ids is None else {"eagle_aux_hidden_state_layer_ids": ids}}
+            | {name: hf[name] for name in EAGLE3_OPTIONS if name in hf})
+
+
+def eagle3_tensor_name(name: str) -> str:
+    """SpecForge's name of a speculators EAGLE-3 tensor (its one layer is `layers.0`, SpecForge's `midlayer`)."""
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
