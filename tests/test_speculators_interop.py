@@ -259,3 +259,16 @@ def test_what_speculators_saves_for_eagle3_loads_here_as_the_same_drafter(eagle3
                                    Eagle3Spec(block_size=drafter.block_size))
     assert loaded.config == drafter.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_serve_bench_speculative_config_drafts_what_speculators_writes(drafters, kind, tmp_path):
+    """vLLM reads a speculators checkpoint's method from its algorithm and its draft count from its proposal;
+    `opd serve-bench` passes both explicitly (DFlash 2's z-lab layout goes to vLLM's `dflash` method, while
+    speculators names the algorithm `dflash2`)."""
+    drafter = drafters[kind]
+    directory = export(kind, drafter, tmp_path)
+    written = json.loads((directory / "config.json").read_text())["speculators_config"]
+    ours = family(kind).vllm_config(ModelDir.read(directory, "drafter"), drafter.block_size)
+    assert ours["num_speculative_tokens"] == written["proposal_methods"][0]["speculative_tokens"]
+    assert (written["algorithm"], ours["method"]) == (kind, "dflash")
