@@ -562,11 +562,13 @@ def write_layout(directory: str | Path, hf: dict[str, Any], tensors: dict[str, t
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def read_config(directory: ModelDir, target: TargetShape) -> DFlashConfig:
-    """Parse a drafter directory's config.json and check it describes a drafter for this very target."""
+def read_config(directory: ModelDir, target: TargetShape, config_class: type[DFlashConfig] = DFlashConfig
+                ) -> DFlashConfig:
+    """Parse a drafter directory's config.json (as `config_class`, a DFlash family's) and check it describes a
+    drafter for this very target."""
     path = directory.path / CONFIG_FILE
     try:
-        config = DFlashConfig.from_hf_dict(directory.config, target.num_layers)
+        config = config_class.from_hf_dict(directory.config, target.num_layers)
     except OpdError as exc:
         raise OpdError(f"{path}: {exc}") from exc
     expected = {

@@ -59,17 +59,27 @@ def dflash_public(hf: dict[str, Any], num_target_layers: int | None) -> dict[str
     kind = model_type(hf)
     if kind not in DFLASH_TYPES:
         raise OpdError(f"config field '{MODEL_TYPE}' is {kind!r} (expected one of {', '.join(DFLASH_TYPES)})")
+    if hf.get("sample_from_anchor"):
+        raise OpdError("config field 'sample_from_anchor' is true, an anchor slot that drafts (expected false: the "
+                       "anchor is the bonus token, as in z-lab's DFlash)")
+    public = backbone_public(hf, hf.get("block_size"), num_target_layers)
+    if kind == "dflash2":
+        public["dflash_config"] |= {name: hf.get(name, default) for name, default in DFLASH2_DEFAULTS.items()}
+    return public | {"architectures": [DFLASH_TYPES[kind]]}
+
+
+def backbone_public(hf: dict[str, Any], block_size: Any, num_target_layers: int | None) -> dict[str, Any]:
+    """The public DFlash config.json of the DFlash backbone a speculators DFlash-family config describes, with the
+    block size the public layout counts (`block_size`: anchor included)."""
     layer = layer_fields(hf.get("transformer_layer_config"))
     _check_dflash_wrapper(hf, layer["vocab_size"])
     dflash: dict[str, Any] = {"mask_token_id": hf.get("mask_token_id"),
                               "target_layer_ids": [i - 1 for i in hf["aux_hidden_state_layer_ids"]]}
-    if kind == "dflash2":
-        dflash |= {name: hf.get(name, default) for name, default in DFLASH2_DEFAULTS.items()}
     sliding = "sliding_attention" in (layer.get("layer_types") or [])
     out = {k: v for k, v in layer.items() if k not in PUBLIC_ONLY}
-    out |= {"architectures": [DFLASH_TYPES[kind]], "block_size": hf.get("block_size"), "dflash_config": dflash,
+    out |= {"architectures": [DFLASH_TYPES["dflash"]], "block_size": block_size, "dflash_config": dflash,
             "use_sliding_window": layer.get("sliding_window") is not None}
-    if sliding and hf.get("sliding_window_non_causal", kind == "dflash2"):
+    if sliding and hf.get("sliding_window_non_causal", model_type(hf) == "dflash2"):
         out["is_causal"] = False  # every layer sees its whole block, as z-lab's top-level flag says
     if num_target_layers is not None:
         out["num_target_layers"] = num_target_layers
@@ -78,9 +88,6 @@ def dflash_public(hf: dict[str, Any], num_target_layers: int | None) -> dict[str
 
 def _check_dflash_wrapper(hf: dict[str, Any], vocab_size: int) -> None:
     """The speculators fields a public DFlash drafter has no counterpart for must hold their public meaning."""
-    if hf.get("sample_from_anchor"):
-        raise OpdError("config field 'sample_from_anchor' is true, an anchor slot that drafts (expected false: the "
-                       "anchor is the bonus token, as in z-lab's DFlash)")
     if hf.get("draft_vocab_size", vocab_size) != vocab_size:
         raise OpdError(f"config field 'draft_vocab_size' is {hf['draft_vocab_size']}, a reduced draft vocabulary "
                        f"(expected the target's {vocab_size}: DFlash drafters here draft the whole vocabulary)")
@@ -99,12 +106,12 @@ def speculators_config(algorithm: str, speculative_tokens: int, verifier: str | 
             "verifier": {"name_or_path": verifier, "architectures": architectures}}
 
 
-def dflash_speculators(public: dict[str, Any], verifier: str | None,
-                       verifier_architectures: list[str]) -> dict[str, Any]:
+def dflash_speculators(public: dict[str, Any], verifier: str | None, verifier_architectures: list[str],
+                       kind: str | None = None) -> dict[str, Any]:
     """speculators' config.json for a public DFlash or DFlash 2 config.json (as `DFlashConfig.to_hf_dict`
-    writes it)."""
+    writes it), or the DFlash backbone of another DFlash family (`kind`, which adds its own fields)."""
     dflash = public.get("dflash_config", {})
-    kind = "dflash2" if public["architectures"] == [DFLASH_TYPES["dflash2"]] else "dflash"
+    kind = kind or ("dflash2" if public["architectures"] == [DFLASH_TYPES["dflash2"]] else "dflash")
     extra = sorted(set(dflash) - {"mask_token_id", "target_layer_ids", *DFLASH2_DEFAULTS})
     if extra:
         raise OpdError(f"config field 'dflash_config.{extra[0]}' has no counterpart in speculators' {kind} layout")
@@ -114,7 +121,7 @@ def dflash_speculators(public: dict[str, Any], verifier: str | None,
     sliding = "sliding_attention" in public.get("layer_types", [])
     layer = {k: v for k, v in public.items() if k not in PUBLIC_ONLY} | {"model_type": "qwen3"}
     block = public["block_size"]
-    return {MODEL_TYPE: kind, "speculators_version": VERSION, "architectures": [DFLASH_TYPES[kind]],
+    return {MODEL_TYPE: kind, "speculators_version": VERSION, "architectures": [DFLASH_TYPES.get(kind, "")],
             "transformer_layer_config": layer, "draft_vocab_size": public["vocab_size"], "block_size": block,
             "target_hidden_size": None, "mask_token_id": dflash["mask_token_id"],
             "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
