@@ -29,10 +29,12 @@ import torch
 from safetensors.torch import load_file
 
 from opd.formats.dflash import DFlashConfig
+from opd.formats.dspark import DSparkConfig
 from opd.formats.eagle3 import Eagle3Spec, draft_vocab
 from opd.model_dir import ModelDir
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
+from opd.models.dspark import DSparkDrafter
 from opd.models.families import detect, family, load_drafter
 from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
@@ -44,6 +46,7 @@ speculators = pytest.importorskip("speculators", reason="speculators is not inst
 attention = pytest.importorskip("speculators.models.attention")
 entrypoints = pytest.importorskip("speculators.convert.entrypoints")
 eagle3_core = pytest.importorskip("speculators.models.eagle3.core")
+dspark_core = pytest.importorskip("speculators.models.dspark.core")
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # speculators' default-layer-id notices
               pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]  # its Llama calls
@@ -261,14 +264,66 @@ def test_what_speculators_saves_for_eagle3_loads_here_as_the_same_drafter(eagle3
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_serve_bench_speculative_config_drafts_what_speculators_writes(drafters, kind, tmp_path):
+SERVED_AS = {"dflash": "dflash", "dflash2": "dflash", "dspark": "dspark"}
+
+
+@pytest.mark.parametrize("kind", SERVED_AS)
+def test_serve_bench_speculative_config_drafts_what_speculators_writes(drafters, dspark, kind, tmp_path):
     """vLLM reads a speculators checkpoint's method from its algorithm and its draft count from its proposal;
     `opd serve-bench` passes both explicitly (DFlash 2's z-lab layout goes to vLLM's `dflash` method, while
     speculators names the algorithm `dflash2`)."""
-    drafter = drafters[kind]
+    drafter = dspark if kind == "dspark" else drafters[kind]
     directory = export(kind, drafter, tmp_path)
     written = json.loads((directory / "config.json").read_text())["speculators_config"]
     ours = family(kind).vllm_config(ModelDir.read(directory, "drafter"), drafter.block_size)
     assert ours["num_speculative_tokens"] == written["proposal_methods"][0]["speculative_tokens"]
-    assert (written["algorithm"], ours["method"]) == (kind, "dflash")
+    assert (written["algorithm"], ours["method"]) == (kind, SERVED_AS[kind])
+
+
+@pytest.fixture(scope="module")
+def dspark(target):
+    """A DSpark drafter on the shipped drafter's weights (K = 8: speculators' block of 7 drafting slots), with
+    random Markov and confidence heads."""
+    shipped = DFlashDrafter.from_pretrained(DRAFTER, target)
+    config = DSparkConfig(**dataclasses.asdict(shipped.config), markov_rank=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
+        drafter.load_state_dict(shipped.state_dict(), strict=False)
+        with torch.no_grad():
+            drafter.markov_head.markov_w1.weight.mul_(30.0)
+    return drafter
+
+
+def test_speculators_loads_our_dspark_export_whole_and_computes_the_same_logits(dspark, text, tmp_path,
+                                                                                monkeypatch):
+    family("dspark").save_speculators(dspark, tmp_path, TARGET)
+    model = speculators_model(tmp_path)
+    assert type(model).__name__ == "DSparkDraftModel" and model.block_size == dspark.block_size - 1
+    saved = set(load_file(str(tmp_path / "model.safetensors")))
+    assert saved == set(model.state_dict()) - set(model._keys_to_ignore_on_load_missing)
+    ids, last, features = text
+    seen = {}
+    monkeypatch.setattr(dspark_core, "compute_metrics",
+                        lambda logits, targets, confidence, *a, **k: (seen.update(logits=logits, confidence=confidence),
+                                                                      (torch.zeros(()), {}))[1])
+    loss_mask = torch.zeros(1, LENGTH)
+    loss_mask[0, ANCHORS] = 1
+    with torch.no_grad():
+        model(features, ids, loss_mask, last, torch.zeros(1, LENGTH, dtype=torch.long), max_anchors=len(ANCHORS))
+        inputs = torch.stack([ids[0, a:a + model.block_size] for a in ANCHORS])[None]  # the text fed as the drafts
+        rows = dspark.block_hidden(features, ids, torch.ones(1, LENGTH, dtype=torch.bool), torch.tensor([ANCHORS]),
+                                   inputs)[0]
+        ours = dspark.student_head(rows)
+        confidence = dspark.confidence(rows[..., :dspark.config.hidden_size], inputs[0])
+    assert_close(ours, seen["logits"].view_as(ours))
+    torch.testing.assert_close(confidence, torch.sigmoid(seen["confidence"]).view_as(confidence), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_what_speculators_saves_for_dspark_loads_here_as_the_same_drafter(dspark, target, tmp_path):
+    family("dspark").save_speculators(dspark, tmp_path / "ours", TARGET)
+    speculators_model(tmp_path / "ours").save_pretrained(tmp_path / "saved")
+    loaded = load_drafter(tmp_path / "saved", target)
+    assert type(loaded) is DSparkDrafter and loaded.config == dspark.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), dspark.state_dict().values()))
