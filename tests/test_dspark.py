@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from opd.cli import main
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
@@ -24,9 +26,11 @@ from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig
 from opd.formats.dspark import DSparkConfig
 from opd.model_dir import ModelDir
+from opd.models.drafter import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
 from opd.models.families import detect, family, load_drafter
 from opd.models.lm_head import teacher_head
+from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
@@ -146,3 +150,35 @@ def test_save_load_round_trip_in_speculators_layout(target, drafter, tmp_path):
 def test_variants_not_built_are_refused_in_one_line(drafter, change, message):
     with pytest.raises(OpdError, match=message):
         DSparkConfig.from_hf_dict(drafter.config.to_speculators_dict() | change, 4)
+
+
+@pytest.fixture
+def micro_dspark(micro_assets, tmp_path):
+    """A DSpark drafter on the micro assets' drafter, saved."""
+    target = load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 2])
+    base = DFlashDrafter.from_pretrained(micro_assets["drafter"], target)
+    config = DSparkConfig(**{f.name: getattr(base.config, f.name) for f in fields(DFlashConfig)}, markov_rank=4)
+    drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head)
+    drafter.load_state_dict(base.state_dict(), strict=False)
+    drafter.save_pretrained(tmp_path / "dspark")
+    return str(tmp_path / "dspark")
+
+
+@pytest.mark.parametrize("command", ["run", "sft"])
+def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
+    """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included) and `opd sft` (cross-entropy on it)
+    train the backbone and the Markov head and save speculators' layout; no loss trains the confidence head."""
+    run_dir = tmp_path / "run"
+    args = [command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}"]
+    if command == "run":
+        args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
+    else:
+        args += ["--out", str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
+                 "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6", "--set", "rollout.temperature=0"]
+    assert main(args) == 0, capsys.readouterr().err
+    saved = sorted(p.parent for p in run_dir.rglob("config.json") if "dspark" in p.read_text())[-1]
+    before = load_file(str(Path(micro_dspark) / "model.safetensors"))
+    after = load_file(str(saved / "model.safetensors"))
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight"} <= changed
+    assert not changed & {"confidence_head.proj.weight", "confidence_head.proj.bias"}

@@ -246,7 +246,7 @@ class DFlashDrafter(nn.Module):
         head = lm_head
         if config.output_multiplier is not None or config.final_logit_softcapping is not None:
             head = DraftHead(lm_head, config.output_multiplier, config.final_logit_softcapping)
-        self._student_head = (head,)
+        self._student_head: tuple[nn.Module] = (head,)
         self._teacher_head = (teacher if teacher is not None else lm_head,)
         self.attention = [config.layer_attention(i) for i in range(config.num_hidden_layers)]
         ropes = [config.rope_of(i) for i in range(config.num_hidden_layers)]

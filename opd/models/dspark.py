@@ -75,7 +75,7 @@ class MarkovLogits(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The LM head's weight (callers cast hidden rows to its dtype)."""
-        return self._parts[0].weight
+        return cast(torch.Tensor, self._parts[0].weight)
 
     def parameters(self, recurse: bool = True):  # type: ignore[override]
         """The trainable part: markov_w2 (the LM head is the target's, frozen)."""
@@ -100,7 +100,8 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = MarkovHead(config)
         self.confidence_head = ConfidenceHead(config.confidence_width) if config.confidence_head else None
         self._base_head = self._student_head  # the LM head (with a variant's transform), before the Markov bias
-        self._student_head = (MarkovLogits(self._base_head[0], self.markov_head.markov_w2, config.hidden_size),)
+        self._student_head: tuple[nn.Module] = (MarkovLogits(self._base_head[0], self.markov_head.markov_w2,
+                                                             config.hidden_size),)
         self._no_selector = (nn.Module(),)
         self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
 
@@ -151,8 +152,6 @@ class DSparkDrafter(DFlashDrafter):
                                      chunk_rows)
         return torch.cat([hidden, self.markov(block_inputs).to(hidden.dtype)], dim=-1)
 
-    forward = block_hidden
-
     # -- inference ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -162,7 +161,7 @@ class DSparkDrafter(DFlashDrafter):
         drafting slots per sequence, the anchor's included."""
         block = self._block(anchor_ids)
         positions = anchor_positions[:, None] + torch.arange(block.shape[1], device=anchor_ids.device)
-        masks = _block_masks(cache, anchor_positions, block.shape[1], self.attention)
+        masks: Any = _block_masks(cache, anchor_positions, block.shape[1], self.attention)  # None: no mask needed
         hidden = self._run_blocks(block, positions, list(zip(cache.keys, cache.values)), masks)
         return hidden, self._base_head[0](hidden)
 
