@@ -164,13 +164,19 @@ def micro_dspark(micro_assets, tmp_path):
     return str(tmp_path / "dspark")
 
 
-@pytest.mark.parametrize("command", ["run", "sft"])
+SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k: 40}", "--set",
+          "replay.teacher=served", "--set", "loss.objective=one_minus_alpha"]
+
+
+@pytest.mark.parametrize("command", ["run", "run-sampled", "sft"])
 def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
-    """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included) and `opd sft` (cross-entropy on it)
-    train the backbone and the Markov head and save speculators' layout; no loss trains the confidence head."""
+    """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
+    serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
+    the Markov head and save speculators' layout; no loss trains the confidence head."""
     run_dir = tmp_path / "run"
-    args = [command, str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}"]
-    if command == "run":
+    args = [command.split("-")[0], str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}",
+            *(SERVED if command == "run-sampled" else [])]
+    if command.startswith("run"):
         args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
     else:
         args += ["--out", str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
