@@ -24,6 +24,7 @@ from opd.distill.acceptance_loss import acceptance_objective, block_slots, reali
 from opd.distill.losses import StepNorm, acceptance_aware_loss, processed_logprobs, slot_weights
 from opd.distill.replay import score, student_hidden
 from opd.models.dflash2 import CandidateSelector
+from opd.models.family import chains
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.test_dflash2 import dflash2_drafter
@@ -73,7 +74,7 @@ def test_realized_q_is_what_the_decoder_samples_from(target, drafter):
                          torch.ones(16, 3, dtype=torch.bool))
     anchors, positions = ids[:, -1], torch.full((16,), 3)
     hidden, logits = drafter.drafted_slots(cache, anchors, positions)
-    if drafter.selector is None:
+    if not chains(drafter):
         drafts, decoded = sample_draft(logits, SERVING, seed=3)
         decoded_probs, decoded_ids = decoded, None
     else:
@@ -133,7 +134,7 @@ def _written_out(drafter, hidden, teacher, predecessors, accepted, mask, cfg: Lo
 
 def _slot_q(drafter, hidden, logits, predecessor: int) -> dict[int, torch.Tensor]:
     """q at one slot as {token: probability}: the processed logits, or the selector written out over its candidates."""
-    if drafter.selector is None:
+    if not chains(drafter):
         x = logits / SERVING.temperature
         kth = sorted(x.tolist(), reverse=True)[SERVING.top_k - 1]
         keep = [v for v in range(len(x)) if x[v] >= kth]
@@ -167,7 +168,7 @@ def test_objective_and_gradient_equal_the_slot_by_slot_reference(target, drafter
     norm = StepNorm.of([(batch.accepted, batch.position_mask)], cfg)
     predecessors = batch.block_ids[batch.block_valid]
     hidden = student_hidden(drafter, batch).detach().requires_grad_(True)
-    params = [p for p in (drafter.selector.parameters() if drafter.selector is not None else [])]
+    params = [p for p in (drafter.selector.parameters() if chains(drafter) else [])]
     drafter.zero_grad(set_to_none=True)
     slots = block_slots(predecessors, batch.accepted, batch.position_mask, cfg, norm)
     terms = acceptance_objective(drafter, hidden, batch.teacher, slots, cfg, serving=SERVING,
@@ -212,6 +213,8 @@ class _Chain:
     """A drafter-like object small enough to enumerate every sampled prefix: V tokens, K-1 slots, a selector
     whose q at a slot depends on the draft before it, and a teacher whose view of slot k depends on the drafts
     before k (a table of final-norm states per prefix)."""
+
+    chains_q = True  # what `chains` asks
 
     def __init__(self, vocab: int = 4, slots: int = 3, hidden: int = 6, top_k: int = 3, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -5,7 +5,8 @@ the same blocks; what speculators saves loads here as the same drafter.
 DFlash goes through speculators' own path for a public checkpoint (`from_pretrained` converts z-lab's layout);
 DFlash 2, which that converter cannot read, is exported in speculators' layout (`save_speculators`); EAGLE-3 goes
 through speculators' EAGLE-3 converter (SpecForge's layout), given the layer ids, which it does not read from
-`eagle_config`. The target is
+`eagle_config`; EAGLE 3.1 (`fc_norm`, `norm_before_fc`, `norm_output`), whose norm tensors that converter drops, is
+exported in speculators' layout. The target is
 the shipped tiny one (its path is the verifier speculators reloads the embedding and LM head from); the drafters
 are the shipped tiny drafter and a DFlash 2 drafter on its weights with random convolutions and selector, so no
 weight is downloaded. speculators' blocks are its training forward's (`_backbone_forward`, the one every DFlash
@@ -207,22 +208,45 @@ def test_speculators_layout_names_what_it_cannot_say(drafters):
                        "eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
 
 
+EAGLE31 = {"eagle3": {}, "fc_norm": {"fc_norm": True}, "norm_before_fc": {"norm_before_fc": True},
+           "fc_norm+norm_output": {"fc_norm": True, "norm_output": True}}
+
+
 @pytest.fixture(scope="module")
-def eagle3():
-    """(target reading the three layers EAGLE-3 fuses, an EAGLE-3 drafter on it with a fitted draft vocabulary)."""
-    target = load_target(TARGET, dtype=torch.float32, layer_ids=[1, 2, 3])
+def eagle3_target():
+    """The tiny target reading the three layers EAGLE-3 fuses."""
+    return load_target(TARGET, dtype=torch.float32, layer_ids=[1, 2, 3])
+
+
+@pytest.fixture(params=list(EAGLE31))
+def eagle3(request, eagle3_target):
+    """(target, an EAGLE-3 drafter on it with a fitted draft vocabulary, and EAGLE 3.1's flags as named, their
+    norms' weights random)."""
+    target = eagle3_target
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        drafter = family("eagle3").random(Eagle3Spec(draft_vocab_size=512, block_size=4), target, None)
+        random = family("eagle3").random(Eagle3Spec(draft_vocab_size=512, block_size=4), target, None)
+        drafter = type(random)(dataclasses.replace(random.config, **EAGLE31[request.param]), target.embed_tokens,
+                               target.lm_head)
+        drafter.load_state_dict(random.state_dict(), strict=False)
         drafter.set_vocab(*draft_vocab(torch.rand(target.config.vocab_size), 512))
+        with torch.no_grad():
+            for name, weight in drafter.named_parameters():
+                if "norm" in name:
+                    weight.uniform_(0.5, 1.5)
     return target, drafter
 
 
 def eagle3_export(drafter, directory: Path):
-    """Our SpecForge-layout export through speculators' EAGLE-3 converter, loaded by its class."""
-    drafter.save_pretrained(directory / "public")
-    entrypoints.convert_model(str(directory / "public"), TARGET, "eagle3", output_path=str(directory / "converted"),
-                              eagle_aux_hidden_state_layer_ids=drafter.config.aux_layer_ids)
+    """Our export as speculators' EAGLE-3 class loads it: SpecForge's layout through speculators' converter, or,
+    with EAGLE 3.1's norms (whose tensors that converter drops), speculators' own layout (`save_speculators`)."""
+    if any(getattr(drafter.config, flag) for flag in ("fc_norm", "norm_before_fc", "norm_output")):
+        family("eagle3").save_speculators(drafter, directory / "converted", TARGET)
+    else:
+        drafter.save_pretrained(directory / "public")
+        entrypoints.convert_model(str(directory / "public"), TARGET, "eagle3",
+                                  output_path=str(directory / "converted"),
+                                  eagle_aux_hidden_state_layer_ids=drafter.config.aux_layer_ids)
     model = speculators_model(directory / "converted")
     model._attn_impl = "eager"
     model._load_verifier_weights(overwrite_embed_tokens=True)
@@ -234,7 +258,8 @@ def test_speculators_loads_our_eagle3_export_whole_and_computes_the_same_chain(e
     model, directory = eagle3_export(drafter, tmp_path)
     assert type(model).__name__ == "Eagle3DraftModel"
     saved = set(load_file(str(directory / "model.safetensors")))
-    assert saved == set(model.state_dict()) - set(model._keys_to_ignore_on_load_missing) | {"d2t", "t2d"}
+    wanted = set(model.state_dict())  # speculators may leave d2t, t2d and input_norm out; ours carries them
+    assert wanted - set(model._keys_to_ignore_on_load_missing) <= saved <= wanted
     assert model.config.eagle_aux_hidden_state_layer_ids == drafter.config.aux_layer_ids
     ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     last, features = target.hidden_states(ids)

@@ -155,3 +155,27 @@ def eagle3_public(hf: dict[str, Any]) -> dict[str, Any]:
 def eagle3_tensor_name(name: str) -> str:
     """SpecForge's name of a speculators EAGLE-3 tensor (its one layer is `layers.0`, SpecForge's `midlayer`)."""
     return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def eagle3_speculators(public: dict[str, Any], verifier: str | None,
+                       verifier_architectures: list[str]) -> dict[str, Any]:
+    """speculators' EAGLE-3 config.json for SpecForge's (as `Eagle3Config.to_hf_dict` writes it): what speculators'
+    converter writes, with the layer ids, EAGLE 3.1's flags and the chain's length carried over."""
+    eagle = public.get("eagle_config", {})
+    skip = ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "block_size", "dtype",
+            "torch_dtype", *EAGLE3_OPTIONS)
+    layer = {k: v for k, v in public.items() if k not in skip} | {"model_type": "llama"}
+    return {MODEL_TYPE: "eagle3", "speculators_version": VERSION, "architectures": ["Eagle3DraftModel"],
+            "transformer_layer_config": layer, "draft_vocab_size": public["draft_vocab_size"],
+            "target_hidden_size": public.get("target_hidden_size"),
+            "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+            **{name: bool(public.get(name, False)) for name in EAGLE3_OPTIONS},
+            "embed_requires_grad": False, "tie_word_embeddings": False,
+            "speculators_config": speculators_config("eagle3", public["block_size"] - 1, verifier,
+                                                     verifier_architectures)}
+
+
+def speculators_tensor_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE-3 state dict under speculators' names (SpecForge's `midlayer` is its `layers.0`)."""
+    return {("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): t
+            for name, t in tensors.items()}
