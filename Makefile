@@ -19,7 +19,7 @@ $(VENV_STAMP): pyproject.toml $(LOCK)
 	$(PY) -m pip install -q --no-compile -c $(LOCK) torch==2.13.0 uv
 	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages/torch > /dev/null || true
 	$(UV) -c $(LOCK) -e '.[dev,docs]'
-	$(UV) -c $(LOCK) --no-deps dflash==0.1.0  # the interop extra without its datasets pin (pyproject.toml)
+	$(UV) -c $(LOCK) --no-deps dflash==0.1.0 speculators==0.9.0  # the interop extra without its pins (pyproject.toml)
 	touch $(VENV_STAMP)
 
 run: $(VENV_STAMP)

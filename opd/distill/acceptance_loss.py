@@ -54,17 +54,21 @@ def realized_q(drafter: Drafter, hidden: torch.Tensor, logits: torch.Tensor, pre
     [..., V] of the slots, predecessors [...] the token sampled before each (the anchor at the first slot).
 
     A drafter without a selector samples its processed logits (opd/decoding/verify.py, `sample_draft`); DFlash 2's
-    selector samples softmax(scores / T) over its top-k candidates given the predecessor (`sample_chained_draft`).
+    selector samples softmax(scores / T) over its top-k candidates given the predecessor (`sample_chained_draft`),
+    and a chain without a candidate selector (DSpark, whose logits already read the predecessor) softmax(logits / T)
+    over the whole vocabulary.
     """
     if not chains(drafter):
         return DraftQ(processed_logprobs(logits, serving).exp())
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if not list(drafter.selector.parameters()):
+        return DraftQ(torch.softmax(logits.to(dtype) / serving.temperature, dim=-1))
     selector = cast(CandidateSelector, drafter.selector)  # the chaining family's (opd/models/dflash2.py)
     top_k: int = selector.top_k  # type: ignore[assignment]  # set for every DFlash 2 config (dflash_format)
     unary, ids = logits.topk(top_k, dim=-1)
     gate = selector.hidden_projection(hidden.to(selector.hidden_projection.weight.dtype))
     scores = selector.scores(gate.flatten(0, -2), predecessors.flatten(), unary.flatten(0, -2).to(gate.dtype),
                              ids.flatten(0, -2))
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return DraftQ(torch.softmax(scores.to(dtype) / serving.temperature, dim=-1).view_as(unary), ids)
 
 
@@ -175,7 +179,8 @@ def acceptance_objective(drafter: Drafter, student: torch.Tensor, teacher: torch
         return out
 
     ones = torch.ones(student.shape[0], dtype=torch.float64, device=student.device)
-    loss, _ = chunked_loss(None, student, block_loss, ones, per_chunk, selector_params(drafter))
+    head = [p for p in drafter.student_head.parameters() if p.requires_grad]  # DSpark's markov_w2; none for DFlash
+    loss, _ = chunked_loss(None, student, block_loss, ones, per_chunk, [*head, *selector_params(drafter)])
     acc_set = slots.accepted_slot & (slots.coef > 0)
     return LossTerms(loss=loss, acc=torch.tensor(split["acc"], dtype=torch.float64),
                      rej=torch.tensor(split["rej"], dtype=torch.float64),

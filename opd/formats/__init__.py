@@ -11,11 +11,12 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from opd.formats.dflash import DFlash2Spec, DFlashSpec
+from opd.formats.dspark import DSparkSpec
 from opd.formats.eagle3 import Eagle3Spec
 from opd.formats.section import DrafterSection
 
-DrafterSpec = Annotated[DFlashSpec | DFlash2Spec | Eagle3Spec, Field(discriminator="kind")]
-DRAFTER_SECTIONS: tuple[type[DrafterSection], ...] = (Eagle3Spec, DFlash2Spec, DFlashSpec)
+DrafterSpec = Annotated[DFlashSpec | DFlash2Spec | Eagle3Spec | DSparkSpec, Field(discriminator="kind")]
+DRAFTER_SECTIONS: tuple[type[DrafterSection], ...] = (DSparkSpec, Eagle3Spec, DFlash2Spec, DFlashSpec)
 
 
 def detect_section(config: dict[str, Any]) -> type[DrafterSection] | None:

@@ -34,6 +34,7 @@ from pydantic import Field
 from opd.errors import OpdError
 from opd.formats.layer_attention import LayerAttention
 from opd.formats.section import DrafterSection
+from opd.formats.speculators import dflash_public, dflash_speculators, is_speculators, model_type
 from opd.model_dir import ModelDir
 
 if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors, so validating
@@ -76,7 +77,8 @@ def is_dflash2(config: dict[str, Any]) -> bool:
     """Whether a config.json describes a DFlash 2 drafter (its architecture, or any of its dflash_config keys)."""
     dflash = config.get("dflash_config")
     keys = set(dflash) if isinstance(dflash, dict) else set()
-    return ARCHITECTURE_2 in (config.get("architectures") or []) or bool(keys & set(DFLASH2_FIELDS))
+    return (ARCHITECTURE_2 in (config.get("architectures") or []) or bool(keys & set(DFLASH2_FIELDS))
+            or model_type(config) == "dflash2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,12 +96,15 @@ class DFlashSpec(DrafterSection):
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:
-        return "DFlash" in " ".join(config.get("architectures") or []) or "dflash_config" in config
+        return ("DFlash" in " ".join(config.get("architectures") or []) or "dflash_config" in config
+                or model_type(config) == "dflash")
 
     def default_layer_ids(self, target_num_layers: int) -> list[int]:
         return default_target_layer_ids(target_num_layers, self.num_layers)
 
     def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
+        if is_speculators(config):
+            config = dflash_public(config, None)
         dflash = config.get("dflash_config") or {}  # read first, then the top level, as z-lab's code does
         return {"block_size": (self.block_size, dflash.get("block_size", config.get("block_size"))),
                 "num_layers": (self.num_layers, config.get("num_hidden_layers")),
@@ -295,12 +300,15 @@ class DFlashConfig:
         return out
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> DFlashConfig:
-        """Read a public DFlash config.json; a missing or malformed field raises OpdError naming it.
+    def from_hf_dict(cls, hf: dict[str, Any], num_target_layers: int | None = None) -> DFlashConfig:
+        """Read a public DFlash config.json, or speculators' layout of one (for a target of `num_target_layers`,
+        which that layout does not record); a missing or malformed field raises OpdError naming it.
 
         `block_size` may sit at the top level (Qwen3 DFlash checkpoints) or in `dflash_config` (newer ones);
         without `dflash_config.target_layer_ids` the public default rule applies, as in the public code.
         """
+        if is_speculators(hf):
+            hf = dflash_public(hf, num_target_layers)
         _check_activation(hf)
         dflash = hf.get("dflash_config") or {}
         if not isinstance(dflash, dict):
@@ -532,22 +540,37 @@ def _check_activation(hf: dict[str, Any]) -> None:
 def write_checkpoint(directory: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor],
                      dtype: torch.dtype) -> None:
     """Write config.json (with `dtype`) + model.safetensors in the public layout; `tensors` is a state dict."""
+    write_layout(directory, config.to_hf_dict(), tensors, dtype)
+
+
+def write_speculators(directory: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor],
+                      dtype: torch.dtype, verifier: str | None, verifier_architectures: list[str]) -> None:
+    """Write the checkpoint in vLLM's `speculators` layout (opd/formats/speculators.py): the same tensors, its
+    config.json naming `verifier`, the target speculators reloads the embedding and LM head from."""
+    write_layout(directory, dflash_speculators(config.to_hf_dict(), verifier, verifier_architectures), tensors,
+                 dtype)
+
+
+def write_layout(directory: str | Path, hf: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype) -> None:
+    """Write config.json `hf` (with `dtype`) and the state dict `tensors` as model.safetensors."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    hf = config.to_hf_dict()
     hf["dtype"] = str(dtype).removeprefix("torch.")
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def read_config(directory: ModelDir, target: TargetShape) -> DFlashConfig:
-    """Parse a drafter directory's config.json and check it describes a drafter for this very target."""
+def read_config(directory: ModelDir, target: TargetShape, config_class: type[DFlashConfig] = DFlashConfig
+                ) -> DFlashConfig:
+    """Parse a drafter directory's config.json (as `config_class`, a DFlash family's) and check it describes a
+    drafter for this very target."""
     path = directory.path / CONFIG_FILE
     try:
-        config = DFlashConfig.from_hf_dict(directory.config)
+        config = config_class.from_hf_dict(directory.config, target.num_layers)
     except OpdError as exc:
         raise OpdError(f"{path}: {exc}") from exc
     expected = {

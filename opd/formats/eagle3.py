@@ -4,7 +4,8 @@ A drafter directory holds config.json (a one-layer Llama config plus `draft_voca
 `eagle_config`) and model.safetensors with SpecForge's tensor names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`; no `model.` prefix, no embedding: it is the target's). It is the layout SpecForge exports as
 `LlamaForCausalLMEagle3`, which vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load, so drafters trained here serve
-there and public drafters load here. Options this drafter does not implement are refused with a one-line OpdError.
+there and public drafters load here. EAGLE 3.1's norms (`EAGLE31_FLAGS`) are read and written as speculators
+reads them; options this drafter does not implement are refused with a one-line OpdError.
 
 Layer ids. `aux_layer_ids` use the engines' convention: id i is the residual stream *entering* target layer i
 (default [2, L//2, L-3]). vLLM passes explicit ids through unchanged; SGLang adds 1 to explicit ids, and since
@@ -26,6 +27,14 @@ from pydantic import Field, model_validator
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
 from opd.formats.section import DrafterSection, spec_issues
+from opd.formats.speculators import (
+    eagle3_public,
+    eagle3_speculators,
+    eagle3_tensor_name,
+    is_speculators,
+    model_type,
+    speculators_tensor_names,
+)
 from opd.model_dir import ModelDir
 
 if TYPE_CHECKING:  # torch loads inside the functions that handle tensors (see opd/formats/dflash.py)
@@ -35,8 +44,12 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's name, and vLLM's registry names for the same one-layer Llama drafter.
 ARCHITECTURES = frozenset({ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM"})
 AUX_IDS_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
-# Variants that change the forward (extra norms, scaled RoPE, biases); refused when set truthy.
-UNSUPPORTED_OPTIONS = ("fc_norm", "norm_before_fc", "norm_before_residual", "rope_scaling", "attention_bias")
+# Variants that change the forward (an extra norm, scaled RoPE, biases); refused when set truthy.
+UNSUPPORTED_OPTIONS = ("norm_before_residual", "rope_scaling", "attention_bias")
+# EAGLE 3.1's norms, as speculators' Eagle3SpeculatorConfig and converter read them (top level, or eagle_config):
+# fc_norm, one RMSNorm per fused target state before `fc` (tensors fc_norm.{0,1,2}); norm_before_fc, one RMSNorm
+# over their concatenation (input_norm); norm_output, the post-norm state feeds the next step and the head.
+EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
 SHARED_EMBEDDING = "embed_tokens.weight"  # the target's frozen embedding, which some exports carry
 
 
@@ -76,7 +89,7 @@ class Eagle3Spec(DrafterSection):
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:
-        return "eagle3" in " ".join(config.get("architectures") or []).lower()
+        return "eagle3" in " ".join(config.get("architectures") or []).lower() or model_type(config) == "eagle3"
 
     def default_layer_ids(self, target_num_layers: int) -> list[int]:
         """The engines' capture (`default_aux_layer_ids`) as this project's ids: the output of decoder layer i is
@@ -112,6 +125,9 @@ class Eagle3Config:
     num_target_layers: int
     block_size: int  # K: anchor + K-1 chain drafts (engines take num_speculative_tokens = K-1)
     attention_bias: bool = False
+    fc_norm: bool = False  # EAGLE 3.1 (EAGLE31_FLAGS)
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -145,11 +161,15 @@ class Eagle3Config:
             **{name: getattr(self, name) for name in fields},
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
+            **{name: True for name in EAGLE31_FLAGS if getattr(self, name)},  # absent unless set, as before
         }
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, num_target_layers: int, block_size: int) -> Eagle3Config:
-        """Read an EAGLE-3 config.json (ours, SpecForge's or vLLM's names); a bad field raises OpdError naming it."""
+        """Read an EAGLE-3 config.json (ours, SpecForge's or vLLM's names, or speculators' layout); a bad field
+        raises OpdError naming it."""
+        if is_speculators(d):
+            d = eagle3_public(d) | {"architectures": [ARCHITECTURE]}
         archs = d.get("architectures")
         if not isinstance(archs, list) or not set(archs) & ARCHITECTURES:
             raise OpdError(f"config field 'architectures' is {archs!r}; expected one of {sorted(ARCHITECTURES)}")
@@ -180,9 +200,21 @@ class Eagle3Config:
         config = cls(**shape, draft_vocab_size=_int_field(d, "draft_vocab_size"),
                      target_hidden_size=int(d.get("target_hidden_size") or shape["hidden_size"]),
                      aux_layer_ids=list(ids), num_target_layers=int(num_target_layers),
-                     block_size=int(d.get("block_size", block_size)))
+                     block_size=int(d.get("block_size", block_size)), **_eagle31_flags(d, eagle))
         _check(config)
         return config
+
+
+def _eagle31_flags(d: dict[str, Any], eagle: dict[str, Any]) -> dict[str, bool]:
+    """EAGLE 3.1's flags, from the top level or eagle_config; fc_norm and norm_before_fc exclude each other."""
+    flags = {name: d.get(name, eagle.get(name)) for name in EAGLE31_FLAGS}
+    for name, value in flags.items():
+        if value not in (None, True, False):
+            raise OpdError(f"config field '{name}' must be true, false or null, got {value!r}")
+    if flags["fc_norm"] and flags["norm_before_fc"]:
+        raise OpdError("config fields 'fc_norm' and 'norm_before_fc' are both true (expected at most one: per-state "
+                       "norms or one norm over their concatenation)")
+    return {name: bool(value) for name, value in flags.items()}
 
 
 def _layer_shape(hf: dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +253,11 @@ def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     layer = {"hidden_norm": (h,), "input_layernorm": (h,), "post_attention_layernorm": (h,),
              "self_attn.q_proj": (q, 2 * h), "self_attn.k_proj": (kv, 2 * h), "self_attn.v_proj": (kv, 2 * h),
              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    return {"fc.weight": (h, 3 * config.target_hidden_size),
+    t = config.target_hidden_size
+    norms = {f"fc_norm.{i}.weight": (t,) for i in range(3)} if config.fc_norm else {}
+    if config.norm_before_fc:
+        norms["input_norm.weight"] = (3 * t,)
+    return {"fc.weight": (h, 3 * t), **norms,
             **{f"midlayer.{name}.weight": shape for name, shape in layer.items()},
             "norm.weight": (h,), "lm_head.weight": (config.draft_vocab_size, h),
             "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)}
@@ -246,7 +282,7 @@ def read_config(directory: ModelDir, target: TargetShape, block_size: int) -> Ea
 
 def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Load model.safetensors, drop a shared embedding, check names, shapes and the vocabulary mapping."""
-    tensors = load_weights(path)
+    tensors = {eagle3_tensor_name(name): t for name, t in load_weights(path).items()}
     tensors.pop(SHARED_EMBEDDING, None)
     for name, what in (("d2t", "draft-to-target vocabulary offsets"), ("t2d", "target-to-draft vocabulary mask")):
         if name not in tensors:
@@ -282,17 +318,34 @@ def _check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size:
 def write_checkpoint(directory: str | Path, config: Eagle3Config, state: dict[str, torch.Tensor],
                      dtype: torch.dtype) -> None:
     """Write config.json + model.safetensors; weights in `dtype`, d2t int64 and t2d bool, any embedding left out."""
-    import torch
-    from safetensors.torch import save_file
+    _write(directory, config.to_hf_dict(), _checked(config, state), dtype)
 
+
+def write_speculators(directory: str | Path, config: Eagle3Config, state: dict[str, torch.Tensor],
+                      dtype: torch.dtype, verifier: str | None, verifier_architectures: list[str]) -> None:
+    """Write the checkpoint in vLLM's `speculators` layout (opd/formats/speculators.py), naming `verifier`:
+    speculators' converter drops EAGLE 3.1's norm tensors, so a drafter with them is exported this way."""
+    hf = eagle3_speculators(config.to_hf_dict(), verifier, verifier_architectures)
+    _write(directory, hf, speculators_tensor_names(_checked(config, state)), dtype)
+
+
+def _checked(config: Eagle3Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict less any embedding, checked against the layout's names and shapes."""
     shapes = expected_shapes(config)
     state = {name: t for name, t in state.items() if name != SHARED_EMBEDDING}
     bad = {name: tuple(t.shape) for name, t in state.items() if shapes.get(name) != tuple(t.shape)}
     if bad or state.keys() != shapes.keys():
         raise ValueError(f"state does not match the EAGLE-3 layout: {bad or sorted(shapes.keys() ^ state.keys())}")
+    return state
+
+
+def _write(directory: str | Path, hf: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """config.json `hf` (with `dtype`) and `state` as model.safetensors: weights in `dtype`, d2t int64, t2d bool."""
+    import torch
+    from safetensors.torch import save_file
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    hf = config.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     cast = {"d2t": torch.int64, "t2d": torch.bool}

@@ -41,6 +41,7 @@ from opd.formats.dflash import (
     read_config,
     read_tensors,
     write_checkpoint,
+    write_speculators,
 )
 from opd.formats.layer_attention import LayerAttention
 from opd.model_dir import ModelDir
@@ -230,6 +231,7 @@ class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (by reference, not as submodules)."""
 
     layer_class: type[nn.Module] = DFlashDecoderLayer  # DFlash 2 (opd/models/dflash2.py) adds its convolutions
+    config_class: type[DFlashConfig] = DFlashConfig  # what its config.json reads as (DSpark's has its heads)
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  teacher: nn.Module | None = None) -> None:
@@ -244,7 +246,7 @@ class DFlashDrafter(nn.Module):
         head = lm_head
         if config.output_multiplier is not None or config.final_logit_softcapping is not None:
             head = DraftHead(lm_head, config.output_multiplier, config.final_logit_softcapping)
-        self._student_head = (head,)
+        self._student_head: tuple[nn.Module] = (head,)
         self._teacher_head = (teacher if teacher is not None else lm_head,)
         self.attention = [config.layer_attention(i) for i in range(config.num_hidden_layers)]
         ropes = [config.rope_of(i) for i in range(config.num_hidden_layers)]
@@ -460,7 +462,8 @@ class DFlashDrafter(nn.Module):
     def from_pretrained(cls, directory: str | Path, target: Target | SharedHead) -> DFlashDrafter:
         """Load a public-layout DFlash checkpoint for `target`; any mismatch raises a one-line OpdError."""
         model_dir = ModelDir.read(directory, "drafter")
-        drafter = cls(read_config(model_dir, target), target.embed_tokens, target.lm_head, teacher_head(target))
+        drafter = cls(read_config(model_dir, target, cls.config_class), target.embed_tokens, target.lm_head,
+                      teacher_head(target))
         drafter.load_state_dict(read_tensors(model_dir.path / WEIGHTS_FILE, drafter.state_dict()))
         return drafter
 
@@ -508,7 +511,7 @@ class DFlashFamily(DrafterFamily):
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: DFlashSpec) -> Shapes:
         """A drafter built on the meta device gives the shapes without allocating them."""
-        config = read_config(directory, target)
+        config = read_config(directory, target, self.drafter_class.config_class)
         with torch.device("meta"):
             shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size,
                                                                                      config.vocab_size, bias=False)
@@ -518,7 +521,8 @@ class DFlashFamily(DrafterFamily):
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: DFlashSpec) -> int:
         """The engines capture the target layers the config names and run its layers as z-lab's code does."""
-        config = DFlashConfig.from_hf_dict(directory.config)
+        config = self.drafter_class.config_class.from_hf_dict(directory.config,
+                                                              None if target is None else target.num_layers)
         check_vllm_capturable(config)
         if target is not None and (config.hidden_size, config.num_target_layers) != (target.hidden_size,
                                                                                      target.num_layers):
@@ -529,3 +533,10 @@ class DFlashFamily(DrafterFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         return {"method": "dflash", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+
+    def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
+        """The same tensors under speculators' config.json: its converter reads z-lab's DFlash layout but not
+        DFlash 2's, so the DFlash families write speculators' own."""
+        architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
+        write_speculators(directory, drafter.config, drafter.state_dict(), drafter.fc.weight.dtype, verifier,
+                          architectures)

@@ -11,8 +11,10 @@ live beneath, in opd/formats/.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
+from opd.errors import OpdError
 from opd.formats.dflash import TargetShape
 from opd.formats.section import DrafterSection
 from opd.model_dir import ModelDir
@@ -56,6 +58,13 @@ class DrafterFamily:
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         """vLLM's `speculative_config` for an exported drafter: it drafts block_size - 1 tokens per step."""
         raise NotImplementedError
+
+    def save_speculators(self, drafter: Drafter, directory: str | Path, verifier: str | None) -> None:
+        """Export `drafter` in vLLM's `speculators` layout (opd/formats/speculators.py), naming the target at
+        `verifier` (a path or hub id; None leaves the embedding and LM head for the user to attach), for a family
+        whose own layout speculators cannot convert."""
+        raise OpdError(f"models.drafter.kind: {self.kind} has no speculators export here (its public layout is "
+                       "what speculators' converter reads)")
 
     def fit_to_data(self, drafter: Drafter, token_counts: Any) -> None:
         """What a fresh drafter takes from its SFT data's response-token counts before training (nothing, unless

@@ -12,6 +12,9 @@ load; facts in ../shared/EAGLE3.md):
   in place of the target's fused state, at RoPE position a−1+k, attending the columns before the anchor and the
   chain's own steps. K−1 steps give K−1 drafts, each an argmax over the draft vocabulary mapped to target ids
   (`d2t`), so chains are point masses and the rebuild of opd/sources/rebuild.py holds.
+* EAGLE 3.1 (flags in its config): RMSNorms on the fused states before `fc` (`fc_norm`, per state, or
+  `norm_before_fc`, over their concatenation), and `norm_output`, the step's normed output fed to the next step
+  and the head alike (speculators' `Eagle3DraftModel`).
 * Vocabulary. `lm_head` is the drafter's own, over a draft vocabulary of `draft_vocab_size` frequent target ids;
   the embedding is the target's, frozen and borrowed by reference (not a parameter, not saved).
 
@@ -43,6 +46,7 @@ from opd.formats.eagle3 import (
     read_config,
     read_tensors,
     write_checkpoint,
+    write_speculators,
 )
 from opd.model_dir import ModelDir
 from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
@@ -112,6 +116,9 @@ class Eagle3Drafter(nn.Module):
         self._shared = (embed_tokens, target_head)  # a tuple: not parameters, not in state_dict
         self.midlayer = Eagle3Layer(config)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        t, eps = config.target_hidden_size, config.rms_norm_eps
+        self.fc_norm = nn.ModuleList(RMSNorm(t, eps) for _ in range(3)) if config.fc_norm else None  # EAGLE 3.1
+        self.input_norm = RMSNorm(3 * t, eps) if config.norm_before_fc else None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size) * 0)
@@ -189,7 +196,7 @@ class Eagle3Drafter(nn.Module):
 
     def _columns(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
         """Queries, keys, values and residual of columns (g_p, x_{p+1}) at `positions`."""
-        state = self.fc(features.to(self.fc.weight.dtype))
+        state = self._fuse(features.to(self.fc.weight.dtype))
         x = self.midlayer.inputs(self.embed_tokens(next_ids), state)
         return (*self.midlayer.self_attn.project(x, *self._rope(positions)), state)
 
@@ -198,8 +205,22 @@ class Eagle3Drafter(nn.Module):
         x = self.midlayer.inputs(self.embed_tokens(tokens), state)
         return self.midlayer.self_attn.project(x, *self._rope(positions))
 
+    def _fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """`fc` of the three target states [.., 3H], after EAGLE 3.1's norms when the config has them."""
+        if self.fc_norm is not None:
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.chunk(3, dim=-1))], -1)
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        return self.fc(features)
+
+    def _finish(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output as the next step reads it: normed under EAGLE 3.1's `norm_output`."""
+        out = self.midlayer.finish(state, attended)
+        return self.norm(out) if self.config.norm_output else out
+
     def _head(self, state: torch.Tensor) -> torch.Tensor:
-        return self.norm(state)
+        """The head's input: the normed output (already normed under `norm_output`)."""
+        return state if self.config.norm_output else self.norm(state)
 
     # -- inference ---------------------------------------------------------------------------------------------
 
@@ -228,7 +249,7 @@ class Eagle3Drafter(nn.Module):
             sees = key_ok[:, None, :] & (key_pos[:, None, :] <= positions[:, part, None])
             sees = sees | (torch.arange(keys.shape[2], device=keys.device) == self_key[part, None])
             out.append(grouped_sdpa(q[:, :, part], keys, values, sees[:, None], self.config.head_dim**-0.5))
-        states = self.midlayer.finish(state, torch.cat(out, dim=2))
+        states = self._finish(state, torch.cat(out, dim=2))
         cache.append([(k, v)], positions, valid, states)
 
     @torch.no_grad()
@@ -249,7 +270,7 @@ class Eagle3Drafter(nn.Module):
                 keys = torch.cat([cache.keys[0], *chain_k], dim=2)
                 values = torch.cat([cache.values[0], *chain_v], dim=2)
                 mask = torch.cat([sees_context, sees_context.new_ones(len(column), 1, 1, step)], dim=-1)
-                state = self.midlayer.finish(state, grouped_sdpa(q, keys, values, mask, self.config.head_dim**-0.5))
+                state = self._finish(state, grouped_sdpa(q, keys, values, mask, self.config.head_dim**-0.5))
             step_logits = self.logits(self._head(state))[:, 0]
             drafts.append(self.to_target_ids(step_logits.argmax(-1)))
             logits.append(step_logits)
@@ -275,7 +296,7 @@ class Eagle3Drafter(nn.Module):
         has_next = torch.cat([context_valid[:, 1:], context_valid.new_zeros(batch, 1)], dim=1) & context_valid
         q, k, v, state = self._columns(features, next_ids, positions)
         attended = _causal_attention(q, k, v, has_next, self.config.head_dim**-0.5, chunk_rows)
-        columns = self.midlayer.finish(state, attended)  # o_p, [B,T,H]
+        columns = self._finish(state, attended)  # o_p, [B,T,H]
         rows = torch.arange(batch, device=q.device)[:, None]
         step = columns[rows, (anchor_positions - 1).clamp_min(0)]  # o_{a-1}, [B,M,H]
         out = [self._head(step)]
@@ -287,7 +308,7 @@ class Eagle3Drafter(nn.Module):
             chain_v.append(sv)
             attended = _chain_attention(sq, k, v, torch.stack(chain_k, 3), torch.stack(chain_v, 3), visible,
                                         self.config.head_dim**-0.5, chunk_rows)
-            step = self.midlayer.finish(step, attended)
+            step = self._finish(step, attended)
             out.append(self._head(step))
         return torch.stack(out, 2)
 
@@ -410,6 +431,11 @@ class Eagle3Family(DrafterFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         return {"method": "eagle3", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+
+    def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
+        architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
+        write_speculators(directory, drafter.config, drafter.state_dict(), drafter.fc.weight.dtype, verifier,
+                          architectures)
 
     def fit_to_data(self, drafter: Any, token_counts: torch.Tensor) -> None:
         """The draft vocabulary: the data's most frequent response tokens (SpecForge's and EAGLE's rule)."""

@@ -1,8 +1,8 @@
 """The drafter interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
 
-Three families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward), DFlash 2
-(opd/models/dflash2.py: a DFlash drafter whose selector chains the block's drafts) and EAGLE-3 (opd/models/eagle3.py:
-a chain of K-1 argmax steps). All draft point masses, so the rebuild (opd/sources/rebuild.py) and replay hold for
+Four families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward), DFlash 2
+(opd/models/dflash2.py: a DFlash drafter whose selector chains the block's drafts), EAGLE-3 (opd/models/eagle3.py:
+a chain of K-1 argmax steps) and DSpark (opd/models/dspark.py: a DFlash drafter whose Markov head chains them). All draft point masses, so the rebuild (opd/sources/rebuild.py) and replay hold for
 each. A drafter whose q at a slot depends on the draft before it (`chains_q`) is a `ChainedDrafter` too: its
 sampled drafts and its selector's loss terms come through that protocol, asked with `chains`, never by family.
 What differs by family outside drafting (building, checkpoints, serving) is its `DrafterFamily`
@@ -87,16 +87,17 @@ class Drafter(Protocol):
 
 
 class ChainedDrafter(Drafter, Protocol):
-    """A drafter whose q at a slot depends on the draft chosen at the slot before (`chains_q`: DFlash 2)."""
+    """A drafter whose q at a slot depends on the draft chosen at the slot before (`chains_q`: DFlash 2, DSpark)."""
 
     @property
     def selector(self) -> nn.Module:
         """What chains the slots: DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py)."""
 
     def draft_path(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
-                   pick: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                   pick: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(drafts [B,K-1], candidates [B,K-1,k]) of one block per sequence, slot k's candidate chosen by
-        `pick(k, scores [B,k])` given the draft before it."""
+        `pick(k, scores [B,k])` given the draft before it; candidates None when every slot scores the whole
+        vocabulary in order (DSpark's Markov head), so `pick` returns token ids."""
 
 
 def chains(drafter: Drafter) -> TypeGuard[ChainedDrafter]:

@@ -45,8 +45,9 @@ def selector_trains(drafter: Drafter, wanted: bool) -> bool:
     """Whether a step trains DFlash 2's selector: `wanted` when a loss reads it (its own term,
     opd/distill/selector_loss.py, or an acceptance objective, whose q is the selector's). Otherwise (or with no
     selector) a selector is frozen, so no optimizer holds it and it is saved as loaded. Call before
-    `build_optimizer`."""
-    if not chains(drafter):
+    `build_optimizer`. A chaining drafter whose selector has no parameters (DSpark: its Markov head is part of q,
+    which the main loss trains) has no selector term."""
+    if not chains(drafter) or not list(drafter.selector.parameters()):
         return False
     drafter.selector.requires_grad_(wanted)
     return wanted

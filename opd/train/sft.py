@@ -279,7 +279,7 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
             batch = [examples[i] for i in order[j : j + s.batch_size]]
             optimizer.zero_grad(set_to_none=True)
             done = sft_backward(models.target, models.drafter, batch, s, chunk_size=spec.optim.loss_chunk_size,
-                                generator=generator, selector_weight=spec.loss.selector_weight,
+                                generator=generator, selector_weight=spec.loss.selector_weight if selects else 0.0,
                                 acceptance=acceptance)
             torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), spec.optim.grad_clip or float("inf"))
             optimizer.step()

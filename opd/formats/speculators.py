@@ -1,0 +1,181 @@
+"""vLLM's `speculators` checkpoint layout (speculators 0.9.0): both ways for the DFlash families, read for EAGLE-3.
+
+`speculators` is the format library of vLLM's own training and serving. Its checkpoints keep the public drafters'
+tensor names (DFlash's `layers.*`, `fc`, `hidden_norm`, `norm`; DFlash 2's convolutions and codebooks) but wrap the
+config: `speculators_model_type` names the family, the drafter's own Qwen3 fields sit in `transformer_layer_config`
+(written as a diff against Qwen3Config's defaults), and `speculators_config` says the algorithm, the tokens it
+drafts per step and the verifier. Its layer ids (`aux_hidden_state_layer_ids`) name the residual stream entering
+target layer i, one more than z-lab's `target_layer_ids` (the output of layer i), as speculators' own z-lab
+converter maps them; it does not record the target's depth, so reading one needs the target at hand.
+
+Reading translates a speculators config.json into the public layout the family's reader takes (z-lab's for DFlash,
+SpecForge's for EAGLE-3, whose `layers.0.*` tensors are SpecForge's `midlayer.*`), so every check of that reader
+holds; writing goes the other way from a `DFlashConfig` (speculators' converter reads SpecForge's EAGLE-3 layout). What the layout cannot say
+(a reduced draft vocabulary, an anchor slot that drafts, z-lab's logit scalars, causal full-attention layers) is a
+one-line OpdError naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opd.errors import OpdError
+
+MODEL_TYPE = "speculators_model_type"
+VERSION = "0.9.0"
+# speculators' model type -> the public (z-lab) architecture of the same drafter
+DFLASH_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# DFlash2SpeculatorConfig's defaults, in force where a config leaves a field out
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+# what a public DFlash config.json holds beside the drafter's own Qwen3 fields
+PUBLIC_ONLY = ("architectures", "block_size", "dflash_config", "num_target_layers", "is_causal", "dtype")
+
+
+def is_speculators(config: dict[str, Any]) -> bool:
+    """Whether a drafter's config.json is in speculators' layout."""
+    return MODEL_TYPE in config
+
+
+def model_type(config: dict[str, Any]) -> str | None:
+    """The family speculators' layout names (`speculators_model_type`), None for another layout."""
+    value = config.get(MODEL_TYPE)
+    return value if isinstance(value, str) else None
+
+
+def layer_fields(layer: Any) -> dict[str, Any]:
+    """`transformer_layer_config` with the defaults of its transformers config class filled in, as speculators
+    builds it (it writes only the fields that differ from them)."""
+    from transformers import AutoConfig
+
+    if not isinstance(layer, dict):
+        raise OpdError(f"config field 'transformer_layer_config' must be an object, got {layer!r}")
+    fields = {k: v for k, v in layer.items() if k != "model_type"}
+    return AutoConfig.for_model(layer.get("model_type", "qwen3"), **fields).to_dict()
+
+
+def dflash_public(hf: dict[str, Any], num_target_layers: int | None) -> dict[str, Any]:
+    """The public DFlash config.json of a speculators DFlash or DFlash 2 checkpoint (`num_target_layers` is the
+    target's depth, which speculators does not record; None leaves it out)."""
+    kind = model_type(hf)
+    if kind not in DFLASH_TYPES:
+        raise OpdError(f"config field '{MODEL_TYPE}' is {kind!r} (expected one of {', '.join(DFLASH_TYPES)})")
+    if hf.get("sample_from_anchor"):
+        raise OpdError("config field 'sample_from_anchor' is true, an anchor slot that drafts (expected false: the "
+                       "anchor is the bonus token, as in z-lab's DFlash)")
+    public = backbone_public(hf, hf.get("block_size"), num_target_layers)
+    if kind == "dflash2":
+        public["dflash_config"] |= {name: hf.get(name, default) for name, default in DFLASH2_DEFAULTS.items()}
+    return public | {"architectures": [DFLASH_TYPES[kind]]}
+
+
+def backbone_public(hf: dict[str, Any], block_size: Any, num_target_layers: int | None) -> dict[str, Any]:
+    """The public DFlash config.json of the DFlash backbone a speculators DFlash-family config describes, with the
+    block size the public layout counts (`block_size`: anchor included)."""
+    layer = layer_fields(hf.get("transformer_layer_config"))
+    _check_dflash_wrapper(hf, layer["vocab_size"])
+    dflash: dict[str, Any] = {"mask_token_id": hf.get("mask_token_id"),
+                              "target_layer_ids": [i - 1 for i in hf["aux_hidden_state_layer_ids"]]}
+    sliding = "sliding_attention" in (layer.get("layer_types") or [])
+    out = {k: v for k, v in layer.items() if k not in PUBLIC_ONLY}
+    out |= {"architectures": [DFLASH_TYPES["dflash"]], "block_size": block_size, "dflash_config": dflash,
+            "use_sliding_window": layer.get("sliding_window") is not None}
+    if sliding and hf.get("sliding_window_non_causal", model_type(hf) == "dflash2"):
+        out["is_causal"] = False  # every layer sees its whole block, as z-lab's top-level flag says
+    if num_target_layers is not None:
+        out["num_target_layers"] = num_target_layers
+    return out
+
+
+def _check_dflash_wrapper(hf: dict[str, Any], vocab_size: int) -> None:
+    """The speculators fields a public DFlash drafter has no counterpart for must hold their public meaning."""
+    if hf.get("draft_vocab_size", vocab_size) != vocab_size:
+        raise OpdError(f"config field 'draft_vocab_size' is {hf['draft_vocab_size']}, a reduced draft vocabulary "
+                       f"(expected the target's {vocab_size}: DFlash drafters here draft the whole vocabulary)")
+    ids = hf.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 1 for i in ids):
+        raise OpdError(f"config field 'aux_hidden_state_layer_ids' must list target layer ids >= 1, got {ids!r}")
+
+
+def speculators_config(algorithm: str, speculative_tokens: int, verifier: str | None,
+                       architectures: list[str]) -> dict[str, Any]:
+    """speculators' `speculators_config`: greedy proposals of `speculative_tokens` per step, and the verifier
+    (`verifier`: its path or hub id, from which speculators reloads the embedding and LM head it does not save)."""
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": verifier, "architectures": architectures}}
+
+
+def dflash_speculators(public: dict[str, Any], verifier: str | None, verifier_architectures: list[str],
+                       kind: str | None = None) -> dict[str, Any]:
+    """speculators' config.json for a public DFlash or DFlash 2 config.json (as `DFlashConfig.to_hf_dict`
+    writes it), or the DFlash backbone of another DFlash family (`kind`, which adds its own fields)."""
+    dflash = public.get("dflash_config", {})
+    kind = kind or ("dflash2" if public["architectures"] == [DFLASH_TYPES["dflash2"]] else "dflash")
+    extra = sorted(set(dflash) - {"mask_token_id", "target_layer_ids", *DFLASH2_DEFAULTS})
+    if extra:
+        raise OpdError(f"config field 'dflash_config.{extra[0]}' has no counterpart in speculators' {kind} layout")
+    if public.get("is_causal"):
+        raise OpdError("config field 'is_causal' is true (causal full-attention layers), which speculators' "
+                       f"{kind} layout cannot say")
+    sliding = "sliding_attention" in public.get("layer_types", [])
+    layer = {k: v for k, v in public.items() if k not in PUBLIC_ONLY} | {"model_type": "qwen3"}
+    block = public["block_size"]
+    return {MODEL_TYPE: kind, "speculators_version": VERSION, "architectures": [DFLASH_TYPES.get(kind, "")],
+            "transformer_layer_config": layer, "draft_vocab_size": public["vocab_size"], "block_size": block,
+            "target_hidden_size": None, "mask_token_id": dflash["mask_token_id"],
+            "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+            "sliding_window_non_causal": sliding and public.get("is_causal") is False,
+            "sample_from_anchor": False,
+            "speculators_config": speculators_config(kind, block - 1, verifier, verifier_architectures),
+            **{name: dflash[name] for name in DFLASH2_DEFAULTS if name in dflash},
+            "tie_word_embeddings": False}
+
+
+# EAGLE-3 options of speculators' layout, carried to the top level where the EAGLE-3 reader refuses the ones it does
+# not implement
+EAGLE3_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def eagle3_public(hf: dict[str, Any]) -> dict[str, Any]:
+    """SpecForge's EAGLE-3 config.json (less `architectures`, which the reader names) of a speculators one."""
+    if model_type(hf) != "eagle3":
+        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected 'eagle3')")
+    layer = layer_fields(hf.get("transformer_layer_config"))
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    if isinstance(ids, list) and ids[:1] == [1]:  # the public layout reads a first id of 1 as SpecForge's
+        raise OpdError(f"config field 'eagle_aux_hidden_state_layer_ids' is {ids}: an entering id of 1 cannot be "
+                       "told from SpecForge's output-of-layer ids in the public layout (expected a first id >= 2)")
+    return ({k: v for k, v in layer.items() if k not in ("architectures", "dtype")}
+            | {"draft_vocab_size": hf.get("draft_vocab_size"), "target_hidden_size": hf.get("target_hidden_size"),
+               "eagle_config": {} if ids is None else {"eagle_aux_hidden_state_layer_ids": ids}}
+            | {name: hf[name] for name in EAGLE3_OPTIONS if name in hf})
+
+
+def eagle3_tensor_name(name: str) -> str:
+    """SpecForge's name of a speculators EAGLE-3 tensor (its one layer is `layers.0`, SpecForge's `midlayer`)."""
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def eagle3_speculators(public: dict[str, Any], verifier: str | None,
+                       verifier_architectures: list[str]) -> dict[str, Any]:
+    """speculators' EAGLE-3 config.json for SpecForge's (as `Eagle3Config.to_hf_dict` writes it): what speculators'
+    converter writes, with the layer ids, EAGLE 3.1's flags and the chain's length carried over."""
+    eagle = public.get("eagle_config", {})
+    skip = ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "block_size", "dtype",
+            "torch_dtype", *EAGLE3_OPTIONS)
+    layer = {k: v for k, v in public.items() if k not in skip} | {"model_type": "llama"}
+    return {MODEL_TYPE: "eagle3", "speculators_version": VERSION, "architectures": ["Eagle3DraftModel"],
+            "transformer_layer_config": layer, "draft_vocab_size": public["draft_vocab_size"],
+            "target_hidden_size": public.get("target_hidden_size"),
+            "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+            **{name: bool(public.get(name, False)) for name in EAGLE3_OPTIONS},
+            "embed_requires_grad": False, "tie_word_embeddings": False,
+            "speculators_config": speculators_config("eagle3", public["block_size"] - 1, verifier,
+                                                     verifier_architectures)}
+
+
+def speculators_tensor_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE-3 state dict under speculators' names (SpecForge's `midlayer` is its `layers.0`)."""
+    return {("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): t
+            for name, t in tensors.items()}

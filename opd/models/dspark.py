@@ -1,0 +1,221 @@
+"""The DSpark drafter (arXiv 2607.05147; speculators' `DSparkDraftModel`, 0.9.0): a DFlash backbone whose Markov
+head chains the block's drafts, and a confidence head.
+
+Why a subclass of `DFlashDrafter`: DSpark keeps DFlash's context injection, layers, cache and block attention, and
+adds two heads after them (as DFlash 2 adds its selector). So it plugs into the one family interface
+(opd/models/family.py) as a DFlash drafter whose block and head differ:
+
+* Block. The anchor's own slot drafts (DeepSpec's `sample_from_anchor`): the block [anchor, MASK x (K-2)] at
+  positions anchor..anchor+K-2 runs K-1 tokens through the layers, and slot j's hidden gives draft j+1.
+* Markov head. Slot j's logits are lm_head(h_j) + markov_w2(markov_w1[x_j]), x_j the token before its prediction:
+  the anchor for slot 0, draft j for the others. Greedy drafts are the argmax path left to right; sampled drafts
+  (`draft: sample`) draw slot j from softmax(logits_j / T) given the draft drawn before it (`draft_path`, verified
+  by opd/decoding/verify.py's `sample_chained_draft` with min(1, p/q) over the full vocabulary). Both are a point
+  mass per block given (context, anchor) when greedy, which the rebuild and offline τ rely on.
+* Confidence head. sigmoid(proj([h_j; markov_w1[x_j]])), the slot's predicted acceptance, for variable-length
+  verification; it is loaded, saved and computed (`confidence`), but decoding verifies whole blocks and no loss
+  trains it here.
+
+Training: `block_hidden` returns each slot's hidden with its Markov embedding appended ([h_j; markov_w1[x_j]], x_j
+from the block's inputs: the rollout's drafts or the data), and `student_head` adds the Markov bias to the LM head's
+logits, so Draft-OPD's losses and SFT's cross-entropy read DSpark's own q at every slot and train both heads' Markov
+parts with the backbone. There is no separately trained selector (`selector` is empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from opd.formats.dflash import DFlashConfig, DFlashSpec, write_layout
+from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
+from opd.model_dir import ModelDir
+from opd.models.drafter import DFlashDrafter, DFlashFamily, _block_masks
+from opd.models.drafter_cache import DrafterCache
+from opd.models.packed_attention import CHUNK_ROWS
+from opd.models.shared_head import SharedHead
+from opd.models.target import Target
+
+Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (slot, scores [B,V]) -> token [B]
+
+
+class MarkovHead(nn.Module):
+    """The low-rank bias markov_w2(markov_w1[x]) of a slot's logits given the token x before it (speculators'
+    vanilla `MarkovHead`: its tensor names and its initialisation of markov_w1)."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
+        self.markov_w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
+        nn.init.normal_(self.markov_w2.weight, std=0.02)
+
+
+class ConfidenceHead(nn.Module):
+    """A slot's acceptance logit from [h; markov_w1[x]] (speculators' `ConfidenceHead`)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+
+
+class MarkovLogits(nn.Module):
+    """The student head: [h; e] (a slot's final hidden and its Markov embedding) -> lm_head(h) + markov_w2(e)."""
+
+    def __init__(self, head: nn.Module, markov_w2: nn.Linear, hidden_size: int) -> None:
+        super().__init__()
+        self._parts = (head, markov_w2)  # not submodules: the drafter owns them
+        self.hidden_size = hidden_size
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The LM head's weight (callers cast hidden rows to its dtype)."""
+        return cast(torch.Tensor, self._parts[0].weight)
+
+    def parameters(self, recurse: bool = True):  # type: ignore[override]
+        """The trainable part: markov_w2 (the LM head is the target's, frozen)."""
+        return self._parts[1].parameters(recurse)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        head, markov_w2 = self._parts
+        hidden, embedded = rows[..., : self.hidden_size], rows[..., self.hidden_size :]
+        return head(hidden) + markov_w2(embedded.to(markov_w2.weight.dtype)).to(rows.dtype)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DSpark: DFlash layers over K-1 drafting slots, drafts chained by the Markov head."""
+
+    config_class = DSparkConfig
+    chains_q = True  # slot j's logits depend on the draft at slot j-1
+
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 teacher: nn.Module | None = None) -> None:
+        super().__init__(config, embed_tokens, lm_head, teacher)
+        config = cast(DSparkConfig, config)
+        self.markov_head = MarkovHead(config)
+        self.confidence_head = ConfidenceHead(config.confidence_width) if config.confidence_head else None
+        self._base_head = self._student_head  # the LM head (with a variant's transform), before the Markov bias
+        self._student_head: tuple[nn.Module] = (MarkovLogits(self._base_head[0], self.markov_head.markov_w2,
+                                                             config.hidden_size),)
+        self._no_selector = (nn.Module(),)
+        self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens a block runs through the layers: the anchor and K-2 masks (the anchor's slot drafts)."""
+        return self.block_size - 1
+
+    @property
+    def selector(self) -> nn.Module:
+        """No module of its own loss: the Markov head is part of q, trained by the main loss."""
+        return self._no_selector[0]
+
+    def extra_flops(self) -> tuple[int, int]:
+        """(FLOPs per block token, per drafted slot): markov_w2 per slot (markov_w1 is a lookup)."""
+        c = cast(DSparkConfig, self.config)
+        return 0, 2 * c.markov_rank * c.vocab_size
+
+    def markov(self, previous: torch.Tensor) -> torch.Tensor:
+        """markov_w1 [..., r] of the tokens before the slots' predictions."""
+        return self.markov_head.markov_w1(previous)
+
+    def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """The confidence head's acceptance probability [...] of slots with final hidden [..., H]."""
+        if self.confidence_head is None:
+            raise ValueError("this DSpark drafter has no confidence head (enable_confidence_head: false)")
+        rows = hidden
+        if cast(DSparkConfig, self.config).confidence_with_markov:
+            rows = torch.cat([hidden, self.markov(previous).to(hidden.dtype)], dim=-1)
+        return torch.sigmoid(self.confidence_head.proj(rows)[..., 0])
+
+    def _block(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[anchor, MASK x (K-2)] per row of anchor_ids [...]."""
+        block = anchor_ids.new_full((*anchor_ids.shape, self.tokens_per_block), self.mask_token_id)
+        block[..., 0] = anchor_ids
+        return block
+
+    # -- training ----------------------------------------------------------------------------------------------
+
+    def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
+                     anchor_positions: torch.Tensor, block_inputs: torch.Tensor,
+                     chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+        """[h_j; markov_w1[x_j]] [B,M,K-1,H+r] at every drafted slot: the backbone's final hidden of the K-1-token
+        block, with the Markov embedding of the block's input before each prediction (block_inputs [B,M,K-1]: the
+        anchor, then the drafts or the data)."""
+        context = self.project_context(features.to(self.fc.weight.dtype))
+        hidden = self.forward_blocks(context, context_valid, self._block(block_inputs[..., 0]), anchor_positions,
+                                     chunk_rows)
+        return torch.cat([hidden, self.markov(block_inputs).to(hidden.dtype)], dim=-1)
+
+    # -- inference ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def drafted_slots(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden [B,K-1,H] and the LM head's logits [B,K-1,V] (before the Markov bias) of one block's
+        drafting slots per sequence, the anchor's included."""
+        block = self._block(anchor_ids)
+        positions = anchor_positions[:, None] + torch.arange(block.shape[1], device=anchor_ids.device)
+        masks: Any = _block_masks(cache, anchor_positions, block.shape[1], self.attention)  # None: no mask needed
+        hidden = self._run_blocks(block, positions, list(zip(cache.keys, cache.values)), masks)
+        return hidden, self._base_head[0](hidden)
+
+    @torch.no_grad()
+    def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Markov head's greedy path [B,K-1] and the logits [B,K-1,V] of each slot given the draft before it."""
+        logits: list[torch.Tensor] = []
+
+        def pick(slot: int, scores: torch.Tensor) -> torch.Tensor:
+            logits.append(scores)
+            return scores.argmax(-1)
+
+        drafts, _ = self.draft_path(cache, anchor_ids, anchor_positions, pick)
+        return drafts, torch.stack(logits, dim=1)
+
+    @torch.no_grad()
+    def draft_path(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
+                   pick: Pick) -> tuple[torch.Tensor, None]:
+        """(drafts [B,K-1], None: each slot's q is over the whole vocabulary): slot by slot, `pick(slot, logits
+        [B,V])` chooses the token given the one chosen before it (the anchor first)."""
+        _, base = self.drafted_slots(cache, anchor_ids, anchor_positions)
+        markov_w2, previous, drafts = self.markov_head.markov_w2, anchor_ids, []
+        for slot in range(base.shape[1]):
+            bias = markov_w2(self.markov(previous).to(markov_w2.weight.dtype)).to(base.dtype)
+            drafts.append(pick(slot, base[:, slot] + bias))
+            previous = drafts[-1]
+        return torch.stack(drafts, dim=1), None
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path, verifier: str | None = None,
+                        verifier_architectures: list[str] | None = None) -> None:
+        """config.json and model.safetensors in speculators' DSpark layout (no embedding, no LM head)."""
+        config = cast(DSparkConfig, self.config)
+        write_layout(directory, config.to_speculators_dict(verifier, verifier_architectures), self.state_dict(),
+                     self.fc.weight.dtype)
+
+
+class DSparkFamily(DFlashFamily):
+    """DSpark (speculators' `DSparkDraftModel`): vLLM's `method: dspark`."""
+
+    section = DSparkSpec
+    drafter_class = DSparkDrafter
+
+    def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
+        backbone = super().config(section, base, tokenizer)
+        rank = cast(DSparkSpec, section).markov_rank or DEFAULT_RANK
+        return DSparkConfig(**{f.name: getattr(backbone, f.name) for f in fields(DFlashConfig)}, markov_rank=rank)
+
+    def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
+        return {"method": "dspark", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+
+    def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
+        """Its own layout, naming the verifier."""
+        architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
+        drafter.save_pretrained(directory, verifier, architectures)

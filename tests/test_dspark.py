@@ -1,0 +1,190 @@
+"""DSpark (opd/models/dspark.py): a DFlash backbone over K-1 drafting slots whose Markov head chains the drafts.
+
+Micro models in float64, as tests/test_dflash2.py: greedy decoding is the target's argmax path, point-mass and
+sampled drafts are lossless by the chi-square test of tests/test_decoding.py (joint law of the first three emitted
+tokens, 10k sequences, 0.1% critical value), the rebuild and offline τ equal decoding, and the packed training
+forward gives each block the logits its own draft gives it. The Markov head is scaled up so that its bias changes
+the drafts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.cli import main
+from opd.decoding.autoregressive import generate_autoregressive
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.errors import OpdError
+from opd.eval.acceptance import AcceptanceStats
+from opd.formats.dflash import DFlashConfig
+from opd.formats.dspark import DSparkConfig
+from opd.model_dir import ModelDir
+from opd.models.drafter import DFlashDrafter
+from opd.models.dspark import DSparkDrafter
+from opd.models.families import detect, family, load_drafter
+from opd.models.lm_head import teacher_head
+from opd.models.target import load_target
+from opd.sources.rebuild import rebuild_records
+from opd.tiny.micro import micro_drafter, micro_target
+from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
+
+PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
+
+
+def dspark_drafter(target, seed: int = 1, block_size: int = 4, rank: int = 4) -> DSparkDrafter:
+    """A DSpark drafter on a random DFlash backbone, its Markov head scaled so its bias competes with the logits."""
+    base = micro_drafter(target, seed=seed, block_size=block_size, mask_token_id=MASK)
+    config = DSparkConfig(**{f.name: getattr(base.config, f.name) for f in fields(DFlashConfig)}, markov_rank=rank)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
+        drafter.load_state_dict(base.state_dict(), strict=False)
+        with torch.no_grad():
+            drafter.markov_head.markov_w1.weight.mul_(30.0)
+            drafter.markov_head.markov_w2.weight.mul_(15.0)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return micro_target(seed=0, vocab_size=8, layer_ids=[0, 2, 3])
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return dspark_drafter(target)
+
+
+def _cache(drafter, features, a):
+    cache = drafter.new_cache(1)
+    drafter.extend_cache(cache, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
+    return cache
+
+
+def test_greedy_drafts_are_the_markov_heads_argmax_path(target, drafter):
+    ids = torch.tensor([[1, 2, 3, 4, 5, 1, 2]])
+    features = target(ids).features
+    cache = _cache(drafter, features, 6)
+    drafts, logits = drafter.draft(cache, ids[:, 6], torch.tensor([6]))
+    hidden, base = drafter.drafted_slots(cache, ids[:, 6], torch.tensor([6]))
+    previous, walked = ids[0, 6], []
+    for slot in range(drafter.block_size - 1):
+        row = drafter.lm_head(hidden[0, slot]) + drafter.markov_head.markov_w2(drafter.markov(previous))
+        assert torch.allclose(row, logits[0, slot])
+        walked.append(int(row.argmax()))
+        previous = torch.tensor(walked[-1])
+    assert drafts[0].tolist() == walked
+    assert walked != base[0].argmax(-1).tolist()  # the bias changes the path
+
+
+def test_training_layout_gives_each_block_its_drafted_logits(target, drafter):
+    """The packed forward (`block_hidden`, many blocks per sequence) through the student head equals, in float64,
+    each block drafted alone with its own cache, given the drafts as the block's inputs."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 0, 1]])
+    features = target(ids).features
+    anchors = [2, 5, 6, 9]
+    drafted = [drafter.draft(_cache(drafter, features, a), ids[:, a], torch.tensor([a])) for a in anchors]
+    inputs = torch.stack([torch.cat([ids[0, a:a + 1], d[0][0, :-1]]) for a, d in zip(anchors, drafted)])[None]
+    hidden = drafter.block_hidden(features, ids, torch.ones_like(ids).bool(), torch.tensor([anchors]), inputs)
+    assert hidden.shape == (1, 4, drafter.block_size - 1, drafter.config.hidden_size + drafter.config.markov_rank)
+    for m, (_, logits) in enumerate(drafted):
+        torch.testing.assert_close(drafter.student_head(hidden[:, m]), logits, rtol=1e-12, atol=1e-12)
+
+
+def test_greedy_decoding_is_the_targets_argmax(target, drafter):
+    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=10)
+    greedy = generate_autoregressive(target, PROMPTS, Sampling(), max_new_tokens=10, eos_id=EOS)
+    assert [r.response_ids for r in records] == greedy
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=1.0, sample_drafts=True),
+                                      Sampling(temperature=0.7, top_k=3, top_p=0.9, sample_drafts=True)],
+                         ids=["T1-point-mass", "T1-sampled", "T0.7-topk3-topp0.9-sampled"])
+def test_decoding_is_lossless(target, drafter, sampling):
+    """The joint law of the first three emitted tokens equals the target's own, drafts served as the Markov path
+    or sampled slot by slot from the realized q."""
+    n = 10_000
+    counts = sampled_joint(target, drafter, PROMPT, sampling, n, length=3)
+    stat, critical = chi_square(counts, exact_joint(target, PROMPT, sampling, 3, EOS), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)], ids=["greedy", "T1"])
+def test_the_rebuild_and_offline_tau_equal_decoding(target, drafter, sampling):
+    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS * 3, sampling, max_new_tokens=16,
+                                                                       seed=5)
+    rebuilt = rebuild_records(target, drafter, decoded, batch_size=4)
+    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
+    assert any(a > 0 for r in decoded for a in r.accepted)
+    assert AcceptanceStats.from_records(rebuilt, 4).tau == AcceptanceStats.from_records(decoded, 4).tau
+
+
+def test_save_load_round_trip_in_speculators_layout(target, drafter, tmp_path):
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["speculators_model_type"], config["block_size"], config["sample_from_anchor"]) == (
+        "dspark", drafter.block_size - 1, True)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafter.block_size - 1
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias"} <= set(load_file(str(tmp_path / "model.safetensors")))
+    assert detect(ModelDir.read(tmp_path, "drafter")).kind == "dspark"
+    loaded = load_drafter(tmp_path, target)
+    assert type(loaded) is DSparkDrafter and loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+    assert family("dspark").vllm_config(ModelDir.read(tmp_path, "drafter"), drafter.block_size) == {
+        "method": "dspark", "model": str(tmp_path), "num_speculative_tokens": drafter.block_size - 1}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"sample_from_anchor": False}, "'sample_from_anchor' is false"),
+    ({"markov_head_type": "gated"}, "'markov_head_type' is 'gated'"),
+    ({"markov_rank": 0}, "'markov_rank' is 0"),
+])
+def test_variants_not_built_are_refused_in_one_line(drafter, change, message):
+    with pytest.raises(OpdError, match=message):
+        DSparkConfig.from_hf_dict(drafter.config.to_speculators_dict() | change, 4)
+
+
+@pytest.fixture
+def micro_dspark(micro_assets, tmp_path):
+    """A DSpark drafter on the micro assets' drafter, saved."""
+    target = load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 2])
+    base = DFlashDrafter.from_pretrained(micro_assets["drafter"], target)
+    config = DSparkConfig(**{f.name: getattr(base.config, f.name) for f in fields(DFlashConfig)}, markov_rank=4)
+    drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head)
+    drafter.load_state_dict(base.state_dict(), strict=False)
+    drafter.save_pretrained(tmp_path / "dspark")
+    return str(tmp_path / "dspark")
+
+
+SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k: 40}", "--set",
+          "replay.teacher=served", "--set", "loss.objective=one_minus_alpha"]
+
+
+@pytest.mark.parametrize("command", ["run", "run-sampled", "sft"])
+def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
+    """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
+    serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
+    the Markov head and save speculators' layout; no loss trains the confidence head."""
+    run_dir = tmp_path / "run"
+    args = [command.split("-")[0], str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}",
+            *(SERVED if command == "run-sampled" else [])]
+    if command.startswith("run"):
+        args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
+    else:
+        args += ["--out", str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
+                 "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6", "--set", "rollout.temperature=0"]
+    assert main(args) == 0, capsys.readouterr().err
+    saved = sorted(p.parent for p in run_dir.rglob("config.json") if "dspark" in p.read_text())[-1]
+    before = load_file(str(Path(micro_dspark) / "model.safetensors"))
+    after = load_file(str(saved / "model.safetensors"))
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight"} <= changed
+    assert not changed & {"confidence_head.proj.weight", "confidence_head.proj.bias"}

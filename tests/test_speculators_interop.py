@@ -1,0 +1,354 @@
+"""The project's drafters in vLLM's `speculators` (0.9.0), the format library of vLLM's training and serving: its
+model classes load what this project exports, with no missing or unexpected tensor, and compute the same logits on
+the same blocks; what speculators saves loads here as the same drafter.
+
+DFlash goes through speculators' own path for a public checkpoint (`from_pretrained` converts z-lab's layout);
+DFlash 2, which that converter cannot read, is exported in speculators' layout (`save_speculators`); EAGLE-3 goes
+through speculators' EAGLE-3 converter (SpecForge's layout), given the layer ids, which it does not read from
+`eagle_config`; EAGLE 3.1 (`fc_norm`, `norm_before_fc`, `norm_output`), whose norm tensors that converter drops, is
+exported in speculators' layout. The target is
+the shipped tiny one (its path is the verifier speculators reloads the embedding and LM head from); the drafters
+are the shipped tiny drafter and a DFlash 2 drafter on its weights with random convolutions and selector, so no
+weight is downloaded. speculators' blocks are its training forward's (`_backbone_forward`, the one every DFlash
+family there shares) at anchors chosen so its random anchor pick takes them all; it runs in float32 with eager
+attention (its flex attention compiles a kernel), so logits agree to float32 rounding and their argmax exactly. EAGLE-3's chain is compared step by step against
+speculators' training-time test with the text's own tokens fed to the chain (its teacher forcing). With
+transformers 5.24, speculators' EAGLE-3 `from_pretrained` keeps the randomly initialised embedding (it reloads the
+verifier's only where it is NaN), so the test reloads it as its DFlash classes do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.formats.dflash import DFlashConfig
+from opd.formats.dspark import DSparkConfig
+from opd.formats.eagle3 import Eagle3Spec, draft_vocab
+from opd.model_dir import ModelDir
+from opd.models.dflash2 import DFlash2Drafter
+from opd.models.drafter import DFlashDrafter
+from opd.models.dspark import DSparkDrafter
+from opd.models.families import detect, family, load_drafter
+from opd.models.lm_head import teacher_head
+from opd.models.target import load_target
+
+# speculators' package __init__ imports its training data pipeline (openai, datasets, hs_connectors) through
+# EAGLE-3's data module for one type alias; the model classes need none of it.
+sys.modules.setdefault("speculators.train.data", types.SimpleNamespace(BatchType=dict))  # type: ignore[arg-type]
+speculators = pytest.importorskip("speculators", reason="speculators is not installed (pip install .[interop])")
+attention = pytest.importorskip("speculators.models.attention")
+entrypoints = pytest.importorskip("speculators.convert.entrypoints")
+eagle3_core = pytest.importorskip("speculators.models.eagle3.core")
+dspark_core = pytest.importorskip("speculators.models.dspark.core")
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # speculators' default-layer-id notices
+              pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]  # its Llama calls
+
+TARGET, DRAFTER = "opd/assets/tiny/target", "opd/assets/tiny/drafter"
+ANCHORS = [3, 10, 17, 25]
+LENGTH = 40
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet():
+    """speculators logs every conversion step through loguru."""
+    from loguru import logger
+
+    logger.disable("speculators")
+    yield
+    logger.enable("speculators")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(TARGET, dtype=torch.float32, layer_ids=[1, 3])
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    """{kind: a drafter of that family on the tiny target}."""
+    shipped = DFlashDrafter.from_pretrained(DRAFTER, target)
+    config = dataclasses.replace(shipped.config, **DFLASH2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        dflash2 = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
+        dflash2.load_state_dict(shipped.state_dict(), strict=False)
+        with torch.no_grad():
+            for layer in dflash2.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.add_(0.3 * torch.randn_like(conv.base_kernel))
+            dflash2.candidate_selector.predecessor_codebook.mul_(40.0)
+            dflash2.candidate_selector.successor_codebook.mul_(40.0)
+    return {"dflash": shipped, "dflash2": dflash2}
+
+
+@pytest.fixture(scope="module")
+def text(target):
+    """A token sequence, the target's final hidden states and its features there."""
+    ids = torch.randint(0, target.config.vocab_size, (1, LENGTH), generator=torch.Generator().manual_seed(0))
+    last, features = target.hidden_states(ids)
+    return ids, last, features
+
+
+def export(kind: str, drafter, directory: Path) -> Path:
+    """The project's export as speculators reads it: z-lab's layout through speculators' converter (DFlash), or
+    speculators' own layout (DFlash 2)."""
+    if kind == "dflash":
+        drafter.save_pretrained(directory / "public")
+        return Path(entrypoints.maybe_convert_external_checkpoint(str(directory / "public"), verifier=TARGET,
+                                                                  output_path=str(directory / "converted")))
+    family(kind).save_speculators(drafter, directory / "speculators", TARGET)
+    return directory / "speculators"
+
+
+def speculators_model(directory: Path):
+    """speculators' model class for a checkpoint, run eagerly in float32."""
+    model = speculators.SpeculatorModel.from_pretrained(str(directory))  # type: ignore[attr-defined]
+    model.config.transformer_layer_config._attn_implementation = "eager"
+    model._create_mask_fn = attention.create_float_mask
+    return model.float().eval()
+
+
+def speculators_blocks(model, text) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [M,K,H], logits [M,K,V]) of speculators' blocks at ANCHORS (all K slots, the anchor's included)."""
+    ids, last, features = text
+    loss_mask = torch.zeros(1, LENGTH)
+    loss_mask[0, ANCHORS] = 1  # exactly len(ANCHORS) valid anchors, so its random pick takes them all
+    with torch.no_grad():
+        hidden, logits, *_ = model._backbone_forward(features, ids, loss_mask, last,
+                                                     torch.zeros(1, LENGTH, dtype=torch.long),
+                                                     max_anchors=len(ANCHORS))
+    block = model.block_size
+    return hidden.view(len(ANCHORS), block, -1), logits.view(len(ANCHORS), block, -1)
+
+
+def our_blocks(drafter, text) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [M,K,H], logits [M,K,V]) of our drafter's blocks at ANCHORS."""
+    ids, _, features = text
+    anchors = torch.tensor([ANCHORS])
+    block = torch.full((1, len(ANCHORS), drafter.block_size), drafter.mask_token_id)
+    block[0, :, 0] = ids[0, anchors[0]]
+    with torch.no_grad():
+        context = drafter.project_context(features)
+        hidden = drafter.forward_blocks(context, torch.ones(1, LENGTH, dtype=torch.bool), block, anchors)[0]
+    return hidden, drafter.logits(hidden)
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal to float32 rounding, with the same argmax everywhere."""
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_speculators_loads_our_export_whole_and_computes_the_same_logits(drafters, text, kind, tmp_path):
+    drafter = drafters[kind]
+    directory = export(kind, drafter, tmp_path)
+    model = speculators_model(directory)
+    assert type(model).__name__ == {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[kind]
+    saved = set(load_file(str(directory / "model.safetensors")))
+    ignored = set(model._keys_to_ignore_on_load_missing)
+    assert saved == set(model.state_dict()) - ignored  # no tensor missing, none unexpected
+    assert model.config.aux_hidden_state_layer_ids == [i + 1 for i in drafter.config.target_layer_ids]
+    assert (model.block_size, model.mask_token_id) == (drafter.block_size, drafter.mask_token_id)
+    ours, theirs = our_blocks(drafter, text), speculators_blocks(model, text)
+    assert_close(ours[1], theirs[1])
+    if kind == "dflash2":  # the selector's scores of each slot's top-k after the text's own previous token
+        ids = text[0][0]
+        previous = torch.stack([ids[a:a + drafter.block_size] for a in ANCHORS])
+        previous = torch.cat([previous[:, :1], previous[:, :-1]], dim=1)
+        candidates, scores = model.candidate_selector.select(theirs[1], theirs[0], previous)
+        selector = drafter.candidate_selector
+        gate = selector.hidden_projection(ours[0])
+        unary = ours[1].gather(-1, candidates)
+        mine = torch.stack([selector.scores(gate[:, k], previous[:, k], unary[:, k], candidates[:, k])
+                            for k in range(drafter.block_size)], dim=1)
+        assert torch.equal(candidates, ours[1].topk(DFLASH2["selector_top_k"], dim=-1).indices)
+        assert_close(mine.detach(), scores.detach())
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_what_speculators_saves_loads_here_as_the_same_drafter(drafters, target, kind, tmp_path):
+    drafter = drafters[kind]
+    speculators_model(export(kind, drafter, tmp_path)).save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
+    directory = ModelDir.read(tmp_path / "saved", "drafter")
+    assert detect(directory).kind == kind
+    loaded = load_drafter(tmp_path / "saved", target)
+    assert type(loaded) is type(drafter) and loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+
+
+def test_speculators_layout_names_what_it_cannot_say(drafters):
+    from opd.errors import OpdError
+    from opd.formats.speculators import dflash_public, dflash_speculators, eagle3_public
+
+    public = drafters["dflash"].config.to_hf_dict()
+    layout = dflash_speculators(public, TARGET, ["Qwen3ForCausalLM"])
+    with pytest.raises(OpdError, match="'sample_from_anchor' is true"):
+        dflash_public(layout | {"sample_from_anchor": True}, 6)
+    with pytest.raises(OpdError, match="'draft_vocab_size' is 32"):
+        dflash_public(layout | {"draft_vocab_size": 32}, 6)
+    scaled = public | {"dflash_config": public["dflash_config"] | {"output_multiplier": 0.5}}
+    with pytest.raises(OpdError, match="'dflash_config.output_multiplier' has no counterpart"):
+        dflash_speculators(scaled, TARGET, [])
+    assert DFlashConfig.from_hf_dict(layout, 6) == drafters["dflash"].config
+    with pytest.raises(OpdError, match="an entering id of 1"):
+        eagle3_public({"speculators_model_type": "eagle3", "transformer_layer_config": {"model_type": "llama"},
+                       "eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
+
+
+EAGLE31 = {"eagle3": {}, "fc_norm": {"fc_norm": True}, "norm_before_fc": {"norm_before_fc": True},
+           "fc_norm+norm_output": {"fc_norm": True, "norm_output": True}}
+
+
+@pytest.fixture(scope="module")
+def eagle3_target():
+    """The tiny target reading the three layers EAGLE-3 fuses."""
+    return load_target(TARGET, dtype=torch.float32, layer_ids=[1, 2, 3])
+
+
+@pytest.fixture(params=list(EAGLE31))
+def eagle3(request, eagle3_target):
+    """(target, an EAGLE-3 drafter on it with a fitted draft vocabulary, and EAGLE 3.1's flags as named, their
+    norms' weights random)."""
+    target = eagle3_target
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        random = family("eagle3").random(Eagle3Spec(draft_vocab_size=512, block_size=4), target, None)
+        drafter = type(random)(dataclasses.replace(random.config, **EAGLE31[request.param]), target.embed_tokens,
+                               target.lm_head)
+        drafter.load_state_dict(random.state_dict(), strict=False)
+        drafter.set_vocab(*draft_vocab(torch.rand(target.config.vocab_size), 512))
+        with torch.no_grad():
+            for name, weight in drafter.named_parameters():
+                if "norm" in name:
+                    weight.uniform_(0.5, 1.5)
+    return target, drafter
+
+
+def eagle3_export(drafter, directory: Path):
+    """Our export as speculators' EAGLE-3 class loads it: SpecForge's layout through speculators' converter, or,
+    with EAGLE 3.1's norms (whose tensors that converter drops), speculators' own layout (`save_speculators`)."""
+    if any(getattr(drafter.config, flag) for flag in ("fc_norm", "norm_before_fc", "norm_output")):
+        family("eagle3").save_speculators(drafter, directory / "converted", TARGET)
+    else:
+        drafter.save_pretrained(directory / "public")
+        entrypoints.convert_model(str(directory / "public"), TARGET, "eagle3",
+                                  output_path=str(directory / "converted"),
+                                  eagle_aux_hidden_state_layer_ids=drafter.config.aux_layer_ids)
+    model = speculators_model(directory / "converted")
+    model._attn_impl = "eager"
+    model._load_verifier_weights(overwrite_embed_tokens=True)
+    return model, directory / "converted"
+
+
+def test_speculators_loads_our_eagle3_export_whole_and_computes_the_same_chain(eagle3, tmp_path, monkeypatch):
+    target, drafter = eagle3
+    model, directory = eagle3_export(drafter, tmp_path)
+    assert type(model).__name__ == "Eagle3DraftModel"
+    saved = set(load_file(str(directory / "model.safetensors")))
+    wanted = set(model.state_dict())  # speculators may leave d2t, t2d and input_norm out; ours carries them
+    assert wanted - set(model._keys_to_ignore_on_load_missing) <= saved <= wanted
+    assert model.config.eagle_aux_hidden_state_layer_ids == drafter.config.aux_layer_ids
+    ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    last, features = target.hidden_states(ids)
+    steps = []
+    monkeypatch.setattr(eagle3_core, "compute_metrics", lambda logits, *a, **k: (steps.append(logits),
+                                                                                  (torch.zeros(()), {}))[1])
+    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # a column pairs position p with the token after it
+    with torch.no_grad():
+        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
+              position_ids=torch.arange(30)[None], verifier_last_hidden_states=last, ttt_steps=drafter.block_size - 1)
+        anchors = torch.tensor([[5, 12, 20]])
+        inputs = torch.stack([ids[0, a:a + drafter.block_size] for a in anchors[0]])[None]
+        ours = drafter.logits(drafter.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool), anchors,
+                                                   inputs))[0]
+    theirs = torch.stack([step[0, anchors[0] - 1] for step in steps], dim=1)  # chain step s of anchor a: row a-1
+    assert_close(ours, theirs)
+
+
+def test_what_speculators_saves_for_eagle3_loads_here_as_the_same_drafter(eagle3, tmp_path):
+    target, drafter = eagle3
+    model, _ = eagle3_export(drafter, tmp_path)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    loaded = family("eagle3").load(ModelDir.read(tmp_path / "saved", "drafter"), target,
+                                   Eagle3Spec(block_size=drafter.block_size))
+    assert loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+
+
+SERVED_AS = {"dflash": "dflash", "dflash2": "dflash", "dspark": "dspark"}
+
+
+@pytest.mark.parametrize("kind", SERVED_AS)
+def test_serve_bench_speculative_config_drafts_what_speculators_writes(drafters, dspark, kind, tmp_path):
+    """vLLM reads a speculators checkpoint's method from its algorithm and its draft count from its proposal;
+    `opd serve-bench` passes both explicitly (DFlash 2's z-lab layout goes to vLLM's `dflash` method, while
+    speculators names the algorithm `dflash2`)."""
+    drafter = dspark if kind == "dspark" else drafters[kind]
+    directory = export(kind, drafter, tmp_path)
+    written = json.loads((directory / "config.json").read_text())["speculators_config"]
+    ours = family(kind).vllm_config(ModelDir.read(directory, "drafter"), drafter.block_size)
+    assert ours["num_speculative_tokens"] == written["proposal_methods"][0]["speculative_tokens"]
+    assert (written["algorithm"], ours["method"]) == (kind, SERVED_AS[kind])
+
+
+@pytest.fixture(scope="module")
+def dspark(target):
+    """A DSpark drafter on the shipped drafter's weights (K = 8: speculators' block of 7 drafting slots), with
+    random Markov and confidence heads."""
+    shipped = DFlashDrafter.from_pretrained(DRAFTER, target)
+    config = DSparkConfig(**dataclasses.asdict(shipped.config), markov_rank=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
+        drafter.load_state_dict(shipped.state_dict(), strict=False)
+        with torch.no_grad():
+            drafter.markov_head.markov_w1.weight.mul_(30.0)
+    return drafter
+
+
+def test_speculators_loads_our_dspark_export_whole_and_computes_the_same_logits(dspark, text, tmp_path,
+                                                                                monkeypatch):
+    family("dspark").save_speculators(dspark, tmp_path, TARGET)
+    model = speculators_model(tmp_path)
+    assert type(model).__name__ == "DSparkDraftModel" and model.block_size == dspark.block_size - 1
+    saved = set(load_file(str(tmp_path / "model.safetensors")))
+    assert saved == set(model.state_dict()) - set(model._keys_to_ignore_on_load_missing)
+    ids, last, features = text
+    seen = {}
+    monkeypatch.setattr(dspark_core, "compute_metrics",
+                        lambda logits, targets, confidence, *a, **k: (seen.update(logits=logits, confidence=confidence),
+                                                                      (torch.zeros(()), {}))[1])
+    loss_mask = torch.zeros(1, LENGTH)
+    loss_mask[0, ANCHORS] = 1
+    with torch.no_grad():
+        model(features, ids, loss_mask, last, torch.zeros(1, LENGTH, dtype=torch.long), max_anchors=len(ANCHORS))
+        inputs = torch.stack([ids[0, a:a + model.block_size] for a in ANCHORS])[None]  # the text fed as the drafts
+        rows = dspark.block_hidden(features, ids, torch.ones(1, LENGTH, dtype=torch.bool), torch.tensor([ANCHORS]),
+                                   inputs)[0]
+        ours = dspark.student_head(rows)
+        confidence = dspark.confidence(rows[..., :dspark.config.hidden_size], inputs[0])
+    assert_close(ours, seen["logits"].view_as(ours))
+    torch.testing.assert_close(confidence, torch.sigmoid(seen["confidence"]).view_as(confidence), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_what_speculators_saves_for_dspark_loads_here_as_the_same_drafter(dspark, target, tmp_path):
+    family("dspark").save_speculators(dspark, tmp_path / "ours", TARGET)
+    speculators_model(tmp_path / "ours").save_pretrained(tmp_path / "saved")
+    loaded = load_drafter(tmp_path / "saved", target)
+    assert type(loaded) is DSparkDrafter and loaded.config == dspark.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), dspark.state_dict().values()))
