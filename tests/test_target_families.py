@@ -38,7 +38,6 @@ from opd.cli import main
 from opd.data.prompts import Prompt
 from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
-from opd.decoding.recurrent import RecurrentRollback
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.dense_reference import dense_teacher_masks, per_block_states
@@ -47,6 +46,7 @@ from opd.errors import OpdError
 from opd.models import linear_replay
 from opd.models.deltanet import DeltaNetKernels
 from opd.models.flops import TargetParams
+from opd.models.layer_kind import layer_kinds
 from opd.models.linear_replay import GROUP_BYTES, SEGMENT
 from opd.models.target import Target, load_target
 from opd.sources.rebuild import rebuild_records
@@ -135,7 +135,8 @@ def test_kernel_wrappers_apply_to_their_own_thread_only():
     import threading
 
     model = family_model("qwen3_5", seed=1)
-    kernels, calls, inside, done = DeltaNetKernels(model), Counter(), threading.Event(), threading.Event()
+    layers = layer_kinds(model).by_name["linear_attention"].layers
+    kernels, calls, inside, done = DeltaNetKernels(model, layers), Counter(), threading.Event(), threading.Event()
 
     def counting(kernel, _recurrent):
         def run(*args, **kwargs):
@@ -166,7 +167,7 @@ def test_linear_attention_states_are_each_rows_own():
     recurrent states equal those of a forward over that row's kept tokens alone (padding and rejected tokens
     leave no trace), where transformers' own cache would decay through the padding and keep the rejected tokens."""
     model = family_model("qwen3_5", seed=1)
-    rollback, k = RecurrentRollback(model), 4
+    rollback, k = layer_kinds(model).rollback(model), 4
     ids, mask = right_pad(MIXED_PROMPTS, pad_id=EOS, device="cpu")
     used = mask.sum(-1)
     cache = rollback.new_cache()

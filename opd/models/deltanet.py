@@ -2,7 +2,7 @@
 them: the layer modules, their gated delta rule kernels, and the conv window a cache keeps.
 
 A Gated DeltaNet layer's forward calls two module-level kernels of its modeling file, a chunked one for a sequence
-and a recurrent one for a single token. The rollback (opd/decoding/recurrent.py) needs each call's inputs, and
+and a recurrent one for a single token. The rollback (opd/models/recurrent_rollback.py) needs each call's inputs, and
 packed replay (opd/models/linear_replay.py) the states along the text, so both run their own code around those
 kernels. That code is installed once, as a dispatcher in place of each kernel name, and is chosen per thread
 (`DeltaNetKernels.wrapped`): an actor that decodes on one thread and evaluates on another shares one model, and a
@@ -27,18 +27,12 @@ _LOCAL = threading.local()  # .wrap: this thread's `Wrap`, or absent
 Wrap = Callable[[Callable, Callable], Callable]  # (kernel, recurrent kernel) -> what runs in the kernel's place
 
 
-def linear_layers(model: nn.Module) -> list[int]:
-    """Indices of the decoder layers whose kind is linear attention (Qwen3.5's Gated DeltaNet; none elsewhere)."""
-    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    return [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
-
-
 class DeltaNetKernels:
     """A target's Gated DeltaNet modules, in layer order, and their kernels (the originals, and a per-thread way
     to run code in their place)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = linear_layers(model)
+    def __init__(self, model: nn.Module, layers: tuple[int, ...]) -> None:
+        self.layers = list(layers)
         self.modules = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
         files = {sys.modules[type(m).__module__] for m in self.modules}
         kernels = [f for f in files if hasattr(f, CHUNKED) and hasattr(f, RECURRENT)]

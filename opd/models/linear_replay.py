@@ -21,9 +21,9 @@ The alternatives cost more: keeping the state at every anchor holds heads·dk·d
 layer at Qwen3.5-9B) for the whole text, and a forward per block re-runs the text. What this adds over one causal
 forward of the same rows is `SEGMENT` positions of kernel work a block, no projection, and a state per block in
 flight (`GROUP_BYTES` bounds a group). transformers' torch kernel pads every call to its chunk (64 positions), so
-the segments, advances and block calls pass it a chunk of `SEGMENT` (`chunked_by_segment`); measured on CPU at
-Qwen3.5-9B's linear heads, packed replay costs 1.8x one causal forward over as many tokens (bench/linear_replay.py);
-64-position segments and chunks do four times the kernel work per block.
+the segments, advances and block calls pass it a chunk of `SEGMENT` (`chunked_by_segment`): 64-position segments
+and chunks do four times the kernel work per block (what packed replay costs against one causal forward:
+bench/linear_replay.py).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ class LinearReplay:
     """Installs, once per target, a forward on its Gated DeltaNet modules that runs a packed layout (`packed`) as
     above and anything else as before."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, layers: tuple[int, ...]) -> None:
         self.config = model.config
-        self.kernels = DeltaNetKernels(model)
+        self.kernels = DeltaNetKernels(model, layers)
         for module in self.kernels.modules:
             if not getattr(module, "_opd_packed", False):
                 module.forward = _dispatching(module, self)
