@@ -56,3 +56,17 @@ def test_the_sliding_window_is_hfs_overlay_on_positions():
     expected = torch.tensor([[bool(overlay(0, 0, i, j)) for j in range(12)] for i in range(12)])
     assert torch.equal(kind.sees(q, k) & (k <= q), expected & (k <= q))
     assert [kind.lowest_key(p) for p in (0, 2, 7)] == [0, 0, 5]
+
+
+def test_the_attention_chunk_is_hfs_overlay_on_positions():
+    from transformers import Llama4TextConfig
+    from transformers.masking_utils import chunked_overlay
+
+    from opd.models.kinds.chunked import ChunkedAttention
+
+    kind = ChunkedAttention(Llama4TextConfig(**SMALL, attention_chunk_size=3), (0,))
+    q, k = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    overlay = chunked_overlay(3, torch.zeros(1, dtype=torch.long))
+    expected = torch.tensor([[bool(overlay(0, 0, i, j)) for j in range(12)] for i in range(12)])
+    assert torch.equal(kind.sees(q, k) & (k <= q), expected & (k <= q))
+    assert [kind.lowest_key(p) for p in (0, 2, 3, 7)] == [0, 0, 3, 6]

@@ -1,11 +1,12 @@
 """Target families other than Qwen3 work end to end, exactly, through transformers' own model classes and caches:
 full attention (Llama, Qwen3-MoE), sliding-window and global layers (Gemma 4), sliding-window and full layers with
 attention sinks (gpt-oss), Gated DeltaNet and full layers (Qwen3.5: every drafted block replayed from the linear
-layers' state at its anchor).
+layers' state at its anchor), chunked and full layers (Llama 4).
 
 Each target is built here from transformers' config classes: 6 layers, GQA, float64 (no argmax ties) with an
 8-token vocabulary for the exactness tests, float32 with the micro tokenizer's vocabulary for `opd run`. The
-sliding windows (`WINDOWS`) are smaller than a block and than every sequence decoded or replayed here, so they bite.
+sliding windows (`WINDOWS`) and Llama 4's attention chunk (`CHUNK`) are smaller than a block and than every sequence
+decoded or replayed here, so they bite.
 Each family's drafters are built for its target as the public drafters of the family are (`DFlashConfig.for_target`:
 gpt-oss's YaRN, Gemma 4's full-attention RoPE, embedding scale and softcapping), so every check runs them too.
 """
@@ -24,6 +25,8 @@ from transformers import (
     Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3_5ForCausalLM,
@@ -63,15 +66,18 @@ from tests.test_decoding import (
 )
 from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5", "llama4")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
 WINDOWS = {"gemma4": 3, "gpt_oss": 2}  # sliding_window, below the block size (4) and the shortest sequence (6)
+CHUNK = 3  # Llama 4's attention_chunk_size, as small: blocks and sequences cross chunk boundaries
+NARROWED = {"gemma4": "sliding-window", "gpt_oss": "sliding-window", "llama4": "chunked-attention"}
 # random weights whose greedy text repeats a token, so blocks are accepted whole
-SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}
+SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1, "llama4": 4}
 GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 EXACT = 1e-10
 LINEAR = {"qwen3_5"}  # families with linear-attention layers
-TOLERANCE = {"qwen3_5": 1e-5}  # transformers' Gated DeltaNet kernels compute in float32 whatever the model's dtype
+# transformers' Gated DeltaNet kernels, and Llama 4's router (its sigmoid), compute in float32 whatever the dtype
+TOLERANCE = {"qwen3_5": 1e-5, "llama4": 1e-6}
 
 
 def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -97,6 +103,10 @@ def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.fl
         "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(
             **common, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=8)),
+        # chunked attention at 0-2, 4, 5 and full attention without RoPE at 3; MoE at odd layers, a shared expert
+        "llama4": lambda: Llama4ForCausalLM(Llama4TextConfig(
+            **common, intermediate_size_mlp=2 * HIDDEN, attention_chunk_size=CHUNK, num_local_experts=EXPERTS,
+            num_experts_per_tok=PER_TOKEN, interleave_moe_layer_step=2, attn_temperature_tuning=False)),
     }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -387,18 +397,29 @@ def test_linear_attention_flops_count_the_state_updates():
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("family_name", sorted(WINDOWS))
-def test_sliding_window_targets_refuse_what_counts_the_window_in_columns(family_name):
-    """flash-attn and a static cache count a sliding window in cache columns, which the decoder's per-row packing
-    (or a static cache's holes) moves: refused in one line, when the target loads and when the decoder is built."""
-    target = Target(family_model(family_name, dtype=torch.float32), LAYER_IDS)
-    with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has sliding-window") as error:
+@pytest.mark.parametrize("family_name", sorted(NARROWED))
+def test_narrowing_targets_refuse_what_counts_the_window_in_columns(family_name):
+    """flash-attn and a static cache count a sliding window (or an attention chunk) in cache columns, which the
+    decoder's per-row packing (or a static cache's holes) moves: refused in one line, when the target loads and
+    when the decoder is built."""
+    target, label = Target(family_model(family_name, dtype=torch.float32), LAYER_IDS), NARROWED[family_name]
+    with pytest.raises(OpdError, match=f"rollout.static_cache: not with a target that has {label}") as error:
         SpeculativeDecoder(target, micro_drafter(target, mask_token_id=MASK), eos_id=EOS,
                            static_cache=True)
     target.model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(OpdError, match="sliding-window layers need attn_implementation sdpa or eager") as other:
+    with pytest.raises(OpdError, match=f"{label} layers need attn_implementation sdpa or eager") as other:
         Target(target.model, LAYER_IDS)
     assert "\n" not in str(error.value) + str(other.value)
+
+
+def test_llama4_layers_that_scale_queries_by_cache_column_are_refused():
+    """Llama 4's temperature tuning scales a layer's queries by cache column, not position, which per-row packing
+    and packed replay move: refused in one line naming the layers (the family above runs with it off)."""
+    model = family_model("llama4", dtype=torch.float32)
+    model.config.attn_temperature_tuning = True
+    with pytest.raises(OpdError, match=r"layers \[3\] scale their queries by cache column") as e:
+        Target(model, LAYER_IDS)
+    assert "\n" not in str(e.value)
 
 
 def test_linear_attention_layers_refuse_a_static_cache():

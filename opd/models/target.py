@@ -103,6 +103,14 @@ class Target(nn.Module):
         return self.model.get_input_embeddings()
 
     @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack without the LM head. transformers' `get_decoder` looks for the attribute its
+        `base_model_prefix` names, which Llama 4's text-only model (`language_model`, held as `model`) lacks, and
+        then returns the whole model."""
+        decoder = self.model.get_decoder()
+        return self.model.model if decoder is self.model and hasattr(self.model, "model") else decoder
+
+    @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
@@ -146,7 +154,7 @@ class Target(nn.Module):
         exactly, so no [B,T,V] logits are made for the prefix. `prefix`: keys and values that come before these
         rows (`text_states`), for a `PackedRows` layout with `cached` set to its length."""
         cache = {"use_cache": False} if prefix is None else {"use_cache": True, self._cache_arg: prefix.cache()}
-        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, **cache)
+        out, features = self._run(self.decoder, input_ids, attention_mask, position_ids, **cache)
         return out.last_hidden_state, features
 
     @torch.no_grad()
@@ -154,7 +162,7 @@ class Target(nn.Module):
                     position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KVPrefix]:
         """`hidden_states`, plus the keys and values of every layer over these rows, for a later forward of rows
         that attend to them."""
-        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, use_cache=True)
+        out, features = self._run(self.decoder, input_ids, attention_mask, position_ids, use_cache=True)
         cache = getattr(out, self._cache_arg)
         return out.last_hidden_state, features, KVPrefix(tuple((layer.keys, layer.values) for layer in cache.layers))
 
@@ -187,7 +195,7 @@ class Target(nn.Module):
 
     def _register_feature_hooks(self) -> None:
         """Hook each needed module once; hooks only record while `forward` runs, so plain model calls are free."""
-        decoder = self.model.get_decoder()
+        decoder = self.decoder
         layers = getattr(decoder, "layers", None)
         if layers is None:
             raise OpdError(f"target {type(self.model).__name__}: no decoder `layers` list to read features from")
