@@ -42,7 +42,7 @@ def test_each_layer_is_mapped_to_its_registered_kind_once():
 def test_an_unregistered_layer_type_is_refused_in_one_line_naming_it_and_its_layers():
     config = Qwen3Config(**SMALL)
     config.layer_types = ["full_attention", "mystery_attention", "full_attention", "mystery_attention"]
-    with pytest.raises(OpdError, match=r"layers \[1, 3\] are 'mystery_attention'; no layer kind is registered") as e:
+    with pytest.raises(OpdError, match=r"layers \[1, 3\] are 'mystery_attention'; no registered layer kind") as e:
         layer_kinds(_Skeleton(config))
     assert "\n" not in str(e.value)
 

@@ -47,7 +47,6 @@ from opd.distill.dense_reference import dense_teacher_masks, per_block_states
 from opd.distill.replay import CommittedView, packed_inputs, score
 from opd.errors import OpdError
 from opd.models import linear_replay
-from opd.models.deltanet import DeltaNetKernels
 from opd.models.flops import TargetParams
 from opd.models.layer_kind import layer_kinds
 from opd.models.linear_replay import GROUP_BYTES, SEGMENT
@@ -145,8 +144,8 @@ def test_kernel_wrappers_apply_to_their_own_thread_only():
     import threading
 
     model = family_model("qwen3_5", seed=1)
-    layers = layer_kinds(model).by_name["linear_attention"].layers
-    kernels, calls, inside, done = DeltaNetKernels(model, layers), Counter(), threading.Event(), threading.Event()
+    kernels, calls, inside, done = (layer_kinds(model).by_name["linear_attention"].kernels(model), Counter(),
+                                    threading.Event(), threading.Event())
 
     def counting(kernel, _recurrent):
         def run(*args, **kwargs):

@@ -14,8 +14,10 @@ layer type, and answers for its layers everything the project adds to transforme
 - what it costs beyond its weights (`state_flops` per token, `block_flops` per replayed block);
 - what it cannot run exactly (`check`, `static_cache_problem`), refused in one line.
 
-The target maps each layer to its kind once (`layer_kinds`); every other module asks that map. A layer type no
-class is registered for is refused in one line naming it and its layers (docs/guides/target-layer-kind.md).
+The target maps each layer to its kind once (`layer_kinds`); every other module asks that map. Kinds that share a
+layer type (transformers types Gated DeltaNet and Kimi Delta Attention layers alike `linear_attention`) tell their
+configs apart (`fits`). A layer type no registered kind fits is refused in one line naming it and its layers
+(docs/guides/target-layer-kind.md).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 
 from opd.errors import OpdError
 
-_KINDS: dict[str, type[LayerKind]] = {}
+_KINDS: dict[str, list[type[LayerKind]]] = {}
 
 
 class LayerKind:
@@ -42,6 +44,11 @@ class LayerKind:
 
     def __init__(self, config: Any, layers: tuple[int, ...]) -> None:
         self.config, self.layers = config, layers
+
+    @classmethod
+    def fits(cls, config: Any) -> bool:
+        """Whether this kind runs the layers of its type in a model of this text config (where kinds share a type)."""
+        return True
 
     @property
     def narrows(self) -> bool:
@@ -96,12 +103,12 @@ class LayerKind:
 
 
 def register(kind: type[LayerKind]) -> type[LayerKind]:
-    """Class decorator: `kind` answers for transformers' layer type `kind.name`."""
-    _KINDS[kind.name] = kind
+    """Class decorator: `kind` answers for transformers' layer type `kind.name` in the configs it `fits`."""
+    _KINDS.setdefault(kind.name, []).append(kind)
     return kind
 
 
-def _registered() -> dict[str, type[LayerKind]]:
+def _registered() -> dict[str, list[type[LayerKind]]]:
     """Every kind in `opd/models/kinds/`, imported once: a new kind is a new file there, listed nowhere else."""
     from opd.models import kinds
 
@@ -179,13 +186,15 @@ def layer_kinds(model: nn.Module) -> TargetKinds:
     cannot run exactly (`LayerKind.check`), is refused in one line naming it."""
     model_config: Any = model.config
     config = model_config.get_text_config(decoder=True)
-    types, known, name = layer_types(config), _registered(), type(model).__name__
-    unknown = {t: [i for i, u in enumerate(types) if u == t] for t in types if t not in known}
+    types, name = layer_types(config), type(model).__name__
+    found = {t: next((k for k in _registered().get(t, []) if k.fits(config)), None) for t in types}
+    unknown = {t: [i for i, u in enumerate(types) if u == t] for t, kind in found.items() if kind is None}
     if unknown:
         problems = "; ".join(f"layers {layers} are '{t}'" for t, layers in unknown.items())
-        raise OpdError(f"target {name}: {problems}; no layer kind is registered for it (known: "
-                       f"{', '.join(sorted(known))}; docs/guides/target-layer-kind.md)")
-    by_name = {t: known[t](config, tuple(i for i, u in enumerate(types) if u == t)) for t in dict.fromkeys(types)}
+        raise OpdError(f"target {name}: {problems}; no registered layer kind runs it (known: "
+                       f"{', '.join(sorted(_KINDS))}; docs/guides/target-layer-kind.md)")
+    by_name = {t: kind(config, tuple(i for i, u in enumerate(types) if u == t))
+               for t, kind in found.items() if kind is not None}
     kinds = TargetKinds(name, by_name, tuple(by_name[t] for t in types))
     kinds.check(model)
     return kinds

@@ -32,15 +32,15 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
-from opd.models.deltanet import DeltaNetKernels, conv_window
+from opd.models.deltanet import DeltaNetKernels, conv_window, per_position
 
 
 class RecurrentRollback:
     """Keeps a target's linear-attention states exact per row; one per decoder (the model's layers are fixed)."""
 
-    def __init__(self, model: nn.Module, layers: tuple[int, ...]) -> None:
+    def __init__(self, model: nn.Module, kernels: DeltaNetKernels) -> None:
         self.model = model
-        self.kernels = DeltaNetKernels(model, layers)
+        self.kernels = kernels
         self.layers = self.kernels.layers
         self._calls: list[dict[str, Any]] = []  # per linear layer, in call order: its kernel's inputs
 
@@ -57,11 +57,12 @@ class RecurrentRollback:
         kernel carries the state through the padding unchanged (no decay, no write), and each layer's conv inputs
         are cut to the row's window as soon as the layer has run, so a long prompt's are never held for every
         layer at once."""
-        real = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[..., None]
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
         def masked(kernel: Any, _recurrent: Any):
             def run(query, key, value, g, beta, **kwargs):
-                return kernel(query, key, value, g=g * real.to(g.dtype), beta=beta * real.to(beta.dtype), **kwargs)
+                return kernel(query, key, value, g=g * per_position(real, g), beta=beta * per_position(real, beta),
+                              **kwargs)
 
             return run
 

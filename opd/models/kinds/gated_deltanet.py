@@ -15,7 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from opd.models.deltanet import DeltaNetKernels, DeltaRule
 from opd.models.layer_kind import LayerKind, register
+
+RULE = DeltaRule("Gated DeltaNet", "GatedDeltaNet", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 
 @register
@@ -24,18 +27,27 @@ class GatedDeltaNet(LayerKind):
     label = "linear-attention"
     columns = False
 
+    @classmethod
+    def fits(cls, config: Any) -> bool:
+        """Gated DeltaNet's config fields (Qwen3.5, Qwen3-Next); Kimi Linear's layers share the layer type."""
+        return hasattr(config, "linear_num_value_heads")
+
+    def kernels(self, model: nn.Module) -> DeltaNetKernels:
+        """Its modules and kernels, which the rollback and packed replay run their code around."""
+        return DeltaNetKernels(model, self.layers, RULE)
+
     def static_cache_problem(self) -> str:
         return f"a target that has {self.label} layers (their recurrent states are rolled back per row in a growing cache)"
 
     def rollback(self, model: nn.Module) -> Any:
         from opd.models.recurrent_rollback import RecurrentRollback
 
-        return RecurrentRollback(model, self.layers)
+        return RecurrentRollback(model, self.kernels(model))
 
     def replay(self, model: nn.Module) -> Any:
         from opd.models.linear_replay import LinearReplay
 
-        return LinearReplay(model, self.layers)
+        return LinearReplay(model, self.kernels(model))
 
     def select_rows(self, layer: Any, keep: torch.Tensor) -> None:
         """transformers' linear-attention cache layers have no `batch_select_indices`; `reorder_cache` selects."""
