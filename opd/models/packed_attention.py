@@ -242,14 +242,17 @@ class PackedRows:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float | None, rule: LayerRule = LayerRule()) -> torch.Tensor:
-        """HF's attention contract: q [B, H, L, d], k/v [B, kv, cached + L, d] -> [B, L, H, d]."""
+        """HF's attention contract: q [B, H, L, d], k [B, kv, cached + L, d], v [B, kv, cached + L, dv] ->
+        [B, L, H, dv]."""
         if query.shape[0] != len(self.rows) or query.shape[2] != self.length:
             raise OpdError(f"packed rows: layout is {len(self.rows)} x {self.length}, queries are "
                            f"{query.shape[0]} x {query.shape[2]}")
         if key.shape[2] != self.cached + self.length:
             raise OpdError(f"packed rows: expected {self.cached} cached + {self.length} keys, got {key.shape[2]}")
-        batch, heads, length, dim = query.shape
-        out = query.new_zeros(batch, length, heads, dim)  # written through a [B, H, L, d] view: no final copy
+        batch, heads, length, _ = query.shape
+        # as wide as the values (latent attention's differ from its queries'); written through a [B, H, L, dv]
+        # view, so no final copy
+        out = query.new_zeros(batch, length, heads, value.shape[-1])
         for b, row in enumerate(self.rows):
             row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1].transpose(1, 2), scale,
                        self.cached, rule)
