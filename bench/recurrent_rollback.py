@@ -1,7 +1,7 @@
 """How the decoder rolls back a hybrid target's linear-attention layers, measured side by side on a small random
 Qwen3.5 with Qwen3.5-9B's linear-attention heads (CPU, float32, one thread): one verification forward of a K-token block, then
 
-- `replay`, what `opd/decoding/recurrent.py` does: re-run only each linear layer's recurrent rule over each row's
+- `replay`, what `opd/models/recurrent_rollback.py` does: re-run only each linear layer's recurrent rule over each row's
   kept positions, from the recorded kernel inputs;
 - `re-forward`, the alternative of snapshotting the states and re-running the accepted tokens: a second target
   forward over them (timed here as one forward of the block, a lower bound: rows accept different lengths, so it
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from opd.decoding.recurrent import RecurrentRollback
+from opd.models.layer_kind import layer_kinds
 
 RESULTS = Path(__file__).parent / "results" / "recurrent_rollback.json"
 
@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = small_qwen35(args.hidden)
-    rollback = RecurrentRollback(model)
+    rollback = layer_kinds(model).rollback(model)
     prompt = torch.randint(0, 1024, (args.rows, args.prompt))
     block = torch.randint(0, 1024, (args.rows, args.block))
     kept = torch.randint(1, args.block + 1, (args.rows,))

@@ -158,7 +158,7 @@ class Qwen3Shape:
         return self.linear_layers * (self.conv_dim * self.conv_kernel * 2 + recurrent)
 
     def rollback_bytes(self, block: int) -> int:
-        """What the decoder's exact rollback keeps per sequence during one verification (opd/decoding/recurrent.py):
+        """What the decoder's exact rollback keeps per sequence during one verification (opd/models/recurrent_rollback.py):
         each linear layer's kernel inputs over the block (q and k repeated to the value heads, v, the decay and β:
         heads·(2·dk + dv + 2) values a token, bf16), its conv inputs (bf16) and a copy of its starting recurrent
         state (fp32)."""

@@ -200,23 +200,24 @@ def config_only_target(family_name: str, micro_assets, tmp_path):
 
 def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_alone(micro_assets, micro_spec_file,
                                                                                      tmp_path, capsys):
-    """No weights to load: the refusal of Llama 4's chunked-attention layers comes from the config, by `Target`'s
-    rule, before anything would load."""
-    from transformers import Llama4TextConfig
+    """No weights to load: the refusal of GLM 5's indexed-attention layers (DeepSeek sparse attention, a layer type
+    no kind is registered for) comes from the config, by `Target`'s rule, before anything would load."""
+    from transformers import GlmMoeDsaConfig
 
-    target = tmp_path / "llama4"
+    target = tmp_path / "glm5"
     shutil.copytree(micro_assets["target"], target, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-    Llama4TextConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=512,
-                     attention_chunk_size=16).save_pretrained(target)
+    GlmMoeDsaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, n_routed_experts=4,
+                    num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                    v_head_dim=8).save_pretrained(target)
     for command in ("validate", "train"):
         assert main([command, str(micro_spec_file), "--set", f"models.target_path={target}"]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and len(err.splitlines()) == 1, err
-        assert re.search(r"layers \[0, 1, 2\] are 'chunked_attention'", err), err
+        assert re.search(r"layers \[0, 1, 2, 3\] are 'indexed_attention'", err), err
 
 
-@pytest.mark.parametrize("family_name", ["gpt_oss", "gemma4"])
+@pytest.mark.parametrize("family_name", ["gpt_oss", "gemma4", "llama4"])
 def test_the_preflight_passes_the_layer_kinds_that_run_exactly(family_name, micro_assets, tmp_path):
     check_layer_kinds_of(str(config_only_target(family_name, micro_assets, tmp_path)))
 

@@ -255,3 +255,18 @@ def test_student_memory_is_linear_in_the_number_of_blocks():
             peaks.append(peak_cpu_bytes(lambda: drafter.forward_blocks(context, valid, block_ids, anchors,
                                                                        chunk_rows=100)))
     assert peaks[1] < 2.3 * peaks[0]
+
+
+def test_packed_rows_take_values_narrower_than_their_queries():
+    """Latent attention (DeepSeek-V3, Kimi Linear) attends with queries and keys wider than its values: the packed
+    output is as wide as the values and equals SDPA under the dense packed mask."""
+    records = BATCHES["two_lengths"]
+    packed, ids, _, layout = packed_inputs(records, K, "draft_opd")
+    mask = dense_teacher_masks(packed, K, ids.shape[1])
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(len(records), 2, ids.shape[1], 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(len(records), 2, ids.shape[1], 8, generator=gen, dtype=torch.float64)
+    got = layout.attend(q, k, v, None).transpose(1, 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for b, p in enumerate(packed):
+        assert (got[b, :, : len(p.ids)] - ref[b, :, : len(p.ids)]).abs().max() < EXACT

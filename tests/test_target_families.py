@@ -1,11 +1,13 @@
 """Target families other than Qwen3 work end to end, exactly, through transformers' own model classes and caches:
 full attention (Llama, Qwen3-MoE), sliding-window and global layers (Gemma 4), sliding-window and full layers with
 attention sinks (gpt-oss), Gated DeltaNet and full layers (Qwen3.5: every drafted block replayed from the linear
-layers' state at its anchor).
+layers' state at its anchor), chunked and full layers (Llama 4), Kimi Delta Attention and latent attention (Kimi
+Linear, replayed as Qwen3.5).
 
 Each target is built here from transformers' config classes: 6 layers, GQA, float64 (no argmax ties) with an
 8-token vocabulary for the exactness tests, float32 with the micro tokenizer's vocabulary for `opd run`. The
-sliding windows (`WINDOWS`) are smaller than a block and than every sequence decoded or replayed here, so they bite.
+sliding windows (`WINDOWS`) and Llama 4's attention chunk (`CHUNK`) are smaller than a block and than every sequence
+decoded or replayed here, so they bite.
 Each family's drafters are built for its target as the public drafters of the family are (`DFlashConfig.for_target`:
 gpt-oss's YaRN, Gemma 4's full-attention RoPE, embedding scale and softcapping), so every check runs them too.
 """
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +29,10 @@ from transformers import (
     Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3_5ForCausalLM,
@@ -38,15 +47,14 @@ from opd.cli import main
 from opd.data.prompts import Prompt
 from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
-from opd.decoding.recurrent import RecurrentRollback
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.dense_reference import dense_teacher_masks, per_block_states
 from opd.distill.replay import CommittedView, packed_inputs, score
 from opd.errors import OpdError
 from opd.models import linear_replay
-from opd.models.deltanet import DeltaNetKernels
 from opd.models.flops import TargetParams
+from opd.models.layer_kind import layer_kinds
 from opd.models.linear_replay import GROUP_BYTES, SEGMENT
 from opd.models.target import Target, load_target
 from opd.sources.rebuild import rebuild_records
@@ -63,15 +71,23 @@ from tests.test_decoding import (
 )
 from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5", "llama4", "kimi_linear")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2
 WINDOWS = {"gemma4": 3, "gpt_oss": 2}  # sliding_window, below the block size (4) and the shortest sequence (6)
+CHUNK = 3  # Llama 4's attention_chunk_size, as small: blocks and sequences cross chunk boundaries
+NARROWED = {"gemma4": "sliding-window", "gpt_oss": "sliding-window", "llama4": "chunked-attention"}
 # random weights whose greedy text repeats a token, so blocks are accepted whole
-SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1}
+SEEDS = {"gemma4": 1, "gpt_oss": 1, "qwen3_5": 1, "llama4": 4, "kimi_linear": 3}
 GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 EXACT = 1e-10
-LINEAR = {"qwen3_5"}  # families with linear-attention layers
-TOLERANCE = {"qwen3_5": 1e-5}  # transformers' Gated DeltaNet kernels compute in float32 whatever the model's dtype
+LINEAR = {"qwen3_5", "kimi_linear"}  # families with linear-attention layers
+# transformers' Gated DeltaNet and KDA kernels, and Llama 4's router (its sigmoid), compute in float32 whatever the
+# model's dtype
+TOLERANCE = {"qwen3_5": 1e-5, "kimi_linear": 1e-5, "llama4": 1e-6}
+# transformers' Kimi Linear config keeps no RoPE and names max_position_embeddings otherwise in `to_dict`, both of
+# which a random DFlash drafter is built from (`DFlashConfig.for_target`): its drafters are built for a Qwen3 config
+# of the same shapes
+DRAFTER_SHAPES = {"kimi_linear"}
 
 
 def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -97,18 +113,42 @@ def family_model(family: str, vocab_size: int = 8, dtype: torch.dtype = torch.fl
         "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(
             **common, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=8)),
+        # chunked attention at 0-2, 4, 5 and full attention without RoPE at 3; MoE at odd layers, a shared expert
+        "llama4": lambda: Llama4ForCausalLM(Llama4TextConfig(
+            **common, intermediate_size_mlp=2 * HIDDEN, attention_chunk_size=CHUNK, num_local_experts=EXPERTS,
+            num_experts_per_tok=PER_TOKEN, interleave_moe_layer_step=2, attn_temperature_tuning=False)),
+        # KDA layers 0, 1, 2, 4, 5 with 2 heads of 8, latent attention (as many key heads as query heads) at 3
+        "kimi_linear": lambda: KimiLinearForCausalLM(KimiLinearConfig(
+            **common | {"num_key_value_heads": 4}, pad_token_id=0, bos_token_id=1, eos_token_id=EOS,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, linear_head_dim=8,
+            linear_num_heads=2, num_experts=EXPERTS, num_experts_per_token=PER_TOKEN, moe_intermediate_size=HIDDEN // 2,
+            experts_implementation="eager", layer_types=["linear_attention"] * 3 + ["full_attention"]
+            + ["linear_attention"] * 2)),
     }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return builders[family]().to(dtype)
 
 
+@contextmanager
+def drafter_shapes(family_name: str) -> Iterator[None]:
+    """Within it, drafters built for a `DRAFTER_SHAPES` family's target read a Qwen3 config of its shapes."""
+    if family_name not in DRAFTER_SHAPES:
+        yield
+        return
+    shapes = Qwen3Config(vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=HIDDEN // 4)
+    with mock.patch.object(Target, "config", property(lambda _target: shapes)):
+        yield
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request) -> SimpleNamespace:
     target = Target(family_model(request.param, seed=SEEDS.get(request.param, 0)), LAYER_IDS)
-    return SimpleNamespace(name=request.param, target=target,
-                           drafter=micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK),
-                           other=micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK))
+    with drafter_shapes(request.param):
+        return SimpleNamespace(name=request.param, target=target,
+                               drafter=micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK),
+                               other=micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK))
 
 
 # ------------------------------------------------------------------------------------------------ decoding
@@ -122,7 +162,9 @@ def test_greedy_speculative_decode_equals_generate(family):
                                               eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt) :].tolist()
                 for prompt in MIXED_PROMPTS]
     mode = Counter(token for response in expected for token in response).most_common(1)[0][0]
-    records = SpeculativeDecoder(family.target, constant_drafter(family.target, mode), eos_id=EOS).generate(
+    with drafter_shapes(family.name):
+        drafter = constant_drafter(family.target, mode)
+    records = SpeculativeDecoder(family.target, drafter, eos_id=EOS).generate(
         MIXED_PROMPTS, Sampling(), max_new_tokens=16)
     assert [r.response_ids for r in records] == expected
     assert {0, 3} <= {r for rec in records for r in rec.accepted}
@@ -135,7 +177,8 @@ def test_kernel_wrappers_apply_to_their_own_thread_only():
     import threading
 
     model = family_model("qwen3_5", seed=1)
-    kernels, calls, inside, done = DeltaNetKernels(model), Counter(), threading.Event(), threading.Event()
+    kernels, calls, inside, done = (layer_kinds(model).by_name["linear_attention"].kernels(model), Counter(),
+                                    threading.Event(), threading.Event())
 
     def counting(kernel, _recurrent):
         def run(*args, **kwargs):
@@ -161,12 +204,13 @@ def test_kernel_wrappers_apply_to_their_own_thread_only():
 
 
 @torch.no_grad()
-def test_linear_attention_states_are_each_rows_own():
+@pytest.mark.parametrize("family_name", sorted(LINEAR))
+def test_linear_attention_states_are_each_rows_own(family_name):
     """After a right-padded prefill and a verified block of which rows keep different counts, every row's conv and
     recurrent states equal those of a forward over that row's kept tokens alone (padding and rejected tokens
     leave no trace), where transformers' own cache would decay through the padding and keep the rejected tokens."""
-    model = family_model("qwen3_5", seed=1)
-    rollback, k = RecurrentRollback(model), 4
+    model = family_model(family_name, seed=1)
+    rollback, k = layer_kinds(model).rollback(model), 4
     ids, mask = right_pad(MIXED_PROMPTS, pad_id=EOS, device="cpu")
     used = mask.sum(-1)
     cache = rollback.new_cache()
@@ -182,8 +226,8 @@ def test_linear_attention_states_are_each_rows_own():
         alone = model(torch.tensor([prompt + block[b, : kept[b]].tolist()]), use_cache=True).past_key_values
         for index in rollback.layers:
             got, ref = cache.layers[index], alone.layers[index]
-            assert (got.recurrent_states[0][b] - ref.recurrent_states[0][0]).abs().max() < TOLERANCE["qwen3_5"]
-            assert (got.conv_states[0][b] - ref.conv_states[0][0]).abs().max() < TOLERANCE["qwen3_5"]
+            assert (got.recurrent_states[0][b] - ref.recurrent_states[0][0]).abs().max() < TOLERANCE[family_name]
+            assert (got.conv_states[0][b] - ref.conv_states[0][0]).abs().max() < TOLERANCE[family_name]
 
 
 def test_autoregressive_baseline_equals_generate(family):
@@ -297,13 +341,14 @@ def long_records(vocab: int, block_size: int, lengths: list[int], seed: int = 0)
     return records
 
 
+@pytest.mark.parametrize("family_name", sorted(LINEAR))
 @pytest.mark.parametrize("group_bytes", [GROUP_BYTES, 600_000])
-def test_linear_attention_replay_starts_each_block_from_its_anchors_state(group_bytes, monkeypatch):
+def test_linear_attention_replay_starts_each_block_from_its_anchors_state(group_bytes, family_name, monkeypatch):
     """Texts of 150-200 tokens cross linear replay's segments (`SEGMENT` positions; the state at each anchor is a
     segment's state advanced to it), with blocks grouped across rows (all in one call, or 5 per call): every
     drafted slot's teacher equals one forward per block, in one packed forward and from a view of the text."""
     monkeypatch.setattr(linear_replay, "GROUP_BYTES", group_bytes)
-    target, k = Target(family_model("qwen3_5", seed=1), LAYER_IDS), 6
+    target, k = Target(family_model(family_name, seed=1), LAYER_IDS), 6
     records = long_records(8, k, [150, 2 * SEGMENT + 9, 200])
     packed, ids, positions, layout = packed_inputs(records, k, "draft_opd")
     assert max(a for p in packed for a in p.anchors) > 2 * SEGMENT
@@ -313,8 +358,8 @@ def test_linear_attention_replay_starts_each_block_from_its_anchors_state(group_
     from_view = view.states(target, packed, "draft_opd", k)[0]
     for b, p in enumerate(packed):
         n = len(p.ids)
-        assert (got[b, :n] - ref[b, :n]).abs().max() < TOLERANCE["qwen3_5"]
-        assert (from_view[b, :n] - ref[b, :n]).abs().max() < TOLERANCE["qwen3_5"]
+        assert (got[b, :n] - ref[b, :n]).abs().max() < TOLERANCE[family_name]
+        assert (from_view[b, :n] - ref[b, :n]).abs().max() < TOLERANCE[family_name]
 
 
 def test_scored_teacher_equals_one_forward_per_block(family, records):
@@ -378,26 +423,38 @@ def test_linear_attention_flops_count_the_state_updates():
     """A Qwen3.5 token updates each Gated DeltaNet layer's value-head states (4 heads of 8 x 8 here, 5 layers), 7
     FLOPs an element, on top of 2 x the weights it passes through; attention-only targets add nothing."""
     params = TargetParams.of(family_model("qwen3_5"))
-    assert params.state == 7 * 5 * 4 * 8 * 8
+    assert params.state == 7 * 5 * 4 * 8 * 8 and params.block == params.state * SEGMENT
     assert params.forward(3, logits=1) == 2 * (3 * params.body + params.head) + 3 * params.state
+    assert TargetParams.of(family_model("kimi_linear")).state == 7 * 5 * 2 * 8 * 8  # KDA: 2 heads of 8 x 8
     assert TargetParams.of(family_model("qwen3")).state == 0
 
 
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("family_name", sorted(WINDOWS))
-def test_sliding_window_targets_refuse_what_counts_the_window_in_columns(family_name):
-    """flash-attn and a static cache count a sliding window in cache columns, which the decoder's per-row packing
-    (or a static cache's holes) moves: refused in one line, when the target loads and when the decoder is built."""
-    target = Target(family_model(family_name, dtype=torch.float32), LAYER_IDS)
-    with pytest.raises(OpdError, match="rollout.static_cache: not with a target that has sliding-window") as error:
+@pytest.mark.parametrize("family_name", sorted(NARROWED))
+def test_narrowing_targets_refuse_what_counts_the_window_in_columns(family_name):
+    """flash-attn and a static cache count a sliding window (or an attention chunk) in cache columns, which the
+    decoder's per-row packing (or a static cache's holes) moves: refused in one line, when the target loads and
+    when the decoder is built."""
+    target, label = Target(family_model(family_name, dtype=torch.float32), LAYER_IDS), NARROWED[family_name]
+    with pytest.raises(OpdError, match=f"rollout.static_cache: not with a target that has {label}") as error:
         SpeculativeDecoder(target, micro_drafter(target, mask_token_id=MASK), eos_id=EOS,
                            static_cache=True)
     target.model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(OpdError, match="sliding-window layers need attn_implementation sdpa or eager") as other:
+    with pytest.raises(OpdError, match=f"{label} layers need attn_implementation sdpa or eager") as other:
         Target(target.model, LAYER_IDS)
     assert "\n" not in str(error.value) + str(other.value)
+
+
+def test_llama4_layers_that_scale_queries_by_cache_column_are_refused():
+    """Llama 4's temperature tuning scales a layer's queries by cache column, not position, which per-row packing
+    and packed replay move: refused in one line naming the layers (the family above runs with it off)."""
+    model = family_model("llama4", dtype=torch.float32)
+    model.config.attn_temperature_tuning = True
+    with pytest.raises(OpdError, match=r"layers \[3\] scale their queries by cache column") as e:
+        Target(model, LAYER_IDS)
+    assert "\n" not in str(e.value)
 
 
 def test_linear_attention_layers_refuse_a_static_cache():
@@ -414,6 +471,10 @@ def test_linear_attention_layers_refuse_a_static_cache():
 def family_run_assets(family, micro_assets, tmp_path_factory) -> dict[str, str]:
     """The family's target in float32 over the micro tokenizer's vocabulary, saved with that tokenizer."""
     from transformers import AutoTokenizer
+
+    if family.name in DRAFTER_SHAPES:
+        pytest.skip("opd run builds a random DFlash drafter from the target's config.json, which Kimi Linear's cannot "
+                    "give (no RoPE, no max_position_embeddings in its to_dict): DFlashConfig.for_target")
 
     tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
     model = family_model(family.name, vocab_size=len(tokenizer), dtype=torch.float32)

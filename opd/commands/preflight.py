@@ -78,18 +78,18 @@ def target_shape(directory: ModelDir, layer_ids: list[int]) -> SimpleNamespace:
 
 def check_layer_kinds_of(path: str) -> None:
     """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly
-    (docs/guides/target-layer-kind.md), by `Target`'s own rule (`attention_windows`) applied to the model class's
+    (docs/guides/target-layer-kind.md), by `Target`'s own rule (`layer_kinds`) applied to the model class's
     skeleton built from config.json: no weights are read, so a run ends here in seconds rather than when an actor
     loads the target."""
+    from opd.models.layer_kind import layer_kinds
     from opd.models.shared_head import skeleton, target_config
-    from opd.models.target import attention_windows
 
     config = target_config(path)
     try:
         model = skeleton(config)
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
-    attention_windows(model)
+    layer_kinds(model)
 
 
 def check_drafter(path: str, target: SimpleNamespace, section: DrafterSection) -> None:

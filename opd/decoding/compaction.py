@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
-from opd.decoding.recurrent import is_linear
 from opd.errors import OpdError
 from opd.models.drafter_cache import DrafterCache
+from opd.models.layer_kind import TargetKinds
 
 
 def row_mask(used: list[int], width: int, device: torch.device) -> torch.Tensor:
@@ -47,10 +47,11 @@ def move_block(x: torch.Tensor, dim: int, used: torch.Tensor, start: int, block:
     x.scatter_(dim, columns.view(shape).expand_as(source), source)
 
 
-def compact(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int], block: int,
-            draft_block: int) -> list[int]:
+def compact(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int],
+            block: int, draft_block: int) -> list[int]:
     """Pack the block both caches just appended (the target's `block` slots, the drafter's first `draft_block` of
-    them, which hold every kept slot; row b keeps its first kept[b]); returns the new `used`.
+    them, which hold every kept slot; row b keeps its first kept[b]); returns the new `used`. `kinds`: the
+    target's, which say which of its cache layers hold per-token columns.
 
     When every row ended at the same column (always at batch 1), each row's block already starts at its own next
     free column: nothing moves, the caches are only cropped, and the drafter's appended `valid` already is the
@@ -58,10 +59,10 @@ def compact(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kep
     new_used = [u + n for u, n in zip(used, kept)]
     width = max(new_used)
     if min(used) == max(used):
-        crop(target_cache, draft_cache, width)
+        crop(kinds, target_cache, draft_cache, width)
     else:
         columns = torch.tensor(used, device=draft_cache.positions.device)
-        for layer in _dynamic_layers(target_cache):
+        for layer in _dynamic_layers(kinds, target_cache):
             layer.keys = pack_block(layer.keys, 2, columns, block, width)
             layer.values = pack_block(layer.values, 2, columns, block, width)
         draft_cache.keys = [pack_block(k, 2, columns, draft_block, width) for k in draft_cache.keys]
@@ -100,9 +101,9 @@ def compact_static(target_cache: Cache, draft_cache: DrafterCache, used: list[in
     return new_used
 
 
-def crop(target_cache: Cache, draft_cache: DrafterCache, width: int) -> None:
+def crop(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, width: int) -> None:
     """Drop the columns past `width` (the longest remaining row): after a step, or after rows left the batch."""
-    for layer in _dynamic_layers(target_cache):
+    for layer in _dynamic_layers(kinds, target_cache):
         layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
     draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]
     draft_cache.values = [v[:, :, :width] for v in draft_cache.values]
@@ -121,12 +122,12 @@ def _static_layers(cache: Cache) -> list[StaticLayer]:
     return list(cache.layers)
 
 
-def _dynamic_layers(cache: Cache) -> list[DynamicLayer]:
-    """The target cache's layers with per-token columns, which must be plain growing ones: HF's sliding-window
-    layer keeps the batch's last window − 1 columns, not each row's, and would be corrupted by moving them. A target
-    with sliding-window layers keeps them as plain layers and applies the window in its masks
-    (opd/models/kind_masks.py). Linear-attention layers have no columns; `recurrent.py` rolls them back."""
-    layers = [layer for layer in cache.layers if not is_linear(layer)]
+def _dynamic_layers(kinds: TargetKinds, cache: Cache) -> list[DynamicLayer]:
+    """The target cache's layers with per-token columns (`LayerKind.columns`), which must be plain growing ones:
+    HF's sliding-window layer keeps the batch's last window − 1 columns, not each row's, and would be corrupted by
+    moving them. A target whose kinds narrow their keys keeps them as plain layers and applies the narrowing in its
+    masks (opd/models/kind_masks.py). A recurrent kind's layers have no columns; its `rollback` rolls them back."""
+    layers = kinds.column_layers(cache)
     bad = {type(layer).__name__ for layer in layers if not isinstance(layer, DynamicLayer) or layer.is_sliding}
     if bad:
         raise OpdError(f"speculative decoding packs the target's KV cache per row; {sorted(bad)} cache layers "

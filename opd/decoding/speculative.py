@@ -38,13 +38,12 @@ from transformers.cache_utils import StaticCache
 from opd.decoding.batch import right_pad
 from opd.decoding.compaction import compact, compact_static, crop, row_mask
 from opd.decoding.record import SequenceRecord
-from opd.decoding.recurrent import RecurrentRollback, select_rows
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, next_token, sample_chained_draft, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
-from opd.models.deltanet import linear_layers
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import Drafter, chains
+from opd.models.layer_kind import TargetKinds
 from opd.models.target import Target
 
 CAPACITY_STEP = 256  # a compiled decoder's cache capacities are multiples of this, so batches share compiled code
@@ -59,15 +58,11 @@ class SpeculativeDecoder:
         if compiled and not static_cache:
             raise OpdError("compiled decoding needs static_cache=True (torch.compile needs one shape per batch); "
                            "expected static_cache=True or compiled=False")
-        if static_cache and target.windowed:
-            raise OpdError("rollout.static_cache: not with a target that has sliding-window layers (a static "
-                           "cache's sliding layers count the window in cache columns, which per-row packing moves); "
-                           "expected static_cache: false")
-        if static_cache and linear_layers(target.model):
-            raise OpdError("rollout.static_cache: not with a target that has linear-attention layers (their "
-                           "recurrent states are rolled back per row in a growing cache); expected static_cache: false")
+        problem = target.kinds.static_cache_problem() if static_cache else None
+        if problem:
+            raise OpdError(f"rollout.static_cache: not with {problem}; expected static_cache: false")
         self.target, self.drafter, self.eos_id = target, drafter, eos_id
-        self.rollback = RecurrentRollback(target.model) if linear_layers(target.model) else None
+        self.rollback = target.kinds.rollback(target.model)  # a recurrent kind's per-row rollback, or None
         self.draft_version, self.static_cache, self.compiled = draft_version, static_cache, compiled
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, accumulated over calls
         self._verify_forward, self._draft_forward = self._target_forward, self._drafter_forward
@@ -215,10 +210,10 @@ class SpeculativeDecoder:
     def _block_mask(self, s: _State, k: int) -> torch.Tensor | None:
         """The target's 2-D mask for verifying a K-token block: every row's used columns plus the block itself
         (appended after the cache's last column). None where every row uses every column (always at batch 1) and
-        the target has no sliding-window layers (whose masks `kind_masks` narrows from this one): the model's own
+        no kind of the target narrows its keys (their masks `kind_masks` narrows from this one): the model's own
         causal mask is then the same, and it is how z-lab's decoder calls the target."""
         if not self.static_cache:
-            if min(s.used) == max(s.used) and not self.target.windowed:
+            if min(s.used) == max(s.used) and not self.target.narrowed:
                 return None
             used = row_mask(s.used, s.target_cache.get_seq_length(), s.anchor.device)
             return torch.cat([used, used.new_ones(len(s.rows), k)], 1)
@@ -230,7 +225,7 @@ class SpeculativeDecoder:
         the left of both caches (a static batch's finished rows keep nothing more)."""
         counts = [r + 1 if live else 0 for r, live in zip(accepted, s.live)]
         if not self.static_cache:
-            s.used = compact(s.target_cache, s.draft_cache, s.used, counts, k, kept.shape[1])
+            s.used = compact(self.target.kinds, s.target_cache, s.draft_cache, s.used, counts, k, kept.shape[1])
             return
         s.used = compact_static(s.target_cache, s.draft_cache, s.used, counts, k)
         s.filled = max(s.used)
@@ -266,9 +261,9 @@ class SpeculativeDecoder:
                 s.live[i] = False
             return
         keep = [i for i in range(len(s.rows)) if i not in done]
-        s.select(keep)
+        s.select(keep, self.target.kinds)
         if keep:
-            crop(s.target_cache, s.draft_cache, max(s.used))
+            crop(self.target.kinds, s.target_cache, s.draft_cache, max(s.used))
             s.draft_cache.dense = min(s.used) == max(s.used)
 
 
@@ -303,8 +298,8 @@ class _State:
         self.draft_cache = draft_cache
         self.anchor, self.anchor_pos, self.response_len = anchor, anchor_pos, response_len
 
-    def select(self, keep: list[int]) -> None:
-        """Keep only these batch rows."""
+    def select(self, keep: list[int], kinds: TargetKinds) -> None:
+        """Keep only these batch rows (the target's cache layers as their kinds select rows)."""
         for name in ("rows", "live", "used"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         if not keep:
@@ -312,5 +307,5 @@ class _State:
         index = torch.tensor(keep, dtype=torch.long, device=self.anchor.device)
         for name in ("keys", "anchor", "anchor_pos", "response_len"):
             setattr(self, name, getattr(self, name)[index])
-        select_rows(self.target_cache, index)
+        kinds.select_rows(self.target_cache, index)
         self.draft_cache.select(index)

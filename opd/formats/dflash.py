@@ -224,12 +224,12 @@ class DFlashConfig:
         text = target_hf_config.get_text_config(decoder=True) if hasattr(target_hf_config, "get_text_config") \
             else target_hf_config
         hf = text.to_dict()
-        num_target_layers = int(hf["num_hidden_layers"])
+        num_target_layers = _int_field(hf, "num_hidden_layers")
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
         return cls(
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            hidden_size=_int_field(hf, "hidden_size"),
+            intermediate_size=_int_field(hf, "intermediate_size"),
             num_hidden_layers=int(num_layers),
             num_attention_heads=int(hf["num_attention_heads"]),
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
@@ -237,7 +237,7 @@ class DFlashConfig:
             rms_norm_eps=float(hf["rms_norm_eps"]),
             rope_parameters=_target_rope(hf),
             vocab_size=int(hf["vocab_size"]),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
+            max_position_embeddings=_int_field(hf, "max_position_embeddings"),
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
             target_layer_ids=[int(i) for i in target_layer_ids],

@@ -1,8 +1,10 @@
-"""transformers' Gated DeltaNet layers (Qwen3.5's linear attention) as the decoder's rollback and packed replay reach
-them: the layer modules, their gated delta rule kernels, and the conv window a cache keeps.
+"""transformers' delta-rule layers (Qwen3.5's Gated DeltaNet, Kimi Linear's Kimi Delta Attention) as the decoder's
+rollback and packed replay reach them: the layer modules, their delta rule kernels, and the conv window a cache
+keeps. A kind names its modules and kernels (`DeltaRule`); the code around them is shared.
 
-A Gated DeltaNet layer's forward calls two module-level kernels of its modeling file, a chunked one for a sequence
-and a recurrent one for a single token. The rollback (opd/decoding/recurrent.py) needs each call's inputs, and
+Such a layer's forward calls two module-level kernels of its modeling file, a chunked one for a sequence and a
+recurrent one for a single token, each taking (query, key, value, g, beta, initial_state, output_final_state, ...)
+with g the log decay per position (and head, and key channel where the decay is per channel). The rollback (opd/models/recurrent_rollback.py) needs each call's inputs, and
 packed replay (opd/models/linear_replay.py) the states along the text, so both run their own code around those
 kernels. That code is installed once, as a dispatcher in place of each kernel name, and is chosen per thread
 (`DeltaNetKernels.wrapped`): an actor that decodes on one thread and evaluates on another shares one model, and a
@@ -15,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,31 +25,36 @@ from torch import nn
 
 from opd.errors import OpdError
 
-CHUNKED, RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
 _LOCAL = threading.local()  # .wrap: this thread's `Wrap`, or absent
 Wrap = Callable[[Callable, Callable], Callable]  # (kernel, recurrent kernel) -> what runs in the kernel's place
 
 
-def linear_layers(model: nn.Module) -> list[int]:
-    """Indices of the decoder layers whose kind is linear attention (Qwen3.5's Gated DeltaNet; none elsewhere)."""
-    kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    return [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+@dataclass(frozen=True)
+class DeltaRule:
+    """How transformers names one delta-rule kind's modules (their class names end with `module`) and the
+    module-level kernels their forward calls (`chunked`, `recurrent`)."""
+
+    label: str
+    module: str
+    chunked: str
+    recurrent: str
 
 
 class DeltaNetKernels:
-    """A target's Gated DeltaNet modules, in layer order, and their kernels (the originals, and a per-thread way
-    to run code in their place)."""
+    """A target's delta-rule modules of one kind, in layer order, and their kernels (the originals, and a
+    per-thread way to run code in their place)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = linear_layers(model)
-        self.modules = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    def __init__(self, model: nn.Module, layers: tuple[int, ...], rule: DeltaRule) -> None:
+        self.layers = list(layers)
+        self.modules = [m for m in model.modules() if type(m).__name__.endswith(rule.module)]
         files = {sys.modules[type(m).__module__] for m in self.modules}
-        kernels = [f for f in files if hasattr(f, CHUNKED) and hasattr(f, RECURRENT)]
+        kernels = [f for f in files if hasattr(f, rule.chunked) and hasattr(f, rule.recurrent)]
         if len(self.modules) != len(self.layers) or len(kernels) != len(files) or len(files) != 1:
             raise OpdError(f"target {type(model).__name__}: its 'linear_attention' layers {self.layers} are not all "
-                           "Gated DeltaNet layers with transformers' gated delta rule kernels, which the decoder "
-                           "and packed replay run from each row's own state (docs/guides/target-layer-kind.md)")
-        self.chunked, self.recurrent = _install(kernels[0])
+                           f"{rule.label} layers with transformers' {rule.chunked} and {rule.recurrent} kernels, "
+                           "which the decoder and packed replay run from each row's own state "
+                           "(docs/guides/target-layer-kind.md)")
+        self.chunked, self.recurrent = _install(kernels[0], rule)
 
     @contextmanager
     def wrapped(self, wrap: Wrap) -> Iterator[None]:
@@ -67,13 +75,13 @@ def thread_setting(local: threading.local, name: str, value: Any) -> Iterator[No
         setattr(local, name, previous)
 
 
-def _install(module: Any) -> tuple[Callable, Callable]:
+def _install(module: Any, rule: DeltaRule) -> tuple[Callable, Callable]:
     """Put the dispatchers in place of the modeling file's kernels once; the original (chunked, recurrent)."""
     originals = getattr(module, "_opd_kernels", None)
     if originals is None:
-        originals = (getattr(module, CHUNKED), getattr(module, RECURRENT))
-        setattr(module, CHUNKED, _dispatcher(originals[0], originals[1]))
-        setattr(module, RECURRENT, _dispatcher(originals[1], originals[1]))
+        originals = (getattr(module, rule.chunked), getattr(module, rule.recurrent))
+        setattr(module, rule.chunked, _dispatcher(originals[0], originals[1]))
+        setattr(module, rule.recurrent, _dispatcher(originals[1], originals[1]))
         module._opd_kernels = originals
     return originals
 
@@ -84,6 +92,12 @@ def _dispatcher(kernel: Callable, recurrent: Callable) -> Callable:
         return kernel(*args, **kwargs) if wrap is None else wrap(kernel, recurrent)(*args, **kwargs)
 
     return run
+
+
+def per_position(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Bool flags [B, T] as `like`'s dtype, shaped to multiply a kernel input [B, T, ...] (a gate per head, or per
+    head and key channel) position by position."""
+    return flags.view(*flags.shape, *[1] * (like.dim() - 2)).to(like.dtype)
 
 
 def conv_window(inputs: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, kernel: int) -> torch.Tensor:

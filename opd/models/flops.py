@@ -7,9 +7,8 @@ processes, with the weights that token actually passes through. The convention:
   trainable weights (activation and weight gradients) and 4x for the frozen shared LM head (activation gradient
   only). Embedding lookups and attention's sequence-length term are left out: small at these lengths, and alike
   for every arm. A mixture-of-experts target counts the experts a token passes through (`num_experts_per_tok`
-  of them), not all of them. A linear-attention layer (Gated DeltaNet) adds its recurrent state's update per token,
-  which no weight counts: 7 x value heads x key width x value width (decay, read, write and the output's read of
-  the heads' dk x dv states); its conv weights count as weights.
+  of them), not all of them. A layer kind adds what no weight counts (`LayerKind.state_flops`: a Gated DeltaNet
+  layer's recurrent state update per token, opd/models/kinds/gated_deltanet.py); its conv weights count as weights.
 - Only real tokens count, not padding: a batch's padding is an artefact of how it was batched (micro-batch size,
   the longest row), not of the method.
 - Target (`TargetParams`): every token its decoder runs passes through the body (decoder layers); only the
@@ -19,9 +18,8 @@ processes, with the weights that token actually passes through. The convention:
     (`len(opd.distill.replay.pack(record, K, mode).ids)`), decoder only; the LM head at every scored slot (N x (K-1)),
     whether the scorer (top-k) or the learner (full vocabulary) forms those logits; with a rebuilt source the
     rebuild's forward over the text is the teacher's too, charged once, with the rebuild (except a hybrid target's
-    drafted blocks, whose packed forward runs the text again: `CommittedView`); a hybrid target's linear layers
-    also advance each drafted block's state from its segment's start (`linear_replay.SEGMENT` positions of state
-    updates a block, `TargetParams.replay`);
+    drafted blocks, whose packed forward runs the text again: `CommittedView`); a recurrent kind also advances
+    each drafted block's state to its anchor (`LayerKind.block_flops`, `TargetParams.replay`);
   - SFT and random-anchor redrafting: the sequence through the decoder only (features, no logits).
 - Drafter (`DrafterParams`, from the family's `modules_by_role`): every context position passes through `fc` and
   each layer's K and V projections (EAGLE-3: its whole layer); every block token (DFlash: K per block, anchor
@@ -44,6 +42,8 @@ from typing import Protocol
 
 from torch import nn
 
+from opd.models.layer_kind import layer_kinds
+
 
 def _numel(modules: list[nn.Module]) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
@@ -55,7 +55,8 @@ class TargetParams:
 
     body: int
     head: int
-    state: int = 0  # FLOPs per token of linear-attention state updates (`_state_flops`)
+    state: int = 0  # FLOPs per token its layer kinds add beyond the weights (`LayerKind.state_flops`)
+    block: int = 0  # FLOPs per drafted block packed replay adds beyond the forward (`LayerKind.block_flops`)
 
     @classmethod
     def of(cls, model: nn.Module) -> TargetParams:
@@ -65,29 +66,18 @@ class TargetParams:
         experts, (per_token, total) = _expert_params(model), _experts_per_token(model.config)
         body = sum(p.numel() for p in model.parameters()
                    if p is not embed and p is not head and id(p) not in experts)
+        kinds = layer_kinds(model)
         return cls(body + sum(p.numel() for p in experts.values()) * per_token // total, head.numel(),
-                   _state_flops(model.config))
+                   kinds.state_flops(), kinds.block_flops())
 
     def forward(self, tokens: int, logits: int = 0) -> float:
         """FLOPs of a forward over `tokens` tokens forming `logits` rows of logits."""
         return 2.0 * (self.body * tokens + self.head * logits) + float(self.state * tokens)
 
     def replay(self, tokens: int, blocks: int, logits: int = 0) -> float:
-        """FLOPs of packed replay over `tokens` rows holding `blocks` drafted blocks: the forward, plus each block's
-        advance of the linear layers' states to its anchor (opd/models/linear_replay.py)."""
-        from opd.models.linear_replay import SEGMENT
-
-        return self.forward(tokens, logits) + float(self.state * SEGMENT * blocks)
-
-
-def _state_flops(config) -> int:
-    """Per token, over the linear-attention layers: the gated delta rule's decay (1), read (2), write (2) and
-    output read (2) of each value head's dk x dv state."""
-    text = config.get_text_config(decoder=True)
-    linear = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or [])
-    if not linear:
-        return 0
-    return 7 * linear * text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
+        """FLOPs of packed replay over `tokens` rows holding `blocks` drafted blocks: the forward, plus what each
+        block adds (a recurrent kind's advance of its state to the anchor)."""
+        return self.forward(tokens, logits) + float(self.block * blocks)
 
 
 def _experts_per_token(config) -> tuple[int, int]:

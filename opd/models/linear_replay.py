@@ -21,9 +21,9 @@ The alternatives cost more: keeping the state at every anchor holds heads·dk·d
 layer at Qwen3.5-9B) for the whole text, and a forward per block re-runs the text. What this adds over one causal
 forward of the same rows is `SEGMENT` positions of kernel work a block, no projection, and a state per block in
 flight (`GROUP_BYTES` bounds a group). transformers' torch kernel pads every call to its chunk (64 positions), so
-the segments, advances and block calls pass it a chunk of `SEGMENT` (`chunked_by_segment`); measured on CPU at
-Qwen3.5-9B's linear heads, packed replay costs 1.8x one causal forward over as many tokens (bench/linear_replay.py);
-64-position segments and chunks do four times the kernel work per block.
+the segments, advances and block calls pass it a chunk of `SEGMENT` (`chunked_by_segment`): 64-position segments
+and chunks do four times the kernel work per block (what packed replay costs against one causal forward:
+bench/linear_replay.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from opd.models.deltanet import DeltaNetKernels, conv_window, thread_setting
+from opd.models.deltanet import DeltaNetKernels, conv_window, per_position, thread_setting
 from opd.models.packed_attention import PackedRows
 
 SEGMENT = 16  # text positions per kernel call (states at its multiples), a block's longest advance, and the chunk
@@ -67,9 +67,9 @@ class LinearReplay:
     """Installs, once per target, a forward on its Gated DeltaNet modules that runs a packed layout (`packed`) as
     above and anything else as before."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernels: DeltaNetKernels) -> None:
         self.config = model.config
-        self.kernels = DeltaNetKernels(model)
+        self.kernels = kernels
         for module in self.kernels.modules:
             if not getattr(module, "_opd_packed", False):
                 module.forward = _dispatching(module, self)
@@ -115,12 +115,12 @@ class LinearReplay:
         segment = (anchors + 1) // SEGMENT
         start = text.states[rows, segment]
         positions = anchors[:, None] - SEGMENT + 1 + torch.arange(SEGMENT, device=anchors.device)
-        live = (positions >= (segment * SEGMENT)[:, None])[..., None]
+        live = positions >= (segment * SEGMENT)[:, None]
         at = (rows[:, None], positions.clamp(min=0))
         q, k, v, g, beta = (x[at] for x in (text.query, text.key, text.value, text.g, text.beta))
         kernel = chunked_by_segment(self.kernels.chunked)
-        _, state = kernel(q, k, v, g=g * live.to(g.dtype), beta=beta * live.to(beta.dtype), initial_state=start,
-                          output_final_state=True, **text.kwargs)
+        _, state = kernel(q, k, v, g=g * per_position(live, g), beta=beta * per_position(live, beta),
+                          initial_state=start, output_final_state=True, **text.kwargs)
         return state
 
     def _seeded(self, module: nn.Module, conv: torch.Tensor, state: torch.Tensor) -> DynamicCache:
@@ -138,8 +138,8 @@ class LinearReplay:
         chunked kernel's fp32 copies and products of them (~4x)."""
         state = text.states[0, 0].numel()
         heads = text.value.shape[2]
-        per_position = heads * (2 * text.key.shape[-1] + text.value.shape[-1] + 2)
-        return max(1, GROUP_BYTES // (4 * (state + 4 * SEGMENT * per_position)))
+        inputs = heads * (2 * text.key.shape[-1] + text.value.shape[-1] + 2)  # per position
+        return max(1, GROUP_BYTES // (4 * (state + 4 * SEGMENT * inputs)))
 
 
 def _dispatching(module: nn.Module, replay: LinearReplay) -> Callable:

@@ -24,10 +24,11 @@ module registers, under the existing names ("sdpa", "eager", "flash_attention_2"
 path for a `PackedMask` and otherwise call the original function unchanged. So a flash-attention target replays
 packed rows without its shared config ever being switched (actors run two threads on one model).
 
-Layer kinds (`LayerRule`): HF hands every attention function the layer's `sliding_window` and, for gpt-oss, its
-sinks (`s_aux`). A window narrows the prefix and every block by position (the prefix then runs a chunk of queries
-at a time over the keys the window reaches, so a windowed layer also costs less); sinks enter each softmax as one
-more key (`with_sink_key`), so they need no kernel of their own.
+Layer kinds (`LayerRule`): the `PackedMask` carries the target's kind of every layer (opd/models/layer_kind.py),
+and HF hands every attention function the layer's sinks (`s_aux`, gpt-oss). A kind that narrows its keys (a
+sliding window, an attention chunk) narrows the prefix and every block by position (`LayerKind.sees`; the prefix
+then runs a chunk of queries at a time over the keys the kind reaches, so such a layer also costs less); sinks
+enter each softmax as one more key (`with_sink_key`), so they need no kernel of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
 from opd.formats.layer_attention import LayerAttention
+from opd.models.layer_kind import LayerKind
 
 CHUNK_ROWS = 1024  # block query rows per attention call: bounds its mask at CHUNK_ROWS x (prefix + CHUNK_ROWS)
 _GQA_KWARG = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
@@ -101,20 +103,25 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
 
 @dataclass(frozen=True)
 class LayerRule:
-    """What one target layer adds to the packed layout: a sliding `window` (query at position q sees keys at
-    positions > q − window, HF's rule) and `sinks` [H] (a logit per head in every softmax). A row's prefix runs
-    as plain causal attention only for a layer with neither."""
+    """What one target layer adds to the packed layout: its `kind`'s narrowing of the keys, by position (None: a
+    layer of no target, which narrows nothing), and `sinks` [H] (a logit per head in every softmax). A row's prefix
+    runs as plain causal attention only for a layer with neither."""
 
-    window: int | None = None
+    kind: LayerKind | None = None
     sinks: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
-        return self.window is None and self.sinks is None
+        return (self.kind is None or not self.kind.narrows) and self.sinks is None
 
     def lowest_key(self, position: int) -> int:
         """The lowest key position a query at `position` sees."""
-        return 0 if self.window is None else max(0, position - self.window + 1)
+        return 0 if self.kind is None else self.kind.lowest_key(position)
+
+    def narrow(self, sees: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """`sees` narrowed by the kind, for query positions [rows, 1] and key positions [1, keys]."""
+        narrowed = None if self.kind is None else self.kind.sees(queries, keys)
+        return sees if narrowed is None else sees & narrowed
 
 
 @dataclass(frozen=True)
@@ -163,9 +170,10 @@ class PackedRow:
         prefix = torch.arange(lo, keys, device=device)
         sees_prefix = prefix[None, :] <= anchors[:, None]
         sees_own = (block[:, None] == block[None, :]) & (offset[None, :] <= offset[:, None])
-        if rule.window is not None:
-            sees_prefix &= prefix[None, :] > (anchors + 1 + offset)[:, None] - rule.window
-            sees_own &= offset[:, None] - offset[None, :] < rule.window
+        if not rule.plain:
+            positions = anchors + 1 + offset
+            sees_prefix = rule.narrow(sees_prefix, positions[:, None], prefix[None, :])
+            sees_own = rule.narrow(sees_own, positions[:, None], positions[None, :])
         return torch.cat([sees_prefix, sees_own], dim=1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -188,8 +196,8 @@ class PackedRow:
 
     def _attend_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        scale: float | None, rule: LayerRule) -> None:
-        """The prefix: one plain causal call, or, under a window or sinks, `chunk_rows` queries at a time over
-        the keys they can see, with a small mask (never [P, P])."""
+        """The prefix: one plain causal call, or, under a narrowing kind or sinks, `chunk_rows` queries at a time
+        over the keys they can see, with a small mask (never [P, P])."""
         p = self.prefix_len
         if rule.plain:
             out[:, :, :p] = causal_sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], scale)
@@ -198,9 +206,7 @@ class PackedRow:
             end = min(start + self.chunk_rows, p)
             lo = rule.lowest_key(start)
             queries, keys = torch.arange(start, end, device=q.device), torch.arange(lo, end, device=q.device)
-            mask = keys[None, :] <= queries[:, None]
-            if rule.window is not None:
-                mask &= keys[None, :] > queries[:, None] - rule.window
+            mask = rule.narrow(keys[None, :] <= queries[:, None], queries[:, None], keys[None, :])
             out[:, :, start:end] = grouped_sdpa(q[:, :, start:end], k[:, :, lo:end], v[:, :, lo:end],
                                                 mask[None, None], scale, rule.sinks)
 
@@ -225,24 +231,28 @@ class PackedRows:
     def to(self, device: torch.device | str) -> PackedRows:
         return PackedRows(tuple(r.to(device) for r in self.rows), self.length, self.cached)
 
-    def as_mask(self, device: torch.device | str) -> PackedMask:
+    def as_mask(self, device: torch.device | str, kinds: tuple[LayerKind, ...] = ()) -> PackedMask:
         """This layout as the 4-D mask [B, 1, L, cached + L] every HF decoder passes through to its layers: a
-        stride-0 view of one False (no memory), so only the wrappers below, which read the layout, can use it."""
+        stride-0 view of one False (no memory), so only the wrappers below, which read the layout, can use it.
+        `kinds`: the target's kind of each decoder layer, which narrows that layer's keys."""
         shape = (len(self.rows), 1, self.length, self.cached + self.length)
         mask = torch.zeros((), dtype=torch.bool, device=device).expand(shape).as_subclass(PackedMask)
-        mask.packed_rows = self
+        mask.packed_rows, mask.layer_kinds = self, kinds
         return mask
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float | None, rule: LayerRule = LayerRule()) -> torch.Tensor:
-        """HF's attention contract: q [B, H, L, d], k/v [B, kv, cached + L, d] -> [B, L, H, d]."""
+        """HF's attention contract: q [B, H, L, d], k [B, kv, cached + L, d], v [B, kv, cached + L, dv] ->
+        [B, L, H, dv]."""
         if query.shape[0] != len(self.rows) or query.shape[2] != self.length:
             raise OpdError(f"packed rows: layout is {len(self.rows)} x {self.length}, queries are "
                            f"{query.shape[0]} x {query.shape[2]}")
         if key.shape[2] != self.cached + self.length:
             raise OpdError(f"packed rows: expected {self.cached} cached + {self.length} keys, got {key.shape[2]}")
-        batch, heads, length, dim = query.shape
-        out = query.new_zeros(batch, length, heads, dim)  # written through a [B, H, L, d] view: no final copy
+        batch, heads, length, _ = query.shape
+        # as wide as the values (latent attention's differ from its queries'); written through a [B, H, L, dv]
+        # view, so no final copy
+        out = query.new_zeros(batch, length, heads, value.shape[-1])
         for b, row in enumerate(self.rows):
             row.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], out[b : b + 1].transpose(1, 2), scale,
                        self.cached, rule)
@@ -254,26 +264,36 @@ class PackedMask(torch.Tensor):
     HF's mask builders pass through unchanged, whichever form of mask the model's forward builds."""
 
     packed_rows: PackedRows  # (`layout` is taken: every tensor has one)
+    layer_kinds: tuple[LayerKind, ...]  # decoder layer i's kind; empty: no layer narrows its keys
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """Some forwards slice their masks to the rows they keep (Gemma 4 before its KV-sharing layers, all of
         them when every row's output is wanted, as here): a slice that keeps the whole layout still carries it."""
         out = super().__getitem__(index)
         if isinstance(out, PackedMask) and out.shape == self.shape:
-            out.packed_rows = self.packed_rows
+            out.packed_rows, out.layer_kinds = self.packed_rows, self.layer_kinds
         return out
+
+    def rule(self, module: torch.nn.Module, sinks: torch.Tensor | None) -> LayerRule:
+        """The packed rule of the layer whose attention `module` is (HF attention modules know their `layer_idx`)."""
+        if not self.layer_kinds:
+            return LayerRule(None, sinks)
+        index = getattr(module, "layer_idx", None)
+        if index is None:
+            raise OpdError(f"packed replay: {type(module).__name__} has no `layer_idx` to find its layer kind by")
+        return LayerRule(self.layer_kinds[index], sinks)
 
 
 def _packed_or(original: Callable[..., Any]) -> Callable[..., Any]:
     """An HF attention function that runs a `PackedMask`'s rows itself and hands every other mask to
-    `original`. The layer's window and sinks come as HF hands them to every attention function
-    (`sliding_window`, `s_aux`)."""
+    `original`. The layer's kind comes with the mask, its sinks as HF hands them to every attention function
+    (`s_aux`)."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         if not isinstance(attention_mask, PackedMask):
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        rule = LayerRule(kwargs.get("sliding_window"), kwargs.get("s_aux"))
+        rule = attention_mask.rule(module, kwargs.get("s_aux"))
         return attention_mask.packed_rows.attend(query, key, value, kwargs.get("scaling"), rule), None
 
     attention.packed_original = original

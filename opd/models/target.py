@@ -1,5 +1,5 @@
-"""The frozen target model: a Hugging Face causal LM of full-attention, sliding-window (with or without sinks)
-and linear-attention layers (docs/guides/target-layer-kind.md), plus the hidden-state features a DFlash drafter reads.
+"""The frozen target model: a Hugging Face causal LM whose layers are of registered kinds (opd/models/layer_kind.py,
+docs/guides/target-layer-kind.md), plus the hidden-state features a DFlash drafter reads.
 
 A DFlash drafter is conditioned on the outputs of a few target decoder layers (`layer_ids`). We capture exactly
 those with forward hooks instead of `output_hidden_states=True`, so a long replay sequence never keeps every
@@ -19,9 +19,8 @@ from torch import nn
 
 from opd.errors import OpdError
 from opd.model_dir import ModelDir
-from opd.models.deltanet import linear_layers
 from opd.models.kind_masks import kind_masks
-from opd.models.linear_replay import LinearReplay
+from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
 
 
@@ -53,14 +52,11 @@ class KVPrefix:
 class Target(nn.Module):
     """A frozen HF causal LM that also returns the features of the decoder layers in `layer_ids`.
 
-    Its layers must be full or sliding-window attention, with or without sinks (Qwen3, Llama, Qwen3-MoE, Gemma 4,
-    gpt-oss), or linear attention (Qwen3.5; docs/guides/target-layer-kind.md): the decoder's per-row cache packing and
-    packed replay are exact for the attention kinds; the decoder rolls linear layers back itself
-    (opd/decoding/recurrent.py) and packed replay runs each drafted block from its anchor's state
-    (opd/models/linear_replay.py).
-    Any other layer kind (chunked attention, ...) is refused here, before any compute. A target with
-    sliding-window layers keeps every key in plain cache layers and gets its masks per layer kind from
-    `kind_masks`, the window counted in positions (why: opd/models/kind_masks.py).
+    Each layer is mapped once to its registered kind (`kinds`, opd/models/layer_kind.py), which everything else
+    asks: its mask, its rollback after verification, its packed replay, its FLOPs. A layer type of no registered
+    kind is refused here, before any compute. A target whose kinds narrow their keys (sliding-window, chunked) keeps
+    every key in plain cache layers and gets its masks per layer kind from `kind_masks`, counted in positions (why:
+    opd/models/kind_masks.py).
 
     The feature of layer id `i` is the output of decoder layer `i`, i.e. HF `hidden_states[i + 1]`. For the last
     layer HF reports the output *after* the final norm, so that id is captured from the final norm to stay
@@ -78,13 +74,8 @@ class Target(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self._check_layer_ids()
-        self._windows = attention_windows(model)
-        self._windowed = any(window is not None for window in self._windows.values())
-        if self._windowed and config._attn_implementation == "flash_attention_2":
-            raise OpdError(f"target {type(model).__name__}: its sliding-window layers need attn_implementation sdpa "
-                           "or eager (flash-attn counts a window in cache columns, which the decoder's per-row "
-                           "packing moves)")
-        self._linear = LinearReplay(model) if linear_layers(model) else None
+        self.kinds: TargetKinds = layer_kinds(model)
+        self._linear = self.kinds.replay(model)
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
         self._register_feature_hooks()
@@ -96,9 +87,9 @@ class Target(nn.Module):
         return self._linear is not None
 
     @property
-    def windowed(self) -> bool:
-        """Whether some layers are sliding-window ones (their masks come from `kind_masks`)."""
-        return self._windowed
+    def narrowed(self) -> bool:
+        """Whether some layers' kinds narrow their keys (sliding-window, chunked: masks from `kind_masks`)."""
+        return self.kinds.narrowed
 
     # -- what the drafter shares -------------------------------------------------------------------------------
 
@@ -110,6 +101,14 @@ class Target(nn.Module):
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack without the LM head. transformers' `get_decoder` looks for the attribute its
+        `base_model_prefix` names, which Llama 4's text-only model (`language_model`, held as `model`) lacks, and
+        then returns the whole model."""
+        decoder = self.model.get_decoder()
+        return self.model.model if decoder is self.model and hasattr(self.model, "model") else decoder
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -139,8 +138,8 @@ class Target(nn.Module):
         the `PackedRows` layout of packed replay (any implementation, no [T,T] mask formed).
 
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
-        (sdpa) or as an additive mask (eager). A target with sliding-window layers takes a 2-D mask, or a bool 4-D
-        one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
+        (sdpa) or as an additive mask (eager). A target whose kinds narrow their keys takes a 2-D mask, or a bool
+        4-D one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
         """
         out, features = self._run(self.model, input_ids, attention_mask, position_ids,
                                   use_cache=use_cache, **{self._cache_arg: past_key_values})
@@ -155,7 +154,7 @@ class Target(nn.Module):
         exactly, so no [B,T,V] logits are made for the prefix. `prefix`: keys and values that come before these
         rows (`text_states`), for a `PackedRows` layout with `cached` set to its length."""
         cache = {"use_cache": False} if prefix is None else {"use_cache": True, self._cache_arg: prefix.cache()}
-        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, **cache)
+        out, features = self._run(self.decoder, input_ids, attention_mask, position_ids, **cache)
         return out.last_hidden_state, features
 
     @torch.no_grad()
@@ -163,7 +162,7 @@ class Target(nn.Module):
                     position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KVPrefix]:
         """`hidden_states`, plus the keys and values of every layer over these rows, for a later forward of rows
         that attend to them."""
-        out, features = self._run(self.model.get_decoder(), input_ids, attention_mask, position_ids, use_cache=True)
+        out, features = self._run(self.decoder, input_ids, attention_mask, position_ids, use_cache=True)
         cache = getattr(out, self._cache_arg)
         return out.last_hidden_state, features, KVPrefix(tuple((layer.keys, layer.values) for layer in cache.layers))
 
@@ -171,7 +170,7 @@ class Target(nn.Module):
              position_ids: torch.Tensor | None, **kwargs: Any) -> tuple[Any, torch.Tensor]:
         """`module`'s output and the features its hooks captured."""
         mask = self._prepare_mask(attention_mask, position_ids)
-        if self._windowed and kwargs.get("use_cache") and kwargs.get(self._cache_arg) is None:
+        if self.narrowed and kwargs.get("use_cache") and kwargs.get(self._cache_arg) is None:
             from transformers import DynamicCache
 
             kwargs[self._cache_arg] = DynamicCache()  # plain layers: HF's sliding layers would drop keys by column
@@ -196,7 +195,7 @@ class Target(nn.Module):
 
     def _register_feature_hooks(self) -> None:
         """Hook each needed module once; hooks only record while `forward` runs, so plain model calls are free."""
-        decoder = self.model.get_decoder()
+        decoder = self.decoder
         layers = getattr(decoder, "layers", None)
         if layers is None:
             raise OpdError(f"target {type(self.model).__name__}: no decoder `layers` list to read features from")
@@ -216,29 +215,30 @@ class Target(nn.Module):
         return hook
 
     def _prepare_mask(self, mask: torch.Tensor | PackedRows | None, position_ids: torch.Tensor | None) -> Any:
-        """A `PackedRows` goes to every layer as a `PackedMask`, a prepared 4-D mask, which every HF decoder
-        forwards unchanged to the attention functions `opd.models.packed_attention` wraps (they apply each layer's
-        window and sinks). A target with sliding-window layers gets one mask per layer kind (`kind_masks`): a
-        dict {kind: mask} where its kinds are mixed, the form such models' forwards take. Otherwise a dense 4-D mask
-        reaches sdpa as is and eager as an additive mask; flash-attn has no custom masks."""
+        """A `PackedRows` goes to every layer as a `PackedMask`, a prepared 4-D mask carrying each layer's kind,
+        which every HF decoder forwards unchanged to the attention functions `opd.models.packed_attention` wraps
+        (they apply each layer's kind and sinks). A target whose kinds narrow their keys gets one mask per layer
+        kind (`kind_masks`): a dict {kind: mask} where its kinds are mixed, the form such models' forwards take.
+        Otherwise a dense 4-D mask reaches sdpa as is and eager as an additive mask; flash-attn has no custom
+        masks."""
         if isinstance(mask, PackedRows):
             if self._linear and mask.cached:
                 raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers keep no keys "
                                "for drafted blocks to attend to; expected the text and its blocks in one PackedRows")
-            return mask.as_mask(self.device)
+            return mask.as_mask(self.device, self.kinds.of_layer)
         if self._linear and mask is not None and mask.dim() == 4:
             raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers read no 4-D mask "
                            "(they run every row causally); expected a 2-D padding mask or a committed PackedRows")
-        if mask is None or (mask.dim() != 4 and not self._windowed):
+        if mask is None or (mask.dim() != 4 and not self.narrowed):
             return mask
         implementation = self.model.config._attn_implementation
         if implementation == "flash_attention_2":
             raise OpdError("target attention_mask: a dense 4-D mask needs sdpa or eager; packed replay passes a "
                            "PackedRows layout, which every implementation runs")
-        if not self._windowed:
+        if not self.narrowed:
             return self._for_kernel(mask, implementation)
         masks = {kind: self._for_kernel(m, implementation)
-                 for kind, m in kind_masks(self._windows, mask, position_ids).items()}
+                 for kind, m in kind_masks(self.kinds.attention, mask, position_ids).items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def _for_kernel(self, mask: torch.Tensor, implementation: str) -> torch.Tensor:
@@ -247,30 +247,6 @@ class Target(nn.Module):
             additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
             return additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
         return mask
-
-
-def attention_windows(model: nn.Module) -> dict[str, int | None]:
-    """{layer kind: its window, None for full attention}, as transformers' caches read the kinds from the config.
-    Kinds nothing here makes exact are refused in one line naming their layers: chunked attention, ... Linear
-    attention has no window (the decoder rolls its states back in `opd/decoding/recurrent.py`; packed replay runs
-    each drafted block from its anchor's state in `opd/models/linear_replay.py`). Attention sinks need nothing
-    here: the model's own attention takes them in decoding, and packed replay adds them (`packed_attention`)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    config = model.config.get_text_config(decoder=True)
-    kinds = get_layer_types_and_kwargs(config)[0]  # "dummy": no cache of its own (KV-sharing, MLP-only layers)
-    other = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in kinds
-             if kind not in ("full_attention", "sliding_attention", "linear_attention", "dummy")}
-    if other:
-        problems = "; ".join(f"layers {layers} are '{kind}'" for kind, layers in other.items())
-        raise OpdError(f"target {type(model).__name__}: {problems}; only full-attention, sliding-window (with or "
-                       "without sinks) and linear-attention layers are supported (docs/guides/target-layer-kind.md)")
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in kinds and not window:
-        raise OpdError(f"target {type(model).__name__}: sliding-window layers without a `sliding_window` in its "
-                       "config")
-    masked = [k for k in getattr(config, "layer_types", None) or kinds if k in ("full_attention", "sliding_attention")]
-    return {kind: window if kind == "sliding_attention" else None for kind in dict.fromkeys(masked)}
 
 
 def _cache_argument_name(model: nn.Module) -> str:

@@ -1,4 +1,4 @@
-"""Exact per-row rollback of a target's linear-attention layers (Qwen3.5's Gated DeltaNet) in speculative decoding.
+"""Exact per-row rollback of a target's Gated DeltaNet layers (`kinds/gated_deltanet.py`) in speculative decoding.
 
 A linear-attention layer's cache is a conv state (the last `kernel` inputs of its causal conv) and a recurrent
 state, with no per-token columns: packing columns (`compaction.py`) cannot roll it back, and transformers' `crop`
@@ -15,9 +15,8 @@ since attention is causal. So while `recording` is active each linear layer's ke
 and starting state are kept (about heads·(2·dk + dv + 2) values a token); `keep` then re-runs only the layer's own
 recurrent rule (transformers' `torch_recurrent_gated_delta_rule`, what its single-token decode runs) from that
 state over each row's kept positions, and sets the conv state from the recorded conv inputs
-(`activate_past_recording`). That costs up to K state updates per layer, no forward: on CPU, at Qwen3.5-9B's
-linear heads and hidden 2048, 0.7-0.8x the verification forward it follows, where re-running the accepted tokens
-costs at least 1x and per-position states 26 GB for 32 rows of 16 tokens at 9B (bench/recurrent_rollback.py).
+(`activate_past_recording`). That costs up to K state updates per layer, no forward (measured against both
+alternatives by bench/recurrent_rollback.py).
 A right-padded prefill needs no recording (`prefill`): past each row's end the kernel's gate and write strength are
 zeroed, so the state passes through the padding unchanged, and each layer's conv inputs are cut per row as soon as
 it has run (recording a long prompt's kernel inputs would hold about 400 KB a token at Qwen3.5-9B).
@@ -31,17 +30,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, DynamicCache
 
-from opd.models.deltanet import DeltaNetKernels, conv_window
+from opd.models.deltanet import DeltaNetKernels, conv_window, per_position
 
 
 class RecurrentRollback:
     """Keeps a target's linear-attention states exact per row; one per decoder (the model's layers are fixed)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernels: DeltaNetKernels) -> None:
         self.model = model
-        self.kernels = DeltaNetKernels(model)
+        self.kernels = kernels
         self.layers = self.kernels.layers
         self._calls: list[dict[str, Any]] = []  # per linear layer, in call order: its kernel's inputs
 
@@ -58,11 +57,12 @@ class RecurrentRollback:
         kernel carries the state through the padding unchanged (no decay, no write), and each layer's conv inputs
         are cut to the row's window as soon as the layer has run, so a long prompt's are never held for every
         layer at once."""
-        real = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[..., None]
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
         def masked(kernel: Any, _recurrent: Any):
             def run(query, key, value, g, beta, **kwargs):
-                return kernel(query, key, value, g=g * real.to(g.dtype), beta=beta * real.to(beta.dtype), **kwargs)
+                return kernel(query, key, value, g=g * per_position(real, g), beta=beta * per_position(real, beta),
+                              **kwargs)
 
             return run
 
@@ -119,13 +119,13 @@ class RecurrentRollback:
 def _replayed_state(recurrent: Any, call: dict[str, Any], kept: torch.Tensor) -> torch.Tensor:
     """Each row's recurrent state after its first kept[b] positions of a recorded kernel call: the recurrent rule
     stepped from the call's starting state, each row's state taken at its own step."""
-    state, result = call["initial_state"], None
-    for t in range(int(kept.max())):
+    state, result = call["initial_state"], torch.empty(0)
+    for t in range(int(kept.max())):  # every row keeps at least its anchor: one step at least
         sl = slice(t, t + 1)
         _, state = recurrent(call["query"][:, sl], call["key"][:, sl], call["value"][:, sl], g=call["g"][:, sl],
                              beta=call["beta"][:, sl], initial_state=state, output_final_state=True,
                              **call["kwargs"])
-        result = state if result is None else torch.where((kept == t + 1).view(-1, 1, 1, 1), state, result)
+        result = state if t == 0 else torch.where((kept == t + 1).view(-1, 1, 1, 1), state, result)
     return result.contiguous()
 
 
@@ -134,18 +134,3 @@ def _conv_window(recorded: torch.Tensor, new: int, kept: torch.Tensor, kernel: i
     [B, C, old + new]."""
     rows = torch.arange(recorded.shape[0], device=kept.device)
     return conv_window(recorded, rows, recorded.shape[-1] - new + kept, kernel)
-
-
-def is_linear(layer: Any) -> bool:
-    """Whether a cache layer is a linear-attention one (no per-token columns to pack)."""
-    return isinstance(layer, LinearAttentionCacheLayerMixin)
-
-
-def select_rows(cache: Cache, keep: torch.Tensor) -> None:
-    """Keep only the rows `keep` of every cache layer: transformers' linear-attention layers have no
-    `batch_select_indices`, their `reorder_cache` selects rows."""
-    for layer in cache.layers:
-        if is_linear(layer):
-            layer.reorder_cache(keep)
-        else:
-            layer.batch_select_indices(keep)
