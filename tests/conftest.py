@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.chat_template import QWEN3_STYLE_TEMPLATE
+
 torch.set_num_threads(1)  # tests are tiny; fewer threads means less contention on 2-core CI machines
 
 
@@ -99,16 +101,6 @@ def micro_spec_file(micro_assets, tmp_path) -> Path:
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-# A Qwen3-style chat template, written for the tests: turns wrapped in <|im_start|>role ... <|im_end|>, and
-# enable_thinking=false closes an empty think block right after the generation prompt, as Qwen3's does.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 
 
 @pytest.fixture(scope="session")
