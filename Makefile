@@ -39,7 +39,8 @@ test: lint $(VENV_STAMP)
 # listed in pyproject.toml's follow-up are not reported); the docs with --strict, so a broken link, anchor or
 # reference page fails (never -q: it hides the warnings that --strict counts).
 FORMATTED := docs/hooks/reference.py
-MYPY_PATHS := opd/models opd/decoding opd/distill opd/train opd/formats opd/spec opd/model_dir.py
+MYPY_PATHS := opd/models opd/decoding opd/distill opd/train opd/eval opd/data opd/sources opd/reproduce \
+    opd/formats opd/spec opd/model_dir.py
 DOCS_ENV := NO_MKDOCS_2_WARNING=1
 
 lint: $(VENV_STAMP)

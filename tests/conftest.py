@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.chat_template import QWEN3_STYLE_TEMPLATE
+
 torch.set_num_threads(1)  # tests are tiny; fewer threads means less contention on 2-core CI machines
 
 
@@ -32,7 +34,10 @@ def pytest_unconfigure(config):
 # Under `make test` (pytest-xdist, --dist loadfile: a module runs on one worker, so its module-scoped fixtures
 # are built once) these modules are sent first: they are the longest chains (Ray clusters and their actors,
 # subprocesses, samples drawn on the tiny model), and the other worker takes the rest meanwhile.
-FIRST = ("test_ray.py", "test_ray_sources.py", "test_rollout_sources.py", "test_offline_eval.py", "test_multinode.py")
+# test_ray.py's Ray-equals-local run with its resume is the longest module (two Ray runs, about 16 actor starts),
+# then test_ray_sources.py's (one Ray run of 9 actors); test_ray_actors.py (single actors) is the third local Ray.
+FIRST = ("test_ray.py", "test_ray_sources.py", "test_ray_actors.py", "test_rollout_sources.py", "test_offline_eval.py",
+         "test_multinode.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -99,16 +104,6 @@ def micro_spec_file(micro_assets, tmp_path) -> Path:
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-# A Qwen3-style chat template, written for the tests: turns wrapped in <|im_start|>role ... <|im_end|>, and
-# enable_thinking=false closes an empty think block right after the generation prompt, as Qwen3's does.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 
 
 @pytest.fixture(scope="session")

@@ -261,7 +261,8 @@ def test_the_score_term_makes_the_gradient_that_of_the_expected_objective(object
     estimates = {g: [torch.zeros_like(p) for p in params] for g in cfg}
     for path in paths:
         weight = chain.q_of_path(path)
-        if float(weight.detach()) == 0:
+        probability = float(weight.detach())  # the number; `weight` keeps its graph for the exact objective
+        if probability == 0:  # a path q never samples adds nothing
             continue
         predecessors = torch.tensor([[chain.anchor, *path]])
         for g, c in cfg.items():
@@ -270,7 +271,7 @@ def test_the_score_term_makes_the_gradient_that_of_the_expected_objective(object
                                         teacher_processing=Sampling.of(SERVING)).loss
             grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
             for acc, grad in zip(estimates[g], grads):
-                acc += float(weight) * (0 if grad is None else grad)
+                acc += probability * (0 if grad is None else grad)
             if g == "pathwise":  # E[loss] differentiated by autograd through q(d) and the loss's own gradient
                 exact = exact + weight * loss
     truth = torch.autograd.grad(exact, params)

@@ -14,7 +14,7 @@ from opd.decoding.compaction import pack_block
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter
+from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter
 
 K = 4
 

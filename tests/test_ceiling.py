@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_offline_eval import EOS, MADE, MASK, draw_samples
 
 from opd.data.prompts import Prompt
 from opd.eval.acceptance import AcceptanceStats
@@ -20,6 +19,8 @@ from opd.eval.online import evaluate
 from opd.models.build import Models
 from opd.spec import SamplingSpec
 from opd.tiny.micro import micro_drafter, micro_target
+from tests.helpers.decoding import EOS, MASK
+from tests.helpers.offline import MADE, draw_samples
 
 SETTINGS = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=5)]
 K = 4

@@ -1,7 +1,7 @@
 """Chat inputs: a row's ids are the target tokenizer's own chat template, the same on every path, and bad chat
 input is one line naming the file:line or the field.
 
-The fixture template (conftest.QWEN3_STYLE_TEMPLATE) is Qwen3's shape: turns in <|im_start|>role ... <|im_end|>,
+The fixture template (tests/helpers/chat_template.py) is Qwen3's shape: turns in <|im_start|>role ... <|im_end|>,
 and enable_thinking=false closes an empty think block after the generation prompt.
 """
 
@@ -11,13 +11,14 @@ import json
 
 import pytest
 import yaml
-from test_vllm_cli import FakeEngine, fake_vllm  # noqa: F401 (the stand-in vLLM and its fixture)
 
 from opd.cli import main
 from opd.data.prompts import load_prompts, load_tokenizer
 from opd.data.render import Rendering
 from opd.errors import OpdError
 from opd.spec import SpecError, load_spec
+from tests.helpers.chat_template import QWEN3_STYLE_TEMPLATE
+from tests.helpers.fake_vllm import FakeEngine, fake_vllm  # noqa: F401 (a fixture)
 
 CHAT = Rendering("chat")
 
@@ -224,8 +225,6 @@ def test_the_tiny_target_decodes_the_chat_rendered_prompts(tmp_path, monkeypatch
     are spelled in its byte pieces and the vocabulary still fits the target), `opd eval` under chat."""
     import shutil
     from pathlib import Path
-
-    from conftest import QWEN3_STYLE_TEMPLATE
 
     from opd.decoding.speculative import SpeculativeDecoder
 

@@ -17,10 +17,10 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter
+from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter, target  # noqa: F401 (target: a fixture)
+from tests.helpers.static_cache import KEYS, facts
+from tests.helpers.tiny_assets import tiny_target_and_prompts
 from tests.test_dflash2 import dflash2_drafter
-from tests.test_static_cache import KEYS, facts, target  # noqa: F401  (target: a fixture)
-from tests.test_zlab_interop import tiny_target_and_prompts
 
 
 def decode(decoder: SpeculativeDecoder, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int = 24):

@@ -5,9 +5,6 @@ Micro models in float64 (no argmax ties); keyed random numbers make every statis
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import pytest
 import torch
 
@@ -16,33 +13,9 @@ from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.decoding.verify import Verdict, verify
-from opd.models.drafter import DFlashDrafter
-from opd.tiny.micro import micro_drafter, micro_target
-
-EOS, MASK = 6, 7
-MIXED_PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
-
-
-class ConstantDrafter(DFlashDrafter):
-    """Drafts the same token everywhere: a legitimate point-mass draft whose acceptance we can steer."""
-
-    token: int = 0
-
-    def draft(self, cache, anchor_ids, anchor_positions):
-        tokens = torch.full((len(anchor_ids), self.block_size - 1), self.token, dtype=torch.long)
-        return tokens, None
-
-
-def constant_drafter(target, token: int, block_size: int = 4) -> ConstantDrafter:
-    base = micro_drafter(target, block_size=block_size, mask_token_id=MASK)
-    drafter = ConstantDrafter(base.config, target.embed_tokens, target.lm_head)
-    drafter.token = token
-    return drafter
-
-
-@pytest.fixture(scope="module")
-def target():
-    return micro_target(seed=0, vocab_size=8, layer_ids=[0, 2, 3])
+from opd.tiny.micro import micro_drafter
+from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, PROMPT, constant_drafter, target  # noqa: F401 (a fixture)
+from tests.helpers.lossless import LOSSLESS_CASES, chi_square, exact_joint, sampled_joint
 
 
 def drafters(target):
@@ -108,55 +81,6 @@ def test_records_rebuild_the_response(target, sampling):
 
 
 # ---------------------------------------------------------------------------------------------- losslessness
-
-
-def exact_joint(target, prompt: list[int], sampling: Sampling, length: int, eos: int) -> dict[tuple, float]:
-    """P(first `length` emitted tokens) by enumeration (one batched forward), a sequence stopping at eos."""
-    seqs = torch.tensor(list(itertools.product(range(target.vocab_size), repeat=length)))
-    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
-    probs = target_probs(target(ids).logits[:, len(prompt) - 1 : -1], sampling)  # [N, length, V]
-    step_p = probs.gather(-1, seqs[..., None])[..., 0]
-    joint: dict[tuple, float] = {}
-    for seq, p in zip(seqs.tolist(), step_p.tolist()):
-        n = seq.index(eos) + 1 if eos in seq else length
-        joint[tuple(seq[:n])] = math.prod(p[:n])
-    return joint
-
-
-def chi_square(observed: dict[tuple, int], expected: dict[tuple, float], n: int) -> tuple[float, float]:
-    """Statistic and the 0.1% critical value (Wilson–Hilferty), pooling cells expected below 5."""
-    stat, pool_obs, pool_exp, df = 0.0, 0, 0.0, -1
-    for cell, p in expected.items():
-        e, o = p * n, observed.get(cell, 0)
-        if e < 5:
-            pool_obs, pool_exp = pool_obs + o, pool_exp + e
-            continue
-        stat, df = stat + (o - e) ** 2 / e, df + 1
-    if pool_exp > 0:
-        stat, df = stat + (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9), df + 1
-    z = 3.09
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    assert sum(observed.values()) == n and not set(observed) - set(expected), "impossible sequence emitted"
-    return stat, critical
-
-
-def sampled_joint(target, drafter, prompt, sampling, n: int, length: int) -> dict[tuple, int]:
-    decoder = SpeculativeDecoder(target, drafter, eos_id=EOS)
-    records = decoder.generate([prompt] * n, sampling, max_new_tokens=length, seed=11, keys=list(range(n)))
-    counts: dict[tuple, int] = {}
-    for rec in records:
-        counts[tuple(rec.response_ids)] = counts.get(tuple(rec.response_ids), 0) + 1
-    return counts
-
-
-PROMPT = [1, 2, 3]
-LOSSLESS_CASES = {
-    "T1-random-drafter": (Sampling(temperature=1.0), "random"),
-    "T0.7-topk3-always-wrong": (Sampling(temperature=0.7, top_k=3), "outside_topk"),
-    "T1-topp0.8-mostly-right": (Sampling(temperature=1.0, top_p=0.8), "mode"),
-    "near-one-hot-mostly-right": (Sampling(temperature=0.1), "mode"),
-    "near-one-hot-always-wrong": (Sampling(temperature=0.1), "least"),
-}
 
 
 def make_drafter(target, kind: str, sampling: Sampling):

@@ -37,7 +37,8 @@ from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
+from tests.helpers.decoding import EOS, MASK, PROMPT
+from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
 
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 4, "selector_rank": 4, "selector_top_k": 4}
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]

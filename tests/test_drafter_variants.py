@@ -28,9 +28,10 @@ from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
 from opd.spec import SpecError
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
+from tests.helpers.decoding import EOS, MASK, PROMPT
+from tests.helpers.local_runs import losses, spec_for
+from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
 from tests.test_drafter import _rms, _rope
-from tests.test_rollout_sources import losses, spec_for
 from tests.test_spec import MINIMAL, make_model_dir, validate_spec
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -33,7 +33,8 @@ from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, PROMPT, chi_square, exact_joint, sampled_joint
+from tests.helpers.decoding import EOS, MASK, PROMPT
+from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
 
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
 

@@ -17,7 +17,8 @@ from opd.distill.replay import score, student_hidden
 from opd.models.eagle3 import Eagle3Drafter
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_eagle3, micro_target
-from tests.test_decoding import EOS, LOSSLESS_CASES, PROMPT, chi_square, exact_joint, sampled_joint
+from tests.helpers.decoding import EOS, PROMPT
+from tests.helpers.lossless import LOSSLESS_CASES, chi_square, exact_joint, sampled_joint
 
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
 

@@ -13,7 +13,7 @@ from opd.cli import main
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.target import load_target
 from opd.spec import load_spec
-from tests.test_rollout_sources import losses, sample_file, spec_for
+from tests.helpers.local_runs import losses, sample_file, spec_for
 
 EAGLE3 = ["models.drafter_path=", "models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,1,2]",
           "models.drafter.draft_vocab_size=64"]

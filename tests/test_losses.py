@@ -21,6 +21,7 @@ from opd.distill.losses import (
 )
 from opd.models.lm_head import argmax
 from opd.spec import LossSpec
+from tests.helpers.loss_variants import VARIANTS
 
 N, DRAFTED, V = 4, 5, 11  # blocks, K-1, vocabulary
 
@@ -103,21 +104,6 @@ def assert_matches_reference(student: torch.Tensor, teacher_logits: torch.Tensor
     assert torch.isfinite(terms.loss) and torch.isfinite(grad).all()
     torch.testing.assert_close(terms.loss, expected.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
-
-
-VARIANTS = {
-    "mixed": {},
-    "all_forward": {"kl_mode": "all_forward"},
-    "all_reverse": {"kl_mode": "all_reverse"},
-    "no_decay": {"rejected_decay": False},
-    "first_rejected_only": {"first_rejected_only": True},
-    "accepted_decay": {"accepted_decay": True},
-    "unequal_lambdas": {"lambda_acc": 0.3, "lambda_rej": 1.7, "gamma": 0.6},
-    "rejected_only": {"lambda_acc": 0.0},
-    "acceptance_term": {"acceptance_weight": 0.5},
-    "acceptance_term_forward_first_rejected": {"acceptance_weight": 2.0, "kl_mode": "all_forward",
-                                               "first_rejected_only": True},
-}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))

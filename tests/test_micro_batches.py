@@ -16,8 +16,7 @@ from opd.spec import SftSpec, SpecError, load_spec
 from opd.tiny.micro import micro_drafter, micro_target
 from opd.train.learner import Learner
 from opd.train.sft import sft_backward, sft_micro_batches
-from tests.test_sft import EXAMPLES
-from tests.test_step_loss import synthetic_record
+from tests.helpers.records import EXAMPLES, synthetic_record
 
 K = 4  # the micro assets' drafter
 # Short prompts and responses, so the smallest budget the spec allows (the longest context plus one block) is

@@ -25,10 +25,8 @@ from opd.sources.samplers import build_sampler
 from opd.sources.store import SampleStore, Wanted, sampler_draw
 from opd.spec import SamplingSpec
 from opd.tiny.micro import micro_drafter, micro_target
-
-EOS, MASK, MAX_NEW, SEED = 6, 7, 24, 0
-SETTINGS = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=5)]
-MADE = Provenance("micro-target", "micro-tokenizer", "raw", None, MAX_NEW)  # the micro models have no files
+from tests.helpers.decoding import EOS, MASK
+from tests.helpers.offline import MADE, MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +43,9 @@ def setup(tmp_path_factory):
     return SimpleNamespace(target=target, d=d, d2=d2, prompts=prompts, path=path, tokenizer=tokenizer)
 
 
-def draw_samples(target, drafter, prompts, path, settings, drawn_at=None):
-    """What `opd gen-samples --eval` writes: one sample per prompt and setting, drawn by the speculative decoder
-    with `drafter`, keyed as held-out evaluation keys its decodes. `drawn_at`: sample at these settings instead,
-    but label the rows with `settings` (a plausible mistake the tests must see)."""
-    spec = SimpleNamespace(rollout=SimpleNamespace(static_cache=False, compile=False))
-    sampler = build_sampler(spec, "speculative", target, drafter, EOS)
-    store = SampleStore(path, settings, prompts, MADE)
-    store.fetch([Wanted(p, s, 0) for s in range(len(settings)) for p in prompts],
-                sampler_draw(sampler, drawn_at or settings, MAX_NEW, SEED))
-
-
 def decoded(s, drafter) -> dict:
     rows = evaluate(Models(s.target, drafter, s.tokenizer), s.prompts, SETTINGS, max_new_tokens=MAX_NEW,
                     batch_size=32, seed=SEED, baseline=False)
-    return {r.sampling: r for r in rows}
-
-
-def offline(s, drafter, path=None) -> dict:
-    rows = OfflineEval(Models(s.target, drafter, s.tokenizer), path or s.path, s.prompts, SETTINGS, MADE,
-                       batch_size=32).evaluate(drafter)
     return {r.sampling: r for r in rows}
 
 

@@ -1,4 +1,7 @@
-"""The Ray actor system against the single-process reference, on one local Ray for the whole module."""
+"""Whole runs of the Ray actor system against the single-process reference, on one local Ray for the whole module.
+Ray's single actors and queues are in tests/test_ray_actors.py, the rebuilt rollout sources in
+tests/test_ray_sources.py: each module starts its own local Ray, so `make test`'s two workers take them side by
+side."""
 
 from __future__ import annotations
 
@@ -9,52 +12,17 @@ import mlflow
 import pytest
 import ray
 import torch
-import yaml
 
-from actors.driver import RayRun, place, relaunch, run_ray
-from actors.queues import BatchQueue, Lost
+from actors.driver import RayRun, run_ray
+from actors.queues import BatchQueue
 from opd.cli import main
-from opd.distill.replay import ScoredBatch
 from opd.errors import OpdError
 from opd.models.flops import FlopCounter
-from opd.spec import ExperimentSpec, load_spec
+from opd.spec import load_spec
 from opd.train.ledger import fault_line, reconciles
 from opd.train.local import LocalTrainer
-from opd.train.messages import AnchorBatch, ScoredItem, Ticket, WeightSnapshot
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():  # a Ray an earlier module's `opd run` left up in this process (make test-all)
-        ray.shutdown()
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def ray_spec(micro_spec_file, tmp_path, *sets: str, **overrides) -> ExperimentSpec:
-    base = ["engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
-            f"tracking.run_dir={tmp_path / 'ray' / '{name}'}", "tracking.checkpoint_every=1"]
-    return load_spec(micro_spec_file, base + list(sets) + [f"{k}={v}" for k, v in overrides.items()])
-
-
-def local_losses(micro_spec_file, tmp_path, steps: int) -> list[float]:
-    spec = load_spec(micro_spec_file, [f"steps={steps}", "eval.every=0", f"tracking.run_dir={tmp_path / 'local'}"])
-    return LocalTrainer(spec, track=False).run().losses
-
-
-def account(run: RayRun) -> dict[str, int]:
-    return ray.get(run.ledger.account.remote())
-
-
-def wait_for(fn, timeout: float = 60.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("timed out")
+from opd.train.messages import AnchorBatch, ScoredItem, Ticket
+from tests.helpers.ray_runs import account, local_losses, ray_cluster, ray_spec, wait_for  # noqa: F401 (a fixture)
 
 
 def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_path):
@@ -95,48 +63,6 @@ def test_ray_path_equals_local_then_resumes(ray_cluster, micro_spec_file, tmp_pa
     ledger = resumed.ledger
     assert ledger["trained"] == 4 and ledger["lost"] == ledger["orphaned"] == ledger["restarts"] == ledger["stale"] == 0
     assert reconciles(ledger) and fault_line(ledger) is None
-
-
-@ray.remote
-def _produce(queue: BatchQueue, n: int) -> float:
-    return sum(queue.put({"payload": torch.full((1000,), float(i))}, Ticket(i, 0)) for i in range(n))
-
-
-def test_full_queue_blocks_the_producer_and_loses_nothing(ray_cluster):
-    queue = BatchQueue("test-backpressure", maxsize=2)
-    try:
-        producer = _produce.remote(queue, 6)
-        wait_for(lambda: queue.depth() == 2)
-        time.sleep(1.0)
-        assert queue.depth() == 2 and not ray.wait([producer], timeout=0)[0]  # blocked, not dropping
-        got = [queue.get()[1]["payload"][0].item() for _ in range(6)]
-        assert got == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-        assert ray.get(producer) > 0.5  # it really waited
-    finally:
-        queue.shutdown()
-
-
-def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micro_spec_file, tmp_path):
-    layout = {"resources": {"cluster": {"num_gpus": 5, "num_cpus": 2},  # the evaluator has a placement of its own
-                            "rollout": {"replicas": 2, "num_gpus": 1, "num_cpus": 0.25},
-                            "scorer": {"replicas": 1, "num_gpus": 1, "num_cpus": 0.25},
-                            "learner": {"replicas": 1, "num_gpus": 1, "num_cpus": 0.25},
-                            "evaluator": {"num_gpus": 1, "num_cpus": 0}}}
-    base = yaml.safe_load(micro_spec_file.read_text())
-    spec = ExperimentSpec.model_validate({**base, **layout})
-    learner_pg, rollout_pg = place(spec)
-    try:
-        learner_bundles = ray.util.placement_group_table(learner_pg)["bundles"]
-        rollout_bundles = ray.util.placement_group_table(rollout_pg)["bundles"]
-        assert [b["GPU"] for b in learner_bundles.values()] == [1.0, 1.0]  # learner + its scorer, packed
-        assert [b["GPU"] for b in rollout_bundles.values()] == [1.0, 1.0]
-    finally:
-        ray.util.remove_placement_group(learner_pg)
-        ray.util.remove_placement_group(rollout_pg)
-    layout["resources"]["cluster"]["num_gpus"] = 8  # the spec believes in 8 GPUs; Ray has 4
-    layout["resources"]["rollout"]["replicas"] = 5
-    with pytest.raises(OpdError, match="cannot place"):
-        place(ExperimentSpec.model_validate({**base, **layout}), timeout_s=2)
 
 
 # a batch that is never re-produced leaves the learner waiting for it: fail instead of hanging
@@ -229,13 +155,6 @@ def test_a_killed_scorer_restarts_and_the_run_continues_until_it_dies_for_good(r
 
 @ray.remote
 class _Producer:
-    def put(self, queue: BatchQueue, item, ticket: Ticket) -> None:
-        queue.put(item, ticket)
-
-    def own(self) -> list:
-        """A reference this actor owns, wrapped so that Ray hands over the reference, not the value."""
-        return [ray.put(torch.zeros(10))]
-
     def claim_and_put(self, queue: BatchQueue, ledger) -> Ticket:
         """Act as one more rollout producer: claim the next batch and enqueue it."""
         ticket = ray.get(ledger.claim.remote(ray.get(ledger.register.remote("producer")), 99))
@@ -266,32 +185,6 @@ def test_batches_enqueued_by_a_producer_that_died_are_reproduced(ray_cluster, mi
         run.shutdown()
 
 
-@ray.remote(max_restarts=1)
-class _Looper:
-    def ready(self) -> None:
-        pass
-
-    def run(self, needs=None) -> None:
-        if needs is not None:
-            ray.get(needs.ready.remote())
-        time.sleep(60)
-
-
-def test_only_a_restarted_actor_gets_its_loop_relaunched(ray_cluster):
-    """A loop that raised (here: because an actor it calls is dead) would fail again: stop, do not relaunch."""
-    looper, dead = _Looper.remote(), _Looper.remote()
-    ray.kill(dead, no_restart=True)
-    with pytest.raises(OpdError, match=r"^looper failed \(.*ActorDiedError.*; run the same command again"):
-        relaunch(looper.run.remote(dead), "looper", looper)
-    loop = looper.run.remote()
-    ray.kill(looper, no_restart=False)
-    loop = relaunch(loop, "looper", looper)  # restarted: a fresh loop
-    assert not ray.wait([loop], timeout=1.0)[0]
-    ray.kill(looper, no_restart=True)
-    with pytest.raises(OpdError, match=r"^looper failed \(it died and was not restarted: "):
-        relaunch(loop, "looper", looper)
-
-
 @recovery_run
 def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micro_spec_file, tmp_path):
     local = LocalTrainer(load_spec(micro_spec_file, ["steps=3", "eval.every=0", f"tracking.run_dir={tmp_path / 'l'}"]),
@@ -317,60 +210,3 @@ def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micr
         assert torch.allclose(v, state[k], atol=1e-6), k
 
 
-def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluster):
-    queue = BatchQueue("test-lost", maxsize=4)
-    producer = _Producer.remote()
-    try:
-        ray.get(producer.put.remote(queue, {"payload": torch.ones(10)}, Ticket(7, 2)))
-        probe = ray.get(producer.own.remote())  # another object the producer owns, fetched without dequeuing
-        ray.kill(producer, no_restart=True)
-        # Under load the kill, and then the owner's death reaching this process, can each take seconds: wait until
-        # the probe is lost as the batch will be, rather than for a fixed time.
-        wait_for(lambda: _owner_gone(probe[0]))
-        with pytest.raises(Lost) as lost:
-            queue.get()
-        assert lost.value.ticket == Ticket(7, 2)  # never silently dropped: the consumer learns what to re-produce
-    finally:
-        queue.shutdown()
-
-
-def _owner_gone(ref) -> bool:
-    try:
-        ray.get(ref, timeout=1.0)
-    except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
-        return True
-    except ray.exceptions.GetTimeoutError:
-        pass
-    return False
-
-
-@ray.remote
-class _Reader:
-    def read(self, wrapped: list) -> dict:
-        """In another worker: what arrived, and whether two gets map the same object-store memory (zero-copy)
-        rather than each unpickling a fresh copy."""
-        def tensors(value) -> list:
-            return list(value.state.values()) if hasattr(value, "state") else list(vars(value).values())
-        first, second = ray.get(wrapped[0]), ray.get(wrapped[0])
-        return {"value": first, "zero_copy": all(a.data_ptr() == b.data_ptr()
-                                                 for a, b in zip(tensors(first), tensors(second)))}
-
-
-def test_scored_batches_and_weights_cross_the_object_store_zero_copy(ray_cluster):
-    gen = torch.Generator().manual_seed(0)  # over Ray's 100 KB inline limit, so the objects live in the store
-    batch = ScoredBatch(features=torch.randn(2, 300, 256, generator=gen).bfloat16(),
-                        context_valid=torch.ones(2, 300, dtype=torch.bool), context_ids=torch.zeros(2, 300, dtype=torch.long),
-                        block_ids=torch.arange(18).view(2, 3, 3),
-                        anchor_positions=torch.arange(6).view(2, 3), block_valid=torch.ones(2, 3, dtype=torch.bool),
-                        accepted=torch.arange(6), position_mask=torch.ones(6, 3, dtype=torch.bool),
-                        teacher=torch.randn(6, 3, 4, generator=gen).bfloat16())
-    snapshot = WeightSnapshot.of({"w": torch.randn(500, 400, generator=gen).bfloat16(), "b": torch.zeros(4)}, 3)
-    reader = _Reader.remote()
-    for sent in (batch, snapshot):
-        got = ray.get(reader.read.remote([ray.put(sent)]))
-        assert got["zero_copy"]  # mapped from the object store, not unpickled into fresh torch storage
-        pairs = (zip(vars(sent).values(), vars(got["value"]).values()) if sent is batch else
-                 ((sent.state[k], got["value"].state[k]) for k in sent.state))
-        for a, b in pairs:
-            assert a.dtype == b.dtype and torch.equal(a, b)
-    assert got["value"].verified(3).checksum == snapshot.checksum

@@ -5,13 +5,13 @@ each starts its own local Ray (a private RAY_TMPDIR per worker, tests/conftest.p
 from __future__ import annotations
 
 import pytest
-from test_ray import account, ray_cluster, ray_spec  # noqa: F401 (ray_cluster is a fixture)
 
 from actors.driver import RayRun
 from opd.commands.gen_samples import run_gen_samples
 from opd.spec import load_spec
 from opd.train.ledger import reconciles
 from opd.train.local import LocalTrainer
+from tests.helpers.ray_runs import account, ray_cluster, ray_spec  # noqa: F401 (ray_cluster is a fixture)
 
 
 @pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ from opd.cli import main
 from opd.data.prompts import load_prompts, load_tokenizer
 from opd.data.render import Rendering, render
 from opd.errors import OpdError
-from tests.conftest import QWEN3_STYLE_TEMPLATE
+from tests.helpers.chat_template import QWEN3_STYLE_TEMPLATE
 
 TURNS = "{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}"
 # gpt-oss's harmony template states the effort in its system message, medium unless told

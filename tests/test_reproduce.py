@@ -181,13 +181,12 @@ def test_shipped_reproduce_specs_validate_with_every_arm(path):
 def test_a_built_suite_is_one_held_out_family_per_benchmark(tmp_path):
     """`families: {paper: SUITE_DIR}` evaluates each benchmark of the suite as its own family, its prompts rendered
     as `opd suite eval` renders them; the reproduce spec accepts the directory, and a missing one is one line."""
-    from test_suites import suite_yaml
-
     from opd.data.prompts import load_tokenizer
     from opd.data.render import Rendering
     from opd.data.suite import built_suite, load_suite, read_rows, suite_prompts
     from opd.data.suite_build import build_suite
     from opd.reproduce.arms import family_prompts
+    from tests.helpers.suites import suite_yaml
 
     root = Path(__file__).resolve().parents[1]
     build_suite(load_suite(suite_yaml(tmp_path, [{"name": "tiny-math", "count": 5}, {"name": "tiny-reworded",

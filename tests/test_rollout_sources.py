@@ -11,27 +11,11 @@ import pytest
 import torch
 
 from opd.cli import main
-from opd.commands.gen_samples import run_gen_samples
 from opd.data.prompts import load_tokenizer, train_prompts
 from opd.errors import OpdError
 from opd.sources.store import GEN_CHUNK, SampleStore, samples_needed
-from opd.spec import load_spec
 from opd.train.local import LocalTrainer
-
-
-def spec_for(micro_spec_file, tmp_path, name: str, *sets: str):
-    return load_spec(micro_spec_file, ["steps=3", "eval.every=0", f"tracking.run_dir={tmp_path / name}", *sets])
-
-
-def losses(spec) -> list[float]:
-    return LocalTrainer(spec, track=False).run().losses
-
-
-def sample_file(micro_spec_file, tmp_path, *sets: str, count: int = 1, engine: str | None = None) -> str:
-    path = tmp_path / "samples.jsonl"
-    spec = spec_for(micro_spec_file, tmp_path, "gen", *sets)
-    assert run_gen_samples(spec, engine, count, str(path)) == 0
-    return str(path)
+from tests.helpers.local_runs import losses, sample_file, spec_for
 
 
 def test_greedy_rollouts_train_identically_from_every_source(micro_spec_file, tmp_path):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from test_suites import one_error, suite_yaml, write
 
 from opd.cli import main
 from opd.spec import load_spec
+from tests.helpers.suites import one_error, suite_yaml, write
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["steps=2", "eval.every=0", "eval.num_prompts=2", "eval.speedup_prompts=1", "eval.max_new_tokens=8",

@@ -17,7 +17,8 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.decoding.verify import STREAM_TOKEN, Verdict, verify_sampled
 from opd.models.drafter import DFlashDrafter
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, MIXED_PROMPTS, PROMPT, chi_square, exact_joint
+from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, PROMPT
+from tests.helpers.lossless import chi_square, exact_joint
 
 # Slot k drafts from logits FIXED_LOGITS rolled by k: q is far from the near-uniform micro target's p, differs per
 # slot (a rule that used q_0 everywhere would be caught) and puts mass outside a top-k support.

@@ -13,10 +13,8 @@ from opd.distill.losses import sft_loss
 from opd.models.build import build_models
 from opd.spec import SftSpec, SpecError, load_spec
 from opd.tiny.micro import micro_drafter, micro_target
-from opd.train.sft import SftExample, sft_backward, sft_batch_loss, sft_micro_batches
-
-EXAMPLES = [SftExample([1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12]), SftExample([4, 4], [9, 8, 7, 6, 5, 4]),
-            SftExample([7], [3, 3, 2, 1, 9, 9, 8, 8, 7, 7, 6])]
+from opd.train.sft import sft_backward, sft_batch_loss, sft_micro_batches
+from tests.helpers.records import EXAMPLES
 
 
 @pytest.fixture(scope="module")

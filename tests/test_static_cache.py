@@ -12,19 +12,9 @@ from transformers.cache_utils import StaticCache
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter
-
-KEYS = list(range(100, 100 + len(MIXED_PROMPTS)))
-
-
-@pytest.fixture(scope="module")
-def target():
-    return micro_target(seed=0, vocab_size=8, layer_ids=[0, 2, 3])
-
-
-def facts(records) -> list[tuple]:
-    return [(r.response_ids, r.accepted, r.anchors, r.drafts, r.finish_reason) for r in records]
+from opd.tiny.micro import micro_drafter
+from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter, target  # noqa: F401 (a fixture)
+from tests.helpers.static_cache import KEYS, facts
 
 
 def both_paths(target, drafter, sampling: Sampling, max_new_tokens: int = 24) -> tuple[list, list]:

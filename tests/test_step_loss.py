@@ -22,7 +22,8 @@ from opd.models.build import build_models
 from opd.spec import LossSpec, load_spec
 from opd.tiny.micro import micro_drafter, micro_target
 from opd.train.learner import Learner
-from tests.test_losses import VARIANTS
+from tests.helpers.loss_variants import VARIANTS
+from tests.helpers.records import synthetic_record
 
 K, EOS = 5, 3
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3, 0, 2, 2], [7, 8], [9, 9, 9]]
@@ -34,26 +35,10 @@ def models():
     return target, micro_drafter(target, seed=1, num_layers=2, block_size=K, mask_token_id=39)
 
 
-def synthetic_record(seed: int, prompt: list[int], length: int, vocab: int = 39, k: int = K) -> SequenceRecord:
-    """A consistent rollout record with random acceptance (0..K-1, full accepts included): replay only needs
-    the committed tokens, anchors, drafts and counts, and this controls how uneven they are."""
-    gen = torch.Generator().manual_seed(seed)
-    response = torch.randint(0, vocab, (length,), generator=gen).tolist()
-    anchors, drafts, accepted, a = [], [], [], 0
-    while a < length - 1:
-        r = min(int(torch.randint(0, k, (1,), generator=gen)), length - 1 - a)
-        wrong = [(t + 1) % vocab for t in response[a + 1 + r : a + k]]  # differs from what was committed
-        tail = torch.randint(0, vocab, (k - 1 - r - len(wrong),), generator=gen).tolist()
-        anchors.append(a), drafts.append(response[a + 1 : a + 1 + r] + wrong + tail), accepted.append(r)
-        a += r + 1
-    return SequenceRecord(key=seed, prompt_ids=prompt, response_ids=response, anchors=anchors, drafts=drafts,
-                          accepted=accepted, finish_reason="length")
-
-
 @pytest.fixture(scope="module")
 def records():
     """Uneven lengths and acceptance, so padding and uneven micro-batches both occur."""
-    recs = [synthetic_record(i, p, 8 + 5 * i) for i, p in enumerate(PROMPTS)]
+    recs = [synthetic_record(i, p, 8 + 5 * i, k=K) for i, p in enumerate(PROMPTS)]
     assert len({r.tau for r in recs}) > 3
     return recs
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_suites import SOURCES, suite_yaml, write
 
 from opd.cli import main
 from opd.data.prompts import load_tokenizer, prompt_key
@@ -22,6 +21,7 @@ from opd.eval.suite import CEILING, evaluate_suite
 from opd.eval.suite_report import metrics, write_report
 from opd.models.build import build_models
 from opd.spec import load_spec
+from tests.helpers.suites import SOURCES, suite_yaml, write
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = 24

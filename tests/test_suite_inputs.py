@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_suites import SOURCES, one_error, suite_yaml, write
 
 from opd.cli import main
 from opd.data.prompts import load_tokenizer
 from opd.data.suite import read_card, read_rows
 from opd.spec import load_spec
+from tests.helpers.suites import SOURCES, one_error, suite_yaml, write
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["eval.max_new_tokens=4", "eval.sampling=[{name: greedy}]"]

@@ -13,35 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from opd.cli import main
 from opd.data.prompts import load_tokenizer
 from opd.data.render import Rendering
 from opd.data.suite import read_card, read_rows, second_turn_rows, suite_prompts
+from tests.helpers.suites import SOURCES, one_error, suite_yaml, write
 
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 assert SUFFIX.endswith("within \\boxed{}.") and "\\b" in SUFFIX  # a literal backslash, as the authors' text has
 
-# One row per source, in its real columns (extra columns included, as the hub serves them).
-SOURCES = {
-    "gsm8k": [{"question": "Natalia sold clips to 48 of her friends. How many clips did she sell?",
-               "answer": "She sold 48 clips.\n#### 48"}],
-    "math500": [{"problem": "Convert the point $(0,3)$ to polar coordinates.", "solution": "...",
-                 "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
-                 "unique_id": "test/precalculus/807.json"}],
-    "aime24": [{"id": 60, "problem": "Every morning Aya goes for a $9$-kilometer-long walk.", "solution": "...",
-                "answer": "204", "url": "https://artofproblemsolving.com/wiki", "year": "2024"}],
-    "aime25": [{"problem": "Find the sum of all integer bases $b>9$ for which $17_b$ divides $97_b$.",
-                "answer": "70", "id": "0"}],
-    "mbpp": [{"source_file": "Benchmark Questions Verification V2.ipynb", "task_id": 2,
-              "prompt": "Write a function to find the shared elements from the given two lists.",
-              "code": "def similar_elements(a, b): ...", "test_imports": [], "test_list": ["assert True"]}],
-    "humaneval": [{"task_id": "HumanEval/0", "prompt": "def add(a: int, b: int) -> int:\n    \"\"\"Sum.\"\"\"\n",
-                   "canonical_solution": "    return a + b\n", "test": "def check(c): ...", "entry_point": "add"}],
-    "mtbench": [{"question_id": 81, "category": "writing",
-                 "turns": ["Compose a travel blog post about Hawaii.", "Rewrite it starting every sentence with A."]}],
-}
 EXPECTED = {  # the authors' prompt text, written out
     "gsm8k": "Natalia sold clips to 48 of her friends. How many clips did she sell?" + SUFFIX,
     "math500": "Convert the point $(0,3)$ to polar coordinates." + SUFFIX,
@@ -52,29 +33,6 @@ EXPECTED = {  # the authors' prompt text, written out
                  "def add(a: int, b: int) -> int:\n    \"\"\"Sum.\"\"\"\n\n```",
     "mtbench": "Compose a travel blog post about Hawaii.",
 }
-
-
-def write(path: Path, rows: list[dict]) -> str:
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def suite_yaml(tmp_path: Path, benchmarks: list[dict], name: str = "t") -> str:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"name": name, "seed": 0, "benchmarks": benchmarks}))
-    return str(path)
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture

@@ -59,17 +59,9 @@ from opd.models.linear_replay import GROUP_BYTES, SEGMENT
 from opd.models.target import Target, load_target
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_drafter
-from tests.test_decoding import (
-    EOS,
-    MASK,
-    MIXED_PROMPTS,
-    PROMPT,
-    chi_square,
-    constant_drafter,
-    exact_joint,
-    sampled_joint,
-)
-from tests.test_offline_eval import MAX_NEW, SEED, SETTINGS, draw_samples, offline
+from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, PROMPT, constant_drafter
+from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
+from tests.helpers.offline import MAX_NEW, SEED, SETTINGS, draw_samples, offline
 
 FAMILIES = ("qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss", "qwen3_5", "llama4", "kimi_linear")
 LAYER_IDS, HIDDEN, LAYERS, EXPERTS, PER_TOKEN = [1, 3], 32, 6, 4, 2

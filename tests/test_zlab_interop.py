@@ -10,7 +10,6 @@ per-verification counts say something. z-lab's `_cuda_time` synchronises CUDA; t
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -20,13 +19,12 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.formats.dflash import DFlashConfig
 from opd.models.drafter import DFlashDrafter
-from opd.models.target import load_target
+from tests.helpers.tiny_assets import DRAFTER, tiny_target_and_prompts
 from tests.test_drafter_variants import FULL, SLIDING, VARIANTS, with_change
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # z-lab's calls
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed (pip install .[interop])")
 
-TARGET, DRAFTER, PROMPTS = "opd/assets/tiny/target", "opd/assets/tiny/drafter", "opd/assets/tiny/prompts/heldout.jsonl"
 MAX_NEW, NUM_PROMPTS = 48, 2
 
 # The variants of tests/test_drafter_variants.py on the tiny drafter (two layers, K=8, 40-90-token contexts).
@@ -55,17 +53,6 @@ DRAFTERS = ["shipped", *TINY_VARIANTS, *ROPE_VARIANTS]
 
 def test_every_variant_is_checked_here():
     assert set(TINY_VARIANTS) == set(VARIANTS)
-
-
-def tiny_target_and_prompts(count: int) -> tuple:
-    """The shipped tiny target (float32, the shipped drafter's layers) and the token ids of `count` held-out
-    prompts: what every z-lab interop test decodes."""
-    from transformers import AutoTokenizer
-
-    target = load_target(TARGET, dtype=torch.float32, layer_ids=[1, 3])
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    lines = open(PROMPTS, encoding="utf-8").read().splitlines()[:count]
-    return target, [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in lines]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ from opd.eval.expected import ExpectedAcceptance
 from opd.models.build import build_models
 from opd.spec import load_spec
 
+# z-lab's dflash_generate calls the HF target with `past_key_values` (dflash/model.py); the project's calls pass the
+# cache under the name the installed transformers takes (opd/models/target.py)
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 ROOT = Path(__file__).resolve().parents[1]
 K = 4  # block size of the hand-made records: 3 drafts per block
 

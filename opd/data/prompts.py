@@ -71,7 +71,7 @@ def load_prompts(path: str, tokenizer, *, max_prompt_tokens: int, skip_bad_lines
     if not file.is_file():
         raise OpdError(f"prompts: {path} not found (expected a jsonl file with id and prompt or messages fields)")
     check_tokenizer(tokenizer, rendering)
-    result, seen = PromptSet([]), set()
+    result, seen = PromptSet([]), set[str]()
     for number, raw in enumerate(file.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue

@@ -69,9 +69,21 @@ def _row(batch: ScoredBatch, b: int, context: int, cols: slice, start: int) -> S
                        batch.accepted[flat], batch.position_mask[flat], _teacher_rows(batch.teacher, flat))
 
 
+def _merged_teacher(teachers: list[torch.Tensor | TopKTeacher]) -> torch.Tensor | TopKTeacher:
+    """The micro-batches' teachers, one after another (all of one kind: the scorer's replay mode makes them). A
+    top-k tail that one of them derives (None) is derived here for that one, so the others keep their exact tails."""
+    tops = [t for t in teachers if isinstance(t, TopKTeacher)]
+    if not tops:
+        return torch.cat([t for t in teachers if isinstance(t, torch.Tensor)])
+    tails = [t.tail_logprob for t in tops]
+    tail = None if all(x is None for x in tails) else torch.cat([t.tail() for t in tops])
+    return TopKTeacher(torch.cat([t.ids for t in tops]), torch.cat([t.logprobs for t in tops]), tail)
+
+
 def _teacher_rows(teacher: torch.Tensor | TopKTeacher, rows: slice) -> torch.Tensor | TopKTeacher:
     if isinstance(teacher, TopKTeacher):
-        return TopKTeacher(teacher.ids[rows], teacher.logprobs[rows], teacher.tail_logprob[rows])
+        tail = None if teacher.tail_logprob is None else teacher.tail_logprob[rows]  # None: derived where used
+        return TopKTeacher(teacher.ids[rows], teacher.logprobs[rows], tail)
     return teacher[rows]
 
 
@@ -96,12 +108,7 @@ def merge(rows: Sequence[ScoredBatch]) -> ScoredBatch:
         parts = [getattr(r, name) for r in rows]
         return torch.cat([torch.nn.functional.pad(p, _right(p, width)) for p in parts])
 
-    teachers = [r.teacher for r in rows]
-    if isinstance(teachers[0], TopKTeacher):
-        teacher = TopKTeacher(*(torch.cat([getattr(t, f) for t in teachers]) for f in ("ids", "logprobs",
-                                                                                         "tail_logprob")))
-    else:
-        teacher = torch.cat(teachers)
+    teacher = _merged_teacher([r.teacher for r in rows])
     return ScoredBatch(stack("features", context), stack("context_valid", context), stack("context_ids", context),
                        stack("block_ids", blocks), stack("anchor_positions", blocks), stack("block_valid", blocks),
                        torch.cat([r.accepted for r in rows]), torch.cat([r.position_mask for r in rows]), teacher)

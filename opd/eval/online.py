@@ -79,7 +79,7 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
     return EvalRow(
         sampling=setting.name, prompts=len(records), tau=stats.tau, tau_token_weighted=stats.tau_token_weighted,
         survival=stats.survival, first_rejection=stats.first_rejection, spec_tokens_per_s=spec_tps,
-        ar_tokens_per_s=ar_tps, speedup=spec_tps / ar_tps if baseline else None,
+        ar_tokens_per_s=ar_tps, speedup=spec_tps / ar_tps if ar_tps is not None else None,
         greedy_match=matches / len(records) if baseline and sampling.greedy else None, expected=expected.result(),
         tau_ci=stats.tau_ci, ceiling=ceiling)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def baseline_arm(arm: str, names: set[str] | list[str]) -> str:
+def baseline_arm(arm: str, names: Collection[str]) -> str:
     """The continued-SFT arm an arm is compared with: its drafter family's, named by the longest shared prefix
     (`eagle3-draft-opd` -> `eagle3-sft`), else `sft`."""
     cuts = [i + 1 for i, ch in enumerate(arm) if ch == "-"]

@@ -38,7 +38,7 @@ from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.models.flops import FlopCounter
 from opd.sources.provenance import Provenance, target_vocab_size
-from opd.spec import ExperimentSpec, RolloutSampling
+from opd.spec import ExperimentSpec, RolloutSampling, SamplingSpec
 
 GEN_CHUNK = 64  # samples per sampler call while filling a file; the file is flushed after each
 Key = tuple[tuple[float, float, int], str, int]  # (setting, prompt id, sample number)
@@ -84,7 +84,7 @@ class SampleRow(_Strict):
         return Provenance(**self.made_by.model_dump(), max_new_tokens=self.max_new_tokens)
 
 
-def setting_key(setting: RolloutSampling | Sampling | dict) -> tuple[float, float, int]:
+def setting_key(setting: RolloutSampling | SamplingSpec | Sampling | dict) -> tuple[float, float, int]:
     """(temperature, top_p, top_k): how a row's sampling is matched to a batch's."""
     get = setting.get if isinstance(setting, dict) else lambda name: getattr(setting, name)
     return float(get("temperature")), float(get("top_p")), int(get("top_k"))

@@ -79,13 +79,15 @@ def reduce_gradients(params: Iterable[torch.nn.Parameter], group: Group) -> None
     if group.world == 1:
         return
     params = [p for p in params if p.requires_grad]
+    grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p.grad))
+    for grad, g in zip(grads, flat.split([p.numel() for p in params])):
+        grad.copy_(g.view_as(grad))
 
 
 def gather(obj: object, group: Group) -> list[object] | None:

@@ -53,7 +53,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.param_groups, self.state = self.adamw.param_groups, self.adamw.state
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # a closure is refused, so only this form
         """AdamW on the masters with the model's gradients (in fp32), then the model takes the rounded masters."""
         if closure is not None:
             raise OpdError("MasterWeights.step: a closure is not supported (expected None)")

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # annotations only: the queue and ledger actors unpickle a Ti
 class Ticket(NamedTuple):
     """One production attempt of batch `index`; it travels through the queues beside the payload."""
 
-    index: int  # the rollout batch number (the data cursor)
+    # the rollout batch number (the data cursor); it shadows tuple.index, which nothing calls on a Ticket
+    index: int  # type: ignore[assignment]
     attempt: int  # 0 for the first production, +1 for every re-production of a given-up attempt
 
 
@@ -123,5 +124,6 @@ def checksum(state: dict[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach().cpu().contiguous()
         crc = zlib.crc32(f"{name}:{tuple(t.shape)}:{t.dtype}".encode(), crc)
-        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+        # an ndarray is a buffer (no copy); numpy's stubs say so only for Python >= 3.12, and mypy checks 3.10
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)  # type: ignore[arg-type]
     return f"crc32:{crc:08x}"

@@ -29,6 +29,7 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
            until: int | None = None, label: str = "draft-opd") -> TrainResult:
     """Advance one step at a time from `result.steps` to `until` (default `spec.steps`), recording each step's
     loss and checkpoint, and the held-out evaluations that came back, under the steps they evaluated, in `result`."""
+    assert spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
     until = spec.steps if until is None else until
     step = result.steps
     if result.checkpoint is None and (resumed := latest_checkpoint(spec.run_dir)) is not None:
