@@ -14,6 +14,8 @@ import torch
 import yaml
 
 from tests.helpers.chat_template import QWEN3_STYLE_TEMPLATE
+from tests.helpers.dflash2 import micro_dflash2  # noqa: F401  (a fixture for every module)
+from tests.helpers.vllm_assets import vllm_spec_file  # noqa: F401  (a fixture for every module)
 
 torch.set_num_threads(1)  # tests are tiny; fewer threads means less contention on 2-core CI machines
 

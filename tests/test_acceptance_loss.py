@@ -27,7 +27,7 @@ from opd.models.dflash2 import CandidateSelector
 from opd.models.family import chains
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_dflash2 import dflash2_drafter
+from tests.helpers.dflash2 import dflash2_drafter
 
 EOS, MASK = 6, 7
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]

@@ -18,9 +18,9 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, constant_drafter, target  # noqa: F401 (target: a fixture)
+from tests.helpers.dflash2 import dflash2_drafter
 from tests.helpers.static_cache import KEYS, facts
 from tests.helpers.tiny_assets import tiny_target_and_prompts
-from tests.test_dflash2 import dflash2_drafter
 
 
 def decode(decoder: SpeculativeDecoder, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int = 24):
@@ -47,7 +47,7 @@ def test_compiled_writes_what_eager_writes(target, sampling):
 
 def test_compiled_eagle3_writes_what_eager_writes():
     """EAGLE-3's chain drafts through the same compiled step (its cache carries layer states besides K/V)."""
-    from tests.test_eagle3 import trained_like
+    from tests.helpers.eagle3 import trained_like
 
     torch._dynamo.reset()
     target = micro_target(seed=0, vocab_size=8, num_layers=6, layer_ids=[1, 2, 3])

@@ -9,7 +9,6 @@ convolutions and the selector change the drafts (a test that ignored them would 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -29,39 +28,16 @@ from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.drafter import DFlashDrafter
 from opd.models.families import load_drafter
 from opd.models.flops import DrafterParams
-from opd.models.lm_head import teacher_head
-from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.decoding import EOS, MASK, PROMPT
+from tests.helpers.dflash2 import DFLASH2, dflash2_drafter
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
 
-DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 4, "selector_rank": 4, "selector_top_k": 4}
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
-
-
-def dflash2_drafter(target, seed: int = 1, block_size: int = 4, base: DFlashDrafter | None = None,
-                    codebook_scale: float = 40.0, kernel_noise: float = 0.3, **fields) -> DFlash2Drafter:
-    """A DFlash 2 drafter for `target`: random (or `base`'s DFlash weights), with random base kernels around the
-    identity and codebooks scaled so the selector's interaction competes with the logits."""
-    base = base or micro_drafter(target, seed=seed, block_size=block_size, mask_token_id=MASK)
-    config = dataclasses.replace(base.config, **(DFLASH2 | fields))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
-        drafter.load_state_dict(base.state_dict(), strict=False)
-        with torch.no_grad():
-            for layer in drafter.layers:
-                for conv in (layer.attention_conv, layer.mlp_conv):
-                    conv.base_kernel.add_(kernel_noise * torch.randn_like(conv.base_kernel))
-            selector = drafter.candidate_selector
-            selector.predecessor_codebook.mul_(codebook_scale)
-            selector.successor_codebook.mul_(codebook_scale)
-    return drafter
 
 
 @pytest.fixture(scope="module")
@@ -225,18 +201,6 @@ def test_flops_count_the_convolutions_and_the_selector(target, drafter):
     per_token = 2 * projections * layers + taps * layers
     assert ours.forward(context=context, blocks=blocks, slots=slots) - theirs.forward(
         context=context, blocks=blocks, slots=slots) == per_token * blocks * 4 + selector * slots
-
-
-@pytest.fixture
-def micro_dflash2(micro_assets, tmp_path):
-    """A DFlash 2 drafter for the micro assets' target, saved."""
-    target = load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 2])
-    base = DFlashDrafter.from_pretrained(micro_assets["drafter"], target)
-    config = dataclasses.replace(base.config, **DFLASH2)
-    drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head)
-    drafter.load_state_dict(base.state_dict(), strict=False)
-    drafter.save_pretrained(tmp_path / "dflash2")
-    return str(tmp_path / "dflash2")
 
 
 @pytest.mark.parametrize("command", ["run", "sft"])

@@ -25,8 +25,8 @@ from opd.models.dflash2 import DFlash2Drafter
 from opd.models.lm_head import teacher_head
 from opd.tiny.micro import micro_target
 from tests.helpers.decoding import EOS, MIXED_PROMPTS, PROMPT
+from tests.helpers.dflash2 import dflash2_drafter
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
-from tests.test_dflash2 import dflash2_drafter, micro_dflash2  # noqa: F401 (a fixture)
 
 # Slot k's logits are FIXED_LOGITS rolled by k (as tests/test_sampled_drafts.py): far from the near-uniform micro
 # target's p, with a top-4 that leaves tokens out, so a residual kept inside the candidates is caught.

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from opd.errors import OpdError
 from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.tiny.micro import micro_drafter, micro_target
+from tests.helpers.drafter_math import _rms, _rope
 
 EXACT = 1e-9
 BLOCK = 4
@@ -88,20 +89,6 @@ def test_forward_blocks_equals_separate_draft_calls(setup):
         assert tokens.shape == (2, BLOCK - 1) and logits.shape == (2, BLOCK - 1, target.vocab_size)
         assert (logits - packed_logits[:, m]).abs().max() < EXACT
         assert torch.equal(tokens, logits.argmax(-1))
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [n, heads, d] rotated by the half-split convention."""
-    d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angle = positions.double()[:, None] * inv_freq
-    cos, sin = angle.cos().repeat(1, 2)[:, None], angle.sin().repeat(1, 2)[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def _reference_block(drafter, features, context_positions, block_ids, anchor) -> torch.Tensor:

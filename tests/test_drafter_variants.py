@@ -26,41 +26,16 @@ from opd.models.drafter import DFlashDrafter
 from opd.models.flops import DrafterParams
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
-from opd.spec import SpecError
+from opd.spec import SpecError, validate_spec
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.decoding import EOS, MASK, PROMPT
+from tests.helpers.drafter_math import _rms, _rope
+from tests.helpers.drafter_variants import BLOCK, FULL, SLIDING, VARIANTS, with_change
 from tests.helpers.local_runs import losses, spec_for
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
-from tests.test_drafter import _rms, _rope
-from tests.test_spec import MINIMAL, make_model_dir, validate_spec
+from tests.helpers.specs import MINIMAL, make_model_dir
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-BLOCK = 4
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
-
-# Config changes on a two-layer drafter, each a variant z-lab's DFlashDraftModel runs. Windows are short so they
-# cut into the micro contexts (and, at 2 < K, into the block itself).
-VARIANTS = {
-    "sliding-causal": {"layer_types": [SLIDING, FULL], "use_sliding_window": True, "sliding_window": 3},
-    "sliding-bidirectional": {"layer_types": [SLIDING, SLIDING], "use_sliding_window": True, "sliding_window": 2,
-                              "is_causal": False},
-    "causal": {"is_causal": True},
-    "scaled": {"input_embedding_scale": 3.0, "dflash_config": {"output_multiplier": 0.7,
-                                                               "final_logit_softcapping": 0.5}},
-    "dflash2-shaped": {"layer_types": [SLIDING, SLIDING], "use_sliding_window": True, "sliding_window": 5,
-                       "is_causal": False,
-                       "dflash_config": {"output_multiplier": 0.196, "final_logit_softcapping": 20.0,
-                                         "block_size": BLOCK}},
-}
-
-
-def with_change(hf: dict, change: dict) -> dict:
-    """`hf` with `change` applied (a `dflash_config` change merges into it)."""
-    out = {**hf, **{k: v for k, v in change.items() if k != "dflash_config"}}
-    out["dflash_config"] = {**hf["dflash_config"], **change.get("dflash_config", {})}
-    if "block_size" in out["dflash_config"]:
-        out.pop("block_size", None)
-    return out
 
 
 def variant_drafter(target, name: str | None, seed: int = 1, scale: float | None = None) -> DFlashDrafter:

@@ -18,6 +18,7 @@ from opd.models.eagle3 import Eagle3Drafter
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_eagle3, micro_target
 from tests.helpers.decoding import EOS, PROMPT
+from tests.helpers.eagle3 import trained_like
 from tests.helpers.lossless import LOSSLESS_CASES, chi_square, exact_joint, sampled_joint
 
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
@@ -27,14 +28,6 @@ PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], 
 def target():
     # Six layers: EAGLE-3 fuses the states entering layers 2, 3, 4 (this project's ids 1, 2, 3).
     return micro_target(seed=0, vocab_size=8, num_layers=6, layer_ids=[1, 2, 3])
-
-
-def trained_like(target, seed: int = 1, block_size: int = 4, draft_vocab_size: int = 6) -> Eagle3Drafter:
-    """A random drafter whose head reads the target's head rows for its draft ids, so more chains get accepted."""
-    drafter = micro_eagle3(target, seed=seed, block_size=block_size, draft_vocab_size=draft_vocab_size)
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(target.lm_head.weight[drafter.vocab_ids])
-    return drafter
 
 
 def test_captured_features_are_the_states_entering_the_engines_layers(target):

@@ -28,8 +28,8 @@ from opd.models.drafter import DFlashDrafter
 from opd.models.lm_head import teacher_head
 from opd.models.shared_head import embedding_scale, load_shared_head
 from opd.tiny.micro import micro_drafter, micro_target
-from tests.test_drafter_variants import with_change
-from tests.test_target_families import family_model
+from tests.helpers.drafter_variants import with_change
+from tests.helpers.target_families import family_model
 
 CAP = 5.0
 

@@ -15,21 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from opd.cli import main
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.models.drafter import DFlashConfig, DFlashDrafter
 from opd.models.target import load_target
 from opd.tiny.micro import micro_drafter, micro_target
+from tests.helpers.vllm_assets import LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
 vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install -e .[gpu])")
-EOS, MASK, LAYERS = 6, 7, [1, 2]
+EOS, MASK = 6, 7
 
 
 @pytest.fixture(scope="module")
@@ -90,33 +89,6 @@ def test_flash_attention_greedy_speculative_equals_autoregressive(vocab8_target_
         top2 = logits.topk(2).values
         assert top2[0] - top2[1] <= 0.03 * logits.abs().max(), f"prompt {prompt}: diverged at {diverge}, no tie"
     assert same >= len(prompts) // 2
-
-
-@pytest.fixture
-def vllm_spec_file(micro_assets, tmp_path) -> Path:
-    """The micro assets re-made with vLLM-friendly heads (4 x 64), bf16, as a spec."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
-    target = micro_target(vocab_size=len(tokenizer), hidden_size=256, num_kv_heads=2, dtype=torch.float32,
-                          layer_ids=LAYERS)
-    target.model.config.eos_token_id = tokenizer.eos_token_id
-    target.model.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    config = DFlashConfig.for_target(target.config, num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id,
-                                     target_layer_ids=LAYERS)
-    DFlashDrafter(config, target.embed_tokens, target.lm_head).save_pretrained(tmp_path / "drafter")
-    spec = {"name": "vllm", "steps": 1, "engine": "local",
-            "models": {"target_path": str(tmp_path / "target"), "drafter_path": str(tmp_path / "drafter"),
-                       "dtype": "bfloat16", "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": LAYERS}},
-            "data": {"train_prompts": micro_assets["train"], "eval_prompts": micro_assets["train"],
-                     "max_prompt_tokens": 200},
-            "rollout": {"batch_size": 2, "temperature": 0.0}, "optim": {"batch_size": 4},
-            "sft": {"response_max_new_tokens": 16},
-            "tracking": {"run_dir": str(tmp_path / "runs" / "{name}")},
-            "eval": {"num_prompts": 16, "max_new_tokens": 32, "sampling": [{"name": "greedy", "temperature": 0.0}]}}
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    return tmp_path / "spec.yaml"
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ import importlib.util
 
 import pytest
 import torch
-from test_gpu import vllm_spec_file  # noqa: F401  (the fixture: micro assets with vLLM-friendly heads)
 
 from opd.spec import load_spec
 from opd.train.local import LocalTrainer
@@ -21,7 +20,7 @@ vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="need
 @pytest.mark.gpu
 @cuda
 @vllm
-def test_tensor_parallel_vllm_rollouts_are_rebuilt_and_trained_on(vllm_spec_file, tmp_path):  # noqa: F811
+def test_tensor_parallel_vllm_rollouts_are_rebuilt_and_trained_on(vllm_spec_file, tmp_path):
     degree = 2 if torch.cuda.device_count() >= 2 else 1  # the micro target's 2 key/value heads allow 2
     sets = ["rollout.source=target", "rollout.max_new_tokens=16", "steps=2", "eval.every=0", "models.dtype=float32"]
     hf = LocalTrainer(load_spec(vllm_spec_file, [*sets, f"tracking.run_dir={tmp_path / 'hf'}"]), track=False)

@@ -123,3 +123,12 @@ def test_the_architecture_page_states_the_layer_order():
     page = (ROOT / "docs" / "design" / "architecture.md").read_text()
     order = " < ".join(floor[0].removeprefix("opd.") if floor[0] != "opd" else "ground" for floor in LAYERS)
     assert order in page, f"docs/design/architecture.md should state the layer order: {order}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers/, so a test module's imports never run another module's tests'
+    module-level code, and moving a test never breaks an unrelated one."""
+    offenders = [f"{path.name} imports {name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+                 for name in sorted(_imports(path)) if name.split(".")[-1].startswith("test_")
+                 and name.startswith(("tests.test_", "test_"))]
+    assert not offenders, "\n".join(offenders)

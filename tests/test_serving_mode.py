@@ -15,7 +15,6 @@ from opd.distill.acceptance_loss import sft_block_slots
 from opd.distill.losses import sft_log_weight_sum, teacher_processing
 from opd.spec import LossSpec, SpecError, load_spec
 from opd.train.rollout import rollout_sampling
-from tests.test_dflash2 import micro_dflash2  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY2 = ROOT / "configs" / "tiny-dflash2.yaml"

@@ -20,6 +20,7 @@ from opd.spec import (
     path_problems,
     validate_spec,
 )
+from tests.helpers.specs import MINIMAL, make_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")  # reproduce specs, presets and suites are not experiments
@@ -27,7 +28,6 @@ CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml")  # reproduce spec
 PRESETS = sorted((ROOT / "configs" / "presets").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"  # the embedded default: the paper's setup with the recommended recipe
 PAPER = ROOT / "configs" / "tiny-paper.yaml"  # the same with the paper's exact loss
-MINIMAL = {"steps": 10, "models": {"target_path": "t"}, "data": {"train_prompts": "a", "eval_prompts": "b"}}
 
 
 def write(path: Path, data: dict | str) -> Path:
@@ -200,12 +200,6 @@ def test_duplicate_yaml_key_is_rejected(tmp_path: Path) -> None:
     path = write(tmp_path / "dup.yaml", "steps: 1\noptim:\n  lr: 0.1\noptim:\n  lr: 0.2\n")
     with pytest.raises(SpecError, match=r"dup.yaml: invalid YAML at line 4.*duplicate key 'optim'"):
         load_spec(path, check_paths=False)
-
-
-def make_model_dir(path: Path, config: dict) -> str:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def test_target_depth_is_read_from_checkpoint(tmp_path: Path) -> None:

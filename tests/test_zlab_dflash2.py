@@ -20,8 +20,8 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
 from opd.models.families import load_drafter
+from tests.helpers.dflash2 import dflash2_drafter
 from tests.helpers.tiny_assets import tiny_target_and_prompts
-from tests.test_dflash2 import dflash2_drafter
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # z-lab's calls
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed (pip install .[interop])")

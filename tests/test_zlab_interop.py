@@ -19,8 +19,8 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.formats.dflash import DFlashConfig
 from opd.models.drafter import DFlashDrafter
+from tests.helpers.drafter_variants import FULL, SLIDING, VARIANTS, with_change
 from tests.helpers.tiny_assets import DRAFTER, tiny_target_and_prompts
-from tests.test_drafter_variants import FULL, SLIDING, VARIANTS, with_change
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # z-lab's calls
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed (pip install .[interop])")

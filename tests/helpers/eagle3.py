@@ -1,0 +1,16 @@
+"""An EAGLE-3 drafter that accepts more than a random one: its head reads the target's rows for its draft ids."""
+
+from __future__ import annotations
+
+import torch
+
+from opd.models.eagle3 import Eagle3Drafter
+from opd.tiny.micro import micro_eagle3
+
+
+def trained_like(target, seed: int = 1, block_size: int = 4, draft_vocab_size: int = 6) -> Eagle3Drafter:
+    """A random drafter whose head reads the target's head rows for its draft ids, so more chains get accepted."""
+    drafter = micro_eagle3(target, seed=seed, block_size=block_size, draft_vocab_size=draft_vocab_size)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(target.lm_head.weight[drafter.vocab_ids])
+    return drafter
