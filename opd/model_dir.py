@@ -110,6 +110,11 @@ class ModelDir:
                     raise OpdError(f"{path}: unreadable safetensors file ({exc})") from None
         return {name: header["shape"] for name, header in self._headers.items()}
 
+    def tensor_files(self) -> dict[str, Path]:
+        """Tensor name -> the safetensors file holding it (from the same headers), for reading one tensor alone."""
+        self.tensor_shapes()
+        return {name: self.path / header["file"] for name, header in self._headers.items()}
+
 
 def _json(path: Path, role: str) -> dict[str, Any]:
     """A JSON object file, or a one-line OpdError naming it."""

@@ -14,7 +14,6 @@ scaled embeddings name it, so `embedding_scale` reads the same from a `SharedHea
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from opd.errors import OpdError
-from opd.model_dir import ModelDir
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from opd.model_dir import WEIGHTS_FILE, WEIGHTS_INDEX, ModelDir
 
 
 class SharedHead:
@@ -117,19 +113,11 @@ def _parameter_names(model: nn.Module) -> tuple[list[str], list[str], bool]:
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it: the index's weight map, or the one file's header."""
-    index = directory / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise OpdError(f"{index}: not a safetensors index (expected a 'weight_map' object)") from exc
-        return {name: directory / file for name, file in weight_map.items()}
-    single = directory / SINGLE_FILE
-    if not single.is_file():
-        raise OpdError(f"target model {directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    with _open(single) as f:
-        return {name: single for name in f.keys()}
+    """Tensor name -> the safetensors file holding it (`ModelDir`: the index's files, or the one file)."""
+    files = ModelDir.read(directory, "target model").tensor_files()
+    if not files:
+        raise OpdError(f"target model {directory}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX} found")
+    return files
 
 
 def _read(files: dict[str, Path], names: list[str], path: str, what: str) -> torch.Tensor:
