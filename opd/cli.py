@@ -56,7 +56,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     _spec_arguments(parser)
-    parser.add_argument("--draft", metavar="PATH", help="drafter dir in DFlash format, or 'random' "
+    parser.add_argument("--draft", metavar="PATH", help="drafter dir in its family's public format, or 'random' "
                         "(default: models.drafter_path)")
     parser.add_argument("--prompts", metavar="FILE", help="jsonl prompts (default: data.eval_prompts)")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")

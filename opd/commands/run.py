@@ -172,7 +172,7 @@ def run_main(spec: ExperimentSpec) -> int:
             raise
     suite = f"  suite table: {spec.run_dir / 'suite' / 'table.md'}\n" if spec.eval.suite is not None else ""
     print(f"Done in {summary['minutes']:.1f} min.\n"
-          f"  checkpoint (DFlash format): {result.checkpoint}\n"
+          f"  checkpoint ({spec.models.drafter.kind} drafter, its public format): {result.checkpoint}\n"
           f"  τ plot: {spec.run_dir / 'tau_over_steps.png'}\n"
           f"{suite}"
           f"  MLflow run {result.run_id}: {mlflow_ui(spec)}")

@@ -64,7 +64,7 @@ def realized_q(drafter: Drafter, hidden: torch.Tensor, logits: torch.Tensor, pre
     if not list(drafter.selector.parameters()):
         return DraftQ(torch.softmax(logits.to(dtype) / serving.temperature, dim=-1))
     selector = cast(CandidateSelector, drafter.selector)  # the chaining family's (opd/models/dflash2.py)
-    top_k: int = selector.top_k  # type: ignore[assignment]  # set for every DFlash 2 config (dflash_format)
+    top_k: int = selector.top_k  # type: ignore[assignment]  # set for every DFlash 2 config (opd/formats/dflash.py)
     unary, ids = logits.topk(top_k, dim=-1)
     gate = selector.hidden_projection(hidden.to(selector.hidden_projection.weight.dtype))
     scores = selector.scores(gate.flatten(0, -2), predecessors.flatten(), unary.flatten(0, -2).to(gate.dtype),

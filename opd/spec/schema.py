@@ -60,7 +60,7 @@ class ModelsSpec(Section):
     """Where the target, tokenizer and warm drafter live, and how to load them."""
 
     target_path: str
-    drafter_path: str | None = Field(None, description="warm drafter in DFlash format; None = random init")
+    drafter_path: str | None = Field(None, description="warm drafter in its family's public format; None = random init")
     tokenizer_path: str | None = Field(None, description="None = target_path")
     target_num_layers: int | None = Field(None, ge=1, description="filled from target_path/config.json when it exists")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
@@ -70,8 +70,8 @@ class ModelsSpec(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "auto: the GPU Ray gave this actor, else the CPU"))
     drafter: DrafterSpec = Field(default_factory=DFlashSpec, description=(
-        "The drafter's family (`kind`: dflash, dflash2, eagle3; unset: the warm drafter's, else dflash) and its "
-        "options"))
+        "The drafter's family (`kind`: dflash, dflash2, dspark, eagle3; unset: the warm drafter's, else dflash) and "
+        "its options"))
 
     @property
     def tokenizer(self) -> str:
@@ -217,8 +217,8 @@ class RolloutSpec(Section):
             spec_issues(["compile: true without static_cache (a compiled step needs one shape per batch; expected "
                          "static_cache: true)"])
         if self.source == "speculative" and self.samples_path is not None:
-            spec_issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own (expected "
-                     "source: samples or target, or no samples_path)"])
+            spec_issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own "
+                         "(expected source: samples or target, or no samples_path)"])
         return self
 
     @property

@@ -82,7 +82,7 @@ class TrainResult:
     steps: int  # the learner's step when the command stopped
     losses: list[float] = field(default_factory=list)  # per step taken in this process
     evals: dict[int, list[EvalRow]] = field(default_factory=dict)  # step -> held-out rows
-    checkpoint: str | None = None  # the run's newest checkpoint (DFlash format), if any: written now or before a resume
+    checkpoint: str | None = None  # the run's newest checkpoint (the family's public format), if any: written now or before a resume
     run_id: str | None = None  # the MLflow run
     # the batch ledger's account of this process's part of the run (opd/train/ledger.py): lost, orphaned, stale,
     # reproduced, restarts, dropped, ...; every count 0 but claimed and trained when nothing was disturbed
