@@ -459,9 +459,10 @@ class DFlashDrafter(nn.Module):
         write_checkpoint(directory, self.config, self.state_dict(), self.fc.weight.dtype)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Target | SharedHead) -> DFlashDrafter:
-        """Load a public-layout DFlash checkpoint for `target`; any mismatch raises a one-line OpdError."""
-        model_dir = ModelDir.read(directory, "drafter")
+    def from_pretrained(cls, directory: str | Path | ModelDir, target: Target | SharedHead) -> DFlashDrafter:
+        """Load a public-layout DFlash checkpoint for `target` (a path, or the directory already read); any mismatch
+        raises a one-line OpdError."""
+        model_dir = directory if isinstance(directory, ModelDir) else ModelDir.read(directory, "drafter")
         drafter = cls(read_config(model_dir, target, cls.config_class), target.embed_tokens, target.lm_head,
                       teacher_head(target))
         drafter.load_state_dict(read_tensors(model_dir.path / WEIGHTS_FILE, drafter.state_dict()))
@@ -504,7 +505,7 @@ class DFlashFamily(DrafterFamily):
         return self.drafter_class(config, base.embed_tokens, base.lm_head, teacher_head(base)).to(base.device)
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: DFlashSpec) -> DFlashDrafter:
-        return self.drafter_class.from_pretrained(directory.path, base).to(base.device)
+        return self.drafter_class.from_pretrained(directory, base).to(base.device)
 
     def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
         mask_token_id(tokenizer, section.mask_token_id)

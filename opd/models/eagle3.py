@@ -321,11 +321,11 @@ class Eagle3Drafter(nn.Module):
         write_checkpoint(directory, self.config, self.state_dict(), self.fc.weight.dtype)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Target, block_size: int = 8) -> Eagle3Drafter:
-        """Load a public EAGLE-3 checkpoint for `target`; any mismatch raises a one-line OpdError. `block_size`
-        applies when the file has none (SpecForge's have none: the chain length is a serving choice; 8 is its
-        training unroll of 7 steps plus the anchor)."""
-        model_dir = ModelDir.read(directory, "drafter")
+    def from_pretrained(cls, directory: str | Path | ModelDir, target: Target, block_size: int = 8) -> Eagle3Drafter:
+        """Load a public EAGLE-3 checkpoint for `target` (a path, or the directory already read); any mismatch raises
+        a one-line OpdError. `block_size` applies when the file has none (SpecForge's have none: the chain length is
+        a serving choice; 8 is its training unroll of 7 steps plus the anchor)."""
+        model_dir = directory if isinstance(directory, ModelDir) else ModelDir.read(directory, "drafter")
         config = read_config(model_dir, target, block_size)
         drafter = cls(config, target.embed_tokens, target.lm_head)
         drafter.load_state_dict(read_tensors(model_dir.path / WEIGHTS_FILE, config))
@@ -404,7 +404,7 @@ class Eagle3Family(DrafterFamily):
         return Eagle3Drafter(config, base.embed_tokens, base.lm_head).to(base.device)
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: Eagle3Spec) -> Eagle3Drafter:
-        drafter = Eagle3Drafter.from_pretrained(directory.path, base, section.block_size).to(base.device)
+        drafter = Eagle3Drafter.from_pretrained(directory, base, section.block_size).to(base.device)
         _check_fused_layers(directory, drafter.config, base.layer_ids)
         return drafter
 
