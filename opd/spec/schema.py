@@ -573,8 +573,8 @@ class EvalSpec(Section):
         "offline: prompts still decoded for the before/after speedup column"))
     diagnostic: bool = Field(True, description=(
         "The periodic eval's expected-acceptance diagnostic (every rule on every setting's states, "
-        "`eval_expected_*` in MLflow): a packed target replay per batch, ~7x the offline τ itself on a CPU. `opd "
-        "eval` always gives it."))
+        "`eval_expected_*` in MLflow): a packed target replay per batch, several times the cost of the offline τ "
+        "itself. `opd eval` always gives it."))
     suite: str | None = Field(None, description=(
         "A built benchmark suite (the directory `opd suite build --out DIR` wrote): `opd run` ends with its table "
         "in the paper's layout, the warm and the trained drafter beside the ceiling at every point-mass setting, "

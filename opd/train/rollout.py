@@ -112,8 +112,8 @@ class RolloutWorker:
             return self.draw(jobs)
         if self.draw is not None and self.samples.missing(jobs):
             # Drawing into a shared file: the batches after this one at its setting come along, GEN_CHUNK samples
-            # in one sampler call, which costs less per sample than a batch's (bench/sample_batching.py: 0.63x the
-            # time of 8 calls of 8 on a CPU). Samples are keyed, so who draws them, and with whom, changes nothing.
+            # in one sampler call, which costs less per sample than a batch's (bench/sample_batching.py measures it).
+            # Samples are keyed, so who draws them, and with whom, changes nothing.
             self.samples.fetch(jobs + self._ahead(index, GEN_CHUNK - len(jobs)), self.draw)
         stored = self.samples.fetch(jobs, self.draw)
         return [s.response for s in stored], [s.flops for s in stored]
