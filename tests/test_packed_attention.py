@@ -16,7 +16,7 @@ from opd.distill.dense_reference import dense_block_mask, dense_teacher_masks
 from opd.distill.replay import CommittedView, block_inputs, packed_inputs
 from opd.errors import OpdError
 from opd.memory import peak_cpu_bytes
-from opd.models.packed_attention import PackedRow, PackedRows
+from opd.models.packed_attention import PackedRow, PackedRows, grouped_sdpa
 from opd.tiny.micro import micro_drafter, micro_target
 
 EXACT = 1e-10
@@ -270,3 +270,14 @@ def test_packed_rows_take_values_narrower_than_their_queries():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     for b, p in enumerate(packed):
         assert (got[b, :, : len(p.ids)] - ref[b, :, : len(p.ids)]).abs().max() < EXACT
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_sinks_without_a_mask_attend_to_every_key(kv_heads):
+    """`grouped_sdpa`'s mask None means every key, sinks or not (with sinks it raised: the sink key was added to a
+    mask that was not there)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 6), torch.randn(1, kv_heads, 5, 6), torch.randn(1, kv_heads, 5, 6)
+    sinks = torch.randn(4)
+    every_key = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    assert torch.allclose(grouped_sdpa(q, k, v, None, None, sinks), grouped_sdpa(q, k, v, every_key, None, sinks))

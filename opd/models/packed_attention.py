@@ -70,8 +70,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out.view(batch, heads, rows, v.shape[-1])
 
 
-def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-                  sinks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
+                  sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
     """Sinks as one more key per key head, seen by every query: each query gains a coordinate holding its own
     head's sink logit, the sink key holds 1/scale there (the real keys 0) and a zero value, so its score is exactly
     the sink and it only adds exp(sink) to the softmax's denominator, as gpt-oss's eager attention does. Padded
@@ -85,7 +85,7 @@ def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     sink_key[..., dim] = 1 / scale
     k = torch.cat([sink_key, F.pad(k, (0, pad))], dim=2)
     v = torch.cat([v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3]), v], dim=2)
-    mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
+    mask = None if mask is None else torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
     return q, k, v, mask, scale
 
 
@@ -94,7 +94,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not _GQA_KWARG:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    extra = {"enable_gqa": True} if groups > 1 and _GQA_KWARG else {}
+    extra: dict[str, Any] = {"enable_gqa": True} if groups > 1 and _GQA_KWARG else {}
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
 
 
@@ -296,7 +296,7 @@ def _packed_or(original: Callable[..., Any]) -> Callable[..., Any]:
         rule = attention_mask.rule(module, kwargs.get("s_aux"))
         return attention_mask.packed_rows.attend(query, key, value, kwargs.get("scaling"), rule), None
 
-    attention.packed_original = original
+    attention.packed_original = original  # type: ignore[attr-defined]  # the marker `_register` looks for
     return attention
 
 
