@@ -4,6 +4,7 @@ own part, opd/models/families.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from opd.models.shared_head import SharedHead, load_shared_head
 from opd.models.target import Target, load_target
 from opd.spec import ExperimentSpec, ModelsSpec
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -23,7 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Models:
     target: Target
     drafter: Drafter
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
 
     @property
     def eos_id(self) -> int:
@@ -37,7 +41,7 @@ class LearnerModels:
 
     head: SharedHead | Target
     drafter: Drafter
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
 
 
 def resolve_device(device: str) -> str:

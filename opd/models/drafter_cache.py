@@ -61,6 +61,7 @@ class DrafterCache:
             self.positions = torch.cat([self.positions, positions], dim=1)
             self.valid = torch.cat([self.valid, valid], dim=1)
             if states is not None:
+                assert self.states is not None  # a cache made with `state_size` is appended states, and only it
                 self.states = torch.cat([self.states, states], dim=1)
             return
         start, end = self.filled, self.filled + positions.shape[1]
@@ -72,6 +73,7 @@ class DrafterCache:
         self.positions[:, start:end] = positions
         self.valid[:, start:end] = valid
         if states is not None:
+            assert self.states is not None
             self.states[:, start:end] = states
         self.filled = end
 

@@ -38,11 +38,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
 from opd.models.layer_kind import layer_kinds
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from opd.models.family import Drafter
 
 
 def _numel(modules: list[nn.Module]) -> int:
@@ -59,7 +64,7 @@ class TargetParams:
     block: int = 0  # FLOPs per drafted block packed replay adds beyond the forward (`LayerKind.block_flops`)
 
     @classmethod
-    def of(cls, model: nn.Module) -> TargetParams:
+    def of(cls, model: PreTrainedModel) -> TargetParams:
         """Everything but the input embedding and the LM head is body, the routed experts at the share a token
         passes through; the head counts even when tied."""
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -110,7 +115,8 @@ class DrafterParams:
     slot_extra: int = 0  # FLOPs per drafted slot beyond the head (DFlash 2's candidate selector)
 
     @classmethod
-    def of(cls, drafter: nn.Module) -> DrafterParams:
+    def of(cls, drafter: Drafter) -> DrafterParams:
+        assert isinstance(drafter, nn.Module)  # every family is one
         context, block, head = drafter.modules_by_role()
         token_extra, slot_extra = drafter.extra_flops()
         return cls(context=_numel(context), block=_numel(block), head=head.weight.numel(),

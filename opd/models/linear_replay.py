@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ class LinearReplay:
         for module in self.kernels.modules:
             if not getattr(module, "_opd_packed", False):
                 module.forward = _dispatching(module, self)
-                module._opd_packed = True
+                module._opd_packed = True  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules
 
     @contextmanager
     def packed(self, rows: PackedRows) -> Iterator[None]:
@@ -92,8 +92,8 @@ class LinearReplay:
         with self.kernels.wrapped(_segmented(text)):
             out_text = forward(hidden[:, :prefix], cache=cache, **kwargs)
         out = hidden.new_zeros(*hidden.shape[:2], out_text.shape[-1])
-        for b, row in enumerate(rows.rows):
-            out[b, : row.prefix_len] = out_text[b, : row.prefix_len]
+        for i, row in enumerate(rows.rows):
+            out[i, : row.prefix_len] = out_text[i, : row.prefix_len]
         inputs = cache.layers[module.layer_idx].conv_states[0]  # [B, C, prefix]: every conv input of the text
         batch_rows, anchors, starts = _blocks(rows, hidden.device)
         if not len(anchors):
@@ -102,7 +102,7 @@ class LinearReplay:
         offsets = torch.arange(span, device=hidden.device)
         for group in torch.arange(len(anchors), device=hidden.device).split(self._group_size(text)):
             b, a = batch_rows[group], anchors[group]
-            seeded = self._seeded(module, conv_window(inputs, b, a + 1, module.conv_kernel_size),
+            seeded = self._seeded(module, conv_window(inputs, b, a + 1, cast(int, module.conv_kernel_size)),
                                   self._anchor_states(text, b, a))
             where = (b[:, None], starts[group][:, None] + offsets)
             with self.kernels.wrapped(lambda kernel, _recurrent: chunked_by_segment(kernel)):
@@ -112,6 +112,8 @@ class LinearReplay:
     def _anchor_states(self, text: TextRecord, rows: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Recurrent states after each anchor (inclusive) of the text: its segment's state, advanced over the
         segment's positions up to the anchor in one chunked call (earlier window positions pass no change)."""
+        assert (text.states is not None and text.query is not None and text.key is not None and text.value is not None
+                and text.g is not None and text.beta is not None)  # `_segmented` recorded the text
         segment = (anchors + 1) // SEGMENT
         start = text.states[rows, segment]
         positions = anchors[:, None] - SEGMENT + 1 + torch.arange(SEGMENT, device=anchors.device)
@@ -136,6 +138,7 @@ class LinearReplay:
     def _group_size(self, text: TextRecord) -> int:
         """Blocks per call: a block's advance holds its state and `SEGMENT` positions of kernel inputs, with the
         chunked kernel's fp32 copies and products of them (~4x)."""
+        assert text.states is not None and text.key is not None and text.value is not None  # the text ran
         state = text.states[0, 0].numel()
         heads = text.value.shape[2]
         inputs = heads * (2 * text.key.shape[-1] + text.value.shape[-1] + 2)  # per position

@@ -18,7 +18,7 @@ autograd graph) are alive at a time; backward hands back the stored row gradient
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ class SoftcappedHead(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The head's weight (callers cast hidden rows to its dtype)."""
-        return self.lm_head.weight
+        return cast(torch.Tensor, self.lm_head.weight)  # nn.Module attributes are typed Tensor | Module
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return softcap(self.lm_head(hidden), self.cap)
@@ -64,7 +64,7 @@ def teacher_head(target: Any) -> nn.Module:
 def apply_head(head: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
     """The head's logits of hidden rows (cast to the head's dtype); `head` None means the rows already are
     logits (tests, and losses handed logits)."""
-    return hidden if head is None else head(hidden.to(head.weight.dtype))
+    return hidden if head is None else head(hidden.to(cast(torch.Tensor, head.weight).dtype))
 
 
 def chunks(rows: int, chunk: int) -> Iterator[slice]:
@@ -84,7 +84,7 @@ def map_slots(head: nn.Module | None, hidden: torch.Tensor, reduce: Reduce,
         outs = [reduce(apply_head(head, flat[:0]), slice(0, 0))]
     if isinstance(outs[0], tuple):
         return tuple(_cat([o[i] for o in outs], lead) for i in range(len(outs[0])))
-    return _cat(outs, lead)
+    return _cat(cast(list[torch.Tensor], outs), lead)  # `reduce` returns one kind: tensors here
 
 
 def _cat(parts: list[torch.Tensor], lead: torch.Size) -> torch.Tensor:
@@ -94,7 +94,9 @@ def _cat(parts: list[torch.Tensor], lead: torch.Size) -> torch.Tensor:
 
 def argmax(head: nn.Module | None, hidden: torch.Tensor, chunk: int) -> torch.Tensor:
     """argmax token [...] of each slot of hidden [..., H] (the point-mass draft)."""
-    return map_slots(head, hidden, lambda lg, _: lg.argmax(-1), chunk)
+    out = map_slots(head, hidden, lambda lg, _: lg.argmax(-1), chunk)
+    assert isinstance(out, torch.Tensor)  # a reduce returning one tensor maps to one tensor
+    return out
 
 
 def chunked_loss(head: nn.Module | None, rows: torch.Tensor, row_loss: RowLoss, coef: torch.Tensor,

@@ -15,7 +15,7 @@ scaled embeddings name it, so `embedding_scale` reads the same from a `SharedHea
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,6 +23,9 @@ from torch import nn
 
 from opd.errors import OpdError
 from opd.model_dir import WEIGHTS_FILE, WEIGHTS_INDEX, ModelDir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class SharedHead:
@@ -54,7 +57,7 @@ def embedding_scale(embed: nn.Module) -> float | None:
     return None if scale is None or float(scale) == 1.0 else float(scale)
 
 
-def skeleton(config: Any) -> nn.Module:
+def skeleton(config: Any) -> PreTrainedModel:
     """The causal LM of `config` on the meta device: its module tree and parameter names, no memory, no weights."""
     from transformers import AutoModelForCausalLM
 
@@ -70,11 +73,11 @@ def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], dev
     embed_names, head_names, head_bias = _parameter_names(model)
     files = _weight_files(Path(path))
     embed_weight = _read(files, embed_names, path, "input embedding")
-    embed = nn.Embedding(*embed_weight.shape, device="meta")
+    embed = nn.Embedding(embed_weight.shape[0], embed_weight.shape[1], device="meta")
     embed.weight = nn.Parameter(embed_weight.to(device=device, dtype=dtype), requires_grad=False)
     scale = embedding_scale(model.get_input_embeddings())
     if scale is not None:
-        embed.scalar_embed_scale = scale
+        embed.scalar_embed_scale = scale  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head_weight = embed.weight if tied else nn.Parameter(
         _read(files, head_names, path, "LM head").to(device=device, dtype=dtype), requires_grad=False)
@@ -102,7 +105,7 @@ def target_config(path: str) -> Any:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
 
 
-def _parameter_names(model: nn.Module) -> tuple[list[str], list[str], bool]:
+def _parameter_names(model: PreTrainedModel) -> tuple[list[str], list[str], bool]:
     """The checkpoint names of the embedding and LM head weights (every alias a tied model has), and whether the
     head has a bias, from the model class's `skeleton` (any HF architecture)."""
     named = list(model.named_parameters(remove_duplicate=False))
