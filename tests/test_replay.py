@@ -8,8 +8,8 @@ import torch
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.anchors import redraft_at_random_anchors
-from opd.distill.losses import teacher_distribution
-from opd.distill.replay import score, student_hidden
+from opd.distill.losses import TopKTeacher, teacher_distribution
+from opd.distill.replay import ScoredBatch, score, student_hidden
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, K = 6, 7, 4
@@ -141,3 +141,18 @@ def test_committed_teacher_equals_the_packed_one_where_the_loss_reads(models, re
     for rec in records:
         assert len(pack(rec, K, "committed").ids) == len(rec.prompt_ids) + len(rec.response_ids)
         assert len(pack(rec, K, "draft_opd").ids) > len(pack(rec, K, "committed").ids) or not rec.anchors
+
+
+def test_a_scored_batch_moves_a_top_k_teacher_whose_tail_is_derived():
+    """A top-k teacher without its tail (None: derived where used, as `TopKTeacher` allows) moves with its batch
+    (`ScoredBatch.to` read the missing tail's device and raised)."""
+    logprobs = torch.log_softmax(torch.randn(2, 3, 5), -1)[..., :4]
+    teacher = TopKTeacher(torch.arange(4).expand(2, 3, 4), logprobs)
+    batch = ScoredBatch(features=torch.zeros(1, 4, 8), context_valid=torch.ones(1, 4, dtype=torch.bool),
+                        context_ids=torch.zeros(1, 4, dtype=torch.long), block_ids=torch.zeros(1, 2, 4, dtype=torch.long),
+                        anchor_positions=torch.zeros(1, 2, dtype=torch.long), block_valid=torch.ones(1, 2, dtype=torch.bool),
+                        accepted=torch.zeros(2, dtype=torch.long), position_mask=torch.ones(2, 3, dtype=torch.bool),
+                        teacher=teacher)
+    moved = batch.to("cpu").teacher
+    assert isinstance(moved, TopKTeacher) and moved.tail_logprob is None
+    assert torch.equal(moved.tail(), teacher.tail())

@@ -69,7 +69,8 @@ class ScoredBatch(ZeroCopy):
 
     def to(self, device: torch.device | str) -> ScoredBatch:
         t = self.teacher
-        teacher = (TopKTeacher(t.ids.to(device), t.logprobs.to(device), t.tail_logprob.to(device))
+        teacher = (TopKTeacher(t.ids.to(device), t.logprobs.to(device),
+                               None if t.tail_logprob is None else t.tail_logprob.to(device))  # None: derived
                    if isinstance(t, TopKTeacher) else t.to(device))
         return ScoredBatch(self.features.to(device), self.context_valid.to(device), self.context_ids.to(device),
                            self.block_ids.to(device), self.anchor_positions.to(device), self.block_valid.to(device), self.accepted.to(device),
@@ -189,11 +190,12 @@ class CommittedView:
         `keep_kv` for a draft_opd teacher."""
         packed, ids, positions, layout = packed_inputs(records, block_size, "committed")
         device = target.device
-        where = {"attention_mask": layout.to(device), "position_ids": positions.to(device)}
+        layout, positions = layout.to(device), positions.to(device)
         if keep_kv and not target.linear:
-            hidden, features, kv = target.text_states(ids.to(device), **where)
+            hidden, features, kv = target.text_states(ids.to(device), attention_mask=layout, position_ids=positions)
         else:
-            (hidden, features), kv = target.hidden_states(ids.to(device), **where), None
+            (hidden, features), kv = target.hidden_states(ids.to(device), attention_mask=layout,
+                                                          position_ids=positions), None
         lengths = torch.tensor([len(p.ids) for p in packed])
         return cls(hidden, features, torch.arange(ids.shape[1])[None, :] < lengths[:, None], kv)
 
@@ -316,8 +318,8 @@ def _block_inputs(seq: list[int], anchor: int, draft: list[int], k1: int, mode: 
 
 
 def _to_cpu(teacher: TopKTeacher) -> TopKTeacher:
-    return TopKTeacher(teacher.ids.cpu().contiguous(), teacher.logprobs.cpu().contiguous(),
-                       teacher.tail_logprob.cpu().contiguous())
+    tail = None if teacher.tail_logprob is None else teacher.tail_logprob.cpu().contiguous()
+    return TopKTeacher(teacher.ids.cpu().contiguous(), teacher.logprobs.cpu().contiguous(), tail)
 
 
 def student_hidden(drafter: Drafter, batch: ScoredBatch) -> torch.Tensor:
