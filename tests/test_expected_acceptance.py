@@ -216,3 +216,13 @@ def test_q_sampled_slot_acceptance_is_one_minus_total_variation(tiny_sampled_q):
     records, alpha, _, _ = tiny_sampled_q
     first = torch.tensor([min(r, 1) for rec in records for r in rec.accepted], dtype=torch.float64)
     assert abs(float(first.mean() - alpha[:, 0].double().mean())) < 4 * 0.5 / math.sqrt(len(first))
+
+
+def test_a_teacher_of_logits_needs_no_head():
+    """head None: the teacher's rows already are logits (`apply_head`'s convention), which the hidden-state path
+    read a missing head's device for and raised."""
+    torch.manual_seed(0)
+    logits, drafts = torch.randn(5, 3, 12), torch.randint(0, 12, (5, 3))
+    sampling = Sampling(0.8, top_k=4)
+    got = teacher_acceptance(drafts, logits, None, {"s": sampling})["s"]
+    assert got == pytest.approx(slot_acceptance(drafts, logits, sampling).float(), abs=1e-6)

@@ -48,6 +48,7 @@ class Diagnosis:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """α_k and P(accepted >= k) of drafts sampled from the drafter's q, SLOTS_PER_CHUNK slots at a time."""
         drafter, head = self.models.drafter, teacher_head(self.models.target)
+        assert isinstance(batch.teacher, torch.Tensor)  # `add` scores without teacher_topk: final-norm hidden states
         hidden, predecessors = student_hidden(drafter, batch), batch.block_ids[batch.block_valid]
         out = []
         for part in chunks(len(drafts), max(1, SLOTS_PER_CHUNK // max(1, drafts.shape[1]))):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -70,9 +71,11 @@ def _teacher_logits(teacher: torch.Tensor | TopKTeacher, head: torch.nn.Module |
     """Target logits (up to a per-slot constant, which no setting's processing sees) of blocks `part`."""
     if isinstance(teacher, TopKTeacher):
         ids, logprobs = teacher.ids[part], teacher.logprobs[part].float() * temperature
-        vocab = head.weight.shape[0] if head is not None else int(ids.max()) + 1
+        vocab = cast(torch.Tensor, head.weight).shape[0] if head is not None else int(ids.max()) + 1
         return torch.full((*ids.shape[:2], vocab), float("-inf"), device=ids.device).scatter(-1, ids, logprobs)
-    return apply_head(head, teacher[part].to(head.weight.device))
+    if head is None:  # the teacher's rows already are logits
+        return teacher[part]
+    return apply_head(head, teacher[part].to(cast(torch.Tensor, head.weight).device))
 
 
 @dataclass
