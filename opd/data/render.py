@@ -101,8 +101,13 @@ def render(prompt: str | None, messages: list[dict[str, str]] | None, tokenizer,
     if rendering.mode == "raw":
         if messages is not None:
             raise ValueError("a 'messages' row needs data.render: chat (raw renders 'prompt' text only)")
+        assert prompt is not None  # a row without messages has its prompt (the callers check)
         return Rendered(prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    turns = messages if messages is not None else [{"role": "user", "content": prompt}]
+    if messages is not None:
+        turns = messages
+    else:
+        assert prompt is not None
+        turns = [{"role": "user", "content": prompt}]
     text = _template(tokenizer, turns, rendering)
     # The template writes its special tokens out; tokenizing without adding more is what apply_chat_template does.
     return Rendered(text, tokenizer(text, add_special_tokens=False)["input_ids"])

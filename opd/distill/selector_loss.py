@@ -81,6 +81,7 @@ def _term(selector: CandidateSelector, head: nn.Module, rows: torch.Tensor, befo
           target: Callable[[slice, torch.Tensor], torch.Tensor], chunk_size: int | None) -> torch.Tensor:
     """sum_r coef_r KL(target_r || q_r) over the student's rows [R, H] in chunks: `target(part, candidates)` gives
     the target's log-probs over each row's candidates (all -inf: the row adds nothing)."""
+    assert selector.top_k is not None  # a DFlash 2 config has all four selector fields (`_dflash2_fields`)
     dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
     total = rows.new_zeros((), dtype=dtype)
     for part in chunks(len(rows), chunk_size or max(1, len(rows))):

@@ -342,7 +342,7 @@ class DFlashConfig:
             num_target_layers=num_target_layers,
             attention_bias=bool(hf.get("attention_bias", False)),
             **attention,
-            **{name: _scalar(*_draft_value(hf, dflash, name)) for name in SCALAR_KEYS},
+            **_scalars(hf, dflash),
             **_dflash2_fields(hf, dflash, hidden_size, _int_field(hf, "vocab_size")),
         )
 
@@ -381,7 +381,7 @@ def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
 
 
 def _dflash2_fields(hf: dict[str, Any], dflash: dict[str, Any], hidden_size: int,
-                    vocab_size: int) -> dict[str, int]:
+                    vocab_size: int) -> dict[str, Any]:  # Any: spread over DFlashConfig's differently typed fields
     """DFlash 2's four fields when the architecture or any of them says DFlash 2 (then all four are required, as
     z-lab's `DFlash2DraftModel` reads them), else none."""
     given = [name for name in DFLASH2_FIELDS if _draft_value(hf, dflash, name)[0].get(name) is not None]
@@ -426,6 +426,11 @@ def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise OpdError(f"config field 'layer_types' makes layer {types.index(SLIDING)} '{SLIDING}' but no window "
                        "is in force (expected use_sliding_window true and a positive sliding_window)")
     return {"layer_types": list(types), "sliding_window": window, "is_causal": hf.get("is_causal")}
+
+
+def _scalars(hf: dict[str, Any], dflash: dict[str, Any]) -> dict[str, Any]:
+    """The `SCALAR_KEYS` fields, each None or a finite float (Any: spread over DFlashConfig's fields)."""
+    return {name: _scalar(*_draft_value(hf, dflash, name)) for name in SCALAR_KEYS}
 
 
 def _scalar(d: dict[str, Any], name: str, prefix: str) -> float | None:

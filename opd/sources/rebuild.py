@@ -98,13 +98,13 @@ def walk_chains(drafter: Drafter, samples: list[SequenceRecord], features: torch
     `features` [B, T, n*H] and `mask` [B, T] are the target's view of the right-padded texts."""
     device = features.device
     cache = drafter.new_cache(len(samples))
-    positions = torch.arange(features.shape[1], device=device).expand(len(samples), -1)
+    text_positions = torch.arange(features.shape[1], device=device).expand(len(samples), -1)
     text = [r.prompt_ids + r.response_ids for r in samples]
     next_ids = torch.zeros(len(text), features.shape[1], dtype=torch.long)
     for b, t in enumerate(text):
         next_ids[b, : len(t) - 1] = torch.tensor(t[1:])
     has_next = mask.bool() & (torch.arange(features.shape[1], device=device) < mask.sum(1, keepdim=True) - 1)
-    drafter.extend_cache(cache, features, positions, has_next, next_ids.to(device))  # the last token has no next
+    drafter.extend_cache(cache, features, text_positions, has_next, next_ids.to(device))  # the last token has no next
     out: list[tuple[list[int], list[list[int]], list[int]]] = [([], [], []) for _ in samples]
     anchor = [0] * len(samples)
     rows = [b for b, r in enumerate(samples) if len(r.response_ids) > 1]  # one token: nothing was drafted
@@ -116,8 +116,10 @@ def walk_chains(drafter: Drafter, samples: list[SequenceRecord], features: torch
         for b, draft in zip(rows, drafts.tolist()):
             response, a = samples[b].response_ids, anchor[b]
             r = matching_prefix(draft, response[a + 1 : a + len(draft) + 1])
-            for field, value in zip(out[b], (a, draft, r)):
-                field.append(value)
+            anchors, drafted, accepted = out[b]
+            anchors.append(a)
+            drafted.append(draft)
+            accepted.append(r)
             anchor[b] = a + r + 1
         live = [i for i, b in enumerate(rows) if anchor[b] < len(samples[b].response_ids) - 1]
         if len(live) < len(rows):

@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -86,7 +87,7 @@ class SampleRow(_Strict):
 
 def setting_key(setting: RolloutSampling | SamplingSpec | Sampling | dict) -> tuple[float, float, int]:
     """(temperature, top_p, top_k): how a row's sampling is matched to a batch's."""
-    get = setting.get if isinstance(setting, dict) else lambda name: getattr(setting, name)
+    get: Callable[[str], Any] = setting.get if isinstance(setting, dict) else lambda name: getattr(setting, name)
     return float(get("temperature")), float(get("top_p")), int(get("top_k"))
 
 
@@ -98,6 +99,7 @@ def samples_needed(spec: ExperimentSpec, num_prompts: int) -> list[int]:
     """Per rollout setting, how many samples of every prompt the step budget reads: 1 for greedy, else one per
     epoch its batches reach (batch i holds global prompt positions i*size .. (i+1)*size-1; epoch = position // n)."""
     settings, size = spec.rollout.settings, spec.rollout.batch_size
+    assert spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
     total = spec.steps * spec.batches_per_step
     out = []
     for s, setting in enumerate(settings):
@@ -175,6 +177,7 @@ class SampleStore:
     def for_rollout(cls, spec: ExperimentSpec, prompts: list[Prompt]) -> SampleStore:
         """The rollout's samples. A file made otherwise cannot be mended by drawing into it (`opd gen-samples`
         writes to rollout.samples_path by default), so its advice names a new file and the setting that reads it."""
+        assert spec.rollout.samples_path is not None  # callers ask only with one (source samples requires it)
         return cls.of(spec, spec.rollout.samples_path, spec.rollout.settings, prompts, spec.rollout.max_new_tokens,
                       stale=ROLLOUT_STALE)
 
