@@ -6,6 +6,7 @@ when an engine is built.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from opd.errors import OpdError
 from opd.models.family import Drafter
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.distributed import Group, ensure_group
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 class _Student(torch.nn.Module):
@@ -48,7 +52,7 @@ def deepspeed_config(spec: ExperimentSpec, world: int) -> dict:
             "bf16": {"enabled": spec.models.dtype == "bfloat16" and zero_keeps_masters(o)}}
 
 
-def deepspeed_engine(spec: ExperimentSpec, drafter: Drafter, optimizer, scheduler) -> tuple[object, Group]:
+def deepspeed_engine(spec: ExperimentSpec, drafter: Drafter, optimizer, scheduler) -> tuple[DeepSpeedEngine, Group]:
     """`deepspeed.initialize` around the drafter with our AdamW and LR lambda as client optimizer/scheduler, in
     the current learner process group (a one-rank group when there is none: DeepSpeed always wants one)."""
     if spec.optim.zero_stage == 3:
@@ -59,7 +63,7 @@ def deepspeed_engine(spec: ExperimentSpec, drafter: Drafter, optimizer, schedule
     except ImportError:
         raise OpdError("optim.backend: deepspeed needs DeepSpeed, which is not installed "
                        "(pip install -e .[gpu])") from None
-    group = ensure_group(drafter.fc.weight.device)
+    group = ensure_group(next(drafter.parameters()).device)  # the drafter's device (`Drafter` has no `fc`)
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; each learner rank drives its device 0
     engine, *_ = deepspeed.initialize(model=_Student(drafter), optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(spec, group.world))

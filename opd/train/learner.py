@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from opd.decoding.sampling import Sampling
 from opd.distill.acceptance_loss import acceptance_objective, block_slots
@@ -18,12 +20,16 @@ from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
 from opd.distill.selector_loss import selector_loss
 from opd.errors import OpdError
+from opd.models.dflash2 import CandidateSelector
 from opd.models.family import Drafter, chains
 from opd.models.flops import DrafterParams, FlopCounter
 from opd.spec import ExperimentSpec, LossSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
 from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum
 from opd.train.master_weights import adamw
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 def lr_lambda(optim: OptimSpec, total_steps: int):
@@ -89,13 +95,16 @@ class Learner:
 
     def __init__(self, spec: ExperimentSpec, drafter: Drafter, group: Group | None = None) -> None:
         self.spec, self.drafter = spec, drafter
-        self.drafter.train()
+        assert isinstance(drafter, nn.Module)  # every family is one
+        drafter.train()
         self._selects = selector_trains(drafter, spec.loss.selector_weight > 0 or spec.loss.on_acceptance)
         self._teacher = teacher_processing(spec.replay, spec.serving)
         self._serving = Sampling.of(spec.serving) if spec.serving is not None else None
+        assert spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
                                                          masters=not zero_keeps_masters(spec.optim))
-        self.group, self.engine = group or Group(), None
+        self.group = group or Group()
+        self.engine: DeepSpeedEngine | None = None
         if spec.optim.backend == "deepspeed":
             self.engine, self.group = deepspeed_engine(spec, drafter, self.optimizer, self.scheduler)
         self.step = 0  # optimizer steps taken (or skipped as non-finite)
@@ -173,6 +182,8 @@ class Learner:
         sampled from q at the serving setting (`loss.objective`)."""
         loss, chunk = self.spec.loss, self.spec.optim.loss_chunk_size
         if loss.on_acceptance:
+            # the spec refuses an acceptance objective without a serving section or with a top-k teacher
+            assert isinstance(batch.teacher, torch.Tensor) and self._serving is not None
             slots = block_slots(batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask, loss, norm)
             return acceptance_objective(self.drafter, hidden, batch.teacher, slots, loss,
                                         serving=self._serving, teacher_processing=self._teacher,
@@ -185,6 +196,8 @@ class Learner:
         """`loss.selector_weight` x the selector term of this micro-batch, or 0."""
         if not (self._selects and self.spec.loss.selector_weight > 0 and chains(self.drafter)):
             return 0.0
+        # only DFlash 2's selector has parameters (`selector_trains`); the spec refuses its term with a top-k teacher
+        assert isinstance(self.drafter.selector, CandidateSelector) and isinstance(batch.teacher, torch.Tensor)
         term = selector_loss(self.drafter.selector, self.drafter.student_head, self.drafter.teacher_head, hidden,
                              batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,
                              self.spec.loss, norm, teacher_processing=self._teacher,
@@ -202,7 +215,7 @@ class Learner:
     @property
     def _device(self) -> torch.device:
         """Where collectives run: nccl needs the tensors on the GPU."""
-        return self.drafter.fc.weight.device
+        return next(self.drafter.parameters()).device  # the drafter's (`Drafter` has no `fc`)
 
     def _torch_step(self, loss_finite: bool) -> tuple[float, bool]:
         """Sum the gradients over the ranks, clip, step; (grad norm, skipped)."""
@@ -220,6 +233,7 @@ class Learner:
         """The engine's step (reduction already done at the boundary backward; clipping, AdamW and the schedule
         inside). A wrapped optimizer (ZeRO 1-2) skips non-finite gradients itself; for the plain AdamW the
         reduced gradients are checked here, as on the torch path."""
+        assert self.engine is not None  # the deepspeed backend's step
         if self.partitioned:
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
@@ -252,6 +266,7 @@ class Learner:
         """Everything to resume the optimizer. With a partitioned optimizer every rank must call it (a gather):
         rank 0 gets all ranks' parts, the others None."""
         if self.partitioned:
+            assert self.engine is not None
             optimizer = gather(self.engine.optimizer.state_dict(), self.group)
         else:
             optimizer = self.optimizer.state_dict()
@@ -260,6 +275,7 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         if self.partitioned:  # all ranks' parts; DeepSpeed picks this rank's, fp32 master weights included
+            assert self.engine is not None
             self.engine.optimizer.load_state_dict(state["optimizer"], load_from_fp32_weights=True)
         else:
             self.optimizer.load_state_dict(state["optimizer"])
