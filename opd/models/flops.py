@@ -177,7 +177,9 @@ class Decoded(Protocol):
 
     prompt_ids: list[int]
     response_ids: list[int]
-    num_steps: int
+
+    @property
+    def num_steps(self) -> int: ...  # read-only: SequenceRecord computes it
 
 
 def decode_flops(records: Sequence[Decoded], target: TargetParams, drafter: DrafterParams) -> FlopCounter:

@@ -46,8 +46,10 @@ def build_sampler(spec: ExperimentSpec, kind: str, target: Target | None, drafte
     the first call, so `target` may be None for it."""
     if kind == "vllm":
         return _VllmSampler(spec)
+    assert target is not None  # only vLLM goes without one
     if kind == "autoregressive":
         return _AutoregressiveSampler(target, eos_id)
+    assert drafter is not None  # the speculative sampler's warm drafter
     return _SpeculativeSampler(target, drafter, eos_id, spec.rollout.static_cache, spec.rollout.compile)
 
 
@@ -88,7 +90,8 @@ class _VllmSampler:
     the autoregressive sampler, but with logits only at the sampled positions."""
 
     def __init__(self, spec: ExperimentSpec) -> None:
-        self.spec, self.llm, self.params = spec, None, None
+        self.spec, self.llm = spec, None
+        self.params: TargetParams | None = None  # read from the target's config on the first call
 
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:
         from opd.serving.engine import generate, sampling_params, target_llm
@@ -99,5 +102,6 @@ class _VllmSampler:
             self.params = _params_from_config(self.spec.models.target_path)
         params = [sampling_params(sampling, max_new_tokens, seed=seed * 1_000_003 + key) for key in keys]
         responses = generate(self.llm, prompts, params)
+        assert self.params is not None
         return Samples(responses, [sample_flops(self.params, len(p), len(r), prefill_logits=False)
                                    for p, r in zip(prompts, responses)])

@@ -20,6 +20,7 @@ from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.anchors import redraft_at_random_anchors
+from opd.models.drafter import DFlashDrafter
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, drafted_text_flops
 from opd.models.target import Target
@@ -53,6 +54,7 @@ class RolloutWorker:
         source = spec.rollout.source
         self.decoder = self.sampler = self.draw = self.samples = None
         if source == "speculative":
+            assert target is not None and drafter is not None  # `rollout_needs_models`
             self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
                                               static_cache=spec.rollout.static_cache,
                                               compiled=spec.rollout.compile)
@@ -109,6 +111,7 @@ class RolloutWorker:
         setting = index % len(self.spec.rollout.settings)
         jobs = [wanted(self.spec, prompt, setting, epoch) for prompt, epoch in chosen]
         if self.samples is None:
+            assert self.draw is not None  # source target without a sample file: drawn
             return self.draw(jobs)
         if self.draw is not None and self.samples.missing(jobs):
             # Drawing into a shared file: the batches after this one at its setting come along, GEN_CHUNK samples
@@ -120,7 +123,8 @@ class RolloutWorker:
 
     def _ahead(self, index: int, count: int) -> list[Wanted]:
         """The wanted samples of the batches after `index` at its setting, at least `count` of them."""
-        settings, out = len(self.spec.rollout.settings), []
+        settings = len(self.spec.rollout.settings)
+        out: list[Wanted] = []
         while len(out) < count:
             index += settings
             out += [wanted(self.spec, prompt, index % settings, epoch) for prompt, epoch in self.prompts_for(index)]
@@ -129,7 +133,9 @@ class RolloutWorker:
     def _redraft(self, records: list[SequenceRecord], index: int, flops: FlopCounter) -> list[SequenceRecord]:
         gen = torch.Generator().manual_seed(self.spec.seed * 104_729 + index)
         per_seq = self.spec.replay.random_anchors_per_seq
+        assert self.decoder is not None  # random anchors redraft speculative rollouts
         target, drafter = self.decoder.target, self.decoder.drafter
+        assert isinstance(drafter, DFlashDrafter)  # the spec allows random anchors only to DFlash drafters
         out = [redraft_at_random_anchors(target, drafter, rec, per_seq or len(rec.anchors), gen) for rec in records]
         for rec in (new for new, old in zip(out, records) if new is not old):  # kept records cost nothing
             flops += drafted_text_flops(len(rec.prompt_ids) + len(rec.response_ids), len(rec.anchors),

@@ -45,6 +45,7 @@ class Scorer:
 
     def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Adopt published weights (every tensor copied before the version changes)."""
+        assert self.drafter is not None  # rebuilt sources only, for which __init__ requires one
         self.drafter.load_state_dict(state_dict)
         self.draft_version = version
 
@@ -98,6 +99,7 @@ class Scorer:
         """The batch's blocks as the current drafter would have drafted them, stamped with its version; the cost
         (`rebuild_flops`, the target's forward over the text included) added to the batch's production FLOPs.
         `features`: the target's view of each text when the caller already has it (`committed_views`)."""
+        assert self.drafter is not None  # rebuilt sources only, for which __init__ requires one
         records = rebuild_records(self.target, self.drafter, batch.records, draft_version=self.draft_version,
                                   batch_size=self.spec.rollout.batch_size, features=features)
         cost = rebuild_flops(records, self.params, DrafterParams.of(self.drafter))

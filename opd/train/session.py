@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -72,7 +72,8 @@ def restore_learner(learner: Learner, path: Path, head: SharedHead | Target) -> 
     """Load checkpoint `path`'s drafter weights and optimizer state into `learner` (every learner rank resumes
     from the same checkpoint); `head` is what the drafter shares of the target. Returns the whole saved state."""
     state = load_state(path)
-    learner.drafter.load_state_dict(type(learner.drafter).from_pretrained(path, head).state_dict())
+    family_class: Any = type(learner.drafter)  # every family's class loads with from_pretrained(path, head)
+    learner.drafter.load_state_dict(family_class.from_pretrained(path, head).state_dict())
     learner.load_state_dict(state["learner"])
     return state
 
@@ -94,7 +95,9 @@ class TrainingSession:
         self.counters = Counters()
         self.eval_history: dict[int, dict[str, float]] = {}
         self.publisher = Publisher(WeightSnapshot.of(self.learner.drafter.state_dict(), 0), publish)
-        self.track, self.tracker, self.run_id = track, None, None
+        self.track = track
+        self.tracker: Tracker | None = None
+        self.run_id: str | None = None
         self.resumed_from: Path | None = None  # the checkpoint `start` restored, for the other ranks
         self.start_evals: list[EvalRow] = []  # a fresh run's step-0 evaluation (the warm drafter)
 
