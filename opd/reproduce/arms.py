@@ -56,6 +56,7 @@ class _Evaluator:
 
     def _offline(self, job: ArmJob) -> dict[str, OfflineEval]:
         m = self.models
+        assert job.eval_samples_dir is not None  # offline evaluation only
         warm = build_drafter(self.spec, m.target, m.tokenizer)
         sampler = build_sampler(self.spec, "speculative", m.target, warm, m.eos_id)
         out = {}
@@ -135,6 +136,7 @@ def _warm_key(spec: ExperimentSpec, job: ArmJob) -> str:
     drafter = Path(spec.models.drafter_path or "")
     files = sorted(f for f in drafter.iterdir() if f.is_file()) if drafter.is_dir() else []
     prompt_files = {"heldout": spec.data.eval_prompts, **job.families}
+    assert job.eval_samples_dir is not None  # the key of a stored file there (`warm_rows`)
     samples = sorted(Path(job.eval_samples_dir).glob(f"seed{job.seed}-*.jsonl"))
     parts = {"models": spec.models.model_dump(mode="json"), "eval": spec.eval.model_dump(mode="json"),
              "data": spec.data.model_dump(mode="json"), "seed": job.seed, "prompts": job.eval_prompts,
@@ -189,7 +191,7 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
     evaluator = _Evaluator(spec, trainer.models, job)
     initial_rows = evaluator.warm_rows(session.drafter, job)
     initial = _tau(initial_rows)
-    curve = [(0.0, initial["greedy"])]
+    curve: list[tuple[float, float | None]] = [(0.0, initial["greedy"])]
     mark_steps = {round(job.opd_steps * (i + 1) / job.eval_points) for i in range(job.eval_points)}
     marks = list(job.marks or [])
     records_by_step = []
@@ -207,8 +209,8 @@ def _run_opd_arm(job: ArmJob) -> ArmResult:
             break
     final_rows = evaluator.every_family(session.drafter)
     _keep(session.drafter, job)
-    curve = _with_final(curve, final_rows)
-    return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), curve, _tau(final_rows),
+    return ArmResult(job.arm.name, job.seed, session.step, session.flops.as_dict(), _with_final(curve, final_rows),
+                     _tau(final_rows),
                      _first_rejection_halves(records_by_step, session.drafter.block_size),
                      initial if budget_setter else {}, final_rows=final_rows, initial_rows=initial_rows,
                      rollout_expected=_rollout_expected(records_by_step), eval_minutes=evaluator.seconds / 60)
@@ -253,7 +255,7 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
     prompts = train_prompts(spec.data, models.tokenizer)
     examples = sft_examples(spec, sft_store(spec, prompts, job.sft_data, field="sft_data"), prompts)
     evaluator = _Evaluator(spec, models, job)
-    curve = [(0.0, evaluator(models.drafter)["greedy"])]
+    curve: list[tuple[float, float | None]] = [(0.0, evaluator(models.drafter)["greedy"])]
     marks = list(job.marks)
     steps = 0
 
@@ -269,6 +271,5 @@ def _run_sft_arm(job: ArmJob) -> ArmResult:
         raise OpdError(f"arm {job.arm.name}: SFT data ran out before the FLOP budget; raise sft.epochs")
     final_rows = evaluator.every_family(models.drafter)
     _keep(models.drafter, job)
-    curve = _with_final(curve, final_rows)
-    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), curve, _tau(final_rows), final_rows=final_rows,
-                     eval_minutes=evaluator.seconds / 60)
+    return ArmResult(job.arm.name, job.seed, steps, flops.as_dict(), _with_final(curve, final_rows), _tau(final_rows),
+                     final_rows=final_rows, eval_minutes=evaluator.seconds / 60)
