@@ -148,11 +148,11 @@ def test_a_scored_batch_moves_a_top_k_teacher_whose_tail_is_derived():
     (`ScoredBatch.to` read the missing tail's device and raised)."""
     logprobs = torch.log_softmax(torch.randn(2, 3, 5), -1)[..., :4]
     teacher = TopKTeacher(torch.arange(4).expand(2, 3, 4), logprobs)
-    batch = ScoredBatch(features=torch.zeros(1, 4, 8), context_valid=torch.ones(1, 4, dtype=torch.bool),
-                        context_ids=torch.zeros(1, 4, dtype=torch.long), block_ids=torch.zeros(1, 2, 4, dtype=torch.long),
-                        anchor_positions=torch.zeros(1, 2, dtype=torch.long), block_valid=torch.ones(1, 2, dtype=torch.bool),
-                        accepted=torch.zeros(2, dtype=torch.long), position_mask=torch.ones(2, 3, dtype=torch.bool),
-                        teacher=teacher)
+    long, flag = {"dtype": torch.long}, {"dtype": torch.bool}
+    batch = ScoredBatch(features=torch.zeros(1, 4, 8), context_valid=torch.ones(1, 4, **flag),
+                        context_ids=torch.zeros(1, 4, **long), block_ids=torch.zeros(1, 2, 4, **long),
+                        anchor_positions=torch.zeros(1, 2, **long), block_valid=torch.ones(1, 2, **flag),
+                        accepted=torch.zeros(2, **long), position_mask=torch.ones(2, 3, **flag), teacher=teacher)
     moved = batch.to("cpu").teacher
     assert isinstance(moved, TopKTeacher) and moved.tail_logprob is None
     assert torch.equal(moved.tail(), teacher.tail())

@@ -73,7 +73,7 @@ class LinearReplay:
         for module in self.kernels.modules:
             if not getattr(module, "_opd_packed", False):
                 module.forward = _dispatching(module, self)
-                module._opd_packed = True  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules
+                module._opd_packed = True  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors/modules
 
     @contextmanager
     def packed(self, rows: PackedRows) -> Iterator[None]:

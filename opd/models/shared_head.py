@@ -77,7 +77,7 @@ def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], dev
     embed.weight = nn.Parameter(embed_weight.to(device=device, dtype=dtype), requires_grad=False)
     scale = embedding_scale(model.get_input_embeddings())
     if scale is not None:
-        embed.scalar_embed_scale = scale  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules
+        embed.scalar_embed_scale = scale  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors/modules
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head_weight = embed.weight if tied else nn.Parameter(
         _read(files, head_names, path, "LM head").to(device=device, dtype=dtype), requires_grad=False)
