@@ -183,6 +183,11 @@ def test_autoregressive_baseline_equals_generate(family):
     assert got == expected and len({len(p) for p in MIXED_PROMPTS}) > 1
 
 
+# Kimi Linear's chi-square runs KDA's chunked torch kernel over 4k rows, the slowest test of the suite: make test-all.
+# Its rollback and replay around the kernel are Qwen3.5's (opd/models/deltanet.py), whose chi-square stays in make
+# test, and the greedy, rebuild and replay tests below check its own kernel exactly.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "kimi_linear" else f
+                                    for f in FAMILIES], indirect=True)
 def test_sampling_is_lossless(family):
     """The joint law of the first three emitted tokens at T=1 equals the target's own (chi-square, 4k samples)."""
     sampling, n = Sampling(temperature=1.0), 4_000
