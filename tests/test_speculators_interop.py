@@ -352,3 +352,74 @@ def test_what_speculators_saves_for_dspark_loads_here_as_the_same_drafter(dspark
     loaded = load_drafter(tmp_path / "saved", target)
     assert type(loaded) is DSparkDrafter and loaded.config == dspark.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), dspark.state_dict().values()))
+
+
+# --- P-EAGLE --------------------------------------------------------------------------------------------------------
+# Our export in speculators' layout loads into its `PEagleDraftModel`, which gives the same logits at column a-1 and
+# at every mask slot of its training forward, with its random COD sampling replaced by the blocks compared here.
+
+peagle_core = pytest.importorskip("speculators.models.peagle.core")
+
+
+@pytest.fixture(scope="module")
+def peagle(eagle3_target):
+    """A P-EAGLE drafter (K = 5) on the tiny target with a fitted draft vocabulary, its norms' weights random."""
+    from opd.formats.peagle import PEagleSpec
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = family("peagle").random(PEagleSpec(draft_vocab_size=512, block_size=5, mask_token_id=2),
+                                          eagle3_target, None)
+        drafter.set_vocab(*draft_vocab(torch.rand(eagle3_target.config.vocab_size), 512))
+        with torch.no_grad():
+            for name, weight in drafter.named_parameters():
+                if "norm" in name:
+                    weight.uniform_(0.5, 1.5)
+    return drafter
+
+
+def test_speculators_loads_our_peagle_export_whole_and_computes_the_same_logits(peagle, eagle3_target, tmp_path,
+                                                                                monkeypatch):
+    family("peagle").save_speculators(peagle, tmp_path, TARGET)
+    model = speculators_model(tmp_path)
+    assert type(model).__name__ == "PEagleDraftModel" and model.mask_token_id == peagle.config.mask_token_id
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert set(saved) == set(model.state_dict()) - set(model._keys_to_ignore_on_save)  # none missing, none unexpected
+    assert all(torch.equal(model.state_dict()[name], tensor.float()) for name, tensor in saved.items())
+    ids = torch.randint(0, eagle3_target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    last, features = eagle3_target.hidden_states(ids)
+    anchors, slots = [5, 12, 20], peagle.block_size - 2
+    depth0 = torch.arange(30)  # its depth-0 rows are the columns; depth s >= 1 the mask slots of anchor column a-1
+    layout = (torch.cat([depth0, torch.tensor([a - 1 for a in anchors] * slots)]),
+              torch.cat([depth0 * 0, torch.arange(1, slots + 1).repeat_interleave(len(anchors))]))
+    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda *a, **k: layout)
+    seen = {}
+    monkeypatch.setattr(peagle_core, "compute_metrics",
+                        lambda logits, *a, **k: (seen.update(logits=logits[0]), (torch.zeros(()), {}))[1])
+    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # a column pairs position p with the token after it
+    with torch.no_grad():
+        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
+              verifier_last_hidden_states=last, num_depths=peagle.block_size - 1)
+        inputs = torch.stack([ids[0, a:a + peagle.block_size - 1] for a in anchors])[None]
+        ours = peagle.logits(peagle.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool),
+                                                 torch.tensor([anchors]), inputs))[0]
+    theirs = torch.cat([seen["logits"][[a - 1 for a in anchors]][:, None],
+                        seen["logits"][30:].view(slots, len(anchors), -1).transpose(0, 1)], dim=1)
+    assert_close(ours, theirs)
+
+
+def test_what_speculators_saves_for_peagle_loads_here_and_serves_as_vllm_reads_it(peagle, eagle3_target, tmp_path):
+    """speculators' save loads here as the same drafter; `opd serve-bench` asks vLLM for what vLLM makes of that
+    file (its speculators reader: algorithm peagle -> method eagle3 with parallel_drafting, the proposal's tokens,
+    the pard token from mask_token_id)."""
+    family("peagle").save_speculators(peagle, tmp_path / "ours", TARGET)
+    speculators_model(tmp_path / "ours").save_pretrained(tmp_path / "saved")
+    loaded = load_drafter(tmp_path / "saved", eagle3_target)
+    assert type(loaded) is type(peagle) and loaded.config == peagle.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), peagle.state_dict().values()))
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())
+    ours = family("peagle").vllm_config(ModelDir.read(tmp_path / "saved", "drafter"), loaded.block_size)
+    assert (written["speculators_config"]["algorithm"], ours["method"], ours["parallel_drafting"]) == (
+        "peagle", "eagle3", True)
+    assert ours["num_speculative_tokens"] == written["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert written["mask_token_id"] == peagle.config.mask_token_id
