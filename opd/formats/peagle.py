@@ -147,6 +147,14 @@ def expected_shapes(config: PEagleConfig) -> dict[str, tuple[int, ...]]:
                                     OWN_EMBEDDING: (config.vocab_size, config.hidden_size)}
 
 
+def file_shapes(config: PEagleConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of a checkpoint under speculators' names, less `embed_tokens.weight`, which may be absent
+    (speculators then reloads the verifier's)."""
+    shapes = expected_shapes(config)
+    shapes.pop(OWN_EMBEDDING)
+    return speculators_tensor_names(shapes)
+
+
 def read_tensors(path: Path, config: PEagleConfig) -> dict[str, torch.Tensor]:
     """Load model.safetensors under the drafter's names and check names, shapes and the vocabulary mapping; an
     absent `embed_tokens.weight` (speculators reloads it from the verifier) is left to the caller."""

@@ -33,12 +33,12 @@ from torch import nn
 from opd.data.prompts import mask_token_id
 from opd.errors import OpdError
 from opd.formats.dflash import WEIGHTS_FILE, TargetShape
-from opd.formats.eagle3 import AUX_IDS_FIELD, Eagle3Config, draft_vocab
+from opd.formats.eagle3 import AUX_IDS_FIELD, SHARED_EMBEDDING, Eagle3Config, draft_vocab
 from opd.formats.peagle import (
     OWN_EMBEDDING,
     PEagleConfig,
     PEagleSpec,
-    expected_shapes,
+    file_shapes,
     read_config,
     read_tensors,
     write_checkpoint,
@@ -169,11 +169,11 @@ class PEagleFamily(DrafterFamily):
         mask_token_id(tokenizer, section.mask_token_id)
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: PEagleSpec) -> Shapes:
-        """Its fused layers must be the ones the spec captures, as loading demands later; no tensor is the
-        target's (the embedding is its own)."""
+        """Its fused layers must be the ones the spec captures, as loading demands later. The names are
+        speculators'; its own embedding, which a checkpoint may leave to the target's, is checked on load."""
         config = read_config(directory, target)
         _check_fused_layers(directory, config, target.layer_ids)
-        return expected_shapes(config), lambda name: False
+        return file_shapes(config), lambda name: name == SHARED_EMBEDDING
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: PEagleSpec) -> int:
         """vLLM captures each layer once, so a repeated id would leave its fc short of a state; K is the file's."""
