@@ -175,3 +175,11 @@ def test_save_load_round_trip_in_speculators_layout(target, drafter, tmp_path):
 def test_what_it_cannot_read_is_one_line(drafter, change, message):
     with pytest.raises(OpdError, match=message):
         PEagleConfig.from_speculators(drafter.config.to_speculators_dict() | change, 6)
+
+
+def test_more_than_one_layer_is_refused_in_one_line(drafter):
+    """speculators allows deeper P-EAGLE drafters; this family implements one layer, as the EAGLE-3 one does."""
+    config = drafter.config.to_speculators_dict()
+    config["transformer_layer_config"] |= {"num_hidden_layers": 2}
+    with pytest.raises(OpdError, match="'num_hidden_layers' is 2"):
+        PEagleConfig.from_speculators(config, 6)

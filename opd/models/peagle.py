@@ -69,6 +69,11 @@ class PEagleDrafter(Eagle3Drafter):
         """Its own embedding (the target's, copied, for a random drafter)."""
         return self.embedding
 
+    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
+        """(run per context column, run per mask slot, the head per drafted slot), for FLOP counting: a mask slot is
+        a column of its own, fc(mask_hidden) included."""
+        return [self.fc, self.midlayer], [self.fc, self.midlayer, self.norm], self.lm_head
+
     def _mask_slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries, keys, values and residual of mask slots at `positions` [B,N]: the pard token and mask_hidden."""
         features = self.mask_hidden.expand(*positions.shape, -1)
