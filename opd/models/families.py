@@ -36,7 +36,7 @@ def detect(directory: ModelDir) -> DrafterFamily:
     section = detect_section(directory.config)
     if section is None:
         raise OpdError(f"drafter {directory.path}: its config.json is of no drafter family here (expected one of "
-                       f"{', '.join(FAMILIES)}: a DFlash, DFlash 2, EAGLE-3 or DSpark checkpoint)")
+                       f"{', '.join(FAMILIES)}: a DFlash, DFlash 2, EAGLE-3, DSpark or P-EAGLE checkpoint)")
     return family(str(section.model_fields["kind"].default))
 
 
