@@ -117,8 +117,10 @@ class PEagleConfig(Eagle3Config):
 
 def _speculative_tokens(hf: dict[str, Any]) -> int:
     """The chain's length a speculators config proposes (its first proposal's `speculative_tokens`)."""
-    proposals = (hf.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    count = proposals[0].get("speculative_tokens") if isinstance(proposals[0], dict) else None
+    wrapper = hf.get("speculators_config")
+    proposals = wrapper.get("proposal_methods") if isinstance(wrapper, dict) else None
+    first = proposals[0] if isinstance(proposals, list) and proposals else None
+    count = first.get("speculative_tokens") if isinstance(first, dict) else None
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise OpdError(f"config field 'speculators_config.proposal_methods[0].speculative_tokens' is {count!r} "
                        "(expected a positive integer: the tokens P-EAGLE drafts per pass)")

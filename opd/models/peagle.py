@@ -115,7 +115,7 @@ class PEagleDrafter(Eagle3Drafter):
         out = [self._head(columns[rows, (anchor_positions - 1).clamp_min(0)])]  # slot 0: o_{a-1}, [B,M,H]
         slots = self.block_size - 2
         if slots:
-            batch, blocks = anchor_positions.shape
+            blocks = anchor_positions.shape[1]
             steps = torch.arange(1, slots + 1, device=anchor_positions.device)
             q, sk, sv, state = self._mask_slots(((anchor_positions - 1)[..., None] + steps).flatten(1))
             q, sk, sv = (t.unflatten(2, (blocks, slots)) for t in (q, sk, sv))  # [B,heads,M,S,d]
@@ -137,10 +137,10 @@ class PEagleDrafter(Eagle3Drafter):
                          verifier_architectures)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path | ModelDir, target: Target | SharedHead,  # type: ignore[override]
-                        block_size: int | None = None) -> PEagleDrafter:
-        """Load a speculators P-EAGLE checkpoint for `target` (its chain's length is the file's; `block_size` is
-        not read); one without `embed_tokens.weight` takes the target's. A mismatch is a one-line OpdError."""
+    def from_pretrained(cls, directory: str | Path | ModelDir,  # type: ignore[override]  # its chain's length is
+                        target: Target | SharedHead) -> PEagleDrafter:  # the file's, not a caller's block_size
+        """Load a speculators P-EAGLE checkpoint for `target`; one without `embed_tokens.weight` takes the target's.
+        A mismatch is a one-line OpdError."""
         model_dir = directory if isinstance(directory, ModelDir) else ModelDir.read(directory, "drafter")
         config = read_config(model_dir, target)
         drafter = cls(config, target.embed_tokens, target.lm_head)
