@@ -183,3 +183,12 @@ def test_more_than_one_layer_is_refused_in_one_line(drafter):
     config["transformer_layer_config"] |= {"num_hidden_layers": 2}
     with pytest.raises(OpdError, match="'num_hidden_layers' is 2"):
         PEagleConfig.from_speculators(config, 6)
+
+
+def test_a_frozen_embedding_is_read_from_embed_requires_grad(target, drafter):
+    """speculators trains P-EAGLE's embedding unless `embed_requires_grad` is false; the drafter follows the file."""
+    config = PEagleConfig.from_speculators(drafter.config.to_speculators_dict() | {"embed_requires_grad": False}, 6)
+    frozen = PEagleDrafter(config, target.embed_tokens, target.lm_head)
+    assert not frozen.embedding.weight.requires_grad and drafter.embedding.weight.requires_grad
+    assert torch.equal(frozen.embedding.weight, target.embed_tokens.weight)  # a copy of the target's, not it
+    assert frozen.embedding.weight.data_ptr() != target.embed_tokens.weight.data_ptr()
