@@ -154,15 +154,30 @@ def file_shapes(config: PEagleConfig) -> dict[str, tuple[int, ...]]:
     (speculators then reloads the verifier's)."""
     shapes = expected_shapes(config)
     shapes.pop(OWN_EMBEDDING)
-    return speculators_tensor_names(shapes)
+    return speculators_tensor_names({k: v for k, v in shapes.items() if k not in _absent_maps(config)})
+
+
+def _absent_maps(config: PEagleConfig) -> tuple[str, ...]:
+    """The vocabulary maps a checkpoint leaves out: both when the draft vocabulary is the whole one (speculators
+    then has no `d2t` and `t2d`, whose only value is the identity)."""
+    return ("d2t", "t2d") if config.draft_vocab_size == config.vocab_size else ()
+
+
+def _identity_maps(vocab_size: int) -> dict[str, torch.Tensor]:
+    import torch
+
+    return {"d2t": torch.zeros(vocab_size, dtype=torch.long), "t2d": torch.ones(vocab_size, dtype=torch.bool)}
 
 
 def read_tensors(path: Path, config: PEagleConfig) -> dict[str, torch.Tensor]:
-    """Load model.safetensors under the drafter's names and check names, shapes and the vocabulary mapping; an
-    absent `embed_tokens.weight` (speculators reloads it from the verifier) is left to the caller."""
+    """Load model.safetensors under the drafter's names and check names, shapes and the vocabulary mapping (the
+    identity where the draft vocabulary is the whole one and the file has none); an absent `embed_tokens.weight`
+    (speculators reloads it from the verifier) is left to the caller."""
     tensors = {eagle3_tensor_name(name): t for name, t in load_weights(path).items()}
     if SHARED_EMBEDDING in tensors:
         tensors[OWN_EMBEDDING] = tensors.pop(SHARED_EMBEDDING)
+    if _absent_maps(config) and "d2t" not in tensors and "t2d" not in tensors:
+        tensors |= _identity_maps(config.vocab_size)
     shapes = expected_shapes(config)
     for label, names in (("missing", shapes.keys() - tensors.keys() - {OWN_EMBEDDING}),
                          ("unexpected", tensors.keys() - shapes.keys())):
@@ -180,11 +195,13 @@ def read_tensors(path: Path, config: PEagleConfig) -> dict[str, torch.Tensor]:
 def write_checkpoint(directory: str | Path, config: PEagleConfig, state: dict[str, torch.Tensor],
                      dtype: torch.dtype, verifier: str | None = None,
                      verifier_architectures: list[str] | None = None) -> None:
-    """Write config.json and model.safetensors in speculators' layout, naming `verifier` (None: none)."""
+    """Write config.json and model.safetensors in speculators' layout, naming `verifier` (None: none); the
+    vocabulary maps only where the draft vocabulary is reduced, as speculators saves them."""
     shapes = expected_shapes(config)
     bad = {name: tuple(t.shape) for name, t in state.items() if shapes.get(name) != tuple(t.shape)}
     if bad or state.keys() != shapes.keys():
         raise ValueError(f"state does not match the P-EAGLE layout: {bad or sorted(shapes.keys() ^ state.keys())}")
-    named = {(SHARED_EMBEDDING if name == OWN_EMBEDDING else name): t for name, t in state.items()}
+    named = {(SHARED_EMBEDDING if name == OWN_EMBEDDING else name): t for name, t in state.items()
+             if name not in _absent_maps(config)}
     _write(directory, config.to_speculators_dict(verifier, verifier_architectures), speculators_tensor_names(named),
            dtype)
