@@ -15,6 +15,7 @@ from opd.formats.peagle import PEagleSpec
 from opd.models.families import family, load_drafter
 from opd.models.peagle import PEagleDrafter
 from opd.models.target import load_target
+from tests.helpers.local_runs import losses, sample_file, spec_for
 
 SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k: 40}", "--set",
           "replay.teacher=served", "--set", "loss.objective=one_minus_alpha"]
@@ -62,6 +63,20 @@ def test_sft_trains_a_fresh_drafter_on_a_draft_vocabulary_from_its_data(micro_sp
     drafter = load_drafter(out, load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 1, 2]))
     assert isinstance(drafter, PEagleDrafter) and drafter.config.mask_token_id == 3
     assert not torch.equal(drafter.vocab_ids, torch.arange(16))  # fitted, not the identity a random drafter has
+
+
+def test_greedy_peagle_rollouts_train_identically_from_every_source(micro_spec_file, tmp_path):
+    """The rebuild holds for P-EAGLE's blocks: rollouts decoded with the drafter, sampled from the target and rebuilt
+    by the scorer, or read from a sample file all take the same steps, at a learning rate that changes the drafts."""
+    greedy = [*FRESH, "models.drafter.mask_token_id=3", "rollout.temperature=0", "optim.lr=0.03", "steps=4",
+              "models.dtype=float64"]
+    reference = losses(spec_for(micro_spec_file, tmp_path, "speculative", *greedy))
+    assert all(torch.isfinite(torch.tensor(reference)))
+    path = sample_file(micro_spec_file, tmp_path, *greedy, engine="autoregressive")
+    for name, sets in {"target": ["rollout.source=target"],
+                       "samples": ["rollout.source=samples", f"rollout.samples_path={path}"]}.items():
+        assert losses(spec_for(micro_spec_file, tmp_path, name, *greedy, *sets)) == pytest.approx(
+            reference, rel=1e-9), name
 
 
 @pytest.mark.parametrize(("sets", "message"), [
