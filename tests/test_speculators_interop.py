@@ -352,3 +352,127 @@ def test_what_speculators_saves_for_dspark_loads_here_as_the_same_drafter(dspark
     loaded = load_drafter(tmp_path / "saved", target)
     assert type(loaded) is DSparkDrafter and loaded.config == dspark.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), dspark.state_dict().values()))
+
+
+# --- P-EAGLE --------------------------------------------------------------------------------------------------------
+# Our export in speculators' layout loads into its `PEagleDraftModel`, which gives the same logits at column a-1 and
+# at every mask slot of its training forward, with its random COD sampling replaced by the blocks compared here.
+
+peagle_core = pytest.importorskip("speculators.models.peagle.core")
+
+
+@pytest.fixture(scope="module", params=[512, 2048], ids=["draft-vocab", "whole-vocab"])
+def peagle(request, eagle3_target):
+    """A P-EAGLE drafter (K = 5) on the tiny target with a fitted draft vocabulary (reduced, or the whole one, for
+    which speculators keeps no d2t and t2d), its norms' weights random."""
+    from opd.formats.peagle import PEagleSpec
+
+    size = request.param
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = family("peagle").random(PEagleSpec(draft_vocab_size=size, block_size=5, mask_token_id=2),
+                                          eagle3_target, None)
+        drafter.set_vocab(*draft_vocab(torch.rand(eagle3_target.config.vocab_size), size))
+        with torch.no_grad():
+            for name, weight in drafter.named_parameters():
+                if "norm" in name:
+                    weight.uniform_(0.5, 1.5)
+    return drafter
+
+
+def test_speculators_loads_our_peagle_export_whole_and_computes_the_same_logits(peagle, eagle3_target, tmp_path,
+                                                                                monkeypatch):
+    family("peagle").save_speculators(peagle, tmp_path, TARGET)
+    model = speculators_model(tmp_path)
+    assert type(model).__name__ == "PEagleDraftModel" and model.mask_token_id == peagle.config.mask_token_id
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert set(saved) == set(model.state_dict()) - set(model._keys_to_ignore_on_save)  # none missing, none unexpected
+    assert all(torch.equal(model.state_dict()[name], tensor.float()) for name, tensor in saved.items())
+    ids = torch.randint(0, eagle3_target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    last, features = eagle3_target.hidden_states(ids)
+    anchors, slots = [5, 12, 20], peagle.block_size - 2
+    depth0 = torch.arange(30)  # its depth-0 rows are the columns; depth s >= 1 the mask slots of anchor column a-1
+    layout = (torch.cat([depth0, torch.tensor([a - 1 for a in anchors] * slots)]),
+              torch.cat([depth0 * 0, torch.arange(1, slots + 1).repeat_interleave(len(anchors))]))
+    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda *a, **k: layout)
+    seen = {}
+    monkeypatch.setattr(peagle_core, "compute_metrics",
+                        lambda logits, *a, **k: (seen.update(logits=logits[0]), (torch.zeros(()), {}))[1])
+    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # a column pairs position p with the token after it
+    with torch.no_grad():
+        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
+              verifier_last_hidden_states=last, num_depths=peagle.block_size - 1)
+        inputs = torch.stack([ids[0, a:a + peagle.block_size - 1] for a in anchors])[None]
+        ours = peagle.logits(peagle.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool),
+                                                 torch.tensor([anchors]), inputs))[0]
+    theirs = torch.cat([seen["logits"][[a - 1 for a in anchors]][:, None],
+                        seen["logits"][30:].view(slots, len(anchors), -1).transpose(0, 1)], dim=1)
+    assert_close(ours, theirs)
+
+
+def test_what_speculators_saves_for_peagle_loads_here_and_serves_as_vllm_reads_it(peagle, eagle3_target, tmp_path):
+    """speculators' save loads here as the same drafter; `opd serve-bench` asks vLLM for what vLLM makes of that
+    file (its speculators reader: algorithm peagle -> method eagle3 with parallel_drafting, the proposal's tokens,
+    the pard token from mask_token_id)."""
+    family("peagle").save_speculators(peagle, tmp_path / "ours", TARGET)
+    speculators_model(tmp_path / "ours").save_pretrained(tmp_path / "saved")
+    loaded = load_drafter(tmp_path / "saved", eagle3_target)
+    assert type(loaded) is type(peagle) and loaded.config == peagle.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), peagle.state_dict().values()))
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())
+    ours = family("peagle").vllm_config(ModelDir.read(tmp_path / "saved", "drafter"), loaded.block_size)
+    assert (written["speculators_config"]["algorithm"], ours["method"], ours["parallel_drafting"]) == (
+        "peagle", "eagle3", True)
+    assert ours["num_speculative_tokens"] == written["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert written["mask_token_id"] == peagle.config.mask_token_id
+
+
+def test_a_peagle_drafter_speculators_made_loads_here_with_the_same_logits(eagle3_target, tmp_path, monkeypatch):
+    """A P-EAGLE drafter built and saved by speculators alone (its own config class, random weights, the verifier's
+    embedding) loads here and gives the logits its forward gives."""
+    from transformers import AutoConfig
+
+    from opd.models.peagle import PEagleDrafter
+
+    verifier = AutoConfig.from_pretrained(TARGET)
+    layer = {name: getattr(verifier, name) for name in ("vocab_size", "hidden_size", "num_attention_heads",
+                                                        "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                                        "max_position_embeddings")}
+    config = peagle_core.PEagleSpeculatorConfig(
+        transformer_layer_config=AutoConfig.for_model("llama", **layer, intermediate_size=384, num_hidden_layers=1,
+                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        draft_vocab_size=verifier.vocab_size, eagle_aux_hidden_state_layer_ids=[2, 3, 4], mask_token_id=5,
+        speculators_config=speculators.SpeculatorsConfig(  # type: ignore[attr-defined]
+            algorithm="peagle", default_proposal_method="greedy",
+            proposal_methods=[speculators.proposals.GreedyTokenProposalConfig(speculative_tokens=4)],
+            verifier=speculators.VerifierConfig(name_or_path=TARGET, architectures=verifier.architectures)))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = peagle_core.PEagleDraftModel(config)
+        model.load_verifier_weights()
+        with torch.no_grad():
+            model.embed_tokens.weight.add_(0.1 * torch.randn_like(model.embed_tokens.weight))  # trained, not the target's
+    model.save_pretrained(tmp_path)
+    drafter = family("peagle").load(ModelDir.read(tmp_path, "drafter"), eagle3_target,
+                                    family("peagle").section.model_validate({}))
+    assert type(drafter) is PEagleDrafter and drafter.block_size == 5 and drafter.config.mask_token_id == 5
+    model = speculators_model(tmp_path)
+    ids = torch.randint(0, verifier.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    last, features = eagle3_target.hidden_states(ids)
+    anchors = [7, 16]
+    layout = (torch.cat([torch.arange(30), torch.tensor([a - 1 for a in anchors] * 3)]),
+              torch.cat([torch.zeros(30, dtype=torch.long), torch.arange(1, 4).repeat_interleave(2)]))
+    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda *a, **k: layout)
+    seen = {}
+    monkeypatch.setattr(peagle_core, "compute_metrics",
+                        lambda logits, *a, **k: (seen.update(logits=logits[0]), (torch.zeros(()), {}))[1])
+    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    with torch.no_grad():
+        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
+              verifier_last_hidden_states=last, num_depths=4)
+        inputs = torch.stack([ids[0, a:a + 4] for a in anchors])[None]
+        ours = drafter.logits(drafter.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool),
+                                                   torch.tensor([anchors]), inputs))[0]
+    theirs = torch.cat([seen["logits"][[a - 1 for a in anchors]][:, None],
+                        seen["logits"][30:].view(3, len(anchors), -1).transpose(0, 1)], dim=1)
+    assert_close(ours, theirs)

@@ -269,3 +269,25 @@ def test_serve_bench_checks_an_eagle3_drafter_before_looking_for_vllm(tiny_spec_
     (tmp_path / "e3" / "config.json").write_text("{not json")
     assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
     assert f"--draft {draft}: {draft}/config.json: not valid JSON (Expecting property name" in one_error_line(capsys)
+
+
+# ------------------------------------------------------------------------------------------ serve-bench, P-EAGLE
+
+def test_serve_bench_serves_a_peagle_drafter_as_eagle3_drafting_in_parallel(tiny_spec_file, tmp_path, fake_vllm):
+    """vLLM serves P-EAGLE as EAGLE-3 with parallel drafting, K − 1 the file's (its pard token is in the file)."""
+    from torch import nn
+    from transformers import AutoConfig
+
+    from opd.formats.eagle3 import Eagle3Config
+    from opd.formats.peagle import PEagleConfig
+    from opd.models.peagle import PEagleDrafter
+
+    eagle3 = Eagle3Config.for_target(AutoConfig.from_pretrained(TINY / "target"), draft_vocab_size=512, block_size=5,
+                                     aux_layer_ids=[2, 3, 4])
+    config = PEagleConfig.of(eagle3, mask_token_id=2)
+    shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size, config.vocab_size)
+    PEagleDrafter(config, *shared).save_pretrained(tmp_path / "pe")
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", str(tmp_path / "pe"), "--no-baseline",
+                 "--concurrency", "1"]) == 0
+    assert [llm.kwargs["speculative_config"] for llm in fake_vllm.made] == [
+        {"method": "eagle3", "model": str(tmp_path / "pe"), "num_speculative_tokens": 4, "parallel_drafting": True}]

@@ -13,10 +13,12 @@ from pydantic import Field
 from opd.formats.dflash import DFlash2Spec, DFlashSpec
 from opd.formats.dspark import DSparkSpec
 from opd.formats.eagle3 import Eagle3Spec
+from opd.formats.peagle import PEagleSpec
 from opd.formats.section import DrafterSection
 
-DrafterSpec = Annotated[DFlashSpec | DFlash2Spec | Eagle3Spec | DSparkSpec, Field(discriminator="kind")]
+DrafterSpec = Annotated[DFlashSpec | DFlash2Spec | Eagle3Spec | DSparkSpec | PEagleSpec, Field(discriminator="kind")]
 DRAFTER_SECTIONS: tuple[type[DrafterSection], ...] = (DSparkSpec, Eagle3Spec, DFlash2Spec, DFlashSpec)
+DRAFTER_SECTIONS += (PEagleSpec,)
 
 
 def detect_section(config: dict[str, Any]) -> type[DrafterSection] | None:

@@ -258,8 +258,7 @@ class Eagle3Drafter(nn.Module):
         """Greedy K−1 chain drafts [B,K−1] (target ids) and their logits [B,K−1,V] over the target vocabulary
         (−inf outside the draft vocabulary, as vLLM scatters them). `anchor_ids` is read through column a−1."""
         before = anchor_positions - 1
-        column = ((cache.positions == before[:, None]) & cache.valid).long().argmax(1)
-        state = cache.states[torch.arange(len(column), device=column.device), column][:, None]  # o_{a-1}
+        state = self._column_output(cache, anchor_positions)
         sees_context = cache.visible_before(anchor_positions)[:, None, None, :]
         chain_k, chain_v, drafts, logits = [], [], [], []
         for step in range(self.block_size - 1):
@@ -269,18 +268,36 @@ class Eagle3Drafter(nn.Module):
                 chain_v.append(v)
                 keys = torch.cat([cache.keys[0], *chain_k], dim=2)
                 values = torch.cat([cache.values[0], *chain_v], dim=2)
-                mask = torch.cat([sees_context, sees_context.new_ones(len(column), 1, 1, step)], dim=-1)
+                mask = torch.cat([sees_context, sees_context.new_ones(len(state), 1, 1, step)], dim=-1)
                 state = self._finish(state, grouped_sdpa(q, keys, values, mask, self.config.head_dim**-0.5))
             step_logits = self.logits(self._head(state))[:, 0]
             drafts.append(self.to_target_ids(step_logits.argmax(-1)))
             logits.append(step_logits)
         return torch.stack(drafts, 1), self._full_vocab(torch.stack(logits, 1))
 
+    def _column_output(self, cache: DrafterCache, anchor_positions: torch.Tensor) -> torch.Tensor:
+        """o_{a-1} [B,1,H]: the cached output of the column before each anchor, which drafts its first token."""
+        column = ((cache.positions == (anchor_positions - 1)[:, None]) & cache.valid).long().argmax(1)
+        return cache.states[torch.arange(len(column), device=column.device), column][:, None]
+
     def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, draft_logits)
 
     # -- training ------------------------------------------------------------------------------------------------
+
+    def _context(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
+                 anchor_positions: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, ...]:
+        """The committed columns in one causal pass: their keys and values [B,kv,T,d], outputs o_p [B,T,H], and
+        which columns each block's chain sees [B,M,T] (the valid ones before its anchor)."""
+        batch, length = context_ids.shape
+        positions = torch.arange(length, device=context_ids.device).expand(batch, -1)
+        next_ids = torch.cat([context_ids[:, 1:], context_ids[:, -1:]], dim=1)
+        has_next = torch.cat([context_valid[:, 1:], context_valid.new_zeros(batch, 1)], dim=1) & context_valid
+        q, k, v, state = self._columns(features, next_ids, positions)
+        attended = _causal_attention(q, k, v, has_next, self.config.head_dim**-0.5, chunk_rows)
+        visible = has_next[:, None, :] & (positions[:, None, :] < anchor_positions[:, :, None])
+        return k, v, self._finish(state, attended), visible
 
     def block_hidden(self, features: torch.Tensor, context_ids: torch.Tensor, context_valid: torch.Tensor,
                      anchor_positions: torch.Tensor, block_inputs: torch.Tensor,
@@ -290,17 +307,10 @@ class Eagle3Drafter(nn.Module):
         features [B,T,3H] and context_ids [B,T] are the committed text (index == position), context_valid [B,T];
         block m starts at anchor_positions[b,m] and its chain is fed block_inputs[b,m,1:] (the rollout's drafts, or
         the data in SFT); block_inputs[...,0] is the anchor, which column a−1 already reads from context_ids."""
-        batch, length = context_ids.shape
-        positions = torch.arange(length, device=context_ids.device).expand(batch, -1)
-        next_ids = torch.cat([context_ids[:, 1:], context_ids[:, -1:]], dim=1)
-        has_next = torch.cat([context_valid[:, 1:], context_valid.new_zeros(batch, 1)], dim=1) & context_valid
-        q, k, v, state = self._columns(features, next_ids, positions)
-        attended = _causal_attention(q, k, v, has_next, self.config.head_dim**-0.5, chunk_rows)
-        columns = self._finish(state, attended)  # o_p, [B,T,H]
-        rows = torch.arange(batch, device=q.device)[:, None]
+        k, v, columns, visible = self._context(features, context_ids, context_valid, anchor_positions, chunk_rows)
+        rows = torch.arange(len(columns), device=columns.device)[:, None]
         step = columns[rows, (anchor_positions - 1).clamp_min(0)]  # o_{a-1}, [B,M,H]
         out = [self._head(step)]
-        visible = has_next[:, None, :] & (positions[:, None, :] < anchor_positions[:, :, None])  # [B,M,T]
         chain_k, chain_v = [], []
         for s in range(1, self.block_size - 1):
             sq, sk, sv = self._step(block_inputs[..., s], step, anchor_positions - 1 + s)

@@ -14,11 +14,13 @@ from opd.models.drafter_family import DrafterFamily
 from opd.models.dspark import DSparkFamily
 from opd.models.eagle3 import Eagle3Family
 from opd.models.family import Drafter
+from opd.models.peagle import PEagleFamily
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 
 FAMILIES: dict[str, DrafterFamily] = {f.kind: f for f in (DFlashFamily(), DFlash2Family(), Eagle3Family(),
                                                             DSparkFamily())}
+FAMILIES[PEagleFamily().kind] = PEagleFamily()
 
 
 def family(kind: str) -> DrafterFamily:
@@ -34,7 +36,7 @@ def detect(directory: ModelDir) -> DrafterFamily:
     section = detect_section(directory.config)
     if section is None:
         raise OpdError(f"drafter {directory.path}: its config.json is of no drafter family here (expected one of "
-                       f"{', '.join(FAMILIES)}: a DFlash, DFlash 2, EAGLE-3 or DSpark checkpoint)")
+                       f"{', '.join(FAMILIES)}: a DFlash, DFlash 2, EAGLE-3, DSpark or P-EAGLE checkpoint)")
     return family(str(section.model_fields["kind"].default))
 
 

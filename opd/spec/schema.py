@@ -70,7 +70,7 @@ class ModelsSpec(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "auto: the GPU Ray gave this actor, else the CPU"))
     drafter: DrafterSpec = Field(default_factory=DFlashSpec, description=(
-        "The drafter's family (`kind`: dflash, dflash2, dspark, eagle3; unset: the warm drafter's, else dflash) and "
+        "The drafter's family (`kind`: dflash, dflash2, dspark, eagle3, peagle; unset: the warm drafter's, else dflash) and "
         "its options"))
 
     @property
