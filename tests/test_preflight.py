@@ -146,6 +146,26 @@ def test_an_eagle3_warm_drafter_passes_and_may_carry_the_targets_embedding(eagle
     assert main(["validate", str(spec_file)]) == 0
 
 
+def test_an_eagle3_warm_drafter_in_speculators_layout_passes(eagle3_spec, micro_assets, tmp_path):
+    """vLLM's `speculators` layout (what `opd export` writes for EAGLE 3.1) names the layer `layers.0.*`, SpecForge's
+    `midlayer.*`: the preflight reads its names as loading does."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from opd.formats.eagle3 import Eagle3Config, write_speculators
+
+    spec_file, drafter = eagle3_spec
+    config = Eagle3Config.from_hf_dict(json.loads((drafter / "config.json").read_text()), num_target_layers=4,
+                                       block_size=4)
+    write_speculators(tmp_path / "spec", config, load_file(drafter / "model.safetensors"), torch.float32,
+                      micro_assets["target"], ["Qwen3ForCausalLM"])
+    assert any(name.startswith("layers.0.") for name in load_file(tmp_path / "spec" / "model.safetensors"))
+    spec = yaml.safe_load(spec_file.read_text())
+    spec["models"]["drafter_path"] = str(tmp_path / "spec")
+    spec_file.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(spec_file)]) == 0
+
+
 def _edit_tensors(drafter, edit) -> None:
     from safetensors.torch import load_file, save_file
 

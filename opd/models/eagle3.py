@@ -48,6 +48,7 @@ from opd.formats.eagle3 import (
     write_checkpoint,
     write_speculators,
 )
+from opd.formats.speculators import is_speculators, speculators_tensor_names
 from opd.model_dir import ModelDir
 from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 from opd.models.drafter_cache import DrafterCache
@@ -422,10 +423,14 @@ class Eagle3Family(DrafterFamily):
         draft_vocab_size(section, target.vocab_size)
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Eagle3Spec) -> Shapes:
-        """Its fused layers must be the ones the spec captures, as loading demands later."""
+        """Its fused layers must be the ones the spec captures, as loading demands later. Named as the file names
+        them: vLLM's `speculators` layout calls SpecForge's `midlayer` `layers.0`."""
         config = read_config(directory, target, section.block_size)
         _check_fused_layers(directory, config, target.layer_ids)
-        return expected_shapes(config), lambda name: name == SHARED_EMBEDDING
+        shapes = expected_shapes(config)
+        if is_speculators(directory.config):
+            shapes = speculators_tensor_names(shapes)
+        return shapes, lambda name: name == SHARED_EMBEDDING
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: Eagle3Spec) -> int:
         """vLLM captures each layer once, so a repeated id would leave its fc short of a state. K is the file's
