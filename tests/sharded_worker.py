@@ -1,15 +1,17 @@
 """Everything that runs the target, on the tiny Qwen3 target and drafter: run whole in the test's process and
-sharded in `world` gloo processes (`python tests/sharded_worker.py RANK WORLD PORT OUT`), whose rank 0 saves
-what it got to OUT for tests/test_sharding.py to compare. Every rank runs the same calls (SPMD). With a model
-directory and an attention implementation after OUT, the forward and packed replay of that model instead
-(`run_forward`: the micro MoE and sink targets)."""
+sharded in `world` gloo processes (`python tests/sharded_worker.py RANK WORLD PORT OUT MODE...`), whose rank 0 saves
+what it got to OUT for tests/test_sharding.py to compare. Every rank runs the same calls (SPMD). MODE `all DIR...`:
+`run_all` on the tiny target, then `run_micro` on each float64 micro target in DIR... (keys `micro0_...`), in the
+same processes (starting a process that imports transformers costs more than all of these calls); `micro DIR...`:
+only the micro targets; `model DIR ATTN`: the forward and packed replay of that model (`run_forward`: the micro
+MoE and sink targets)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,10 +25,15 @@ from opd.models.packed_attention import PackedRow, PackedRows
 from opd.models.sharding import join_group, load_sharded_target
 from opd.models.target import Target
 from opd.sources.rebuild import rebuild_records
+from opd.tiny.micro import micro_drafter
+from tests.helpers.decoding import EOS as MICRO_EOS
+from tests.helpers.decoding import MASK, PROMPT
+from tests.helpers.lossless import sampled_joint
 
 TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
 EOS = 0
 MAX_NEW_TOKENS = 24
+LOSSLESS_SAMPLES = 10_000  # of the first three tokens at T=1, for the chi-square test (tests/helpers/lossless.py)
 
 
 def prompts() -> list[list[int]]:
@@ -60,11 +67,11 @@ def run_all(target: Target, drafter: Any) -> dict[str, Any]:
     over_view = score(target, greedy, block_size=drafter.block_size, mode="draft_opd", view=view)
     texts = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in sampled]
     rebuilt = rebuild_records(target, drafter, texts, batch_size=2)
-    head = teacher_head(target)
+    head, teacher = teacher_head(target), cast(torch.Tensor, scored.teacher)  # full vocabulary: no teacher_topk
     return {"logits": out.logits, "features": out.features, "greedy": _blocks(greedy), "sampled": _blocks(sampled),
             "scored_teacher": scored.teacher, "scored_features": scored.features,
             "view_teacher": over_view.teacher, "rebuilt": _blocks(rebuilt),
-            "teacher_logits": head(scored.teacher.reshape(-1, scored.teacher.shape[-1]))}
+            "teacher_logits": head(teacher.reshape(-1, teacher.shape[-1]))}
 
 
 def run_forward(target: Target) -> dict[str, torch.Tensor]:
@@ -79,19 +86,40 @@ def run_forward(target: Target) -> dict[str, torch.Tensor]:
     return {"logits": out.logits, "features": out.features, "packed_hidden": hidden, "packed_features": features}
 
 
-def load_model(path: str, attn_implementation: str, world: int) -> Target:
-    return load_sharded_target(path, dtype=torch.float32, attn_implementation=attn_implementation, layer_ids=[0, 2],
+def run_micro(target: Target) -> dict[str, Any]:
+    """`run_forward`, greedy and sampled speculative decodes with a random micro drafter (mixed prompts, blocks of
+    4), and `LOSSLESS_SAMPLES` sampled decodes of PROMPT's first three tokens at T=1, counted by sequence."""
+    drafter = micro_drafter(target, seed=1, block_size=4, mask_token_id=MASK)
+    decoder = SpeculativeDecoder(target, drafter, eos_id=MICRO_EOS)
+    prompts = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3]]
+    greedy = decoder.generate(prompts, Sampling(), max_new_tokens=12)
+    sampled = decoder.generate(prompts, Sampling(1.0), max_new_tokens=12, seed=3)
+    counts = sampled_joint(target, drafter, PROMPT, Sampling(1.0), LOSSLESS_SAMPLES, length=3)
+    return {**run_forward(target), "greedy": _blocks(greedy), "sampled": _blocks(sampled), "counts": counts}
+
+
+def load_model(path: str, attn_implementation: str, world: int, dtype: torch.dtype = torch.float32) -> Target:
+    return load_sharded_target(path, dtype=dtype, attn_implementation=attn_implementation, layer_ids=[0, 2],
                                device="cpu", world=world)
+
+
+def run_micros(paths: list[str], world: int) -> dict[str, Any]:
+    """`run_micro` on each micro target in `paths`, its keys prefixed `micro{i}_`."""
+    return {f"micro{i}_{name}": value for i, path in enumerate(paths)
+            for name, value in run_micro(load_model(path, "sdpa", world, torch.float64)).items()}
 
 
 def _blocks(records: list[SequenceRecord]) -> list[tuple[list[int], list[int], list[list[int]], list[int]]]:
     return [(r.response_ids, r.anchors, r.drafts, r.accepted) for r in records]
 
 
-def main(rank: int, world: int, port: int, out: str, model: list[str]) -> None:
+def main(rank: int, world: int, port: int, out: str, mode: list[str]) -> None:
     join_group(f"127.0.0.1:{port}", rank, world, "cpu")
     torch.set_num_threads(1)
-    result = run_forward(load_model(*model, world)) if model else run_all(*load(world))
+    if mode[:1] == ["model"]:
+        result = run_forward(load_model(mode[1], mode[2], world))
+    else:
+        result = {**(run_all(*load(world)) if mode[:1] == ["all"] else {}), **run_micros(mode[1:], world)}
     if rank == 0:
         torch.save(result, out)
 

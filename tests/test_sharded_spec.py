@@ -1,5 +1,6 @@
 """`resources.<role>.gpus_per_replica`: a sharded role's layout and degree are refused in one line when the cluster
-cannot hold it or the degree does not divide the target's heads, key/value heads or experts."""
+cannot hold it or the degree does not divide the target's heads or experts, or divide or be a multiple of its
+key/value heads."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str) -> st
 @pytest.mark.parametrize(("text", "expected"), [
     ("resources: {cluster: {num_cpus: 16}, scorer: {gpus_per_replica: 3}}",
      "resources.scorer.gpus_per_replica: 3 does not divide the target's num_attention_heads 4, num_key_value_heads 2"),
-    ("resources: {cluster: {num_cpus: 16}, rollout: {gpus_per_replica: 4}}",
-     "resources.rollout.gpus_per_replica: 4 does not divide the target's num_key_value_heads 2"),
+    ("resources: {cluster: {num_cpus: 16}, rollout: {gpus_per_replica: 8}}",
+     "resources.rollout.gpus_per_replica: 8 does not divide the target's num_attention_heads 4 (expected"),
     ("resources: {cluster: {num_gpus: 16, gpus_per_node: 8}, evaluator: {num_gpus: 1},"
      " scorer: {num_gpus: 1, gpus_per_replica: 16}}",
      "resources.scorer.gpus_per_replica: 16 GPUs, but a node has cluster.gpus_per_node 8"),
@@ -54,8 +55,15 @@ def test_degree_counts_experts_and_a_nested_text_config(tmp_path, capsys):
         "num_attention_heads": 32, "num_key_value_heads": 2, "num_experts": 6}}))
     err = refusal(tmp_path, capsys, f"models: {{target_path: {target}}}\nresources: {{cluster: {{num_cpus: 16}},"
                                     " scorer: {gpus_per_replica: 2}, rollout: {gpus_per_replica: 4}}")
-    assert "resources.rollout.gpus_per_replica: 4 does not divide the target's num_key_value_heads 2, num_experts 6" \
-        in err
+    assert "resources.rollout.gpus_per_replica: 4 does not divide the target's num_experts 6" in err
+    assert "scorer" not in err  # 2 divides all three
+
+
+def test_a_degree_past_the_key_value_heads_is_accepted(tmp_path):
+    """4 ranks over the tiny target's 2 key/value heads: each rank holds its attention whole."""
+    config = tmp_path / "spec.yaml"
+    config.write_text(f"base: {TINY}\nresources: {{cluster: {{num_cpus: 8}}, rollout: {{gpus_per_replica: 4}}}}")
+    assert load_spec(config, check_paths=False).resources.rollout.ranks == 4
 
 
 def test_a_layout_that_fits_is_accepted(tmp_path):
