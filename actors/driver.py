@@ -28,11 +28,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.evaluator import NAME as EVALUATOR
-from actors.evaluator import EvaluatorActor, EvaluatorPlacement
+from actors.evaluator import EvaluatorPlacement
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
-from actors.replica import ShardFollower
+from actors.replica import ShardFollower, bundle_address
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
@@ -42,7 +42,6 @@ from opd.eval.suite import SuiteResult
 from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.tracking import end_run, run_status
-from opd.train.distributed import free_address
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
 from opd.train.result import record_ledger, run_to
@@ -112,18 +111,6 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
     return learner_pg, rollout_pg
 
 
-@ray.remote(num_cpus=0)
-def _node_address() -> str:
-    return free_address(ray.util.get_node_ip_address())
-
-
-def learner_address(learner_pg, bundle: int = 0) -> str:
-    """A free host:port on the node of `bundle` (the learner's rank 0, or a sharded replica's) for rank 0 to listen
-    on, known before any rank is built, so all of them join the group in their constructors."""
-    strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=bundle)
-    return ray.get(_node_address.options(scheduling_strategy=strategy).remote())
-
-
 def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
     restarts = MAX_RESTARTS if role.gpus_per_replica == 1 else 0  # a sharded replica dies with any rank
     return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": restarts,
@@ -138,7 +125,7 @@ def replicas(actor_class, kind: str, role: RoleSpec, pg, first: int, spec: dict,
     n, leaders, followers = role.gpus_per_replica, [], []
     for i in range(role.replicas):
         name, base = f"{kind}-{i}", first + i * n
-        shard = (learner_address(pg, base), n) if n > 1 else None
+        shard = (bundle_address(pg, base), n) if n > 1 else None
         ranks = [ShardFollower.options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
             spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
         leaders.append(actor_class.options(**_on(pg, base, role, name)).remote(spec, name, *args, shard, ranks))
@@ -224,12 +211,12 @@ class RayRun:
         self.anchors = BatchQueue("anchors", r.queue_size, pin)
         self.scored = BatchQueue("scored", r.queue_size, pin)
         n = r.learner.replicas
-        address = learner_address(self.learner_pg) if n > 1 else None
+        address = bundle_address(self.learner_pg) if n > 1 else None
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
         self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
             as_dict, i, address) for i in range(1, n)]
         self.evaluator_placement = EvaluatorPlacement(spec)  # held-out eval, off the learner's critical path
-        self.evaluator = EvaluatorActor.options(**self.evaluator_placement.options()).remote(as_dict)
+        self.evaluator = self.evaluator_placement.start(as_dict)
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
             as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
             _Named(EVALUATOR))
@@ -380,8 +367,7 @@ def suite_in_actor(spec: ExperimentSpec, drafters: dict[str, str], out: str) -> 
 def _in_evaluator(spec: ExperimentSpec, call):
     init_ray(spec)
     placement = EvaluatorPlacement(spec)
-    actor = EvaluatorActor.options(**placement.options(f"{EVALUATOR}-checkpoint")).remote(
-        spec.model_dump(mode="json"))
+    actor = placement.start(spec.model_dump(mode="json"), f"{EVALUATOR}-checkpoint")
     try:
         return ray.get(call(actor))
     except ray.exceptions.RayError as exc:

@@ -1,7 +1,7 @@
 """Everything that runs the target, on the tiny Qwen3 target and drafter: run whole in the test's process and
 sharded in `world` gloo processes (`python tests/sharded_worker.py RANK WORLD PORT OUT MODE...`), whose rank 0 saves
 what it got to OUT for tests/test_sharding.py to compare. Every rank runs the same calls (SPMD). MODE `all DIR...`:
-`run_all` on the tiny target, then `run_micro` on each float64 micro target in DIR... (keys `micro0_...`), in the
+`run_all` and the evaluator's `run_eval` on the tiny target, then `run_micro` on each float64 micro target in DIR... (keys `micro0_...`), in the
 same processes (starting a process that imports transformers costs more than all of these calls); `micro DIR...`:
 only the micro targets; `model DIR ATTN`: the forward and packed replay of that model (`run_forward`: the micro
 MoE and sink targets)."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,18 +20,22 @@ from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import CommittedView, score
+from opd.models.build import Models
 from opd.models.families import load_drafter
 from opd.models.lm_head import teacher_head
 from opd.models.packed_attention import PackedRow, PackedRows
-from opd.models.sharding import join_group, load_sharded_target
+from opd.models.sharding import join_group, load_sharded_target, own_rank
 from opd.models.target import Target
 from opd.sources.rebuild import rebuild_records
+from opd.spec import load_spec
 from opd.tiny.micro import micro_drafter
+from opd.train.evaluator import Evaluator
 from tests.helpers.decoding import EOS as MICRO_EOS
 from tests.helpers.decoding import MASK, PROMPT
 from tests.helpers.lossless import sampled_joint
 
-TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "opd" / "assets" / "tiny"
 EOS = 0
 MAX_NEW_TOKENS = 24
 LOSSLESS_SAMPLES = 10_000  # of the first three tokens at T=1, for the chi-square test (tests/helpers/lossless.py)
@@ -74,6 +79,21 @@ def run_all(target: Target, drafter: Any) -> dict[str, Any]:
             "teacher_logits": head(teacher.reshape(-1, teacher.shape[-1]))}
 
 
+def run_eval(target: Target, drafter: Any, samples: str) -> dict[str, Any]:
+    """The evaluator's rows for the warm drafter as `opd run` takes them: its held-out samples drawn into
+    `samples`, τ offline on them, the speedup decoded (rows without their wall-clock rates)."""
+    from transformers import AutoTokenizer
+
+    spec = load_spec(ROOT / "configs" / "tiny.yaml", ["eval.num_prompts=3", "eval.max_new_tokens=16",
+                                                      "eval.speedup_prompts=2", "eval.samples_path=null"])
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY / "target"), local_files_only=True)
+    evaluator = Evaluator(spec, Models(target, drafter, tokenizer), rank=own_rank())
+    evaluator.draw_samples(samples)
+    rows = evaluator.checkpoint(None)
+    untimed = [asdict(replace(r, spec_tokens_per_s=None, ar_tokens_per_s=None, speedup=None)) for r in rows]
+    return {"eval_rows": untimed, "eval_samples": Path(samples).read_text().count("\n")}
+
+
 def run_forward(target: Target) -> dict[str, torch.Tensor]:
     """Logits and features of one row, and the final hidden states and features of a packed replay layout over it
     (two blocks of three, one of them reaching past a 4-token window)."""
@@ -84,6 +104,12 @@ def run_forward(target: Target) -> dict[str, torch.Tensor]:
     positions = torch.tensor([[*range(9), 3, 4, 5, 6, 7, 8]])
     hidden, features = target.hidden_states(packed, attention_mask=layout, position_ids=positions)
     return {"logits": out.logits, "features": out.features, "packed_hidden": hidden, "packed_features": features}
+
+
+def run_tiny(world: int, samples: str) -> dict[str, Any]:
+    """`run_all` and `run_eval` on the tiny target over `world` ranks."""
+    target, drafter = load(world)
+    return {**run_all(target, drafter), **run_eval(target, drafter, samples)}
 
 
 def run_micro(target: Target) -> dict[str, Any]:
@@ -119,7 +145,8 @@ def main(rank: int, world: int, port: int, out: str, mode: list[str]) -> None:
     if mode[:1] == ["model"]:
         result = run_forward(load_model(mode[1], mode[2], world))
     else:
-        result = {**(run_all(*load(world)) if mode[:1] == ["all"] else {}), **run_micros(mode[1:], world)}
+        result = {**(run_tiny(world, f"{out}.samples.jsonl") if mode[:1] == ["all"] else {}),
+                  **run_micros(mode[1:], world)}
     if rank == 0:
         torch.save(result, out)
 

@@ -2,7 +2,7 @@
 tiny Qwen3 assets in fp32: features within 1e-5; logits, final hidden states of packed replay and the teacher's
 logits over its slots within 1e-5 plus 1e-5 of their size (entries reach 5-20, and splitting a projection's sum
 in two moves fp32 results by a few ulps of that); greedy and sampled speculative decodes and rebuilt blocks
-token for token (tests/sharded_worker.py runs both sides; the whole target's side runs here, on one thread as the
+token for token; the evaluator's held-out rows (tests/sharded_worker.py runs both sides; the whole target's side runs here, on one thread as the
 ranks do, while the ranks run). In the same processes, a float64 micro target with one key/value head, which 2
 ranks hold whole (its attention replicated: opd/models/sharding.py `attention_splits`): the same comparisons, and
 the chi-square test of sampled decoding at T=1 against the target's exact law (tests/helpers/lossless.py). At 4
@@ -79,7 +79,7 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
     micro = save_micro(tmp / "micro-mqa", kv_heads=1)
     procs = start_sharded(2, tmp / "rank0.pt", "all", micro)
-    whole = whole_side(lambda: {**sharded_worker.run_all(*sharded_worker.load(1)),
+    whole = whole_side(lambda: {**sharded_worker.run_tiny(1, str(tmp / "whole.samples.jsonl")),
                                 **sharded_worker.run_micros([micro], 1)})
     return finish_sharded(procs, tmp / "rank0.pt"), whole
 
@@ -96,6 +96,15 @@ def test_sharded_decodes_and_rebuilds_are_identical(results, name):
     sharded, whole = results
     assert sharded[name] == whole[name]
     assert any(sum(accepted) for _, _, _, accepted in whole[name])  # the drafter is accepted somewhere
+
+
+def test_a_sharded_evaluator_measures_what_the_whole_one_does(results):
+    """The evaluator (opd/train/evaluator.py) over 2 ranks: the same held-out samples drawn, into one file (rank 1
+    draws into a copy of its own), and the same rows: offline τ, acceptance profile, greedy match."""
+    sharded, whole = results
+    assert sharded["eval_samples"] == whole["eval_samples"] > 0
+    assert sharded["eval_rows"] == whole["eval_rows"]
+    assert [r["offline"] for r in whole["eval_rows"]] == [True, True]
 
 
 @pytest.mark.parametrize("name", [f"micro0_{n}" for n in MICRO_CLOSE + MICRO_EQUAL])
@@ -178,8 +187,23 @@ def _micro_qwen3_moe():
         tie_word_embeddings=False))
 
 
+def _micro_qwen3_5_moe():
+    """Qwen3.5-MoE in miniature, laid out as the big ones are: one key/value head (fewer than the ranks, so each
+    rank holds the attention whole), Gated DeltaNet layers, 4 experts split by expert parallelism, a shared
+    expert."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        full_attention_interval=4, tie_word_embeddings=False))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("build", "attn_implementation"), [(_micro_qwen3_moe, "sdpa"), (_micro_gpt_oss, "eager")])
+@pytest.mark.parametrize(("build", "attn_implementation"), [(_micro_qwen3_moe, "sdpa"), (_micro_gpt_oss, "eager"),
+                                                            (_micro_qwen3_5_moe, "sdpa")])
 def test_sharded_moe_and_sink_targets_match_the_whole_target(tmp_path, build, attn_implementation):
     build().save_pretrained(tmp_path / "model")
     model = (str(tmp_path / "model"), attn_implementation)

@@ -57,6 +57,11 @@ def join_group(address: str, rank: int, world: int, device: str) -> ShardGroup:
     return ShardGroup(rank, world)
 
 
+def own_rank() -> int:
+    """This process's rank in its replica's group (0 outside one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def load_sharded_target(path: str, *, dtype: torch.dtype, attn_implementation: str | None, layer_ids: list[int],
                         device: str, world: int) -> Target:
     """The target at `path` sharded over the `world` ranks of the current process group (`join_group`), or

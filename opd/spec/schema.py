@@ -459,10 +459,12 @@ def _shard_layout_issues(roles: dict[str, RoleSpec], gpus_per_node: int | None) 
     learner's ranks are its replicas."""
     issues = [f"learner.gpus_per_replica: {roles['learner'].gpus_per_replica} (expected 1: the learner's ranks are "
               "its replicas, each a whole drafter)"] * (roles["learner"].gpus_per_replica != 1)
-    issues += [f"evaluator.gpus_per_replica: {roles['evaluator'].gpus_per_replica} (expected 1: the evaluator holds "
-               "the target whole; sharded are rollout and scorer)"] * (roles["evaluator"].gpus_per_replica != 1)
     for name, role in roles.items():
-        if role.gpus_per_replica > 1 and role.num_gpus not in (0, 1):
+        if role.gpus_per_replica > 1 and not (role.num_gpus or role.num_cpus):
+            issues.append(f"{name}.num_cpus: 0 and num_gpus 0 with gpus_per_replica {role.gpus_per_replica} (expected "
+                          "CPUs or GPUs per rank: a placement group packs the ranks on one node, and Ray places no "
+                          "empty bundle)")
+        elif role.gpus_per_replica > 1 and role.num_gpus not in (0, 1):
             issues.append(f"{name}.num_gpus: {_num(role.num_gpus)} with gpus_per_replica {role.gpus_per_replica} "
                           "(expected 1, a GPU per rank, or 0 for CPU ranks)")
         elif gpus_per_node is not None and role.gpus_per_replica * role.num_gpus > gpus_per_node:
