@@ -41,7 +41,8 @@ def test_sharded_rollout_and_scorer_take_the_unsharded_steps(ray_cluster, micro_
 
 @pytest.mark.slow
 def test_a_sharded_evaluator_actor_gives_the_local_rows(ray_cluster, micro_spec_file):
-    spec = load_spec(micro_spec_file, ["eval.speedup_prompts=2", "resources.evaluator.gpus_per_replica=2",
+    spec = load_spec(micro_spec_file, ["eval.speedup_prompts=2", "resources.cluster.num_cpus=4",
+                                       "resources.evaluator.gpus_per_replica=2",
                                        "resources.evaluator.num_cpus=0.5"])
     untimed = [[replace(r, spec_tokens_per_s=None, ar_tokens_per_s=None, speedup=None) for r in rows]
                for rows in evaluate_in_actor(spec, [Checkpoint(None)])]
