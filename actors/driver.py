@@ -92,16 +92,12 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
     """Two placement groups: the learner ranks (bundles 0..N-1) with their scorers' ranks packed on one node (heavy
     tensors never cross the network), and the rollout replicas spread wherever they fit (sharded ones: on one
     node). Refused here if the cluster cannot hold them."""
-    r = spec.resources
-    if r.rollout.gpus_per_replica > 1 and spec.rollout.sampler == "vllm":
-        raise OpdError(f"resources.rollout.gpus_per_replica: {r.rollout.gpus_per_replica} with rollout.sampler vllm on "
-                       "engine ray (vLLM's own tensor parallelism inside a Ray actor is not wired yet; expected 1, or "
-                       "engine local)")
+    r, rollout = spec.resources, placed_rollout(spec)
     bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
     learner_pg = placement_group(bundles, strategy="STRICT_PACK", name="opd-learner")
     # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
-    strategy = "STRICT_PACK" if r.rollout.gpus_per_replica > 1 else "PACK"
-    rollout_pg = placement_group([_bundle(r.rollout)] * r.rollout.ranks, strategy=strategy, name="opd-rollout")
+    strategy = "STRICT_PACK" if rollout.gpus_per_replica > 1 else "PACK"
+    rollout_pg = placement_group([_bundle(rollout)] * rollout.ranks, strategy=strategy, name="opd-rollout")
     ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
     if len(ready) < 2:
         for pg in (learner_pg, rollout_pg):
@@ -139,6 +135,17 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
     `ray job submit`) lives as long as the run does. They take no CPU, so a head started with num-cpus 0 holds
     them."""
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def placed_rollout(spec: ExperimentSpec) -> RoleSpec:
+    """The rollout role as Ray places it. A replica whose sampler is vLLM is one actor holding all its
+    `gpus_per_replica` GPUs in one bundle: vLLM starts its own tensor-parallel ranks inside it
+    (opd/serving/engine.py), so there is no rank of ours to follow it. Any other replica is that many ranks."""
+    r = spec.resources.rollout
+    if spec.rollout.sampler != "vllm" or r.gpus_per_replica == 1:
+        return r
+    n = r.gpus_per_replica
+    return r.model_copy(update={"num_gpus": r.num_gpus * n, "num_cpus": r.num_cpus * n, "gpus_per_replica": 1})
 
 
 @ray.remote(num_cpus=0)
@@ -222,7 +229,7 @@ class RayRun:
             _Named(EVALUATOR))
         self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, n, as_dict,
                                               store, ledger, anchors, scored)
-        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", r.rollout, self.rollout_pg, 0, as_dict,
+        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0, as_dict,
                                                 store, ledger, anchors)
         self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
         self.loops: dict = {}  # loop ref -> (actor name, actor)

@@ -72,3 +72,16 @@ def test_a_layout_that_fits_is_accepted(tmp_path):
                       "rollout: {gpus_per_replica: 2}}")
     spec = load_spec(config, check_paths=False)
     assert (spec.resources.scorer.ranks, spec.resources.rollout.ranks, spec.resources.learner.ranks) == (2, 2, 1)
+
+
+def test_a_vllm_rollout_replica_is_one_actor_holding_its_gpus():
+    """vLLM starts its own tensor-parallel ranks, so Ray places a vLLM replica as one actor with all its GPUs."""
+    from actors.driver import placed_rollout
+
+    sets = ["rollout.source=target", "rollout.sampler=vllm", "resources.cluster.num_gpus=9", "resources.cluster.num_cpus=32",
+            "resources.rollout.replicas=2", "resources.rollout.num_gpus=1", "resources.rollout.num_cpus=2",
+            "resources.rollout.gpus_per_replica=4", "resources.evaluator.num_gpus=1"]
+    role = placed_rollout(load_spec(TINY, sets, check_paths=False))
+    assert (role.replicas, role.gpus_per_replica, role.num_gpus, role.num_cpus) == (2, 1, 4, 8)
+    hf = placed_rollout(load_spec(TINY, sets[2:], check_paths=False))
+    assert (hf.replicas, hf.gpus_per_replica, hf.num_gpus) == (2, 4, 1)
