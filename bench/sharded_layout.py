@@ -4,20 +4,23 @@ step time from FLOPs and GPU-hours for the authors' schedule, from the targets' 
     python bench/sharded_layout.py [--json bench/results/sharded_layout.json] [--markdown bench/results/sharded_layout.md]
 
 The config fields are fixtures (bench/fixtures/targets/*.json, copied by hand from the public config.json files and
-model cards; nothing is downloaded). A role's degree is the smallest of 1, 2, 4, 8 (a replica is packed on one node)
+model cards, each saying where its fields come from; nothing is downloaded). A role's degree is the smallest of 1,
+2, 4, 8 (a replica packed on one node) or 16 (two nodes: projected only, the code packs a replica on one node)
 that the spec accepts for the target (`opd.spec.shard_degree_issues`: it divides the heads, key/value heads and
 experts, as transformers' tensor- and expert-parallel plans split them) and at which a rank fits an H200. A role
 that fits at no such degree is refused in one line naming the role and the bytes.
 
-Memory per rank, in the weights' precision (bf16; for Qwen3.5-397B-A17B also its FP8 checkpoint, every linear weight
-in one byte, embedding and LM head in bf16): the weights transformers' plan splits, divided by the degree, plus
-those it keeps whole (gpt-oss's plan splits its experts and embedding, not its attention; Qwen3.5's splits
-attention, linear-attention projections, experts and the LM head, not the embedding), plus the whole embedding and
-LM head that a sharded target hands the drafter (opd/models/sharding.py), plus the role's keys and values and Gated
-DeltaNet states (whole on every rank: the plan gathers the linear layers' projections), for its resident tokens.
-Past the key/value heads (Qwen3.5's 2 at 4 or 8 ranks) each rank holds the attention whole, its keys and values
-with it. 10% of the GPU is left for activations and the allocator. A layout over two nodes, and one only projected
-(the FP8 rows: that load is not tested here), say so under the table.
+Memory per rank, in the precision each target is published in (FP8 for GLM 5.1 and Kimi K2.x; bf16 for the others,
+and for Qwen3.5-397B-A17B also its FP8 checkpoint; MiniMax's FP8 release is taken in bf16, the larger; FP8 is
+every linear weight in one byte, embedding and LM head in bf16): the weights transformers' plan splits, divided by
+the degree, plus those it keeps whole (per family in `FAMILIES`: gpt-oss's and DeepSeek-V3's plans keep the
+attention whole; MiniMax M2's gathers its q, k and v), plus the whole embedding and LM head that a sharded target
+hands the drafter (opd/models/sharding.py), plus the role's keys and values (split only where the attention's
+heads are; latent attention's cached expanded per head, as transformers caches them) and Gated DeltaNet states
+(whole on every rank: the plan gathers the linear layers' projections), for its resident tokens. Past the
+key/value heads (Qwen3.5's 2 at 4 or 8 ranks) each rank holds the attention whole, its keys and values with it.
+10% of the GPU is left for activations and the allocator. A layout over two nodes, and one only projected (an FP8
+load, a family without a sharded test here, 16 ranks), say so under the table.
 
 Time per update (pipelined roles: the slowest one), from FLOPs at an assumed MFU (`--mfu`, 0.4) of the H200's
 989 TFLOP/s dense bf16, and, for decoding, no faster than reading the rank's weights once per verification at
@@ -40,12 +43,16 @@ from opd.spec import ResourcesSpec, RoleSpec, shard_degree_issues
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "targets"
 GB, H200_BYTES, USABLE = 1e9, 141e9, 0.9
 PEAK_FLOPS, HBM_BYTES_PER_S = 989e12, 4.8e12
-DEGREES, GPUS_PER_NODE, NODES = (1, 2, 4, 8), 8, 2
+DEGREES, GPUS_PER_NODE, NODES = (1, 2, 4, 8, 16), 8, 2
 BYTES = {"bf16": 2, "fp8": 1}
 # (fixture, precision): each target in bf16, and Qwen3.5-397B-A17B also from its FP8 checkpoint
 LAYOUTS = [("gpt-oss-120b", "bf16"), ("qwen3.5-122b-a10b", "bf16"), ("qwen3.5-397b-a17b", "bf16"),
-           ("qwen3.5-397b-a17b", "fp8")]
-PROJECTED_ONLY = {"fp8": "an FP8 checkpoint's sharded load is not tested here (the CPU tests load bf16 and fp32)"}
+           ("qwen3.5-397b-a17b", "fp8"), ("minimax-m2.5", "bf16"), ("glm-5.1", "fp8"), ("kimi-k2", "fp8")]
+PROJECTED_ONLY = {"fp8": "an FP8 checkpoint's sharded load is not tested here (the CPU tests load bf16 and fp32)",
+                  "minimax_m2": "no sharded test of MiniMax M2 here",
+                  "deepseek_v3": "no sharded test of DeepSeek-V3's latent attention here",
+                  "glm_moe_dsa": "the project refuses GLM 5's sparse attention (not an exact layer kind yet)",
+                  16: "16 ranks span two nodes, and the code packs a replica on one node"}
 SEQUENCES, ROLLOUT_BATCH, UPDATES, BLOCK, DRAFTER_LAYERS = 210, 21, 534, 16, 5
 SCORER_TOKENS = 16_384  # replay.micro_batch_tokens of the shipped configs
 
@@ -55,6 +62,7 @@ class Shape:
     """The parameter counts a layout needs, from a target's config fields, in the precision its weights load in."""
 
     name: str
+    family: str  # config.json's model_type
     precision: str  # bf16, or fp8: every linear weight in one byte (block scales left out), embedding and head bf16
     hidden: int
     vocab: int
@@ -62,10 +70,11 @@ class Shape:
     total: float  # parameters
     active: float  # parameters a token runs through
     split: float  # parameters transformers' plan splits over the ranks, outside the attention and the vocabulary
-    attention: float  # full-attention parameters: split with the heads, whole on every rank past the key/value heads
+    attention: float  # attention parameters the plan splits by heads (whole on every rank past the key/value heads)
     vocab_split: float  # embedding and LM head parameters the plan splits (the rest of 2 x vocab x hidden is whole)
-    kv_bytes_per_token: float  # all attention layers, bf16
-    kv_split: bool  # the plan splits the attention heads (where the degree divides the key/value heads)
+    kv_bytes_per_token: float  # all attention layers, bf16, as transformers caches them (MLA's expanded per head)
+    attention_split: bool  # the plan splits the attention's weights by heads (where the degree divides them)
+    kv_split: bool  # ... and its keys and values with them (not where it gathers the projections' outputs)
     linear_state_bytes: float  # per sequence, all linear layers (fp32 recurrent + bf16 conv)
     config: dict
 
@@ -80,37 +89,105 @@ class Shape:
         return BYTES[self.precision] * (self.total - 2 * self.vocab * self.hidden) + self.head_bytes
 
     def splits_attention(self, degree: int) -> bool:
-        return self.kv_split and self.kv_heads % degree == 0
+        return self.attention_split and self.kv_heads % degree == 0
+
+    def splits_kv(self, degree: int) -> bool:
+        return self.kv_split and self.splits_attention(degree)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A family's parameter counts, from which `shape` sums a target's."""
+
+    attention: float  # split by heads where the plan splits them
+    attention_whole: float  # attention parameters no plan splits (MLA's down-projections)
+    mlp_split: float  # experts, shared experts, dense MLPs: split (expert or tensor parallel)
+    mlp_active: float  # what one token runs through of them
+    router: float
+    linear: float = 0.0  # linear-attention projections (split, their outputs gathered)
+    kv_bytes_per_token: float = 0.0
+    state_bytes: float = 0.0
+    attention_split: bool = True
+    kv_split: bool = True
+    vocab_split_share: int = 2  # of the embedding and LM head, how many the plan splits
+
+
+def gpt_oss(t: dict) -> Blocks:
+    """q, k, v, o with biases, sinks; experts: gate_up, down, their biases. The plan splits the experts, the
+    embedding and the LM head, not the attention."""
+    h, layers, heads, kv, hd, experts = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"],
+                                         t["num_key_value_heads"], t["head_dim"], t["num_local_experts"])
+    attention = h * (heads + 2 * kv) * hd + heads * hd * h + (heads + 2 * kv) * hd + h + heads
+    expert = 3 * h * t["intermediate_size"] + 3 * t["intermediate_size"] + h
+    return Blocks(layers * attention, 0, layers * experts * expert, layers * t["num_experts_per_tok"] * expert,
+                  layers * (h * experts + experts), kv_bytes_per_token=2 * layers * 2 * kv * hd,
+                  attention_split=False, kv_split=False)
+
+
+def qwen3_5(t: dict) -> Blocks:
+    """Gated queries; Gated DeltaNet qkv, z, b, a, out (split, outputs gathered: its states whole on every rank);
+    experts with a shared expert and its gate. The plan splits attention, linear attention, experts and the LM
+    head, not the embedding."""
+    h, layers, heads, kv, hd, experts = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"],
+                                         t["num_key_value_heads"], t["head_dim"], t["num_experts"])
+    full = layers // t["full_attention_interval"]
+    kh, vh, dk, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"], t["linear_key_head_dim"],
+                      t["linear_value_head_dim"])
+    conv = 2 * kh * dk + vh * dv
+    linear = (layers - full) * (h * (conv + vh * dv + 2 * vh) + vh * dv * h)
+    expert, shared = 3 * h * t["moe_intermediate_size"], 3 * h * t["shared_expert_intermediate_size"] + h
+    state = (layers - full) * (vh * dk * dv * 4 + conv * t["linear_conv_kernel_dim"] * 2)
+    return Blocks(full * (h * (2 * heads + 2 * kv) * hd + heads * hd * h), 0, layers * (experts * expert + shared),
+                  layers * (t["num_experts_per_tok"] * expert + shared), layers * h * experts, linear,
+                  2 * full * 2 * kv * hd, state, vocab_split_share=1)
+
+
+def minimax_m2(t: dict) -> Blocks:
+    """q, k, v split and their outputs gathered (every rank attends with all heads: keys and values whole), o
+    split; 256 experts (expert parallel) with their routing biases."""
+    h, layers, heads, kv, hd, experts = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"],
+                                         t["num_key_value_heads"], t["head_dim"], t["num_local_experts"])
+    expert = 3 * h * t["intermediate_size"]
+    return Blocks(layers * (h * (heads + 2 * kv) * hd + heads * hd * h), 0, layers * experts * expert,
+                  layers * t["num_experts_per_tok"] * expert, layers * (h * experts + experts),
+                  kv_bytes_per_token=2 * layers * 2 * kv * hd, kv_split=False)
+
+
+def mla_moe(t: dict) -> Blocks:
+    """DeepSeek-V3's latent attention (Kimi K2; GLM 5 adds its sparse-attention indexer), the first layers dense,
+    then routed and shared experts. transformers caches the keys and values expanded per head, not the latent.
+    DeepSeek-V3's plan keeps the attention whole; GLM 5's splits q_b, kv_b and o by heads."""
+    h, layers, heads, first = t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"], t["first_k_dense_replace"]
+    qk, v, q_lora, kv_lora = (t["qk_nope_head_dim"] + t["qk_rope_head_dim"], t["v_head_dim"], t["q_lora_rank"],
+                              t["kv_lora_rank"])
+    by_heads = q_lora * heads * qk + kv_lora * heads * (t["qk_nope_head_dim"] + v) + heads * v * h
+    down = h * q_lora + h * (kv_lora + t["qk_rope_head_dim"])
+    indexer = q_lora * t.get("index_n_heads", 0) * t.get("index_head_dim", 0) + h * (
+        t.get("index_head_dim", 0) + t.get("index_n_heads", 0))
+    expert = 3 * h * t["moe_intermediate_size"]
+    experts, moe = t["n_routed_experts"], layers - first
+    glm = "index_n_heads" in t
+    return Blocks(layers * by_heads, layers * (down + indexer),
+                  first * 3 * h * t["intermediate_size"] + moe * (experts + t["n_shared_experts"]) * expert,
+                  first * 3 * h * t["intermediate_size"] + moe * (t["num_experts_per_tok"] + t["n_shared_experts"])
+                  * expert, moe * h * experts, kv_bytes_per_token=2 * layers * heads * (qk + v),
+                  attention_split=glm, kv_split=glm)
+
+
+FAMILIES = {"gpt_oss": gpt_oss, "qwen3_5_moe": qwen3_5, "minimax_m2": minimax_m2, "deepseek_v3": mla_moe,
+            "glm_moe_dsa": mla_moe}
 
 
 def shape(name: str, config: dict, precision: str = "bf16") -> Shape:
     text = config.get("text_config") or config
-    h, vocab, layers = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
-    heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
-    experts, topk, embed = text.get("num_experts") or text["num_local_experts"], text["num_experts_per_tok"], vocab * h
-    if config["model_type"] == "gpt_oss":  # q, k, v, o with biases, sinks; experts: gate_up, down, their biases
-        attention = h * (heads + 2 * kv) * hd + heads * hd * h + (heads + 2 * kv) * hd + h + heads
-        expert = 3 * h * text["intermediate_size"] + 3 * text["intermediate_size"] + h
-        full, linear, shared, router = layers, 0, 0, h * experts + experts
-        state = 0.0
-        split, vocab_split = layers * experts * expert, 2 * embed  # experts (EP), embedding and LM head
-    else:  # Qwen3.5: gated queries; Gated DeltaNet qkv, z, b, a, out; shared expert with its gate
-        full = layers // text["full_attention_interval"]
-        linear = layers - full
-        attention = h * (2 * heads + 2 * kv) * hd + heads * hd * h
-        kh, vh, dk, dv = (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
-                          text["linear_value_head_dim"])
-        conv = 2 * kh * dk + vh * dv
-        linear_params = h * (conv + vh * dv + 2 * vh) + vh * dv * h
-        expert = 3 * h * text["moe_intermediate_size"]
-        shared, router = 3 * h * text["shared_expert_intermediate_size"] + h, h * experts
-        state = linear * (vh * dk * dv * 4 + conv * text["linear_conv_kernel_dim"] * 2)
-        split, vocab_split = linear * linear_params + layers * (experts * expert + shared), embed  # + LM head
-    mixers = full * attention + (linear * linear_params if linear else 0)
-    total = mixers + layers * (experts * expert + shared + router) + 2 * embed
-    active = mixers + layers * (topk * expert + shared + router) + embed  # the LM head, not the lookup
-    return Shape(name, precision, h, vocab, kv, total, active, split, full * attention, vocab_split,
-                 2 * full * 2 * kv * hd, config["model_type"] != "gpt_oss", state, text)
+    h, vocab = text["hidden_size"], text["vocab_size"]
+    b = FAMILIES[config["model_type"]](text)
+    mixers = b.attention + b.attention_whole + b.linear
+    total = mixers + b.mlp_split + b.router + 2 * vocab * h
+    active = mixers + b.mlp_active + b.router + vocab * h  # the LM head, not the lookup
+    return Shape(name, config["model_type"], precision, h, vocab, text["num_key_value_heads"], total, active, b.mlp_split + b.linear,
+                 b.attention, b.vocab_split_share * vocab * h, b.kv_bytes_per_token, b.attention_split, b.kv_split,
+                 b.state_bytes, text)
 
 
 def rank_bytes(s: Shape, degree: int, tokens: float, sequences: float) -> float:
@@ -121,7 +198,7 @@ def rank_bytes(s: Shape, degree: int, tokens: float, sequences: float) -> float:
     weights = BYTES[s.precision] * (s.split / degree + attention + whole) + 2 * (s.vocab_split / degree
                                                                                   + vocab - s.vocab_split)
     copies = s.head_bytes if degree > 1 else 0.0
-    kv = tokens * s.kv_bytes_per_token / (degree if s.splits_attention(degree) else 1)
+    kv = tokens * s.kv_bytes_per_token / (degree if s.splits_kv(degree) else 1)
     return weights + copies + kv + sequences * s.linear_state_bytes
 
 
@@ -136,7 +213,8 @@ def degree_for(s: Shape, role: str, tokens: float, sequences: float) -> tuple[in
         if (need := rank_bytes(s, d, tokens, sequences)) <= USABLE * H200_BYTES:
             return d, need
     d = max(allowed)
-    limit = next((i[0].split(": ", 1)[1] for i in issues.values() if i), "a node holds 8")
+    limit = next((i[0].split(": ", 1)[1] for i in issues.values() if i),
+                 f"{NODES} nodes hold {NODES * GPUS_PER_NODE}")
     return (f"{role}: {s.name} ({s.precision}) needs {rank_bytes(s, d, tokens, sequences) / GB:.0f} GB per rank at "
             f"{d} ranks, over the {USABLE * H200_BYTES / GB:.0f} GB an H200 leaves (more ranks: "
             f"{limit.split(' (')[0]})")
@@ -164,8 +242,9 @@ def project(s: Shape, args) -> dict:
     placed = {name: v for name, v in roles.items() if not isinstance(v, str)}
     (dr, br), (ds, bs), (de, be) = placed["rollout"], placed["scorer"], placed["evaluator"]
     notes = [f"at {d} ranks each rank holds the attention whole ({s.kv_heads} key/value heads)"
-             for d in sorted({dr, ds, de}) if s.kv_split and not s.splits_attention(d)]
-    notes += [f"projected only: {PROJECTED_ONLY[s.precision]}"] if s.precision in PROJECTED_ONLY else []
+             for d in sorted({dr, ds, de}) if s.attention_split and not s.splits_attention(d)]
+    notes += [f"projected only: {PROJECTED_ONLY[why]}" for why in (s.precision, s.family, max(dr, ds, de))
+              if why in PROJECTED_ONLY]
     nd = drafter_params(s)
     learner_bytes = nd * (2 + 4 + 8 + 4) + s.head_bytes  # bf16 copy, fp32 master, AdamW, fp32 grads; head
     free = NODES * GPUS_PER_NODE - 1 - ds - de
