@@ -229,8 +229,8 @@ class RayRun:
             _Named(EVALUATOR))
         self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, n, as_dict,
                                               store, ledger, anchors, scored)
-        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0, as_dict,
-                                                store, ledger, anchors)
+        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0,
+                                                as_dict, store, ledger, anchors)
         self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
         self.loops: dict = {}  # loop ref -> (actor name, actor)
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it

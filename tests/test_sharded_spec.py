@@ -43,6 +43,8 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str) -> st
     ("resources: {cluster: {num_gpus: 8}, scorer: {num_gpus: 2, gpus_per_replica: 2}}",
      "resources.scorer.num_gpus: 2 with gpus_per_replica 2 (expected 1, a GPU per rank, or 0 for CPU ranks)"),
     ("resources: {learner: {gpus_per_replica: 2}}", "resources.learner.gpus_per_replica: 2 (expected 1"),
+    ("resources: {evaluator: {num_cpus: 0, gpus_per_replica: 2}}",
+     "resources.evaluator.num_cpus: 0 and num_gpus 0 with gpus_per_replica 2 (expected CPUs or GPUs per rank"),
 ])
 def test_unschedulable_or_uneven_layouts_are_one_line(tmp_path, capsys, text, expected):
     assert expected in refusal(tmp_path, capsys, text)
