@@ -19,8 +19,10 @@ hands the drafter (opd/models/sharding.py), plus the role's keys and values (spl
 heads are; latent attention's cached expanded per head, as transformers caches them) and Gated DeltaNet states
 (whole on every rank: the plan gathers the linear layers' projections), for its resident tokens. Past the
 key/value heads (Qwen3.5's 2 at 4 or 8 ranks) each rank holds the attention whole, its keys and values with it.
-10% of the GPU is left for activations and the allocator. A layout over two nodes, and one only projected (an FP8
-load, a family without a sharded test here, 16 ranks), say so under the table.
+10% of the GPU is left for activations and the allocator. The scorer's ranks share a node with the learner (the
+driver packs them; the spec refuses more than a node holds): a scorer of 8 ranks is refused. A layout over two
+nodes, and one only projected (an FP8 load, a family without a sharded test here, 16 ranks), say so under the
+table.
 
 Time per update (pipelined roles: the slowest one), from FLOPs at an assumed MFU (`--mfu`, 0.4) of the H200's
 989 TFLOP/s dense bf16, and, for decoding, no faster than reading the rank's weights once per verification at
@@ -241,12 +243,16 @@ def project(s: Shape, args) -> dict:
         return row | {"refused": refused}
     placed = {name: v for name, v in roles.items() if not isinstance(v, str)}
     (dr, br), (ds, bs), (de, be) = placed["rollout"], placed["scorer"], placed["evaluator"]
+    nd = drafter_params(s)
+    learner_bytes = nd * (2 + 4 + 8 + 4) + s.head_bytes  # bf16 copy, fp32 master, AdamW, fp32 grads; head
+    if ds + 1 > GPUS_PER_NODE:  # the driver packs the scorer's ranks with the learner (opd.spec checks it)
+        return row | {"refused": [f"scorer: {s.name} ({s.precision}) needs {ds} ranks of {bs / GB:.0f} GB beside "
+                                  f"the learner's {learner_bytes / GB:.0f} GB: {ds + 1} GPUs on one node of "
+                                  f"{GPUS_PER_NODE}"]}
     notes = [f"at {d} ranks each rank holds the attention whole ({s.kv_heads} key/value heads)"
              for d in sorted({dr, ds, de}) if s.attention_split and not s.splits_attention(d)]
     notes += [f"projected only: {PROJECTED_ONLY[why]}" for why in (s.precision, s.family, max(dr, ds, de))
               if why in PROJECTED_ONLY]
-    nd = drafter_params(s)
-    learner_bytes = nd * (2 + 4 + 8 + 4) + s.head_bytes  # bf16 copy, fp32 master, AdamW, fp32 grads; head
     free = NODES * GPUS_PER_NODE - 1 - ds - de
     replicas = max(1, free // dr)
     blocks = r / tau

@@ -43,6 +43,10 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str) -> st
     ("resources: {cluster: {num_gpus: 8}, scorer: {num_gpus: 2, gpus_per_replica: 2}}",
      "resources.scorer.num_gpus: 2 with gpus_per_replica 2 (expected 1, a GPU per rank, or 0 for CPU ranks)"),
     ("resources: {learner: {gpus_per_replica: 2}}", "resources.learner.gpus_per_replica: 2 (expected 1"),
+    ("resources: {cluster: {num_gpus: 18, gpus_per_node: 8}, evaluator: {num_gpus: 1}, learner: {num_gpus: 1},"
+     " scorer: {num_gpus: 1, gpus_per_replica: 8}}",
+     "resources.scorer: 8 ranks of 1 GPU beside the learner's 1 need 9 GPUs on one node, but cluster.gpus_per_node is"
+     " 8"),
     ("resources: {evaluator: {num_cpus: 0, gpus_per_replica: 2}}",
      "resources.evaluator.num_cpus: 0 and num_gpus 0 with gpus_per_replica 2 (expected CPUs or GPUs per rank"),
 ])
