@@ -23,7 +23,7 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.models.sharding import check_sinks, load_sharded_target
+from opd.models.sharding import check_sinks, distributed_config, load_sharded_target
 from opd.tiny.micro import micro_target
 from opd.train.distributed import free_address
 from tests.helpers.decoding import EOS as MICRO_EOS
@@ -128,6 +128,18 @@ def test_four_ranks_match_the_whole_target(tmp_path):
         for name in MICRO_CLOSE + MICRO_EQUAL:
             assert_same(sharded, whole, f"micro{i}_{name}")
         assert_lossless(sharded[f"micro{i}_counts"], kv)
+
+
+def test_past_the_key_value_heads_the_plan_keeps_the_attention_whole(tmp_path):
+    """The plan `load_sharded_target` asks transformers for: the model's own where the degree divides the key/value
+    heads, its attention rules replicated where it does not, and the model's own again where it has none."""
+    mha, mqa = save_micro(tmp_path / "kv4", 4), save_micro(tmp_path / "kv1", 1)
+    _micro_gpt_oss().config.save_pretrained(tmp_path / "gpt-oss")
+    assert distributed_config(mha, 4, torch.float32).tp_plan == "auto"
+    whole = distributed_config(mqa, 2, torch.float32).tp_plan
+    assert whole == {f"model.layers.*.self_attn.{m}": "replicate" for m in
+                     ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+    assert distributed_config(str(tmp_path / "gpt-oss"), 4, torch.float32).tp_plan == "auto"
 
 
 def assert_same(sharded: dict, whole: dict, name: str) -> None:

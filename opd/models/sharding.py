@@ -136,8 +136,9 @@ def distributed_config(path: str, world: int, dtype: torch.dtype) -> Any:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     experts = _expert_count(config)
     extra = {"ep_size": world} if experts else {}
-    splits = attention_splits(config.get_text_config(decoder=True), world)
-    return DistributedConfig(tp_plan="auto" if splits else _whole_attention(config), tp_size=world, **extra)
+    # an empty override would drop every rule; a plan without attention rules (gpt-oss's) stays as it is
+    whole = {} if attention_splits(config.get_text_config(decoder=True), world) else _whole_attention(config)
+    return DistributedConfig(tp_plan=whole or "auto", tp_size=world, **extra)
 
 
 def attention_splits(text_config: Any, world: int) -> bool:
