@@ -28,11 +28,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.evaluator import NAME as EVALUATOR
-from actors.evaluator import EvaluatorActor, EvaluatorPlacement
+from actors.evaluator import EvaluatorPlacement
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
-from actors.replica import ShardFollower
+from actors.replica import ShardFollower, bundle_address
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
 from actors.weight_store import WeightStore
@@ -42,7 +42,6 @@ from opd.eval.suite import SuiteResult
 from opd.run_dir import for_actors, lock_holder
 from opd.spec import ExperimentSpec, RoleSpec
 from opd.tracking import end_run, run_status
-from opd.train.distributed import free_address
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
 from opd.train.result import record_ledger, run_to
@@ -93,16 +92,12 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
     """Two placement groups: the learner ranks (bundles 0..N-1) with their scorers' ranks packed on one node (heavy
     tensors never cross the network), and the rollout replicas spread wherever they fit (sharded ones: on one
     node). Refused here if the cluster cannot hold them."""
-    r = spec.resources
-    if r.rollout.gpus_per_replica > 1 and spec.rollout.sampler == "vllm":
-        raise OpdError(f"resources.rollout.gpus_per_replica: {r.rollout.gpus_per_replica} with rollout.sampler vllm on "
-                       "engine ray (vLLM's own tensor parallelism inside a Ray actor is not wired yet; expected 1, or "
-                       "engine local)")
+    r, rollout = spec.resources, placed_rollout(spec)
     bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
     learner_pg = placement_group(bundles, strategy="STRICT_PACK", name="opd-learner")
     # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
-    strategy = "STRICT_PACK" if r.rollout.gpus_per_replica > 1 else "PACK"
-    rollout_pg = placement_group([_bundle(r.rollout)] * r.rollout.ranks, strategy=strategy, name="opd-rollout")
+    strategy = "STRICT_PACK" if rollout.gpus_per_replica > 1 else "PACK"
+    rollout_pg = placement_group([_bundle(rollout)] * rollout.ranks, strategy=strategy, name="opd-rollout")
     ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
     if len(ready) < 2:
         for pg in (learner_pg, rollout_pg):
@@ -110,18 +105,6 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
         raise OpdError(f"resources: the cluster cannot place the roles within {timeout_s:.0f}s "
                        f"(available: {ray.available_resources()}); reduce replicas or GPUs/CPUs per role")
     return learner_pg, rollout_pg
-
-
-@ray.remote(num_cpus=0)
-def _node_address() -> str:
-    return free_address(ray.util.get_node_ip_address())
-
-
-def learner_address(learner_pg, bundle: int = 0) -> str:
-    """A free host:port on the node of `bundle` (the learner's rank 0, or a sharded replica's) for rank 0 to listen
-    on, known before any rank is built, so all of them join the group in their constructors."""
-    strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=bundle)
-    return ray.get(_node_address.options(scheduling_strategy=strategy).remote())
 
 
 def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
@@ -138,7 +121,7 @@ def replicas(actor_class, kind: str, role: RoleSpec, pg, first: int, spec: dict,
     n, leaders, followers = role.gpus_per_replica, [], []
     for i in range(role.replicas):
         name, base = f"{kind}-{i}", first + i * n
-        shard = (learner_address(pg, base), n) if n > 1 else None
+        shard = (bundle_address(pg, base), n) if n > 1 else None
         ranks = [ShardFollower.options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
             spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
         leaders.append(actor_class.options(**_on(pg, base, role, name)).remote(spec, name, *args, shard, ranks))
@@ -152,6 +135,17 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
     `ray job submit`) lives as long as the run does. They take no CPU, so a head started with num-cpus 0 holds
     them."""
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def placed_rollout(spec: ExperimentSpec) -> RoleSpec:
+    """The rollout role as Ray places it. A replica whose sampler is vLLM is one actor holding all its
+    `gpus_per_replica` GPUs in one bundle: vLLM starts its own tensor-parallel ranks inside it
+    (opd/serving/engine.py), so there is no rank of ours to follow it. Any other replica is that many ranks."""
+    r = spec.resources.rollout
+    if spec.rollout.sampler != "vllm" or r.gpus_per_replica == 1:
+        return r
+    n = r.gpus_per_replica
+    return r.model_copy(update={"num_gpus": r.num_gpus * n, "num_cpus": r.num_cpus * n, "gpus_per_replica": 1})
 
 
 @ray.remote(num_cpus=0)
@@ -224,19 +218,19 @@ class RayRun:
         self.anchors = BatchQueue("anchors", r.queue_size, pin)
         self.scored = BatchQueue("scored", r.queue_size, pin)
         n = r.learner.replicas
-        address = learner_address(self.learner_pg) if n > 1 else None
+        address = bundle_address(self.learner_pg) if n > 1 else None
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
         self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
             as_dict, i, address) for i in range(1, n)]
         self.evaluator_placement = EvaluatorPlacement(spec)  # held-out eval, off the learner's critical path
-        self.evaluator = EvaluatorActor.options(**self.evaluator_placement.options()).remote(as_dict)
+        self.evaluator = self.evaluator_placement.start(as_dict)
         self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
             as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
             _Named(EVALUATOR))
         self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, n, as_dict,
                                               store, ledger, anchors, scored)
-        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", r.rollout, self.rollout_pg, 0, as_dict,
-                                                store, ledger, anchors)
+        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0,
+                                                as_dict, store, ledger, anchors)
         self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
         self.loops: dict = {}  # loop ref -> (actor name, actor)
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it
@@ -380,8 +374,7 @@ def suite_in_actor(spec: ExperimentSpec, drafters: dict[str, str], out: str) -> 
 def _in_evaluator(spec: ExperimentSpec, call):
     init_ray(spec)
     placement = EvaluatorPlacement(spec)
-    actor = EvaluatorActor.options(**placement.options(f"{EVALUATOR}-checkpoint")).remote(
-        spec.model_dump(mode="json"))
+    actor = placement.start(spec.model_dump(mode="json"), f"{EVALUATOR}-checkpoint")
     try:
         return ray.get(call(actor))
     except ray.exceptions.RayError as exc:

@@ -6,7 +6,9 @@ The learner reaches it through `ActorEvaluations` (non-blocking submits, results
 `suite_in_actor`, actors/driver.py), on the cluster's GPUs rather than in the driver process, which on a cluster
 is usually a CPU pod. Its resources are
 `resources.evaluator`; when that reserves anything it gets a placement group of its own, so a cluster that cannot
-hold it is one error line instead of an evaluation that never starts.
+hold it is one error line instead of an evaluation that never starts. With `gpus_per_replica` N > 1 the group
+holds N ranks packed on one node: this actor is rank 0, the others `ShardFollower`s that run its calls over their
+shards of the target (actors/replica.py).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.replica import ShardFollower, Spmd, bundle_address, evaluator, join
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
 from opd.spec import ExperimentSpec
-from opd.train.evaluator import Checkpoint, EvalResult, Evaluator
+from opd.train.evaluator import Checkpoint, EvalResult
 from opd.train.messages import WeightSnapshot
 
 NAME = "evaluator"
@@ -27,8 +30,11 @@ NAME = "evaluator"
 
 @ray.remote
 class EvaluatorActor:
-    def __init__(self, spec: dict) -> None:
-        self.evaluator = Evaluator(ExperimentSpec.model_validate(spec))
+    def __init__(self, spec: dict, shard: tuple[str, int] | None = None, followers: list | None = None) -> None:
+        """`shard`: (group address, ranks) when this is rank 0 of a sharded evaluator whose other ranks are
+        `followers`."""
+        parsed = ExperimentSpec.model_validate(spec)
+        self.evaluator = Spmd(evaluator(parsed, join(parsed, shard)), followers or [])
 
     def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
         return self.evaluator(snapshot)
@@ -61,23 +67,40 @@ class ActorEvaluations:
 
 
 class EvaluatorPlacement:
-    """The evaluator actor's placement: a one-bundle group when `resources.evaluator` reserves anything."""
+    """The evaluator's placement: a group of `gpus_per_replica` bundles packed on one node when
+    `resources.evaluator` reserves anything (a sharded evaluator always does: the spec says so), and the ranks past
+    0 that `start` puts there."""
 
     def __init__(self, spec: ExperimentSpec, timeout_s: float = 60.0) -> None:
         role = spec.resources.evaluator
         bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v}
-        self.role, self.group = role, placement_group([bundle], name="opd-evaluator") if bundle else None
+        self.role = role
+        self.followers: list = []
+        self.group = placement_group([bundle] * role.gpus_per_replica, strategy="STRICT_PACK",
+                                     name="opd-evaluator") if bundle else None
         if self.group is not None and not ray.wait([self.group.ready()], timeout=timeout_s)[0]:
             self.remove()
-            raise OpdError(f"resources.evaluator: the cluster cannot place the evaluator ({bundle}) within "
-                           f"{timeout_s:.0f}s (available: {ray.available_resources()}); lower its GPUs/CPUs")
+            raise OpdError(f"resources.evaluator: the cluster cannot place the evaluator ({role.gpus_per_replica} x "
+                           f"{bundle}) within {timeout_s:.0f}s (available: {ray.available_resources()}); lower its "
+                           "GPUs/CPUs")
 
-    def options(self, name: str = NAME) -> dict:
-        strategy = None if self.group is None else PlacementGroupSchedulingStrategy(self.group, 0)
+    def start(self, spec: dict, name: str = NAME):
+        """The evaluator actor (rank 0), and its other ranks when it is sharded."""
+        n = self.role.gpus_per_replica
+        shard = (bundle_address(self.group), n) if n > 1 else None
+        self.followers = [ShardFollower.options(**self.options(f"{name}-rank{j}", j)).remote(
+            spec, "evaluator", shard[0], j, n) for j in range(1, n)] if shard else []
+        return EvaluatorActor.options(**self.options(name)).remote(spec, shard, self.followers)
+
+    def options(self, name: str = NAME, bundle: int = 0) -> dict:
+        strategy = None if self.group is None else PlacementGroupSchedulingStrategy(self.group, bundle)
         return {"name": name, "num_cpus": self.role.num_cpus, "num_gpus": self.role.num_gpus,
                 "scheduling_strategy": strategy}
 
     def remove(self) -> None:
+        for follower in self.followers:
+            ray.kill(follower)
+        self.followers = []
         if self.group is not None:
             remove_placement_group(self.group)
             self.group = None

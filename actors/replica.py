@@ -16,11 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.data.prompts import load_tokenizer, train_prompts
-from opd.models.build import build_drafter, build_models, resolve_device
-from opd.models.sharding import build_sharded_target, join_group
+from opd.models.build import Models, build_drafter, build_models, resolve_device
+from opd.models.sharding import build_sharded_target, join_group, own_rank
 from opd.spec import ExperimentSpec
+from opd.train.distributed import free_address
+from opd.train.evaluator import Evaluator
 from opd.train.rollout import RolloutWorker, rollout_needs_models
 from opd.train.scorer import Scorer
 
@@ -47,7 +50,29 @@ def scorer(spec: ExperimentSpec, world: int = 1) -> Scorer:
     return Scorer(spec, target, drafter)
 
 
-BUILDERS: dict[str, Callable[[ExperimentSpec, int], Any]] = {"rollout": rollout_worker, "scorer": scorer}
+def evaluator(spec: ExperimentSpec, world: int = 1) -> Evaluator:
+    """The evaluator's `Evaluator` over `world` ranks (its target and a drafter copy)."""
+    if world == 1:
+        return Evaluator(spec)
+    tokenizer = load_tokenizer(spec.models.tokenizer)
+    target = build_sharded_target(spec, world)
+    return Evaluator(spec, Models(target, build_drafter(spec, target, tokenizer), tokenizer), rank=own_rank())
+
+
+BUILDERS: dict[str, Callable[[ExperimentSpec, int], Any]] = {"rollout": rollout_worker, "scorer": scorer,
+                                                             "evaluator": evaluator}
+
+
+@ray.remote(num_cpus=0)
+def _node_address() -> str:
+    return free_address(ray.util.get_node_ip_address())
+
+
+def bundle_address(pg, bundle: int = 0) -> str:
+    """A free host:port on the node of `bundle` of `pg` (the learner's rank 0, or a sharded replica's) for rank 0 to
+    listen on, known before any rank is built, so all of them join the group in their constructors."""
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    return ray.get(_node_address.options(scheduling_strategy=strategy).remote())
 
 
 def join(spec: ExperimentSpec, shard: tuple[str, int] | None, rank: int = 0) -> int:

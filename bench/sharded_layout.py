@@ -4,17 +4,25 @@ step time from FLOPs and GPU-hours for the authors' schedule, from the targets' 
     python bench/sharded_layout.py [--json bench/results/sharded_layout.json] [--markdown bench/results/sharded_layout.md]
 
 The config fields are fixtures (bench/fixtures/targets/*.json, copied by hand from the public config.json files and
-model cards; nothing is downloaded). A role's degree is the smallest of 1, 2, 4, 8 (a replica is packed on one node)
+model cards, each saying where its fields come from; nothing is downloaded). A role's degree is the smallest of 1,
+2, 4, 8 (a replica packed on one node) or 16 (two nodes: projected only, the code packs a replica on one node)
 that the spec accepts for the target (`opd.spec.shard_degree_issues`: it divides the heads, key/value heads and
 experts, as transformers' tensor- and expert-parallel plans split them) and at which a rank fits an H200. A role
 that fits at no such degree is refused in one line naming the role and the bytes.
 
-Memory per rank, bf16: the weights transformers' plan splits, divided by the degree, plus those it keeps whole
-(gpt-oss's plan splits its experts and embedding, not its attention; Qwen3.5's splits attention, linear-attention
-projections, experts and the LM head, not the embedding), plus the whole embedding and LM head that a sharded
-target hands the drafter (opd/models/sharding.py), plus the role's keys and values (split with the attention
-heads) and Gated DeltaNet states (whole on every rank: the plan gathers the linear layers' projections), for its
-resident tokens. 10% of the GPU is left for activations and the allocator.
+Memory per rank, in the precision each target is published in (FP8 for GLM 5.1 and Kimi K2.x; bf16 for the others,
+and for Qwen3.5-397B-A17B also its FP8 checkpoint; MiniMax's FP8 release is taken in bf16, the larger; FP8 is
+every linear weight in one byte, embedding and LM head in bf16): the weights transformers' plan splits, divided by
+the degree, plus those it keeps whole (per family in `FAMILIES`: gpt-oss's and DeepSeek-V3's plans keep the
+attention whole; MiniMax M2's gathers its q, k and v), plus the whole embedding and LM head that a sharded target
+hands the drafter (opd/models/sharding.py), plus the role's keys and values (split only where the attention's
+heads are; latent attention's cached expanded per head, as transformers caches them) and Gated DeltaNet states
+(whole on every rank: the plan gathers the linear layers' projections), for its resident tokens. Past the
+key/value heads (Qwen3.5's 2 at 4 or 8 ranks) each rank holds the attention whole, its keys and values with it.
+10% of the GPU is left for activations and the allocator. The scorer's ranks share a node with the learner (the
+driver packs them; the spec refuses more than a node holds): a scorer of 8 ranks is refused. A layout over two
+nodes, and one only projected (an FP8 load, a family without a sharded test here, 16 ranks), say so under the
+table.
 
 Time per update (pipelined roles: the slowest one), from FLOPs at an assumed MFU (`--mfu`, 0.4) of the H200's
 989 TFLOP/s dense bf16, and, for decoding, no faster than reading the rank's weights once per verification at
@@ -37,23 +45,38 @@ from opd.spec import ResourcesSpec, RoleSpec, shard_degree_issues
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "targets"
 GB, H200_BYTES, USABLE = 1e9, 141e9, 0.9
 PEAK_FLOPS, HBM_BYTES_PER_S = 989e12, 4.8e12
-DEGREES, GPUS_PER_NODE, NODES = (1, 2, 4, 8), 8, 2
+DEGREES, GPUS_PER_NODE, NODES = (1, 2, 4, 8, 16), 8, 2
+BYTES = {"bf16": 2, "fp8": 1}
+# (fixture, precision): each target in bf16, and Qwen3.5-397B-A17B also from its FP8 checkpoint
+LAYOUTS = [("gpt-oss-120b", "bf16"), ("qwen3.5-122b-a10b", "bf16"), ("qwen3.5-397b-a17b", "bf16"),
+           ("qwen3.5-397b-a17b", "fp8"), ("minimax-m2.5", "bf16"), ("glm-5.1", "fp8"), ("kimi-k2", "fp8")]
+PROJECTED_ONLY = {"fp8": "an FP8 checkpoint's sharded load is not tested here (the CPU tests load bf16 and fp32)",
+                  "minimax_m2": "no sharded test of MiniMax M2 here",
+                  "deepseek_v3": "no sharded test of DeepSeek-V3's latent attention here",
+                  "glm_moe_dsa": "the project refuses GLM 5's sparse attention (not an exact layer kind yet)",
+                  16: "16 ranks span two nodes, and the code packs a replica on one node"}
 SEQUENCES, ROLLOUT_BATCH, UPDATES, BLOCK, DRAFTER_LAYERS = 210, 21, 534, 16, 5
 SCORER_TOKENS = 16_384  # replay.micro_batch_tokens of the shipped configs
 
 
 @dataclass(frozen=True)
 class Shape:
-    """The parameter counts a layout needs, from a target's config fields."""
+    """The parameter counts a layout needs, from a target's config fields, in the precision its weights load in."""
 
     name: str
+    family: str  # config.json's model_type
+    precision: str  # bf16, or fp8: every linear weight in one byte (block scales left out), embedding and head bf16
     hidden: int
     vocab: int
+    kv_heads: int
     total: float  # parameters
     active: float  # parameters a token runs through
-    split: float  # parameters transformers' plan splits over the ranks
-    kv_bytes_per_token: float  # all attention layers, bf16
-    kv_split: bool  # the plan splits the attention heads
+    split: float  # parameters transformers' plan splits over the ranks, outside the attention and the vocabulary
+    attention: float  # attention parameters the plan splits by heads (whole on every rank past the key/value heads)
+    vocab_split: float  # embedding and LM head parameters the plan splits (the rest of 2 x vocab x hidden is whole)
+    kv_bytes_per_token: float  # all attention layers, bf16, as transformers caches them (MLA's expanded per head)
+    attention_split: bool  # the plan splits the attention's weights by heads (where the degree divides them)
+    kv_split: bool  # ... and its keys and values with them (not where it gathers the projections' outputs)
     linear_state_bytes: float  # per sequence, all linear layers (fp32 recurrent + bf16 conv)
     config: dict
 
@@ -62,47 +85,128 @@ class Shape:
         """Embedding + LM head, bf16 (untied targets here)."""
         return 2 * self.vocab * self.hidden * 2
 
+    @property
+    def weight_bytes(self) -> float:
+        """All weights, in their precision."""
+        return BYTES[self.precision] * (self.total - 2 * self.vocab * self.hidden) + self.head_bytes
 
-def shape(name: str, config: dict) -> Shape:
+    def splits_attention(self, degree: int) -> bool:
+        return self.attention_split and self.kv_heads % degree == 0
+
+    def splits_kv(self, degree: int) -> bool:
+        return self.kv_split and self.splits_attention(degree)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A family's parameter counts, from which `shape` sums a target's."""
+
+    attention: float  # split by heads where the plan splits them
+    attention_whole: float  # attention parameters no plan splits (MLA's down-projections)
+    mlp_split: float  # experts, shared experts, dense MLPs: split (expert or tensor parallel)
+    mlp_active: float  # what one token runs through of them
+    router: float
+    linear: float = 0.0  # linear-attention projections (split, their outputs gathered)
+    kv_bytes_per_token: float = 0.0
+    state_bytes: float = 0.0
+    attention_split: bool = True
+    kv_split: bool = True
+    vocab_split_share: int = 2  # of the embedding and LM head, how many the plan splits
+
+
+def gpt_oss(t: dict) -> Blocks:
+    """q, k, v, o with biases, sinks; experts: gate_up, down, their biases. The plan splits the experts, the
+    embedding and the LM head, not the attention."""
+    h, layers, heads, kv, hd, experts = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"],
+                                         t["num_key_value_heads"], t["head_dim"], t["num_local_experts"])
+    attention = h * (heads + 2 * kv) * hd + heads * hd * h + (heads + 2 * kv) * hd + h + heads
+    expert = 3 * h * t["intermediate_size"] + 3 * t["intermediate_size"] + h
+    return Blocks(layers * attention, 0, layers * experts * expert, layers * t["num_experts_per_tok"] * expert,
+                  layers * (h * experts + experts), kv_bytes_per_token=2 * layers * 2 * kv * hd,
+                  attention_split=False, kv_split=False)
+
+
+def qwen3_5(t: dict) -> Blocks:
+    """Gated queries; Gated DeltaNet qkv, z, b, a, out (split, outputs gathered: its states whole on every rank);
+    experts with a shared expert and its gate. The plan splits attention, linear attention, experts and the LM
+    head, not the embedding."""
+    h, layers, heads, kv, hd, experts = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"],
+                                         t["num_key_value_heads"], t["head_dim"], t["num_experts"])
+    full = layers // t["full_attention_interval"]
+    kh, vh, dk, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"], t["linear_key_head_dim"],
+                      t["linear_value_head_dim"])
+    conv = 2 * kh * dk + vh * dv
+    linear = (layers - full) * (h * (conv + vh * dv + 2 * vh) + vh * dv * h)
+    expert, shared = 3 * h * t["moe_intermediate_size"], 3 * h * t["shared_expert_intermediate_size"] + h
+    state = (layers - full) * (vh * dk * dv * 4 + conv * t["linear_conv_kernel_dim"] * 2)
+    return Blocks(full * (h * (2 * heads + 2 * kv) * hd + heads * hd * h), 0, layers * (experts * expert + shared),
+                  layers * (t["num_experts_per_tok"] * expert + shared), layers * h * experts, linear,
+                  2 * full * 2 * kv * hd, state, vocab_split_share=1)
+
+
+def minimax_m2(t: dict) -> Blocks:
+    """q, k, v split and their outputs gathered (every rank attends with all heads: keys and values whole), o
+    split; 256 experts (expert parallel) with their routing biases."""
+    h, layers, heads, kv, hd, experts = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"],
+                                         t["num_key_value_heads"], t["head_dim"], t["num_local_experts"])
+    expert = 3 * h * t["intermediate_size"]
+    return Blocks(layers * (h * (heads + 2 * kv) * hd + heads * hd * h), 0, layers * experts * expert,
+                  layers * t["num_experts_per_tok"] * expert, layers * (h * experts + experts),
+                  kv_bytes_per_token=2 * layers * 2 * kv * hd, kv_split=False)
+
+
+def mla_moe(t: dict) -> Blocks:
+    """DeepSeek-V3's latent attention (Kimi K2; GLM 5 adds its sparse-attention indexer), the first layers dense,
+    then routed and shared experts. transformers caches the keys and values expanded per head, not the latent.
+    DeepSeek-V3's plan keeps the attention whole; GLM 5's splits q_b, kv_b and o by heads."""
+    h, layers, heads, first = t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"], t["first_k_dense_replace"]
+    qk, v, q_lora, kv_lora = (t["qk_nope_head_dim"] + t["qk_rope_head_dim"], t["v_head_dim"], t["q_lora_rank"],
+                              t["kv_lora_rank"])
+    by_heads = q_lora * heads * qk + kv_lora * heads * (t["qk_nope_head_dim"] + v) + heads * v * h
+    down = h * q_lora + h * (kv_lora + t["qk_rope_head_dim"])
+    indexer = q_lora * t.get("index_n_heads", 0) * t.get("index_head_dim", 0) + h * (
+        t.get("index_head_dim", 0) + t.get("index_n_heads", 0))
+    expert = 3 * h * t["moe_intermediate_size"]
+    experts, moe = t["n_routed_experts"], layers - first
+    glm = "index_n_heads" in t
+    return Blocks(layers * by_heads, layers * (down + indexer),
+                  first * 3 * h * t["intermediate_size"] + moe * (experts + t["n_shared_experts"]) * expert,
+                  first * 3 * h * t["intermediate_size"] + moe * (t["num_experts_per_tok"] + t["n_shared_experts"])
+                  * expert, moe * h * experts, kv_bytes_per_token=2 * layers * heads * (qk + v),
+                  attention_split=glm, kv_split=glm)
+
+
+FAMILIES = {"gpt_oss": gpt_oss, "qwen3_5_moe": qwen3_5, "minimax_m2": minimax_m2, "deepseek_v3": mla_moe,
+            "glm_moe_dsa": mla_moe}
+
+
+def shape(name: str, config: dict, precision: str = "bf16") -> Shape:
     text = config.get("text_config") or config
-    h, vocab, layers = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
-    heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
-    experts, topk, embed = text.get("num_experts") or text["num_local_experts"], text["num_experts_per_tok"], vocab * h
-    if config["model_type"] == "gpt_oss":  # q, k, v, o with biases, sinks; experts: gate_up, down, their biases
-        attention = h * (heads + 2 * kv) * hd + heads * hd * h + (heads + 2 * kv) * hd + h + heads
-        expert = 3 * h * text["intermediate_size"] + 3 * text["intermediate_size"] + h
-        full, linear, shared, router = layers, 0, 0, h * experts + experts
-        state = 0.0
-        split = layers * experts * expert + embed + embed  # experts (EP), embedding and LM head
-    else:  # Qwen3.5: gated queries; Gated DeltaNet qkv, z, b, a, out; shared expert with its gate
-        full = layers // text["full_attention_interval"]
-        linear = layers - full
-        attention = h * (2 * heads + 2 * kv) * hd + heads * hd * h
-        kh, vh, dk, dv = (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
-                          text["linear_value_head_dim"])
-        conv = 2 * kh * dk + vh * dv
-        linear_params = h * (conv + vh * dv + 2 * vh) + vh * dv * h
-        expert = 3 * h * text["moe_intermediate_size"]
-        shared, router = 3 * h * text["shared_expert_intermediate_size"] + h, h * experts
-        state = linear * (vh * dk * dv * 4 + conv * text["linear_conv_kernel_dim"] * 2)
-        split = full * attention + linear * linear_params + layers * (experts * expert + shared) + embed  # + LM head
-    mixers = full * attention + (linear * linear_params if linear else 0)
-    total = mixers + layers * (experts * expert + shared + router) + 2 * embed
-    active = mixers + layers * (topk * expert + shared + router) + embed  # the LM head, not the lookup
-    return Shape(name, h, vocab, total, active, split, 2 * full * 2 * kv * hd, config["model_type"] != "gpt_oss",
-                 state, text)
+    h, vocab = text["hidden_size"], text["vocab_size"]
+    b = FAMILIES[config["model_type"]](text)
+    mixers = b.attention + b.attention_whole + b.linear
+    total = mixers + b.mlp_split + b.router + 2 * vocab * h
+    active = mixers + b.mlp_active + b.router + vocab * h  # the LM head, not the lookup
+    return Shape(name, config["model_type"], precision, h, vocab, text["num_key_value_heads"], total, active, b.mlp_split + b.linear,
+                 b.attention, b.vocab_split_share * vocab * h, b.kv_bytes_per_token, b.attention_split, b.kv_split,
+                 b.state_bytes, text)
 
 
 def rank_bytes(s: Shape, degree: int, tokens: float, sequences: float) -> float:
     """One rank's GPU bytes at `degree`, holding the keys and values of `tokens` and the states of `sequences`."""
-    weights = 2 * (s.split / degree + s.total - s.split)
+    vocab = 2 * s.vocab * s.hidden
+    attention = s.attention / (degree if s.splits_attention(degree) else 1)
+    whole = s.total - s.split - s.attention - vocab
+    weights = BYTES[s.precision] * (s.split / degree + attention + whole) + 2 * (s.vocab_split / degree
+                                                                                  + vocab - s.vocab_split)
     copies = s.head_bytes if degree > 1 else 0.0
-    kv = tokens * s.kv_bytes_per_token / (degree if s.kv_split else 1)
+    kv = tokens * s.kv_bytes_per_token / (degree if s.splits_kv(degree) else 1)
     return weights + copies + kv + sequences * s.linear_state_bytes
 
 
 def degree_for(s: Shape, role: str, tokens: float, sequences: float) -> tuple[int, float] | str:
-    """(degree, bytes per rank) of the smallest degree the spec accepts that fits an H200, else a one-line refusal."""
+    """(degree, bytes per rank) of the smallest degree the spec accepts that fits an H200, else a one-line refusal
+    naming the role and the bytes."""
     config = ModelDir(Path(s.name), {"text_config": s.config})
     issues = {d: shard_degree_issues(ResourcesSpec(scorer=RoleSpec(gpus_per_replica=d)), config)
               for d in DEGREES}
@@ -111,9 +215,11 @@ def degree_for(s: Shape, role: str, tokens: float, sequences: float) -> tuple[in
         if (need := rank_bytes(s, d, tokens, sequences)) <= USABLE * H200_BYTES:
             return d, need
     d = max(allowed)
-    limit = next((i[0].split(": ", 1)[1] for i in issues.values() if i), "a node holds 8")
-    return (f"{role}: {s.name} needs {rank_bytes(s, d, tokens, sequences) / GB:.0f} GB per rank at {d} ranks, over "
-            f"the {USABLE * H200_BYTES / GB:.0f} GB an H200 leaves (more ranks: {limit.split(' (')[0]})")
+    limit = next((i[0].split(": ", 1)[1] for i in issues.values() if i),
+                 f"{NODES} nodes hold {NODES * GPUS_PER_NODE}")
+    return (f"{role}: {s.name} ({s.precision}) needs {rank_bytes(s, d, tokens, sequences) / GB:.0f} GB per rank at "
+            f"{d} ranks, over the {USABLE * H200_BYTES / GB:.0f} GB an H200 leaves (more ranks: "
+            f"{limit.split(' (')[0]})")
 
 
 def drafter_params(s: Shape) -> float:
@@ -130,14 +236,23 @@ def project(s: Shape, args) -> dict:
     roles = {"rollout": degree_for(s, "rollout", rollout_tokens, ROLLOUT_BATCH),
              "scorer": degree_for(s, "scorer", scorer_tokens, SCORER_TOKENS / (p + r)),
              "evaluator": degree_for(s, "evaluator", rollout_tokens, ROLLOUT_BATCH)}
-    row: dict = {"target": s.name, "params_b": s.total / 1e9, "active_b": s.active / 1e9,
-                 "weights_gb": 2 * s.total / GB}
+    row: dict = {"target": s.name, "precision": s.precision, "params_b": s.total / 1e9, "active_b": s.active / 1e9,
+                 "weights_gb": s.weight_bytes / GB}
     refused = [v for v in roles.values() if isinstance(v, str)]
     if refused:
         return row | {"refused": refused}
-    (dr, br), (ds, bs), (de, be) = roles["rollout"], roles["scorer"], roles["evaluator"]
+    placed = {name: v for name, v in roles.items() if not isinstance(v, str)}
+    (dr, br), (ds, bs), (de, be) = placed["rollout"], placed["scorer"], placed["evaluator"]
     nd = drafter_params(s)
     learner_bytes = nd * (2 + 4 + 8 + 4) + s.head_bytes  # bf16 copy, fp32 master, AdamW, fp32 grads; head
+    if ds + 1 > GPUS_PER_NODE:  # the driver packs the scorer's ranks with the learner (opd.spec checks it)
+        return row | {"refused": [f"scorer: {s.name} ({s.precision}) needs {ds} ranks of {bs / GB:.0f} GB beside "
+                                  f"the learner's {learner_bytes / GB:.0f} GB: {ds + 1} GPUs on one node of "
+                                  f"{GPUS_PER_NODE}"]}
+    notes = [f"at {d} ranks each rank holds the attention whole ({s.kv_heads} key/value heads)"
+             for d in sorted({dr, ds, de}) if s.attention_split and not s.splits_attention(d)]
+    notes += [f"projected only: {PROJECTED_ONLY[why]}" for why in (s.precision, s.family, max(dr, ds, de))
+              if why in PROJECTED_ONLY]
     free = NODES * GPUS_PER_NODE - 1 - ds - de
     replicas = max(1, free // dr)
     blocks = r / tau
@@ -150,32 +265,36 @@ def project(s: Shape, args) -> dict:
              "learner_s": learner_flops / (PEAK_FLOPS * args.mfu)}
     gpus = replicas * dr + ds + 1 + de
     step = max(times.values())
-    return row | {"rollout": f"{replicas} x {dr}", "rollout_gb": br / GB, "scorer": ds, "scorer_gb": bs / GB,
+    if gpus > NODES * GPUS_PER_NODE:
+        notes.append(f"over {NODES} nodes: rollout {dr} + scorer {ds} + learner 1 + evaluator {de} = {gpus} GPUs")
+    return row | {"notes": notes, "rollout": f"{replicas} x {dr}", "rollout_gb": br / GB, "scorer": ds, "scorer_gb": bs / GB,
                   "evaluator": de, "evaluator_gb": be / GB, "learner_gb": learner_bytes / GB, "gpus": gpus,
                   "nodes": math.ceil(gpus / GPUS_PER_NODE), "rollout_bound": "flops" if flop_time >= read_time
                   else "weights read", **times, "step_s": step, "gpu_hours": UPDATES * step * gpus / 3600}
 
 
 def markdown(rows: list[dict], args) -> str:
-    head = ("| target | params (B) | active (B) | bf16 weights (GB) | rollout replicas x ranks | GB/rank | scorer "
+    head = ("| target | precision | params (B) | active (B) | weights (GB) | rollout replicas x ranks | GB/rank | scorer "
             "ranks | GB/rank | evaluator ranks | GB/rank | learner GB | GPUs (nodes) | s/update (rollout, scorer, "
-            "learner) | GPU-hours, 534 updates |\n" + "|---" * 14 + "|\n")
+            "learner) | GPU-hours, 534 updates |\n" + "|---" * 15 + "|\n")
     lines = []
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['target']} | {r['params_b']:.1f} | {r['active_b']:.1f} | {r['weights_gb']:.0f} | "
-                         "refused (below) |" + " |" * 9)
+            lines.append(f"| {r['target']} | {r['precision']} | {r['params_b']:.1f} | {r['active_b']:.1f} | "
+                         f"{r['weights_gb']:.0f} | refused (below) |" + " |" * 9)
             continue
-        lines.append(f"| {r['target']} | {r['params_b']:.1f} | {r['active_b']:.1f} | {r['weights_gb']:.0f} | "
-                     f"{r['rollout']} | {r['rollout_gb']:.0f} | {r['scorer']} | {r['scorer_gb']:.0f} | "
+        lines.append(f"| {r['target']} | {r['precision']} | {r['params_b']:.1f} | {r['active_b']:.1f} | "
+                     f"{r['weights_gb']:.0f} | {r['rollout']} | {r['rollout_gb']:.0f} | {r['scorer']} | {r['scorer_gb']:.0f} | "
                      f"{r['evaluator']} | {r['evaluator_gb']:.0f} | {r['learner_gb']:.0f} | {r['gpus']} "
                      f"({r['nodes']}) | {r['step_s']:.0f} ({r['rollout_s']:.0f}, {r['scorer_s']:.0f}, "
                      f"{r['learner_s']:.1f}; rollout {r['rollout_bound']}-bound) | {r['gpu_hours']:.0f} |")
     said = (f"Assumptions: prompt {args.prompt}, response {args.response} tokens, τ {args.tau}, blocks of {BLOCK}, "
-            f"MFU {args.mfu}, bf16, {NODES} nodes of {GPUS_PER_NODE} H200 ({H200_BYTES / GB:.0f} GB, "
+            f"MFU {args.mfu} of bf16 peak, {NODES} nodes of {GPUS_PER_NODE} H200 ({H200_BYTES / GB:.0f} GB, "
             f"{USABLE:.0%} usable).\n")
     refusals = "".join(f"- {line}\n" for r in rows for line in r.get("refused", []))
-    return head + "\n".join(lines) + "\n\n" + said + ("\nRefused:\n\n" + refusals if refusals else "")
+    notes = "".join(f"- {r['target']} ({r['precision']}): {note}\n" for r in rows for note in r.get("notes", []))
+    return (head + "\n".join(lines) + "\n\n" + said + ("\nNotes:\n\n" + notes if notes else "")
+            + ("\nRefused:\n\n" + refusals if refusals else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="bench/results/sharded_layout.json")
     parser.add_argument("--markdown", default="bench/results/sharded_layout.md")
     args = parser.parse_args(argv)
-    shapes = [shape(f.stem, json.loads(f.read_text())) for f in sorted(FIXTURES.glob("*.json"))]
+    shapes = [shape(name, json.loads((FIXTURES / f"{name}.json").read_text()), precision)
+              for name, precision in LAYOUTS]
     rows = [project(s, args) for s in shapes]
     table = markdown(rows, args)
     print(table)

@@ -230,6 +230,8 @@ SHIPPED = {  # config: (target, drafter, target layers, layer ids, mask token, t
     "gpt-oss-20b": ("gpt-oss-20b", "gpt-oss-20b-DFlash", 24, None, None, None),
     "qwen3.5-9b": ("Qwen3.5-9B", "Qwen3.5-9B-DFlash", 32, [1, 8, 15, 22, 29], 248070, True),
     "gemma4-31b": ("gemma-4-31B-it", "gemma-4-31B-it-DFlash", 60, [1, 12, 23, 35, 46, 57], 4, None),
+    "gpt-oss-120b": ("gpt-oss-120b", "gpt-oss-120b-DFlash", 36, None, None, None),
+    "qwen3.5-122b-a10b": ("Qwen3.5-122B-A10B", "Qwen3.5-122B-A10B-DFlash", 48, None, None, True),
 }
 
 

@@ -1,15 +1,19 @@
 """`opd run` on Ray with the rollout and scorer replicas each sharded over 2 gloo ranks (actors/replica.py) takes
-the unsharded local run's steps: the same losses at max_policy_lag 0. Seven Ray workers that each import torch
-and transformers take minutes on 2 cores, so it is `slow`; tests/test_sharding.py runs the same sharded
-computation (decodes, replay, the rebuild) in `make test`."""
+the unsharded local run's steps: the same losses at max_policy_lag 0; an evaluator actor sharded over 2 ranks
+(actors/evaluator.py) gives the rows the local evaluator gives. Ray workers that each import torch and
+transformers take minutes on 2 cores, so these are `slow`; tests/test_sharding.py runs the same sharded
+computation (decodes, replay, the rebuild, the evaluator) in `make test`."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import ray
 
-from actors.driver import run_ray
+from actors.driver import evaluate_in_actor, run_ray
 from opd.spec import load_spec
+from opd.train.evaluator import Checkpoint, Evaluator
 from opd.train.local import LocalTrainer
 
 
@@ -33,3 +37,15 @@ def test_sharded_rollout_and_scorer_take_the_unsharded_steps(ray_cluster, micro_
     sharded = run_ray(spec, track=False)
     assert sharded.steps == 2
     assert sharded.losses == pytest.approx(local.losses, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_a_sharded_evaluator_actor_gives_the_local_rows(ray_cluster, micro_spec_file):
+    spec = load_spec(micro_spec_file, ["eval.speedup_prompts=2", "resources.cluster.num_cpus=4",
+                                       "resources.evaluator.gpus_per_replica=2",
+                                       "resources.evaluator.num_cpus=0.5"])
+    untimed = [[replace(r, spec_tokens_per_s=None, ar_tokens_per_s=None, speedup=None) for r in rows]
+               for rows in evaluate_in_actor(spec, [Checkpoint(None)])]
+    local = Evaluator(spec).checkpoints([Checkpoint(None)])
+    assert untimed == [[replace(r, spec_tokens_per_s=None, ar_tokens_per_s=None, speedup=None) for r in rows]
+                       for rows in local]

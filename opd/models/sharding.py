@@ -12,8 +12,9 @@ gathered once at load: one more embedding and head per rank (2 GB in bf16 at a 2
 Inside a layer the attention functions see the rank's heads only; `packed_attention`'s wrappers take the head
 count from the tensors they are given, and a layer's sinks are checked here to be sharded like its heads.
 
-The degree must divide the heads, the key/value heads and the experts: `opd.spec` checks it from the target's
-config before anything runs (`shard_degree_issues`), and a loading error of transformers becomes one line here.
+The degree must divide the heads and the experts, and divide or be a multiple of the key/value heads (past them,
+each rank holds the attention whole: `distributed_config`): `opd.spec` checks it from the target's config before
+anything runs (`shard_degree_issues`), and a loading error of transformers becomes one line here.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def join_group(address: str, rank: int, world: int, device: str) -> ShardGroup:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}", rank=rank,
                                 world_size=world, timeout=TIMEOUT)
     return ShardGroup(rank, world)
+
+
+def own_rank() -> int:
+    """This process's rank in its replica's group (0 outside one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def load_sharded_target(path: str, *, dtype: torch.dtype, attn_implementation: str | None, layer_ids: list[int],
@@ -121,14 +127,33 @@ def _whole(tensor: torch.Tensor, gathered: dict[int, torch.Tensor]) -> torch.Ten
 def distributed_config(path: str, world: int, dtype: torch.dtype) -> Any:
     """transformers' plan for `world` ranks: tensor parallel over them, and expert parallel over the same ranks
     where the model has an expert plan (each rank then holds 1/world of the experts, and their outputs are summed
-    with the attention's)."""
+    with the attention's). Where `world` does not divide the key/value heads (Qwen3.5's 2 at 4 or 8 ranks), the
+    attention stays whole on every rank, its keys and values with it, as vLLM replicates key/value heads past
+    their count: the plan's head split would give a rank a fraction of a key/value head."""
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     experts = _expert_count(config)
     extra = {"ep_size": world} if experts else {}
-    return DistributedConfig(tp_plan="auto", tp_size=world, **extra)
+    # an empty override would drop every rule; a plan without attention rules (gpt-oss's) stays as it is
+    whole = {} if attention_splits(config.get_text_config(decoder=True), world) else _whole_attention(config)
+    return DistributedConfig(tp_plan=whole or "auto", tp_size=world, **extra)
+
+
+def attention_splits(text_config: Any, world: int) -> bool:
+    """Whether `world` ranks split the attention by heads (else each holds it whole)."""
+    return int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads) % world == 0
+
+
+def _whole_attention(config: Any) -> dict[str, str]:
+    """The model's plan with every attention rule (`self_attn.`) turned into "replicate": those modules load whole
+    and run on every rank as in one process. The plan's full names come from the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: "replicate" for name in model.tp_plan if ".self_attn." in name}
 
 
 def _expert_count(config: Any) -> int:

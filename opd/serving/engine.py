@@ -36,12 +36,16 @@ def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dic
     over `tensor_parallel_size` of this process's GPUs.
 
     `max_model_len` is prompt + response budget: otherwise a Qwen3's 40K context sizes the scheduler for nothing.
-    `stats` turns on the Prometheus counters that `spec_decode_counts` reads.
+    `stats` turns on the Prometheus counters that `spec_decode_counts` reads. Past one GPU, vLLM's ranks are
+    processes of its own (the "mp" backend) on the GPUs this process sees: inside a Ray actor vLLM would otherwise
+    ask Ray for a GPU bundle per rank, while the actor already holds them all (actors/driver.py `placed_rollout`).
     """
     m = spec.models
     kwargs: dict[str, Any] = dict(model=m.target_path, tokenizer=m.tokenizer, dtype=m.dtype, seed=spec.seed,
                                   max_model_len=spec.data.max_prompt_tokens + max_tokens,
                                   disable_log_stats=not stats, tensor_parallel_size=tensor_parallel_size)
+    if tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = "mp"
     if speculative_config is not None:
         kwargs["speculative_config"] = speculative_config
     if max_num_seqs is not None:

@@ -84,16 +84,20 @@ SPLIT_COUNTS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_he
 
 
 def shard_degree_issues(resources: ResourcesSpec, target: ModelDir | None) -> list[str]:
-    """A role's ranks split the target's heads, key/value heads (and linear-attention heads) by tensor parallelism
-    and its experts by expert parallelism: each count the target's config.json names must divide by the degree."""
+    """A role's ranks split the target's heads (and linear-attention heads) by tensor parallelism and its experts
+    by expert parallelism: each count the target's config.json names must divide by the degree. Key/value heads
+    may instead divide the degree (Qwen3.5's 2 at 8 ranks): each rank then holds the attention whole
+    (opd/models/sharding.py `attention_splits`)."""
     counts = {key: value for key in SPLIT_COUNTS if target is not None and (value := target.int_or_none(key))}
     issues = []
     for name in ("rollout", "scorer", "learner", "evaluator"):
         degree = getattr(resources, name).gpus_per_replica
-        uneven = [f"{key} {count}" for key, count in counts.items() if count % degree]
+        uneven = [f"{key} {count}" for key, count in counts.items()
+                  if count % degree and not (key == "num_key_value_heads" and degree % count == 0)]
         if degree > 1 and uneven:
             issues.append(f"resources.{name}.gpus_per_replica: {degree} does not divide the target's "
-                          f"{', '.join(uneven)} (expected a common divisor of {', '.join(map(str, counts.values()))})")
+                          f"{', '.join(uneven)} (expected a common divisor of {', '.join(map(str, counts.values()))}"
+                          "; or a multiple of the key/value heads)")
     return issues
 
 

@@ -455,19 +455,27 @@ class ResourcesSpec(Section):
 
 
 def _shard_layout_issues(roles: dict[str, RoleSpec], gpus_per_node: int | None) -> list[str]:
-    """A sharded replica is one rank per device, all on one node (its placement group is STRICT_PACK); the
-    learner's ranks are its replicas."""
+    """A sharded replica is one rank per device, all on one node (its placement group is STRICT_PACK), and so are
+    the learner's ranks (its replicas) with every scorer rank."""
     issues = [f"learner.gpus_per_replica: {roles['learner'].gpus_per_replica} (expected 1: the learner's ranks are "
               "its replicas, each a whole drafter)"] * (roles["learner"].gpus_per_replica != 1)
-    issues += [f"evaluator.gpus_per_replica: {roles['evaluator'].gpus_per_replica} (expected 1: the evaluator holds "
-               "the target whole; sharded are rollout and scorer)"] * (roles["evaluator"].gpus_per_replica != 1)
     for name, role in roles.items():
-        if role.gpus_per_replica > 1 and role.num_gpus not in (0, 1):
+        if role.gpus_per_replica > 1 and not (role.num_gpus or role.num_cpus):
+            issues.append(f"{name}.num_cpus: 0 and num_gpus 0 with gpus_per_replica {role.gpus_per_replica} (expected "
+                          "CPUs or GPUs per rank: a placement group packs the ranks on one node, and Ray places no "
+                          "empty bundle)")
+        elif role.gpus_per_replica > 1 and role.num_gpus not in (0, 1):
             issues.append(f"{name}.num_gpus: {_num(role.num_gpus)} with gpus_per_replica {role.gpus_per_replica} "
                           "(expected 1, a GPU per rank, or 0 for CPU ranks)")
         elif gpus_per_node is not None and role.gpus_per_replica * role.num_gpus > gpus_per_node:
             issues.append(f"{name}.gpus_per_replica: {role.gpus_per_replica} GPUs, but a node has "
                           f"cluster.gpus_per_node {gpus_per_node} (a replica's ranks are packed on one node)")
+    beside = roles["learner"].replicas * roles["learner"].num_gpus + roles["scorer"].ranks * roles["scorer"].num_gpus
+    if gpus_per_node is not None and not issues and beside > gpus_per_node:
+        issues.append(f"scorer: {roles['scorer'].ranks} ranks of {_num(roles['scorer'].num_gpus)} GPU beside the "
+                      f"learner's {_num(roles['learner'].replicas * roles['learner'].num_gpus)} need {_num(beside)} "
+                      f"GPUs on one node, but cluster.gpus_per_node is {gpus_per_node} (the learner's placement "
+                      "group packs its scorers with it, so their batches never cross the network)")
     return issues
 
 

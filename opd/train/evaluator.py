@@ -7,11 +7,15 @@ directories (`opd run`'s before/after table, with the autoregressive baseline fo
 suite table). The learner never decodes: it hands snapshots over through `Evaluations` and logs the results when
 they come back.
 `engine: local` evaluates inline (`InlineEvaluations`, the same object in the same process); `engine: ray` runs it
-in its own actor (actors/evaluator.py), so the learner steps on while the evaluator decodes.
+in its own actor (actors/evaluator.py), so the learner steps on while the evaluator decodes; with
+`resources.evaluator.gpus_per_replica` N > 1, in N actors over one sharded target, each holding an `Evaluator`
+that runs the same calls (actors/replica.py).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -50,9 +54,11 @@ class Evaluator:
     """Evaluates the spec's held-out prompts with given drafter weights against the frozen target: offline on the
     stored samples of `eval.samples_path` where it can (opd/eval/offline.py), by decoding otherwise."""
 
-    def __init__(self, spec: ExperimentSpec, models: Models | None = None) -> None:
-        """`models`: a target and a drafter of its own to load weights into (default: built from the spec)."""
-        self.spec = spec
+    def __init__(self, spec: ExperimentSpec, models: Models | None = None, rank: int = 0) -> None:
+        """`models`: a target and a drafter of its own to load weights into (default: built from the spec).
+        `rank`: this process's rank in a sharded evaluator; past 0 it draws samples into copies of its own
+        (`private_copy`)."""
+        self.spec, self.rank = spec, rank
         self.models = models or build_models(spec)
         self.prompts = eval_prompts(spec.data, self.models.tokenizer, spec.eval.num_prompts)
         self._offline: OfflineEval | None = None
@@ -81,11 +87,11 @@ class Evaluator:
     def draw_samples(self, path: str) -> None:
         """Store the held-out samples in `path` (resumable), decoded by the spec's warm drafter, so its offline τ
         is its decoded τ; evaluate offline on them from now on."""
-        m = self.models
+        m, own = self.models, private_copy(Path(path), self.rank)
         drafter = build_drafter(self.spec, m.target, m.tokenizer)
         draw_eval_samples(self.spec, build_sampler(self.spec, "speculative", m.target, drafter, m.eos_id),
-                          self.prompts, path)
-        self.spec, self._offline = with_eval_samples(self.spec, path), None
+                          self.prompts, own)
+        self.spec, self._offline = with_eval_samples(self.spec, str(own)), None
 
     def suite(self, drafters: dict[str, str], out: str) -> SuiteResult:
         """`opd run`'s benchmark table (`eval.suite`) of drafter directories (label -> path) on this evaluator's
@@ -93,7 +99,8 @@ class Evaluator:
         rebuilt records: only the cells are reported, and from an actor the records would cross to the driver."""
         m, suite = self.models, Path(self.spec.eval.suite)
         warm = Models(m.target, build_drafter(self.spec, m.target, m.tokenizer), m.tokenizer)
-        result = evaluate_suite(self.spec, built_suite(suite, field="eval.suite:"), suite, drafters, Path(out), warm,
+        own = private_copy(Path(out) / "samples", self.rank).parent  # what evaluate_suite writes: OUT/samples/
+        result = evaluate_suite(self.spec, built_suite(suite, field="eval.suite:"), suite, drafters, own, warm,
                                 speedup_prompts=self.spec.eval.speedup_prompts)
         result.records = {}
         return result
@@ -137,6 +144,22 @@ class Evaluator:
                         seed=self.spec.seed, baseline=baseline, draft_version=version,
                         static_cache=self.spec.rollout.static_cache, compiled=self.spec.rollout.compile,
                         diagnose=diagnose)
+
+
+def private_copy(path: Path, rank: int) -> Path:
+    """Where rank `rank` of a sharded evaluator keeps the samples it draws: rank 0 at `path`, every other rank in
+    a copy of what `path` holds now, in a temporary directory of its own. The ranks cannot share the file: rank 0
+    draws under its lock, in collectives that the others would be waiting on that lock to join. A copy starts as
+    rank 0's file does, because rank 0 appends nothing before the others join its first draw, and grows alike,
+    because the ranks draw the same samples."""
+    if rank == 0:
+        return path
+    own = Path(tempfile.mkdtemp(prefix=f"opd-rank{rank}-")) / path.name
+    if path.is_dir():
+        shutil.copytree(path, own)
+    elif path.exists():
+        shutil.copy2(path, own)
+    return own
 
 
 class Evaluations(Protocol):
