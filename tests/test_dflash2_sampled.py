@@ -26,7 +26,7 @@ from opd.models.lm_head import teacher_head
 from opd.tiny.micro import micro_target
 from tests.helpers.decoding import EOS, MIXED_PROMPTS, PROMPT
 from tests.helpers.dflash2 import dflash2_drafter
-from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
+from tests.helpers.lossless import cases, chi_square, exact_joint, sampled_joint
 
 # Slot k's logits are FIXED_LOGITS rolled by k (as tests/test_sampled_drafts.py): far from the near-uniform micro
 # target's p, with a top-4 that leaves tokens out, so a residual kept inside the candidates is caught.
@@ -65,7 +65,7 @@ LOSSLESS_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", LOSSLESS_CASES)
+@pytest.mark.parametrize("case", cases(LOSSLESS_CASES, slow={"T1-fixed-logits"}))
 def test_sampled_selector_drafts_are_lossless(target, case):
     """The joint law of the first three emitted tokens equals the target's own, top-k/top-p on p included."""
     sampling, kind = LOSSLESS_CASES[case]
@@ -154,6 +154,9 @@ BROKEN = {"q-over-the-full-vocabulary": (speculative, "sample_chained_draft", _q
           "residual-inside-the-candidates": (verify, "_residual", _residual_inside_the_candidates)}
 
 
+# The broken-rule tests show the chi-square has teeth (each mistake fails it); they test the test, not the decoder,
+# so they run under make test-all.
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", BROKEN)
 def test_broken_selector_rules_are_caught(target, monkeypatch, broken):
     """The lossless test has teeth: each plausible mistake in the selector's sampled rule fails it by far."""

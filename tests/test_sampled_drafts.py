@@ -18,7 +18,7 @@ from opd.decoding.verify import STREAM_TOKEN, Verdict, verify_sampled
 from opd.models.drafter import DFlashDrafter
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, PROMPT
-from tests.helpers.lossless import chi_square, exact_joint
+from tests.helpers.lossless import cases, chi_square, exact_joint
 
 # Slot k drafts from logits FIXED_LOGITS rolled by k: q is far from the near-uniform micro target's p, differs per
 # slot (a rule that used q_0 everywhere would be caught) and puts mass outside a top-k support.
@@ -60,7 +60,7 @@ LOSSLESS_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", LOSSLESS_CASES)
+@pytest.mark.parametrize("case", cases(LOSSLESS_CASES, slow={"T1-fixed-q"}))
 def test_sampled_drafts_are_lossless(target, case):
     """The joint law of the first three emitted tokens equals the target's own, with top-k/top-p on p and q."""
     sampling, kind = LOSSLESS_CASES[case]
@@ -116,6 +116,9 @@ BROKEN = {"residual-from-p": ("verify_sampled", _residual_from_p),
           "argmax-drafts-with-q": ("sample_draft", _argmax_draft)}
 
 
+# The broken-rule tests show the chi-square has teeth (each mistake fails it); they test the test, not the decoder,
+# so they run under make test-all.
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", BROKEN)
 def test_broken_sampled_rules_are_caught(target, monkeypatch, broken):
     """The lossless test has teeth: each plausible mistake in the sampled-draft rule fails it by far."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 
 from opd.decoding.sampling import Sampling, target_probs
@@ -20,6 +21,12 @@ LOSSLESS_CASES = {
     "near-one-hot-mostly-right": (Sampling(temperature=0.1), "mode"),
     "near-one-hot-always-wrong": (Sampling(temperature=0.1), "least"),
 }
+
+
+def cases(names, slow: set[str]) -> list:
+    """`names` as pytest parameters, those in `slow` marked `slow`: make test keeps one chi-square per verification
+    path (accept, residual, processed p), make test-all every case."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
 
 
 def exact_joint(target, prompt: list[int], sampling: Sampling, length: int, eos: int) -> dict[tuple, float]:
