@@ -203,8 +203,10 @@ def test_flops_count_the_convolutions_and_the_selector(target, drafter):
         context=context, blocks=blocks, slots=slots) == per_token * blocks * 4 + selector * slots
 
 
-@pytest.mark.parametrize("command", ["run", "sft"])
-@pytest.mark.parametrize("selector_weight", [1.0, 0.0])
+# make test takes each command and each selector weight once; make test-all the other two pairs
+@pytest.mark.parametrize(("command", "selector_weight"), [
+    ("run", 1.0), ("sft", 0.0), pytest.param("run", 0.0, marks=pytest.mark.slow),
+    pytest.param("sft", 1.0, marks=pytest.mark.slow)])
 def test_training_commands_train_a_dflash2_drafter(micro_spec_file, micro_dflash2, command, selector_weight,
                                                    tmp_path, capsys):
     """`opd run` (Draft-OPD: the paper's loss on the drafter's logits, the selector term on its q) and `opd sft`
