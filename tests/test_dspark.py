@@ -29,28 +29,14 @@ from opd.model_dir import ModelDir
 from opd.models.drafter import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
 from opd.models.families import detect, family, load_drafter
-from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
-from opd.tiny.micro import micro_drafter, micro_target
-from tests.helpers.decoding import EOS, MASK, PROMPT
+from opd.tiny.micro import micro_target
+from tests.helpers.decoding import EOS, PROMPT
+from tests.helpers.dspark import dspark_drafter
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
 
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
-
-
-def dspark_drafter(target, seed: int = 1, block_size: int = 4, rank: int = 4) -> DSparkDrafter:
-    """A DSpark drafter on a random DFlash backbone, its Markov head scaled so its bias competes with the logits."""
-    base = micro_drafter(target, seed=seed, block_size=block_size, mask_token_id=MASK)
-    config = DSparkConfig(**{f.name: getattr(base.config, f.name) for f in fields(DFlashConfig)}, markov_rank=rank)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
-        drafter.load_state_dict(base.state_dict(), strict=False)
-        with torch.no_grad():
-            drafter.markov_head.markov_w1.weight.mul_(30.0)
-            drafter.markov_head.markov_w2.weight.mul_(15.0)
-    return drafter
 
 
 @pytest.fixture(scope="module")
