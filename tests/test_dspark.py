@@ -155,14 +155,18 @@ SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k
           "replay.teacher=served", "--set", "loss.objective=one_minus_alpha"]
 
 
-@pytest.mark.parametrize("command", ["run", "run-sampled", "sft"])
+TRAINS_CONFIDENCE = {"run-confidence": ["--set", "loss.confidence_weight=1"], "sft-dspark": ["--set", "sft.objective=dspark"]}
+
+
+@pytest.mark.parametrize("command", ["run", "run-sampled", "run-confidence", "sft", "sft-dspark"])
 def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
     """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
     serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
-    the Markov head and save speculators' layout; no loss trains the confidence head."""
+    the Markov head and save speculators' layout; the confidence head trains under `loss.confidence_weight` and
+    DSpark's published SFT objective, and is left as it is otherwise."""
     run_dir = tmp_path / "run"
     args = [command.split("-")[0], str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}",
-            *(SERVED if command == "run-sampled" else [])]
+            *(SERVED if command == "run-sampled" else []), *TRAINS_CONFIDENCE.get(command, [])]
     if command.startswith("run"):
         args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
     else:
@@ -174,4 +178,5 @@ def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark,
     after = load_file(str(saved / "model.safetensors"))
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight"} <= changed
-    assert not changed & {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    confidence = {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert (confidence <= changed) if command in TRAINS_CONFIDENCE else not changed & confidence
