@@ -1,5 +1,4 @@
-"""DSpark's published SFT objective (arXiv 2607.05147, eq. 10; speculators' and NeMo's DSpark trainers), `sft.objective:
-dspark`.
+"""DSpark's published SFT objective (arXiv 2607.05147, eq. 10), `sft.objective: dspark`.
 
 At each drafted slot k (teacher-forced: its Markov predecessor is the data token before it), with q_k the drafter's
 distribution (its logits with the Markov bias) and p_k the target's at the same position (T = 1):
@@ -9,10 +8,11 @@ distribution (its logits with the Markov bias) and p_k the target's at the same 
 y_k the data token (the target's own sample), c_k the confidence head's acceptance logit
 (opd/distill/confidence_loss.py), and the label α_k = 1 - ||p_k - q_k||_1 / 2 = Σ_v min(p_k(v), q_k(v)) the acceptance
 of a draft sampled from q_k, detached. The L1 term is the raw distance, not the total variation: the factor 1/2
-belongs to the label only. Every slot is weighted exp(-(k-1)/gamma), the first drafted slot 1 (DSpark's anchor slot
-drafts: its k = 1 is the published k = 0), as `sft_loss` weights cross-entropy, and the sum is over the step's
-weights, so micro-batches' parts sum to the step's weighted mean. The published trainers divide by the slot count
-instead: a constant factor for a fixed step layout.
+belongs to the label only (NVIDIA's Megatron-Bridge trainer has it so; speculators' `tv` term is half of it).
+Every slot is weighted exp(-(k-1)/gamma), the first drafted slot 1 (DSpark's anchor slot drafts: its k = 1 is the
+published k = 0), as `sft_loss` weights cross-entropy, and the sum is over the step's weights, so micro-batches'
+parts sum to the step's weighted mean. The published trainers divide by the slot count instead: a constant factor
+for a fixed step layout.
 
 The terms need the slot's logits and the target's whole distribution: formed a chunk of slots at a time
 (`chunked_loss`), as every other loss here.
@@ -28,7 +28,7 @@ from opd.distill.losses import _teacher_logprobs, _valid_positions, sft_log_weig
 from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunked_loss
 
-CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # the paper's, and speculators' and NeMo's defaults
+CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # the paper's weights, the published trainers' defaults
 
 
 def dspark_sft_loss(drafter: Drafter, student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *,
