@@ -16,6 +16,9 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import cast
+
+from torch import nn
 
 from opd.models.build import build_models
 from opd.models.flops import DrafterParams
@@ -51,7 +54,7 @@ def main() -> None:
 def _drafter_cost(experiment: str, overrides: list[str]) -> dict[str, float | int | str]:
     """The arm's warm drafter: its family, size and the FLOPs of one drafted block."""
     drafter = build_models(load_spec(experiment, overrides)).drafter
-    params = DrafterParams.of(drafter)
+    params = DrafterParams.of(cast(nn.Module, drafter))  # every family is a module
     return {"family": type(drafter).__name__, "parameters": sum(p.numel() for p in drafter.parameters()),
             "block_flops": params.forward(context=0, blocks=1, slots=drafter.block_size - 1),
             "context_flops_per_token": params.forward(context=1, blocks=0, slots=0)}
