@@ -2,7 +2,7 @@
 at matched training FLOPs, on the shipped tiny target.
 
 Runs `opd reproduce configs/reproduce/dspark.yaml` (resumable: finished arms are kept in its out_dir), copies its
-report and per-arm JSON to bench/results/reproduce-dspark/, and writes there summary.json and summary.md: per arm,
+report, plots and per-arm JSON to bench/results/reproduce-dspark/, and writes there summary.json and summary.md: per arm,
 held-out and reworded τ before (its own warm drafter) and after Draft-OPD in every eval setting, the steps and
 training FLOPs it spent, and what a block costs to draft (the counters of opd/models/flops.py: the layers over the
 block's tokens, the head and the Markov bias at K-1 slots, DFlash 2's convolution taps and selector).
@@ -37,7 +37,8 @@ def main() -> None:
     spec = load_reproduce_spec(args.spec, args.set)
     out = Path(spec.out_dir)
     (RESULTS / "arms").mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "results.md", RESULTS / "results.md")
+    for report in [out / "results.md", *out.glob("*.png")]:
+        shutil.copy(report, RESULTS / report.name)
     rows = []
     for arm in spec.arms:
         for seed in spec.seeds:
