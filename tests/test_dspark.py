@@ -29,28 +29,14 @@ from opd.model_dir import ModelDir
 from opd.models.drafter import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
 from opd.models.families import detect, family, load_drafter
-from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
-from opd.tiny.micro import micro_drafter, micro_target
-from tests.helpers.decoding import EOS, MASK, PROMPT
+from opd.tiny.micro import micro_target
+from tests.helpers.decoding import EOS, PROMPT
+from tests.helpers.dspark import dspark_drafter
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
 
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
-
-
-def dspark_drafter(target, seed: int = 1, block_size: int = 4, rank: int = 4) -> DSparkDrafter:
-    """A DSpark drafter on a random DFlash backbone, its Markov head scaled so its bias competes with the logits."""
-    base = micro_drafter(target, seed=seed, block_size=block_size, mask_token_id=MASK)
-    config = DSparkConfig(**{f.name: getattr(base.config, f.name) for f in fields(DFlashConfig)}, markov_rank=rank)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
-        drafter.load_state_dict(base.state_dict(), strict=False)
-        with torch.no_grad():
-            drafter.markov_head.markov_w1.weight.mul_(30.0)
-            drafter.markov_head.markov_w2.weight.mul_(15.0)
-    return drafter
 
 
 @pytest.fixture(scope="module")
@@ -169,14 +155,18 @@ SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k
           "replay.teacher=served", "--set", "loss.objective=one_minus_alpha"]
 
 
-@pytest.mark.parametrize("command", ["run", "run-sampled", "sft"])
+TRAINS_CONFIDENCE = {"run-confidence": ["--set", "loss.confidence_weight=1"], "sft-dspark": ["--set", "sft.objective=dspark"]}
+
+
+@pytest.mark.parametrize("command", ["run", "run-sampled", "run-confidence", "sft", "sft-dspark"])
 def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
     """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
     serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
-    the Markov head and save speculators' layout; no loss trains the confidence head."""
+    the Markov head and save speculators' layout; the confidence head trains under `loss.confidence_weight` and
+    DSpark's published SFT objective, and is left as it is otherwise."""
     run_dir = tmp_path / "run"
     args = [command.split("-")[0], str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}",
-            *(SERVED if command == "run-sampled" else [])]
+            *(SERVED if command == "run-sampled" else []), *TRAINS_CONFIDENCE.get(command, [])]
     if command.startswith("run"):
         args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
     else:
@@ -188,4 +178,5 @@ def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark,
     after = load_file(str(saved / "model.safetensors"))
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight"} <= changed
-    assert not changed & {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    confidence = {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert (confidence <= changed) if command in TRAINS_CONFIDENCE else not changed & confidence

@@ -10,12 +10,14 @@ import pytest
 
 from opd.decoding.record import SequenceRecord
 from opd.models.build import build_models
-from opd.models.flops import DrafterParams, TargetParams
+from opd.models.flops import DrafterParams, TargetParams, decode_flops
 from opd.spec import load_spec
+from opd.tiny.micro import micro_target
 from opd.train.learner import Learner
 from opd.train.messages import AnchorBatch
 from opd.train.scorer import Scorer
 from opd.train.sft import SftExample, train_sft
+from tests.helpers.dspark import dspark_drafter
 
 H, MLP, Q, KV, K = 32, 64, 32, 16, 4  # hidden, intermediate, q width, k/v width, block
 LAYER = H * Q + 2 * H * KV + Q * H + 3 * H * MLP + 2 * 8 + 2 * H  # q k v o, mlp, q/k norms, two layer norms
@@ -45,7 +47,8 @@ def head(m) -> int:
 def test_parameter_split_matches_the_hand_count(models):
     _, m = models
     assert TargetParams.of(m.target.model) == TargetParams(body=TARGET_BODY, head=head(m))
-    assert DrafterParams.of(m.drafter) == DrafterParams(context=CONTEXT, block=BLOCK, head=head(m), block_size=K)
+    assert DrafterParams.of(m.drafter) == DrafterParams(context=CONTEXT, block=BLOCK, head=head(m), block_size=K,
+                                                        block_tokens=K)
 
 
 def test_replay_counts_the_packed_blocks_and_the_teachers_head(models):
@@ -77,3 +80,17 @@ def test_sft_counts_the_decoder_without_head_and_every_anchor(models):
     assert flops.target_forward == 2.0 * TARGET_BODY * tokens  # features only: no LM head
     trainable = CONTEXT * tokens + BLOCK * blocks * K
     assert flops.drafter_train == 6.0 * trainable + 4.0 * head(m) * slots and flops.drafter_forward == 0
+
+
+def test_decoding_counts_k_verified_tokens_whatever_the_layers_run():
+    """A DSpark block runs K-1 tokens through its layers but the target still verifies K per step (the anchor and
+    K-1 drafts) and the head forms K-1 slots; the same drafter counted as if its layers ran K would overcount."""
+    target = micro_target(seed=0, vocab_size=16, layer_ids=[0, 2, 3])
+    drafter = dspark_drafter(target, block_size=K)
+    params = DrafterParams.of(drafter)
+    assert (params.block_size, params.block_tokens) == (K, K - 1)
+    steps, prompt = 3, len(RECORD.prompt_ids)
+    flops = decode_flops([RECORD], TargetParams(body=TARGET_BODY, head=7), params)
+    assert flops.target_forward == 2.0 * (TARGET_BODY + 7) * (prompt + K * steps)
+    assert flops.drafter_forward == params.forward(context=prompt + K * steps, blocks=steps, slots=(K - 1) * steps)
+    assert params.forward(context=0, blocks=1, slots=0) == 2.0 * params.block * (K - 1) + params.token_extra

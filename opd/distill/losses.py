@@ -179,20 +179,22 @@ class StepNorm:
     num_acc: int
     num_rej: int
     num_blocks: int = 0  # the step's drafted blocks (the acceptance objectives' `expected_length` is a mean over them)
+    num_verified: int = 0  # the step's verified slots, accepted or first rejected (the confidence term's mean)
 
     @classmethod
     def of(cls, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]], cfg: LossSpec) -> StepNorm:
         """From (accepted [N], position_mask [N, K-1]) of each micro-batch: small tensors, no forward needed."""
         acc_decay, rej_decay = _log_decay(cfg)
         log_acc = log_rej = -math.inf
-        num_acc = num_rej = num_blocks = 0
+        num_acc = num_rej = num_blocks = num_verified = 0
         for accepted, mask in blocks:
             acc_set, rej_set = position_sets(accepted, mask.bool(), cfg.first_rejected_only)
             log_acc = _logaddexp(log_acc, _log_weight_sum(acc_set, acc_decay))
             log_rej = _logaddexp(log_rej, _log_weight_sum(rej_set, rej_decay))
             num_acc, num_rej = num_acc + int(acc_set.sum()), num_rej + int(rej_set.sum())
             num_blocks += int(mask.bool().any(-1).sum())
-        return cls(log_acc, log_rej, num_acc, num_rej, num_blocks)
+            num_verified += int(torch.cat(position_sets(accepted, mask.bool(), True), -1).sum())
+        return cls(log_acc, log_rej, num_acc, num_rej, num_blocks, num_verified)
 
     def mix(self, cfg: LossSpec) -> tuple[float, float]:
         """The weights of L_acc and L_rej in L. A step with an empty set is the other set's mean alone (naive

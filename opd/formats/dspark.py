@@ -46,6 +46,7 @@ class DSparkSpec(DFlashSpec):
     # Random-anchor blocks are drafted slot by slot independently (opd/distill/anchors.py), which a Markov chain
     # is not.
     random_anchors: ClassVar[bool] = False
+    has_confidence_head: ClassVar[bool] = True
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:

@@ -13,8 +13,9 @@ adds two heads after them (as DFlash 2 adds its selector). So it plugs into the 
   by opd/decoding/verify.py's `sample_chained_draft` with min(1, p/q) over the full vocabulary). Both are a point
   mass per block given (context, anchor) when greedy, which the rebuild and offline τ rely on.
 * Confidence head. sigmoid(proj([h_j; markov_w1[x_j]])), the slot's predicted acceptance, for variable-length
-  verification; it is loaded, saved and computed (`confidence`), but decoding verifies whole blocks and no loss
-  trains it here.
+  verification; it is loaded, saved, computed (`confidence`) and trained (`confidence_logits`, read by
+  opd/distill/confidence_loss.py: SFT's published objective and Draft-OPD's `loss.confidence_weight`), but
+  decoding verifies whole blocks: no variable-length verification is built.
 
 Training: `block_hidden` returns each slot's hidden with its Markov embedding appended ([h_j; markov_w1[x_j]], x_j
 from the block's inputs: the rollout's drafts or the data), and `student_head` adds the Markov bias to the LM head's
@@ -32,6 +33,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from opd.errors import OpdError
 from opd.formats.dflash import DFlashConfig, DFlashSpec, write_layout
 from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
@@ -62,6 +64,24 @@ class ConfidenceHead(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.proj = nn.Linear(width, 1)
+
+
+class ConfidenceLogits(nn.Module):
+    """The confidence head on training rows: [h; e] (`block_hidden`'s) -> the slot's acceptance logit, reading e
+    only when the head does (`confidence_with_markov`)."""
+
+    def __init__(self, head: ConfidenceHead, hidden_size: int, with_markov: bool) -> None:
+        super().__init__()
+        self._head = (head,)  # not a submodule: the drafter owns it
+        self.width = None if with_markov else hidden_size
+
+    def parameters(self, recurse: bool = True):  # type: ignore[override]
+        """The head's projection (trained by the confidence loss)."""
+        return self._head[0].parameters(recurse)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        proj = self._head[0].proj
+        return proj(rows[..., : self.width].to(proj.weight.dtype))[..., 0]
 
 
 class MarkovLogits(nn.Module):
@@ -124,14 +144,19 @@ class DSparkDrafter(DFlashDrafter):
         """markov_w1 [..., r] of the tokens before the slots' predictions."""
         return self.markov_head.markov_w1(previous)
 
+    @property
+    def confidence_logits(self) -> ConfidenceLogits:
+        """[h; markov_w1[x]] rows (`block_hidden`'s) -> the confidence head's acceptance logits."""
+        if self.confidence_head is None:
+            raise OpdError("models.drafter_path: this DSpark drafter has no confidence head (its config.json has "
+                           "enable_confidence_head: false; expected true to train it)")
+        config = cast(DSparkConfig, self.config)
+        return ConfidenceLogits(self.confidence_head, config.hidden_size, config.confidence_with_markov)
+
     def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """The confidence head's acceptance probability [...] of slots with final hidden [..., H]."""
-        if self.confidence_head is None:
-            raise ValueError("this DSpark drafter has no confidence head (enable_confidence_head: false)")
-        rows = hidden
-        if cast(DSparkConfig, self.config).confidence_with_markov:
-            rows = torch.cat([hidden, self.markov(previous).to(hidden.dtype)], dim=-1)
-        return torch.sigmoid(self.confidence_head.proj(rows)[..., 0])
+        rows = torch.cat([hidden, self.markov(previous).to(hidden.dtype)], dim=-1)
+        return torch.sigmoid(self.confidence_logits(rows))
 
     def _block(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[anchor, MASK x (K-2)] per row of anchor_ids [...]."""

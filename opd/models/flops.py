@@ -109,7 +109,8 @@ class DrafterParams:
     context: int
     block: int
     head: int
-    block_size: int  # tokens per block through the layers (`tokens_per_block`)
+    block_size: int  # K: the anchor and K-1 drafts, the tokens the target verifies per step
+    block_tokens: int  # tokens per block through the layers (`tokens_per_block`: DSpark K-1, EAGLE-3 K-2)
     head_trainable: bool = False
     token_extra: int = 0  # FLOPs per block token beyond its weights (DFlash 2's convolution taps)
     slot_extra: int = 0  # FLOPs per drafted slot beyond the head (DFlash 2's candidate selector)
@@ -120,12 +121,13 @@ class DrafterParams:
         context, block, head = drafter.modules_by_role()
         token_extra, slot_extra = drafter.extra_flops()
         return cls(context=_numel(context), block=_numel(block), head=head.weight.numel(),
-                   block_size=drafter.tokens_per_block,
+                   block_size=drafter.block_size, block_tokens=drafter.tokens_per_block,
                    head_trainable=any(head is m for m in drafter.modules()),  # its own, not the target's
                    token_extra=token_extra, slot_extra=slot_extra)
 
     def forward(self, *, context: int, blocks: int, slots: int) -> float:
-        """FLOPs of a forward over `context` context positions, `blocks` blocks of K tokens, `slots` logit rows."""
+        """FLOPs of a forward over `context` context positions, `blocks` blocks (`block_tokens` each), `slots` logit
+        rows."""
         return 2.0 * (self._trainable(context, blocks) + self.head * slots) + self._extra(blocks, slots)
 
     def train(self, *, context: int, blocks: int, slots: int) -> float:
@@ -140,10 +142,10 @@ class DrafterParams:
         return float(slots) * (2.0 * self.head + 3.0 * self.slot_extra)
 
     def _extra(self, blocks: int, slots: int) -> float:
-        return float(self.token_extra * blocks * self.block_size + self.slot_extra * slots)
+        return float(self.token_extra * blocks * self.block_tokens + self.slot_extra * slots)
 
     def _trainable(self, context: int, blocks: int) -> int:
-        return self.context * context + self.block * blocks * self.block_size
+        return self.context * context + self.block * blocks * self.block_tokens
 
 
 @dataclass

@@ -277,6 +277,10 @@ class LossSpec(Section):
         "|| q) + (1 - λ)(1 - α) with λ = exp(-lk_eta sg[α]); expected_length, the block's 1 + Σ_k Π_{j<=k} α_j, per "
         "block."))
     lk_eta: float = Field(3.0, ge=0)
+    confidence_weight: float = Field(0.0, ge=0, description=(
+        "DSpark only: weight of its confidence head's binary cross-entropy against the rollout's realized acceptance "
+        "(1 at the accepted slots, 0 at the first rejected one; later slots were never verified), a mean over the "
+        "step's verified slots (opd/distill/confidence_loss.py). 0 = off, the head left as it is."))
     prefix_gradient: Literal["pathwise", "score"] = Field("pathwise", description=(
         "How the gradient treats the drafts sampled before a slot, which depend on the drafter too. pathwise: as "
         "data (the gradient flows through each slot's q only). score: plus the score-function term of the sampled "
@@ -323,6 +327,12 @@ class SftSpec(Section):
         "Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling). "
         "Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode."))
     max_flops: float | None = Field(None, gt=0, description="matched-compute continued-SFT budget")
+    objective: Literal["ce", "dspark"] = Field("ce", description=(
+        "What SFT's slots train towards. ce: cross-entropy at the data token weighted exp(-(k-1)/gamma) (DFlash's "
+        "recipe; EAGLE-3's soft cross-entropy). dspark: DSpark's published objective (arXiv 2607.05147, "
+        "opd/distill/dspark_loss.py), on the same weights: 0.1 x cross-entropy + 0.9 x ||p - q||_1 to the target's "
+        "distribution + the confidence head's binary cross-entropy against the slot's acceptance 1 - ||p - q||_1 / 2; "
+        "for a drafter with a confidence head (kind dspark)."))
     acceptance_weight: float = Field(0.0, ge=0, description=(
         "Weight of loss.objective's acceptance term (drafts sampled from q at the serving setting) added on SFT's "
         "slots, each slot's prefix the data (teacher forcing) and p̃ the target's view of it, so a warm start is "
@@ -648,6 +658,11 @@ class ExperimentSpec(Section):
             issues.append(f"loss.selector_weight: {self.loss.selector_weight:g} with {_a(drafter.kind)} drafter and "
                           f"replay.teacher_topk {self.replay.teacher_topk} (the selector's term reads the full teacher "
                           "at its candidates; expected replay.teacher_topk: null, or loss.selector_weight: 0)")
+        if not drafter.has_confidence_head:
+            issues += [f"sft.objective: dspark with {_a(drafter.kind)} drafter (its confidence head's term has no "
+                       "head to train; expected ce, or models.drafter.kind: dspark)"] * (self.sft.objective == "dspark")
+            issues += [f"loss.confidence_weight: {self.loss.confidence_weight:g} with {_a(drafter.kind)} drafter (it "
+                       "has no confidence head; expected 0)"] * bool(self.loss.confidence_weight)
         if not drafter.topk_teacher and self.replay.teacher_topk is not None:
             issues.append(f"replay.teacher_topk: {self.replay.teacher_topk} with {_a(drafter.kind)} drafter (it reads "
                           "every slot's full teacher; expected null)")

@@ -15,6 +15,7 @@ from torch import nn
 
 from opd.decoding.sampling import Sampling
 from opd.distill.acceptance_loss import acceptance_objective, block_slots
+from opd.distill.confidence_loss import opd_confidence_loss
 from opd.distill.losses import LossTerms, StepNorm, TopKTeacher, acceptance_aware_loss, teacher_processing
 from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import ScoredBatch, student_hidden
@@ -165,7 +166,7 @@ class Learner:
                 hidden = self.engine(batch)
             terms = self._main_loss(hidden, batch, norm)
             slots = terms.num_acc + terms.num_rej
-            loss = terms.loss + self._selector_term(hidden, batch, norm)
+            loss = terms.loss + self._selector_term(hidden, batch, norm) + self._confidence_term(hidden, batch, norm)
             if self.engine is None:
                 loss.backward()
             else:  # DeepSpeed averages over ranks, so scale back up by the world size
@@ -203,6 +204,14 @@ class Learner:
                              self.spec.loss, norm, teacher_processing=self._teacher,
                              chunk_size=self.spec.optim.loss_chunk_size)
         return self.spec.loss.selector_weight * term
+
+    def _confidence_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
+        """`loss.confidence_weight` x the BCE of DSpark's confidence head against the realized acceptance, or 0."""
+        weight = self.spec.loss.confidence_weight
+        if not weight:
+            return 0.0
+        return weight * opd_confidence_loss(self.drafter, hidden, batch.accepted, batch.position_mask,
+                                            norm.num_verified)
 
     def _plan(self, micro_batches: list[ScoredBatch]) -> list[list[ScoredBatch]]:
         """What each forward runs: the scorer's micro-batches as they came, or with `optim.micro_batch_tokens` this

@@ -26,6 +26,7 @@ import torch
 from opd.data.prompts import train_prompts
 from opd.decoding.sampling import Sampling
 from opd.distill.acceptance_loss import acceptance_objective, sft_block_slots
+from opd.distill.dspark_loss import dspark_sft_loss
 from opd.distill.losses import sft_log_weight_sum, sft_loss, teacher_processing
 from opd.distill.micro_batches import group_by_budget
 from opd.distill.selector_loss import sft_selector_loss
@@ -76,6 +77,7 @@ class SftStep:
     tokens: int  # real sequence tokens: the target's forward and the drafter's context positions
     blocks: int  # drafted blocks: block_size drafter tokens each
     slots: int  # trained slots: the LM head's rows
+    teacher_slots: int = 0  # slots whose target distribution a term reads: the target's LM head's rows
 
 
 def sft_micro_batches(examples: list[SftExample], *, anchors_per_seq: int, max_length: int, block_size: int,
@@ -134,15 +136,16 @@ class SftAcceptance:
 
 def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: float, chunk_size: int,
                    log_weight_sum: float | None = None, selector_weight: float = 0.0,
-                   acceptance: SftAcceptance | None = None) -> torch.Tensor:
+                   acceptance: SftAcceptance | None = None, objective: str = "ce") -> torch.Tensor:
     """This micro-batch's share of the SFT loss (the step's mean when `log_weight_sum` is the step's).
 
     Features come from the target's decoder alone (no [B, T, V] logits) and the drafter's logits are formed
     `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary. A chain
     drafter is fed the data tokens (training-time test). DFlash learns the data tokens; EAGLE-3 the target's
-    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it. A DFlash 2
-    drafter's selector adds `selector_weight` x its term (opd/distill/selector_loss.py), and `acceptance` its
-    weight x the serving mode's acceptance at the teacher-forced slots (the target's view of the data prefix)."""
+    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it; `objective`
+    dspark is DSpark's published objective instead (opd/distill/dspark_loss.py). A DFlash 2 drafter's selector adds
+    `selector_weight` x its term (opd/distill/selector_loss.py), and `acceptance` its weight x the serving mode's
+    acceptance at the teacher-forced slots (the target's view of the data prefix)."""
     batch = batch.to(target.device)
     hidden_t, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
     hidden = drafter.block_hidden(features, batch.ids, batch.valid, batch.anchor_pos, batch.inputs)
@@ -153,9 +156,15 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
         mask = mask & drafter.trainable_slots(teacher)  # the denominator still counts them, as SpecForge's mean
     if log_weight_sum is None:
         log_weight_sum = sft_log_weight_sum(mask, gamma)
-    loss = sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
-                    head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
-                    teacher=teacher, teacher_head=drafter.teacher_head)
+    if objective == "dspark":
+        rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
+        loss = dspark_sft_loss(drafter, slots, hidden_t[rows, batch.input_pos][batch.block_valid],
+                               batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
+                               chunk_size=chunk_size, log_weight_sum=log_weight_sum)
+    else:
+        loss = sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
+                        head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
+                        teacher=teacher, teacher_head=drafter.teacher_head)
     if acceptance is not None:
         rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
         view = hidden_t[rows, batch.input_pos][batch.block_valid]
@@ -186,12 +195,14 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
     loss = 0.0
     for batch in micro:
         part = sft_batch_loss(target, drafter, batch, gamma=sft.gamma, chunk_size=chunk_size, log_weight_sum=log_norm,
-                              selector_weight=selector_weight, acceptance=acceptance)
+                              selector_weight=selector_weight, acceptance=acceptance, objective=sft.objective)
         part.backward()
         loss += part.item()
+    slots = sum(int(b.label_ok.sum()) for b in micro)
+    reads_target = drafter.sft_target == "target" or sft.objective == "dspark" or acceptance is not None
     return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
-                   blocks=sum(int(b.block_valid.sum()) for b in micro),
-                   slots=sum(int(b.label_ok.sum()) for b in micro))
+                   blocks=sum(int(b.block_valid.sum()) for b in micro), slots=slots,
+                   teacher_slots=slots if reads_target else 0)
 
 
 def response_token_counts(examples: list[SftExample], vocab_size: int) -> torch.Tensor:
@@ -284,7 +295,8 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
             torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), spec.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
-            flops.target_forward += target_params.forward(done.tokens)  # features only: no LM head
+            # features, and the LM head only where a term reads the target's distribution
+            flops.target_forward += target_params.forward(done.tokens, logits=done.teacher_slots)
             flops.drafter_train += drafter_params.train(context=done.tokens, blocks=done.blocks, slots=done.slots)
             if selects:
                 flops.drafter_train += drafter_params.selector_train(done.slots)

@@ -1,0 +1,62 @@
+"""DSpark's published SFT objective (arXiv 2607.05147, eq. 10), `sft.objective: dspark`.
+
+At each drafted slot k (teacher-forced: its Markov predecessor is the data token before it), with q_k the drafter's
+distribution (its logits with the Markov bias) and p_k the target's at the same position (T = 1):
+
+    0.1 x CE(q_k, y_k) + 0.9 x ||p_k - q_k||_1 + 1.0 x BCE(c_k, 1 - ||p_k - q_k||_1 / 2),
+
+y_k the data token (the target's own sample), c_k the confidence head's acceptance logit
+(opd/distill/confidence_loss.py), and the label α_k = 1 - ||p_k - q_k||_1 / 2 = Σ_v min(p_k(v), q_k(v)) the acceptance
+of a draft sampled from q_k, detached. The L1 term is the raw distance, not the total variation: the factor 1/2
+belongs to the label only (NVIDIA's Megatron-Bridge trainer has it so; speculators' `tv` term is half of it).
+Every slot is weighted exp(-(k-1)/gamma), the first drafted slot 1 (DSpark's anchor slot drafts: its k = 1 is the
+published k = 0), as `sft_loss` weights cross-entropy, and the sum is over the step's weights, so micro-batches'
+parts sum to the step's weighted mean. The published trainers divide by the slot count instead: a constant factor
+for a fixed step layout.
+
+The terms need the slot's logits and the target's whole distribution: formed a chunk of slots at a time
+(`chunked_loss`), as every other loss here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.decoding.sampling import Sampling
+from opd.distill.confidence_loss import confidence_bce, confidence_logits
+from opd.distill.losses import _teacher_logprobs, _valid_positions, sft_log_weight_sum
+from opd.models.family import Drafter
+from opd.models.lm_head import apply_head, chunked_loss
+
+CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # the paper's weights, the published trainers' defaults
+
+
+def dspark_sft_loss(drafter: Drafter, student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *,
+                    gamma: float, position_mask: torch.Tensor | None = None, chunk_size: int | None = None,
+                    log_weight_sum: float | None = None) -> torch.Tensor:
+    """This batch's share of the step's DSpark objective, differentiable w.r.t. the drafter's rows student [N, K-1,
+    W] (`block_hidden`'s [h; markov_w1[x]]), its Markov head and its confidence head. teacher [N, K-1, H]: the
+    target's final-norm hidden states at the same slots; labels [N, K-1]: the data tokens (never read where masked).
+    `log_weight_sum`: the step's (`sft_log_weight_sum` log-added over its micro-batches); default this batch's."""
+    valid = _valid_positions(student.shape[:2], position_mask, student.device)
+    if log_weight_sum is None:
+        log_weight_sum = sft_log_weight_sum(valid, gamma)
+    rows = valid.flatten().nonzero().squeeze(-1)
+    coef = torch.exp((rows % student.shape[1]).to(torch.float64) * (-1.0 / gamma) - log_weight_sum)
+    targets, views = labels.to(student.device).flatten()[rows], teacher.flatten(0, 1)[rows]
+    head, confidence = drafter.student_head, confidence_logits(drafter)
+
+    def slot_loss(x: torch.Tensor, part: slice) -> torch.Tensor:
+        logits = apply_head(head, x)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        log_q = torch.log_softmax(logits.to(dtype), dim=-1)
+        p = _teacher_logprobs(drafter.teacher_head, views[part], Sampling(1.0)).to(dtype).exp()
+        ce = -log_q.gather(-1, targets[part, None]).squeeze(-1)
+        l1 = (p - log_q.exp()).abs().sum(-1)
+        bce = confidence_bce(confidence, x, 1 - l1.detach() / 2).to(dtype)
+        return CE_WEIGHT * ce + L1_WEIGHT * l1 + CONFIDENCE_WEIGHT * bce
+
+    trainable = [p for m in (head, confidence) for p in m.parameters() if p.requires_grad]
+    loss, _ = chunked_loss(None, student.flatten(0, 1)[rows], slot_loss, coef, chunk_size or max(1, len(rows)),
+                           trainable)
+    return loss
