@@ -91,7 +91,10 @@ def test_greedy_decoding_is_the_targets_argmax(target, drafter):
     assert [r.response_ids for r in records] == greedy
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=1.0, sample_drafts=True),
+# Drafts served as a point mass are verified as every family's are (accepted with p(d), else the residual of p):
+# that chi-square is the decoder's (test_decoding.py), so make test runs this family's q-sampled cases only.
+@pytest.mark.parametrize("sampling", [pytest.param(Sampling(temperature=1.0), marks=pytest.mark.slow),
+                                      Sampling(temperature=1.0, sample_drafts=True),
                                       Sampling(temperature=0.7, top_k=3, top_p=0.9, sample_drafts=True)],
                          ids=["T1-point-mass", "T1-sampled", "T0.7-topk3-topp0.9-sampled"])
 def test_decoding_is_lossless(target, drafter, sampling):
@@ -158,7 +161,9 @@ SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k
 TRAINS_CONFIDENCE = {"run-confidence": ["--set", "loss.confidence_weight=1"], "sft-dspark": ["--set", "sft.objective=dspark"]}
 
 
-@pytest.mark.parametrize("command", ["run", "run-sampled", "run-confidence", "sft", "sft-dspark"])
+# make test runs each command once (the plain `run` and `sft` under make test-all)
+@pytest.mark.parametrize("command", [pytest.param("run", marks=pytest.mark.slow), "run-sampled", "run-confidence",
+                                     pytest.param("sft", marks=pytest.mark.slow), "sft-dspark"])
 def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
     """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
     serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
