@@ -105,6 +105,8 @@ def crop(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, wid
     """Drop the columns past `width` (the longest remaining row): after a step, or after rows left the batch."""
     for layer in _dynamic_layers(kinds, target_cache):
         layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+    if draft_cache.positions.shape[1] <= width:  # nothing to drop (at batch 1 the drafter appends only kept slots)
+        return
     draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]
     draft_cache.values = [v[:, :, :width] for v in draft_cache.values]
     draft_cache.positions, draft_cache.valid = draft_cache.positions[:, :width], draft_cache.valid[:, :width]
