@@ -31,8 +31,9 @@ run: $(VENV_STAMP)
 TEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# --durations: the slowest tests are printed on every run (CI's log included), so what grows is seen where it grows
 test: lint $(VENV_STAMP)
-	$(PY) -m pytest $(PYTEST_XDIST)
+	$(PY) -m pytest $(PYTEST_XDIST) --durations=25
 
 # What `make test` checks besides the tests, fastest first. ruff: lint on the whole tree, format only on the files
 # in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (the modules still

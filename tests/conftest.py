@@ -36,8 +36,8 @@ def pytest_unconfigure(config):
 # Under `make test` (pytest-xdist, --dist loadfile: a module runs on one worker, so its module-scoped fixtures
 # are built once) these modules are sent first: they are the longest chains (Ray clusters and their actors,
 # subprocesses, samples drawn on the tiny model), and the other worker takes the rest meanwhile.
-# test_ray.py's Ray-equals-local run with its resume is the longest module (two Ray runs, about 16 actor starts),
-# then test_ray_sources.py's (one Ray run of 9 actors); test_ray_actors.py (single actors) is the third local Ray.
+# test_ray.py's Ray-equals-local run with its resume is the longest module (two Ray runs, about 16 actor starts);
+# test_ray_sources.py's runs are make test-all's; test_ray_actors.py (single actors) is the other local Ray.
 FIRST = ("test_ray.py", "test_ray_sources.py", "test_ray_actors.py", "test_rollout_sources.py", "test_offline_eval.py",
          "test_multinode.py")
 

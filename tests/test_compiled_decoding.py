@@ -27,7 +27,10 @@ def decode(decoder: SpeculativeDecoder, prompts: list[list[int]], sampling: Samp
     return decoder.generate(prompts, sampling, max_new_tokens=max_new_tokens, seed=3, keys=KEYS[: len(prompts)])
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=3, sample_drafts=True)],
+# make test compiles the greedy step; sampled drafts and EAGLE-3's chain, through the same compiled forwards, under
+# make test-all (each compile costs tens of CPU seconds)
+@pytest.mark.parametrize("sampling", [Sampling(), pytest.param(Sampling(temperature=0.8, top_k=3, sample_drafts=True),
+                                                               marks=pytest.mark.slow)],
                          ids=["greedy", "sampled-drafts"])
 def test_compiled_writes_what_eager_writes(target, sampling):
     """DFlash 1, DFlash 2 and a drafter that is often accepted (the constant one has no logits to sample drafts
@@ -45,6 +48,7 @@ def test_compiled_writes_what_eager_writes(target, sampling):
                 assert facts(decode(compiled, [prompt], sampling)) == facts(decode(eager, [prompt], sampling))
 
 
+@pytest.mark.slow
 def test_compiled_eagle3_writes_what_eager_writes():
     """EAGLE-3's chain drafts through the same compiled step (its cache carries layer states besides K/V)."""
     from tests.helpers.eagle3 import trained_like
