@@ -201,10 +201,11 @@ class DFlash2Drafter(DFlashDrafter):
         counted in `extra_flops`, and the selector per slot there too (its codebooks are lookups, not weights a
         token passes through)."""
         context, _, head = super().modules_by_role()
-        block = [m for layer in cast(Iterable[DFlash2DecoderLayer], self._layers()) for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
-                                                       layer.post_attention_layernorm,
-                                                       layer.attention_conv.kernel_projection,
-                                                       layer.mlp_conv.kernel_projection)]
+        layers = cast(Iterable[DFlash2DecoderLayer], self._layers())  # this family's layer_class
+        block = [m for layer in layers for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
+                                                  layer.post_attention_layernorm,
+                                                  layer.attention_conv.kernel_projection,
+                                                  layer.mlp_conv.kernel_projection)]
         return context, [*block, self.norm], head
 
     def extra_flops(self) -> tuple[int, int]:

@@ -173,7 +173,8 @@ class DFlashAttention(nn.Module):
         mask: torch.Tensor | BlockChunks | None,
     ) -> torch.Tensor:
         """x: block hidden [B,S,H]; mask: bool [B,1,S,C+S] over keys [context (C); block (S)] (one block per row,
-        decoding; None: every key), or the `BlockChunks` of many blocks per row (training: no [S, C+S] mask is formed)."""
+        decoding; None: every key), or the `BlockChunks` of many blocks per row (training: no [S, C+S] mask is
+        formed)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.project_kv(x, cos, sin)
         scale = self.head_dim**-0.5
