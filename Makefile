@@ -36,8 +36,8 @@ test: lint $(VENV_STAMP)
 	$(PY) -m pytest $(PYTEST_XDIST) --durations=25
 
 # What `make test` checks besides the tests, fastest first. ruff: lint on the whole tree, format only on the files
-# in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (the modules still
-# listed in pyproject.toml's follow-up are not reported); the docs with --strict, so a broken link, anchor or
+# in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (every module there
+# must be clean); the docs with --strict, so a broken link, anchor or
 # reference page fails (never -q: it hides the warnings that --strict counts).
 FORMATTED := docs/hooks/reference.py
 MYPY_PATHS := opd/models opd/decoding opd/distill opd/train opd/eval opd/data opd/sources opd/reproduce \

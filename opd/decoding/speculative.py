@@ -220,6 +220,7 @@ class SpeculativeDecoder:
                 return None
             used = row_mask(s.used, s.target_cache.get_seq_length(), s.anchor.device)
             return torch.cat([used, used.new_ones(len(s.rows), k)], 1)
+        assert s.target_mask is not None  # a static cache's state always has its mask (_State's construction)
         s.target_mask[:, s.filled : s.filled + k] = 1
         return s.target_mask
 
@@ -232,6 +233,7 @@ class SpeculativeDecoder:
             return
         s.used = compact_static(s.target_cache, s.draft_cache, s.used, counts, k)
         s.filled = max(s.used)
+        assert s.target_mask is not None  # a static cache's state always has its mask (_State's construction)
         s.target_mask = row_mask(s.used, s.target_mask.shape[1], s.target_mask.device)
 
     def _record(self, s: _State, records: list[SequenceRecord], facts: list[list[int]],

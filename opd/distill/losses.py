@@ -131,6 +131,7 @@ def topk_teacher(head: torch.nn.Module, hidden: torch.Tensor, *, temperature: fl
 
     def top(logits: torch.Tensor, _: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = teacher_distribution(logits, temperature=temperature, topk=topk)
+        assert isinstance(t, TopKTeacher) and t.tail_logprob is not None  # with `topk`, top-k and its exact tail
         return t.ids, t.logprobs, t.tail_logprob
 
     return TopKTeacher(*map_slots(head, hidden, top, chunk))
@@ -264,7 +265,7 @@ def _bucket_logprobs(student: torch.Tensor, teacher: TopKTeacher) -> tuple[torch
     if ids.shape[-1] >= student.shape[-1]:
         return student_top, teacher_top
     student_tail = student.scatter(-1, ids, -math.inf).logsumexp(dim=-1, keepdim=True)
-    teacher_tail = teacher.tail_logprob[:, 0].detach().to(student.dtype).unsqueeze(-1)
+    teacher_tail = teacher.tail()[:, 0].detach().to(student.dtype).unsqueeze(-1)
     return torch.cat([student_top, student_tail], -1), torch.cat([teacher_top, teacher_tail], -1)
 
 
@@ -326,6 +327,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
 
     def divergence(student_logits: torch.Tensor, part: slice) -> torch.Tensor:
         index = w.rows[part]
+        target: torch.Tensor | TopKTeacher
         if isinstance(teacher, TopKTeacher):
             target = teacher.rows(index)
         elif head is None:
@@ -340,9 +342,10 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
                      num_rej=w.num_rej)
 
 
-def _teacher_logprobs(head: torch.nn.Module, hidden: torch.Tensor, processing: Sampling) -> torch.Tensor:
+def _teacher_logprobs(head: torch.nn.Module | None, hidden: torch.Tensor, processing: Sampling) -> torch.Tensor:
     """Exact teacher log-probs from the target's final-norm hidden states (the same LM head the target ran),
-    processed as `processing` says: a temperature (`replay.teacher_temperature`) or the serving setting."""
+    processed as `processing` says: a temperature (`replay.teacher_temperature`) or the serving setting. `head`
+    None: the rows already are logits (`apply_head`)."""
     with torch.no_grad():
         return processed_logprobs(apply_head(head, hidden), processing)
 

@@ -31,7 +31,7 @@ where a full-vocabulary KL is infinite, so it has a term of its own (opd/distill
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -56,6 +56,7 @@ class BlockConvolution(nn.Module):
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
+        assert config.conv_kernel_size is not None and config.conv_group_size is not None  # a DFlash 2 config
         self.taps, self.group_size, self.block_size = config.conv_kernel_size, config.conv_group_size, config.block_size
         groups = config.hidden_size // self.group_size
         # Starts as the identity (tap 0 is 1): a fresh DFlash 2 layer is a DFlash layer plus the dynamic taps.
@@ -98,7 +99,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.mlp_conv = BlockConvolution(config)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | BlockChunks) -> torch.Tensor:
+                context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | BlockChunks | None) -> torch.Tensor:
         x, taps = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, cos, sin, context_kv, mask), taps)
         x, taps = self.mlp_conv.prepare(self.post_attention_layernorm(h))
@@ -112,6 +113,7 @@ class CandidateSelector(nn.Module):
 
     def __init__(self, config: DFlashConfig, std: float = 0.02) -> None:
         super().__init__()
+        assert config.selector_rank is not None and config.selector_top_k is not None  # a DFlash 2 config
         rank, self.top_k = config.selector_rank, config.selector_top_k
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, rank) * std)
@@ -199,10 +201,11 @@ class DFlash2Drafter(DFlashDrafter):
         counted in `extra_flops`, and the selector per slot there too (its codebooks are lookups, not weights a
         token passes through)."""
         context, _, head = super().modules_by_role()
-        block = [m for layer in self.layers for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
-                                                       layer.post_attention_layernorm,
-                                                       layer.attention_conv.kernel_projection,
-                                                       layer.mlp_conv.kernel_projection)]
+        layers = cast(Iterable[DFlash2DecoderLayer], self._layers())  # this family's layer_class
+        block = [m for layer in layers for m in (layer.self_attn, layer.mlp, layer.input_layernorm,
+                                                  layer.post_attention_layernorm,
+                                                  layer.attention_conv.kernel_projection,
+                                                  layer.mlp_conv.kernel_projection)]
         return context, [*block, self.norm], head
 
     def extra_flops(self) -> tuple[int, int]:
@@ -210,6 +213,7 @@ class DFlash2Drafter(DFlashDrafter):
         passes multiply-add a base and a dynamic tap per channel and tap (2 · 2 · 2 · taps · H per convolution,
         two per layer), and the selector."""
         c = self.config
+        assert c.conv_kernel_size is not None  # a DFlash 2 config
         per_token = len(self.layers) * 2 * PASSES * 2 * 2 * c.conv_kernel_size * c.hidden_size
         return per_token, self.candidate_selector.flops_per_slot()
 
@@ -221,7 +225,7 @@ class DFlash2Family(DFlashFamily):
     drafter_class = DFlash2Drafter
 
     def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
-        fields = cast(DFlash2Spec, section).fields
+        fields: dict[str, Any] = cast(DFlash2Spec, section).fields
         config = super().config(section, base, tokenizer)
         check_dflash2_fields(fields, config.hidden_size, config.vocab_size, "models.drafter.{}")
         return replace(config, **fields)

@@ -22,8 +22,9 @@ vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/formats/dflas
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from opd.formats.dflash import (
     write_checkpoint,
     write_speculators,
 )
+from opd.formats.eagle3 import Eagle3Config
 from opd.formats.layer_attention import LayerAttention
 from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache
@@ -125,7 +127,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DFlashMLP(nn.Module):
     """SwiGLU feed-forward, as in Qwen3."""
 
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig | Eagle3Config) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -168,10 +170,11 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | BlockChunks,
+        mask: torch.Tensor | BlockChunks | None,
     ) -> torch.Tensor:
         """x: block hidden [B,S,H]; mask: bool [B,1,S,C+S] over keys [context (C); block (S)] (one block per row,
-        decoding), or the `BlockChunks` of many blocks per row (training: no [S, C+S] mask is formed)."""
+        decoding; None: every key), or the `BlockChunks` of many blocks per row (training: no [S, C+S] mask is
+        formed)."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.project_kv(x, cos, sin)
         scale = self.head_dim**-0.5
@@ -199,7 +202,7 @@ class DFlashDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | BlockChunks,
+        mask: torch.Tensor | BlockChunks | None,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -235,7 +238,7 @@ class DraftHead(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (by reference, not as submodules)."""
 
-    layer_class: type[nn.Module] = DFlashDecoderLayer  # DFlash 2 (opd/models/dflash2.py) adds its convolutions
+    layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer  # DFlash 2 (opd/models/dflash2.py) adds its convolutions
     config_class: type[DFlashConfig] = DFlashConfig  # what its config.json reads as (DSpark's has its heads)
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
@@ -248,7 +251,7 @@ class DFlashDrafter(nn.Module):
         self.config = config
         # A tuple is not registered by nn.Module: the shared modules stay out of parameters() and state_dict().
         self._shared = (embed_tokens, lm_head)
-        head = lm_head
+        head: nn.Module = lm_head
         if config.output_multiplier is not None or config.final_logit_softcapping is not None:
             head = DraftHead(lm_head, config.output_multiplier, config.final_logit_softcapping)
         self._student_head: tuple[nn.Module] = (head,)
@@ -319,8 +322,12 @@ class DFlashDrafter(nn.Module):
 
     def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
         """(run per context position, run per block token, the head per drafted slot), for FLOP counting."""
-        kv = [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        kv = [m for layer in self._layers() for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
         return [self.fc, self.hidden_norm, *kv], [*self.layers, self.norm], self.lm_head
+
+    def _layers(self) -> Iterable[DFlashDecoderLayer]:
+        """The decoder layers, typed: a ModuleList yields nn.Module, and these are all `layer_class`'s."""
+        return cast(Iterable[DFlashDecoderLayer], self.layers)
 
     # -- shared pieces -----------------------------------------------------------------------------------------
 
@@ -343,14 +350,14 @@ class DFlashDrafter(nn.Module):
     def _context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's own K/V projection of the one shared context stream."""
         return [layer.self_attn.project_kv(context, cos, sin)
-                for layer, (cos, sin) in zip(self.layers, self._rope(positions))]
+                for layer, (cos, sin) in zip(self._layers(), self._rope(positions))]
 
     def _run_blocks(
         self,
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        masks: list[torch.Tensor] | list[BlockChunks],
+        masks: list[torch.Tensor | None] | list[BlockChunks],
     ) -> torch.Tensor:
         """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers (`masks`: one per layer)."""
         rope = self._rope(block_positions)

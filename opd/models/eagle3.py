@@ -109,6 +109,9 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 chain drafter on the target's embedding (by reference), with its own draft-vocabulary head."""
 
+    d2t: torch.Tensor  # buffers (register_buffer): draft id -> target id offset [Vd], target id in draft vocab [V]
+    t2d: torch.Tensor
+
     def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding, target_head: nn.Linear) -> None:
         super().__init__()
         if embed_tokens.weight.shape != (config.vocab_size, config.target_hidden_size):
@@ -261,7 +264,8 @@ class Eagle3Drafter(nn.Module):
         before = anchor_positions - 1
         state = self._column_output(cache, anchor_positions)
         sees_context = cache.visible_before(anchor_positions)[:, None, None, :]
-        chain_k, chain_v, drafts, logits = [], [], [], []
+        drafts: list[torch.Tensor] = []
+        chain_k, chain_v, logits = [], [], []
         for step in range(self.block_size - 1):
             if step:
                 q, k, v = self._step(drafts[-1][:, None], state, (before + step)[:, None])
@@ -279,6 +283,7 @@ class Eagle3Drafter(nn.Module):
     def _column_output(self, cache: DrafterCache, anchor_positions: torch.Tensor) -> torch.Tensor:
         """o_{a-1} [B,1,H]: the cached output of the column before each anchor, which drafts its first token."""
         column = ((cache.positions == (anchor_positions - 1)[:, None]) & cache.valid).long().argmax(1)
+        assert cache.states is not None  # this drafter's caches are made with its state_size (new_cache)
         return cache.states[torch.arange(len(column), device=column.device), column][:, None]
 
     def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -332,7 +337,8 @@ class Eagle3Drafter(nn.Module):
         write_checkpoint(directory, self.config, self.state_dict(), self.fc.weight.dtype)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path | ModelDir, target: Target, block_size: int = 8) -> Eagle3Drafter:
+    def from_pretrained(cls, directory: str | Path | ModelDir, target: Target | SharedHead,
+                        block_size: int = 8) -> Eagle3Drafter:
         """Load a public EAGLE-3 checkpoint for `target` (a path, or the directory already read); any mismatch raises
         a one-line OpdError. `block_size` applies when the file has none (SpecForge's have none: the chain length is
         a serving choice; 8 is its training unroll of 7 steps plus the anchor)."""

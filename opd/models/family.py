@@ -85,6 +85,11 @@ class Drafter(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
+    def train(self, mode: bool = True) -> object:
+        """Training mode (`mode`) or evaluation mode: every family is an nn.Module."""
+
+    def eval(self) -> object: ...
+
 
 class ChainedDrafter(Drafter, Protocol):
     """A drafter whose q at a slot depends on the draft chosen at the slot before (`chains_q`: DFlash 2, DSpark)."""

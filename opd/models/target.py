@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from opd.model_dir import ModelDir
 from opd.models.kind_masks import kind_masks
 from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -63,9 +66,9 @@ class Target(nn.Module):
     identical to what the public DFlash code feeds its drafters.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+    def __init__(self, model: PreTrainedModel, layer_ids: list[int]) -> None:
         super().__init__()
-        self.model = model
+        self.model: PreTrainedModel = model
         self.layer_ids = [int(i) for i in layer_ids]
         self.model.eval()
         self.model.requires_grad_(False)

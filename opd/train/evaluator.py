@@ -97,6 +97,7 @@ class Evaluator:
         """`opd run`'s benchmark table (`eval.suite`) of drafter directories (label -> path) on this evaluator's
         target, the samples drawn by a fresh copy of the warm drafter into OUT/samples/. Returned without the
         rebuilt records: only the cells are reported, and from an actor the records would cross to the driver."""
+        assert self.spec.eval.suite is not None  # only called for a spec with a suite (opd/commands/run.py)
         m, suite = self.models, Path(self.spec.eval.suite)
         warm = Models(m.target, build_drafter(self.spec, m.target, m.tokenizer), m.tokenizer)
         own = private_copy(Path(out) / "samples", self.rank).parent  # what evaluate_suite writes: OUT/samples/
@@ -176,7 +177,8 @@ class InlineEvaluations:
     """`engine: local`: each snapshot is evaluated at once, in this process."""
 
     def __init__(self, evaluator: Evaluator) -> None:
-        self.evaluator, self.done = evaluator, []
+        self.evaluator = evaluator
+        self.done: list[EvalResult] = []
 
     def submit(self, snapshot: WeightSnapshot) -> None:
         self.done.append(self.evaluator(snapshot))

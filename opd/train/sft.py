@@ -33,6 +33,7 @@ from opd.distill.selector_loss import sft_selector_loss
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.build import Models, build_models
+from opd.models.dflash2 import CandidateSelector
 from opd.models.families import family
 from opd.models.family import Drafter, chains
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
@@ -153,7 +154,9 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
     if drafter.sft_target == "target":  # slot k's target distribution is the target's state at a + k - 1
         rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
         teacher = hidden_t[rows, batch.input_pos][batch.block_valid]
-        mask = mask & drafter.trainable_slots(teacher)  # the denominator still counts them, as SpecForge's mean
+        trainable = drafter.trainable_slots(teacher)  # None: all of them
+        if trainable is not None:
+            mask = mask & trainable  # the denominator still counts them, as SpecForge's mean
     if log_weight_sum is None:
         log_weight_sum = sft_log_weight_sum(mask, gamma)
     if objective == "dspark":
@@ -175,6 +178,8 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
             teacher_processing=acceptance.teacher, chunk_size=chunk_size).loss
     if not chains(drafter) or not selector_weight:
         return loss
+    # selector_weight is set only where selector_trains: a selector with parameters, DFlash 2's (not DSpark's)
+    assert isinstance(drafter.selector, CandidateSelector)
     return loss + selector_weight * sft_selector_loss(
         drafter.selector, drafter.student_head, slots, batch.labels[batch.block_valid],
         batch.inputs[batch.block_valid], mask, gamma=gamma, log_weight_sum=log_weight_sum, chunk_size=chunk_size)
