@@ -27,6 +27,10 @@ def pytest_configure(config):
     `init_ray` in the other (nor is a `ray start` head someone else runs on this machine). Short: Ray's socket
     paths must fit in 107 bytes."""
     config.ray_tmpdir = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="opd-ray-", dir="/tmp")
+    # Ray starts its workers at niceness 15, so while the other xdist worker computes at 0 the actors of a Ray
+    # test get almost no CPU and that test, the suite's longest chain, stretches several-fold; the same priority
+    # as this process shares the cores evenly.
+    os.environ["RAY_worker_niceness"] = "0"
 
 
 def pytest_unconfigure(config):
