@@ -272,12 +272,25 @@ def read_config(directory: ModelDir, target: TargetShape, block_size: int) -> Ea
                                            block_size=block_size)
     except OpdError as exc:
         raise OpdError(f"{path}: {exc}") from exc
+    check_fits_target(path, config, target, "the target's embedding width, which is shared")
+    return config
+
+
+def check_fits_target(path: Path, config: Any, target: TargetShape, hidden_why: str) -> None:
+    """An EAGLE-3-fed drafter's config.json (`path`) describes a drafter for this very target: its vocabulary,
+    its width (`hidden_why` says why it must match) and the width of the states it fuses."""
     for name, value, why in (("vocab_size", target.vocab_size, "the target's vocabulary"),
-                             ("hidden_size", target.hidden_size, "the target's embedding width, which is shared"),
+                             ("hidden_size", target.hidden_size, hidden_why),
                              ("target_hidden_size", target.hidden_size, "the target's hidden size")):
         if getattr(config, name) != value:
             raise OpdError(f"{path}: config field '{name}' is {getattr(config, name)}; expected {value}, {why}")
-    return config
+
+
+def check_distinct_layers(ids: list[int]) -> None:
+    """vLLM captures each layer once, so a repeated id would leave the drafter's fc short of a state."""
+    if len(set(ids)) != len(ids):
+        raise OpdError(f"{AUX_IDS_FIELD} {ids} repeat a layer, which vLLM captures once, so "
+                       f"its fc would get {len(set(ids))} states for 3 (expected distinct ids)")
 
 
 def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from opd.formats.eagle3 import (
     Eagle3Spec,
     _check_mapping,
     _write,
+    check_fits_target,
 )
 from opd.formats.eagle3 import expected_shapes as eagle3_shapes
 from opd.formats.speculators import (
@@ -135,11 +136,7 @@ def read_config(directory: ModelDir, target: TargetShape) -> PEagleConfig:
         config = PEagleConfig.from_speculators(directory.config, target.num_layers)
     except OpdError as exc:
         raise OpdError(f"{path}: {exc}") from exc
-    for name, value, why in (("vocab_size", target.vocab_size, "the target's vocabulary"),
-                             ("hidden_size", target.hidden_size, "the target's hidden size"),
-                             ("target_hidden_size", target.hidden_size, "the target's hidden size")):
-        if getattr(config, name) != value:
-            raise OpdError(f"{path}: config field '{name}' is {getattr(config, name)}; expected {value}, {why}")
+    check_fits_target(path, config, target, "the target's hidden size")
     return config
 
 

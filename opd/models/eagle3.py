@@ -36,11 +36,11 @@ from torch.utils.checkpoint import checkpoint
 from opd.errors import OpdError
 from opd.formats.dflash import TargetShape
 from opd.formats.eagle3 import (
-    AUX_IDS_FIELD,
     SHARED_EMBEDDING,
     WEIGHTS_FILE,
     Eagle3Config,
     Eagle3Spec,
+    check_distinct_layers,
     draft_vocab,
     expected_shapes,
     read_config,
@@ -444,10 +444,7 @@ class Eagle3Family(DrafterFamily):
         if target is None:
             raise OpdError("an EAGLE-3 drafter is checked against its target, whose config.json was not found")
         config = read_config(directory, target, section.block_size)
-        ids = config.aux_layer_ids
-        if len(set(ids)) != len(ids):
-            raise OpdError(f"{AUX_IDS_FIELD} {ids} repeat a layer, which vLLM captures once, so "
-                           f"its fc would get {len(set(ids))} states for 3 (expected distinct ids)")
+        check_distinct_layers(config.aux_layer_ids)
         return config.block_size
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from torch import nn
 from opd.data.prompts import mask_token_id
 from opd.errors import OpdError
 from opd.formats.dflash import WEIGHTS_FILE, TargetShape
-from opd.formats.eagle3 import AUX_IDS_FIELD, SHARED_EMBEDDING, Eagle3Config, draft_vocab
+from opd.formats.eagle3 import SHARED_EMBEDDING, Eagle3Config, check_distinct_layers, draft_vocab
 from opd.formats.peagle import (
     OWN_EMBEDDING,
     PEagleConfig,
@@ -185,10 +185,7 @@ class PEagleFamily(DrafterFamily):
         if target is None:
             raise OpdError("a P-EAGLE drafter is checked against its target, whose config.json was not found")
         config = read_config(directory, target)
-        ids = config.aux_layer_ids
-        if len(set(ids)) != len(ids):
-            raise OpdError(f"{AUX_IDS_FIELD} {ids} repeat a layer, which vLLM captures once, so its fc would get "
-                           f"{len(set(ids))} states for 3 (expected distinct ids)")
+        check_distinct_layers(config.aux_layer_ids)
         return config.block_size
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
