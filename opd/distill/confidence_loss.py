@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.functional import binary_cross_entropy_with_logits
 
-from opd.distill.losses import _valid_positions, position_sets
+from opd.distill.losses import _compute_dtype, _valid_positions, position_sets
 from opd.errors import OpdError
 from opd.models.family import Drafter
 
@@ -45,7 +45,7 @@ def confidence_logits(drafter: Drafter) -> nn.Module:
 def confidence_bce(head: nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """BCE(σ(head(rows_r)), labels_r) per row [R] of rows [R, W] (labels [R] in [0, 1], detached), in fp32 at least
     (fp64 for fp64 rows)."""
-    dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(rows)
     return binary_cross_entropy_with_logits(head(rows).to(dtype), labels.detach().to(dtype), reduction="none")
 
 

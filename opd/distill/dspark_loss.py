@@ -24,7 +24,7 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.distill.confidence_loss import confidence_bce, confidence_logits
-from opd.distill.losses import _teacher_logprobs, _valid_positions, sft_log_weight_sum
+from opd.distill.losses import _compute_dtype, _teacher_logprobs, sft_slot_weights
 from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunked_loss
 
@@ -38,17 +38,13 @@ def dspark_sft_loss(drafter: Drafter, student: torch.Tensor, teacher: torch.Tens
     W] (`block_hidden`'s [h; markov_w1[x]]), its Markov head and its confidence head. teacher [N, K-1, H]: the
     target's final-norm hidden states at the same slots; labels [N, K-1]: the data tokens (never read where masked).
     `log_weight_sum`: the step's (`sft_log_weight_sum` log-added over its micro-batches); default this batch's."""
-    valid = _valid_positions(student.shape[:2], position_mask, student.device)
-    if log_weight_sum is None:
-        log_weight_sum = sft_log_weight_sum(valid, gamma)
-    rows = valid.flatten().nonzero().squeeze(-1)
-    coef = torch.exp((rows % student.shape[1]).to(torch.float64) * (-1.0 / gamma) - log_weight_sum)
+    rows, coef = sft_slot_weights(student, position_mask, gamma, log_weight_sum)
     targets, views = labels.to(student.device).flatten()[rows], teacher.flatten(0, 1)[rows]
     head, confidence = drafter.student_head, confidence_logits(drafter)
 
     def slot_loss(x: torch.Tensor, part: slice) -> torch.Tensor:
         logits = apply_head(head, x)
-        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        dtype = _compute_dtype(logits)
         log_q = torch.log_softmax(logits.to(dtype), dim=-1)
         p = _teacher_logprobs(drafter.teacher_head, views[part], Sampling(1.0)).to(dtype).exp()
         ce = -log_q.gather(-1, targets[part, None]).squeeze(-1)

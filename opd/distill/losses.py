@@ -350,6 +350,18 @@ def _teacher_logprobs(head: torch.nn.Module | None, hidden: torch.Tensor, proces
         return processed_logprobs(apply_head(head, hidden), processing)
 
 
+def sft_slot_weights(student: torch.Tensor, position_mask: torch.Tensor | None, gamma: float,
+                     log_weight_sum: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows: the valid slots of student [N, K-1, ...] flattened, coef: each one's exp(-(k-1)/gamma) over the step's
+    weight sum, `log_weight_sum` in log, default this batch's): every SFT objective weights its slots so."""
+    valid = _valid_positions(student.shape[:2], position_mask, student.device)
+    if log_weight_sum is None:
+        log_weight_sum = sft_log_weight_sum(valid, gamma)
+    rows = valid.flatten().nonzero().squeeze(-1)
+    offsets = (rows % student.shape[1]).to(torch.float64)  # k - 1
+    return rows, torch.exp(offsets * (-1.0 / gamma) - log_weight_sum)
+
+
 def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, position_mask: torch.Tensor | None = None,
              head: torch.nn.Module | None = None, chunk_size: int | None = None,
              log_weight_sum: float | None = None, teacher: torch.Tensor | None = None,
@@ -365,12 +377,7 @@ def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, posit
     distribution through `teacher_head` instead of the data token, a soft cross-entropy (EAGLE-3's training-time
     test, over its draft vocabulary); `labels` are then unused.
     """
-    valid = _valid_positions(student.shape[:2], position_mask, student.device)
-    if log_weight_sum is None:
-        log_weight_sum = sft_log_weight_sum(valid, gamma)
-    rows = valid.flatten().nonzero().squeeze(-1)
-    offsets = (rows % student.shape[1]).to(torch.float64)  # k - 1
-    coef = torch.exp(offsets * (-1.0 / gamma) - log_weight_sum)
+    rows, coef = sft_slot_weights(student, position_mask, gamma, log_weight_sum)
     targets = labels.to(student.device).flatten()[rows]
 
     soft = None if teacher is None else teacher.flatten(0, 1)[rows]
