@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from opd.errors import OpdError
+from opd.models.shared_head import skeleton
 from opd.models.target import Target, load_target
 
 # A rank waits in a collective while another still loads its shard (minutes at hundreds of GB) or runs a call.
@@ -149,11 +150,7 @@ def attention_splits(text_config: Any, world: int) -> bool:
 def _whole_attention(config: Any) -> dict[str, str]:
     """The model's plan with every attention rule (`self_attn.`) turned into "replicate": those modules load whole
     and run on every rank as in one process. The plan's full names come from the model built on the meta device."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: "replicate" for name in model.tp_plan if ".self_attn." in name}
+    return {name: "replicate" for name in skeleton(config).tp_plan if ".self_attn." in name}
 
 
 def _expert_count(config: Any) -> int:
