@@ -40,7 +40,7 @@ from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
 from opd.run_dir import for_actors, lock_holder
-from opd.spec import ExperimentSpec, RoleSpec
+from opd.spec import ExperimentSpec, ResourcesSpec, RoleSpec
 from opd.tracking import end_run, run_status
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
@@ -88,13 +88,28 @@ def _bundle(role: RoleSpec) -> dict[str, float]:
     return bundle
 
 
+def learner_bundles(r: ResourcesSpec) -> list[dict[str, float]]:
+    """The learner group's bundles: the learner ranks' (0..N-1), then the scorer ranks' (`first_scorer_bundle`).
+    With `colocate_learner`, bundle i holds scorer rank i and learner rank i (i < N) together: a whole GPU (the
+    spec checks that their fractions sum to 1), so a pair shares it and no two scorer ranks share one."""
+    if not r.colocate_learner:
+        return [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
+    gpu = {"GPU": 1.0} if r.learner.num_gpus or r.scorer.num_gpus else {}
+    return [{"CPU": round(r.scorer.num_cpus + r.learner.num_cpus * (i < r.learner.replicas), 4)} | gpu
+            for i in range(r.scorer.ranks)]
+
+
+def first_scorer_bundle(r: ResourcesSpec) -> int:
+    """The learner group's bundle of scorer rank 0."""
+    return 0 if r.colocate_learner else r.learner.replicas
+
+
 def place(spec: ExperimentSpec, timeout_s: float = 60.0):
-    """Two placement groups: the learner ranks (bundles 0..N-1) with their scorers' ranks packed on one node (heavy
-    tensors never cross the network), and the rollout replicas spread wherever they fit (sharded ones: on one
-    node). Refused here if the cluster cannot hold them."""
+    """Two placement groups: the learner ranks with their scorers' ranks packed on one node (heavy tensors never
+    cross the network; `learner_bundles`), and the rollout replicas spread wherever they fit (sharded ones: on
+    one node). Refused here if the cluster cannot hold them."""
     r, rollout = spec.resources, placed_rollout(spec)
-    bundles = [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
-    learner_pg = placement_group(bundles, strategy="STRICT_PACK", name="opd-learner")
+    learner_pg = placement_group(learner_bundles(r), strategy="STRICT_PACK", name="opd-learner")
     # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
     strategy = "STRICT_PACK" if rollout.gpus_per_replica > 1 else "PACK"
     rollout_pg = placement_group([_bundle(rollout)] * rollout.ranks, strategy=strategy, name="opd-rollout")
@@ -110,7 +125,8 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
 def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
     restarts = MAX_RESTARTS if role.gpus_per_replica == 1 else 0  # a sharded replica dies with any rank
     return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": restarts,
-            "max_concurrency": 2,  # so a test or the dashboard can query an actor while its loop runs
+            # so a test or the dashboard can query an actor while its loop runs, and rollout-0 take evaluations
+            "max_concurrency": 3,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
 
 
@@ -222,15 +238,16 @@ class RayRun:
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
         self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
             as_dict, i, address) for i in range(1, n)]
-        self.evaluator_placement = EvaluatorPlacement(spec)  # held-out eval, off the learner's critical path
-        self.evaluator = self.evaluator_placement.start(as_dict)
-        self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
-            as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
-            _Named(EVALUATOR))
-        self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, n, as_dict,
-                                              store, ledger, anchors, scored)
+        # held-out eval, off the learner's critical path: its own actor, or rollout-0 between batches
         self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0,
                                                 as_dict, store, ledger, anchors)
+        self.evaluator_placement = None if r.evaluate_on == "rollout" else EvaluatorPlacement(spec)
+        self.evaluator = self.evaluator_placement.start(as_dict) if self.evaluator_placement else None
+        self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
+            as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
+            _Named(EVALUATOR if self.evaluator is not None else "rollout-0"))
+        self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg,
+                                              first_scorer_bundle(r), as_dict, store, ledger, anchors, scored)
         self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
         self.loops: dict = {}  # loop ref -> (actor name, actor)
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it
@@ -276,13 +293,14 @@ class RayRun:
                 end_run(self.spec, self.run_id, status)
         finally:
             for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, *self.followers,
-                          self.evaluator, self.store, self.ledger]:
+                          *([] if self.evaluator is None else [self.evaluator]), self.store, self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
                 q.shutdown()
             for pg in (self.learner_pg, self.rollout_pg):
                 remove_placement_group(pg)
-            self.evaluator_placement.remove()
+            if self.evaluator_placement is not None:
+                self.evaluator_placement.remove()
 
 
 def relaunch(ref, name: str, actor):

@@ -5,7 +5,8 @@ The learner reaches it through `ActorEvaluations` (non-blocking submits, results
 `opd run`'s before/after evaluation and its suite table run in the same actor class (`evaluate_in_actor`,
 `suite_in_actor`, actors/driver.py), on the cluster's GPUs rather than in the driver process, which on a cluster
 is usually a CPU pod. Its resources are
-`resources.evaluator`; when that reserves anything it gets a placement group of its own, so a cluster that cannot
+`resources.evaluator` (with `resources.evaluate_on: rollout`, a rollout replica's: in training rollout-0 then
+evaluates, actors/rollout.py); when that reserves anything it gets a placement group of its own, so a cluster that cannot
 hold it is one error line instead of an evaluation that never starts. With `gpus_per_replica` N > 1 the group
 holds N ranks packed on one node: this actor is rank 0, the others `ShardFollower`s that run its calls over their
 shards of the target (actors/replica.py).
@@ -21,7 +22,7 @@ from actors.replica import ShardFollower, Spmd, bundle_address, evaluator, join
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.evaluator import Checkpoint, EvalResult
 from opd.train.messages import WeightSnapshot
 
@@ -66,13 +67,20 @@ class ActorEvaluations:
         return done
 
 
+def evaluator_role(spec: ExperimentSpec) -> RoleSpec:
+    """What an evaluator actor takes: `resources.evaluator`, or with `evaluate_on: rollout` (where training has no
+    evaluator actor; rollout-0 evaluates) one rollout replica's resources, idle before and after the run."""
+    r = spec.resources
+    return r.rollout.model_copy(update={"replicas": 1}) if r.evaluate_on == "rollout" else r.evaluator
+
+
 class EvaluatorPlacement:
-    """The evaluator's placement: a group of `gpus_per_replica` bundles packed on one node when
-    `resources.evaluator` reserves anything (a sharded evaluator always does: the spec says so), and the ranks past
-    0 that `start` puts there."""
+    """The evaluator's placement: a group of `gpus_per_replica` bundles packed on one node when its role
+    (`evaluator_role`) reserves anything (a sharded one always does: the spec says so), and the ranks past 0 that
+    `start` puts there."""
 
     def __init__(self, spec: ExperimentSpec, timeout_s: float = 60.0) -> None:
-        role = spec.resources.evaluator
+        role = evaluator_role(spec)
         bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v}
         self.role = role
         self.followers: list = []
@@ -80,7 +88,8 @@ class EvaluatorPlacement:
                                      name="opd-evaluator") if bundle else None
         if self.group is not None and not ray.wait([self.group.ready()], timeout=timeout_s)[0]:
             self.remove()
-            raise OpdError(f"resources.evaluator: the cluster cannot place the evaluator ({role.gpus_per_replica} x "
+            field = "rollout" if spec.resources.evaluate_on == "rollout" else "evaluator"
+            raise OpdError(f"resources.{field}: the cluster cannot place the evaluator ({role.gpus_per_replica} x "
                            f"{bundle}) within {timeout_s:.0f}s (available: {ray.available_resources()}); lower its "
                            "GPUs/CPUs")
 

@@ -12,8 +12,9 @@ the rank's error instead of hanging in a collective.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -21,26 +22,56 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from opd.data.prompts import load_tokenizer, train_prompts
 from opd.models.build import Models, build_drafter, build_models, resolve_device
 from opd.models.sharding import build_sharded_target, join_group, own_rank
+from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.train.distributed import free_address
-from opd.train.evaluator import Evaluator
-from opd.train.rollout import RolloutWorker, rollout_needs_models
+from opd.train.evaluator import EvalResult, Evaluator
+from opd.train.messages import WeightSnapshot
+from opd.train.rollout import RolloutWorker
 from opd.train.scorer import Scorer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def rollout_worker(spec: ExperimentSpec, world: int = 1) -> RolloutWorker:
+
+def rollout_worker(spec: ExperimentSpec, world: int = 1) -> RolloutReplica:
     """A rollout replica's worker (target + drafter copy, or only a sampler or sample file) over `world` ranks."""
-    if rollout_needs_models(spec.rollout):
-        tokenizer = load_tokenizer(spec.models.tokenizer)
+    tokenizer = load_tokenizer(spec.models.tokenizer)
+    if spec.rollout.holds_target:
         if world == 1:
             target, drafter = (models := build_models(spec)).target, models.drafter
         else:
             target = build_sharded_target(spec, world)
             drafter = build_drafter(spec, target, tokenizer)
     else:  # stored samples or vLLM's own engine: only the prompts
-        target, drafter, tokenizer = None, None, load_tokenizer(spec.models.tokenizer)
+        target, drafter = None, None
     prompts = train_prompts(spec.data, tokenizer)
-    return RolloutWorker(spec, target, drafter, tokenizer.eos_token_id, prompts, draft_version=-1)
+    worker = RolloutWorker(spec, target, drafter, tokenizer.eos_token_id, prompts, draft_version=-1)
+    return RolloutReplica(spec, worker, target, tokenizer)
+
+
+class RolloutReplica:
+    """A rollout replica's `RolloutWorker` (its attributes are the worker's), and the `Evaluator` that shares its
+    target when `resources.evaluate_on` is rollout: held-out decoding between rollout batches, with a drafter copy
+    of its own, so evaluating never disturbs the weights the replica drafts with. The evaluator is built at the
+    first evaluation, on every rank alike (the calls reach all of them), so a replica never asked costs nothing."""
+
+    def __init__(self, spec: ExperimentSpec, worker: RolloutWorker, target: Target | None,
+                 tokenizer: PreTrainedTokenizerBase) -> None:
+        """`target`: the worker's (None: a replica without a target of ours cannot evaluate)."""
+        self.spec, self.worker, self.target, self.tokenizer = spec, worker, target, tokenizer
+        self.evaluator: Evaluator | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+    def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
+        """`Evaluator.__call__` on this replica's target."""
+        if self.evaluator is None:
+            assert self.target is not None  # the spec refuses evaluate_on rollout without one (holds_target)
+            drafter = build_drafter(self.spec, self.target, self.tokenizer)
+            self.evaluator = Evaluator(self.spec, Models(self.target, drafter, self.tokenizer), rank=own_rank())
+        return self.evaluator(snapshot)
 
 
 def scorer(spec: ExperimentSpec, world: int = 1) -> Scorer:
@@ -99,24 +130,29 @@ class ShardFollower:
 
 class Spmd:
     """Rank 0's object, whose method calls also run on the followers: the arguments go once to the object store,
-    the followers start, rank 0 runs, then waits for them (so a follower's error surfaces at the call)."""
+    the followers start, rank 0 runs, then waits for them (so a follower's error surfaces at the call). One call at
+    a time: an actor's threads (a rollout's loop and the evaluation it serves) share the target, and two calls
+    interleaving their collectives would pair the wrong ones across ranks."""
 
     def __init__(self, obj: Any, followers: list) -> None:
-        self.obj, self.followers = obj, followers
+        self.obj, self.followers, self.lock = obj, followers, threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.obj, name)
-        if not callable(attr) or not self.followers:
+        if not callable(attr):
             return attr
         return lambda *args: self._everywhere(name, attr, args)
 
     def __call__(self, *args: Any) -> Any:
-        return self._everywhere("__call__", self.obj, args) if self.followers else self.obj(*args)
+        return self._everywhere("__call__", self.obj, args)
 
     def _everywhere(self, name: str, method: Callable[..., Any], args: tuple) -> Any:
-        refs = [ray.put(arg) for arg in args]
-        pending = [follower.call.remote(name, *refs) for follower in self.followers]
-        out = method(*args)
-        ray.get(pending)
-        return out
+        with self.lock:
+            if not self.followers:
+                return method(*args)
+            refs = [ray.put(arg) for arg in args]
+            pending = [follower.call.remote(name, *refs) for follower in self.followers]
+            out = method(*args)
+            ray.get(pending)
+            return out
 

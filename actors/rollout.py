@@ -1,5 +1,7 @@
 """RolloutActor: owns a `RolloutWorker` (target + drafter copy, or only a target sampler or a sample file) and
-feeds the anchor queue with the batches the ledger hands out."""
+feeds the anchor queue with the batches the ledger hands out. With `resources.evaluate_on: rollout`, rollout-0
+also serves the learner's held-out evaluations on its target, between batches (actors/replica.py
+`RolloutReplica`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from actors.queues import BatchQueue, Stopped
 from actors.replica import Spmd, join, rollout_worker
 from opd.eval.acceptance import AcceptanceStats
 from opd.spec import ExperimentSpec
+from opd.train.evaluator import EvalResult
 from opd.train.messages import Ticket, WeightSnapshot
 
 WAIT_S = 5.0  # longest one blocking wait on the ledger or weight store; then the loop checks again
@@ -46,6 +49,11 @@ class RolloutActor:
                 produced += 1
         except Stopped:
             return produced
+
+    def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
+        """Held-out evaluation of `snapshot` on this replica's target (`resources.evaluate_on: rollout`), between two
+        of its rollout batches: the learner reaches it as it would the evaluator actor (`ActorEvaluations`)."""
+        return self.worker.evaluate(snapshot)
 
     def draft_state(self) -> tuple[int, dict]:
         """The weights this actor drafts with (tests compare them with the learner's bit for bit)."""

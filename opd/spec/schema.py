@@ -222,6 +222,11 @@ class RolloutSpec(Section):
         return self
 
     @property
+    def holds_target(self) -> bool:
+        """Whether a rollout replica loads the target (and a drafter): not for stored samples or vLLM's own engine."""
+        return self.source == "speculative" or (self.source == "target" and self.sampler != "vllm")
+
+    @property
     def rebuilt(self) -> bool:
         """Whether the scorer rebuilds the blocks from target samples (any source but the speculative decoder)."""
         return self.source != "speculative"
@@ -441,6 +446,25 @@ class ResourcesSpec(Section):
         "every one of its batches_per_step batches alike (older ones are counted and discarded). 0 is the authors' "
         "synchronous trainer: all batches of an update come from the weights of the update before."))
     broadcast_every: int = Field(1, ge=1, description="learner steps between weight publications")
+    evaluate_on: Literal["evaluator", "rollout"] = Field("evaluator", description=(
+        "evaluator: the evaluator role's own actor and target decode the held-out prompts. rollout: rollout replica "
+        "0 decodes them between its rollout batches, on its own target with a drafter copy of its own, and "
+        "`opd run`'s before/after evaluation takes the rollout's resources: for a target whose copy takes a whole "
+        "node, a third copy only to evaluate would take a third node. resources.evaluator then reserves nothing."))
+    colocate_learner: bool = Field(False, description=(
+        "Learner rank i shares scorer rank i's GPU: each scorer rank's placement bundle is one whole GPU, of which "
+        "the scorer rank takes scorer.num_gpus and learner rank i (if there are that many) learner.num_gpus, which "
+        "must sum to 1. So a scorer that needs all of the learner's node still has the learner beside it. Whether "
+        "both fit one GPU's memory is for bench/sharded_layout.py to project: with optim.backend deepspeed and ZeRO "
+        "the learner's optimizer state splits over its ranks."))
+
+    def _as_placed(self, roles: dict[str, RoleSpec]) -> dict[str, RoleSpec]:
+        """The roles' GPUs as their bundles hold them: with colocate_learner each scorer rank's bundle is a whole GPU
+        (learner ranks share the first ones), so the learner adds none."""
+        if not (self.colocate_learner and (self.scorer.num_gpus or self.learner.num_gpus)):
+            return roles
+        return roles | {"scorer": self.scorer.model_copy(update={"num_gpus": 1.0}),
+                        "learner": self.learner.model_copy(update={"num_gpus": 0.0})}
 
     @model_validator(mode="after")
     def _check(self) -> ResourcesSpec:
@@ -448,11 +472,15 @@ class ResourcesSpec(Section):
         issues = [f"{name}.num_gpus: {_num(role.num_gpus)} (expected at most 1 or a whole number; Ray cannot "
                   "place a fraction above 1)"
                   for name, role in roles.items() if role.num_gpus > 1 and role.num_gpus % 1]
-        issues += _shard_layout_issues(roles, self.cluster.gpus_per_node)
-        issues += _fit(roles, "num_gpus", self.cluster.num_gpus)
+        if self.colocate_learner:
+            issues += _colocation_issues(self)
+        issues += _shard_layout_issues(self._as_placed(roles), self.cluster.gpus_per_node)
+        issues += _fit(self._as_placed(roles), "num_gpus", self.cluster.num_gpus)
         if self.evaluator.replicas != 1:
             issues.append(f"evaluator.replicas: {self.evaluator.replicas} (expected 1; one actor evaluates)")
-        if self.rollout.num_gpus and not self.evaluator.num_gpus:
+        if self.evaluate_on == "rollout":
+            issues += _shared_evaluator_issues(self.evaluator)
+        elif self.rollout.num_gpus and not self.evaluator.num_gpus:
             issues.append("evaluator.num_gpus: 0 while rollout decodes on GPUs, so held-out eval would decode on a "
                           f"CPU (expected a GPU, e.g. {_num(self.rollout.num_gpus)} like a rollout replica)")
         if self.max_policy_lag < self.broadcast_every - 1:
@@ -462,6 +490,31 @@ class ResourcesSpec(Section):
             issues += _fit(roles, "num_cpus", self.cluster.num_cpus)
         spec_issues(issues)
         return self
+
+
+def _shared_evaluator_issues(evaluator: RoleSpec) -> list[str]:
+    """With evaluate_on: rollout the evaluator role runs nothing, so resources it reserves would never be used."""
+    if evaluator.num_gpus or evaluator.num_cpus or evaluator.gpus_per_replica != 1:
+        return [f"evaluator: {_num(evaluator.num_gpus)} GPUs, {_num(evaluator.num_cpus)} CPUs, gpus_per_replica "
+                f"{evaluator.gpus_per_replica} with evaluate_on rollout (expected num_gpus 0, num_cpus 0, "
+                "gpus_per_replica 1: rollout replica 0 evaluates)"]
+    return []
+
+
+def _colocation_issues(r: ResourcesSpec) -> list[str]:
+    """colocate_learner puts learner rank i in scorer rank i's bundle: no more learner ranks than scorer ranks, and
+    each bundle one whole GPU (a fraction could put two scorer ranks of one replica on one device, which nccl
+    refuses)."""
+    learner, scorer = r.learner, r.scorer
+    if learner.replicas > scorer.ranks:
+        return [f"learner.replicas: {learner.replicas} with colocate_learner but the scorer has {scorer.ranks} ranks "
+                "(expected at most one learner rank per scorer rank: learner rank i shares scorer rank i's GPU)"]
+    pair = round(learner.num_gpus + scorer.num_gpus, 4)
+    if pair not in (0, 1) or (pair == 1 and not (learner.num_gpus and scorer.num_gpus)):
+        return [f"learner.num_gpus: {_num(learner.num_gpus)} + scorer.num_gpus {_num(scorer.num_gpus)} = "
+                f"{_num(pair)} with colocate_learner (expected fractions summing to 1, e.g. 0.1 and 0.9: a learner "
+                "rank and a scorer rank share each GPU; or 0 and 0 on CPU)"]
+    return []
 
 
 def _shard_layout_issues(roles: dict[str, RoleSpec], gpus_per_node: int | None) -> list[str]:
@@ -666,6 +719,10 @@ class ExperimentSpec(Section):
         if not drafter.topk_teacher and self.replay.teacher_topk is not None:
             issues.append(f"replay.teacher_topk: {self.replay.teacher_topk} with {_a(drafter.kind)} drafter (it reads "
                           "every slot's full teacher; expected null)")
+        if self.resources.evaluate_on == "rollout" and not self.rollout.holds_target:
+            issues.append(f"resources.evaluate_on: rollout with rollout.source {self.rollout.source} and sampler "
+                          f"{self.rollout.sampler} (that rollout replica holds no target of ours to evaluate with; "
+                          "expected evaluate_on: evaluator)")
         if self.rollout.rebuilt and self.replay.anchors == "random":
             issues.append(f"replay.anchors: random with rollout.source {self.rollout.source} (expected error anchors: "
                           "random anchors are redrafted by a speculative rollout's drafter)")

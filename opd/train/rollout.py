@@ -26,7 +26,7 @@ from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_fl
 from opd.models.target import Target
 from opd.sources.samplers import build_sampler
 from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, rollout_draw, wanted
-from opd.spec import ExperimentSpec, RolloutSpec
+from opd.spec import ExperimentSpec
 from opd.train.messages import AnchorBatch
 
 
@@ -39,13 +39,8 @@ def rollout_sampling(spec: ExperimentSpec, index: int) -> Sampling:
                        sample_drafts=own and spec.serving is not None and spec.serving.draft == "sample")
 
 
-def rollout_needs_models(r: RolloutSpec) -> bool:
-    """Whether rollout holds the HF target (and a drafter): not for stored samples or vLLM's own engine."""
-    return r.source == "speculative" or (r.source == "target" and r.sampler != "vllm")
-
-
 class RolloutWorker:
-    """`target` and `drafter` are None when `rollout_needs_models` says so; with `rollout.source: target` the
+    """`target` and `drafter` are None unless `rollout.holds_target`; with `rollout.source: target` the
     drafter is the sampler's, never updated."""
 
     def __init__(self, spec: ExperimentSpec, target: Target | None, drafter: Drafter | None, eos_id: int,
@@ -54,7 +49,7 @@ class RolloutWorker:
         source = spec.rollout.source
         self.decoder = self.sampler = self.draw = self.samples = None
         if source == "speculative":
-            assert target is not None and drafter is not None  # `rollout_needs_models`
+            assert target is not None and drafter is not None  # `rollout.holds_target`
             self.decoder = SpeculativeDecoder(target, drafter, eos_id=eos_id, draft_version=draft_version,
                                               static_cache=spec.rollout.static_cache,
                                               compiled=spec.rollout.compile)
