@@ -232,6 +232,7 @@ SHIPPED = {  # config: (target, drafter, target layers, layer ids, mask token, t
     "gemma4-31b": ("gemma-4-31B-it", "gemma-4-31B-it-DFlash", 60, [1, 12, 23, 35, 46, 57], 4, None),
     "gpt-oss-120b": ("gpt-oss-120b", "gpt-oss-120b-DFlash", 36, None, None, None),
     "qwen3.5-122b-a10b": ("Qwen3.5-122B-A10B", "Qwen3.5-122B-A10B-DFlash", 48, None, None, True),
+    "qwen3.5-397b-a17b": ("Qwen3.5-397B-A17B", "Qwen3.5-397B-A17B-DFlash", 60, None, None, True),
 }
 
 
