@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from actors.driver import first_scorer_bundle, learner_bundles
+from actors.evaluator import evaluator_role
 from actors.replica import rollout_worker
 from opd.eval.row import EvalRow
 from opd.spec import ResourcesSpec, load_spec
@@ -84,10 +85,12 @@ def test_shared_layouts_that_cannot_run_are_one_line(micro_spec_file, overrides,
     assert expected in str(refused.value)
 
 
-def test_the_shipped_two_node_layout_validates():
-    r = load_spec(ROOT / "configs" / "qwen3.5-397b-a17b.yaml", [], check_paths=False).resources
+def test_the_shipped_two_node_layout_validates_and_evaluates_before_and_after_on_a_rollout_replicas_gpus():
+    spec = load_spec(ROOT / "configs" / "qwen3.5-397b-a17b.yaml", [], check_paths=False)
+    r = spec.resources
     assert (r.evaluate_on, r.colocate_learner, r.rollout.ranks, r.scorer.ranks) == ("rollout", True, 8, 8)
     assert len(learner_bundles(r)) + r.rollout.ranks == r.cluster.num_gpus == 16
+    assert evaluator_role(spec) == r.rollout  # one replica of 8 ranks; training's evaluator role reserves nothing
 
 
 @pytest.mark.slow
