@@ -31,9 +31,15 @@ run: $(VENV_STAMP)
 TEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# --durations: the slowest tests are printed on every run (CI's log included), so what grows is seen where it grows
-test: lint $(VENV_STAMP)
-	$(PY) -m pytest $(PYTEST_XDIST) --durations=25
+# --durations: the slowest tests are printed on every run (CI's log included), so what grows is seen where it grows.
+# lint runs beside the tests, not before them: its mypy and mkdocs take the CPU that the tests leave idle while Ray
+# actors start and workers wait; its output is held in build/lint.log and shown after the tests, and either
+# failing fails `make test`.
+test: $(VENV_STAMP)
+	@mkdir -p build; $(MAKE) --no-print-directory lint > build/lint.log 2>&1 & lint=$$!; \
+	$(PY) -m pytest $(PYTEST_XDIST) --durations=25; tests=$$?; \
+	wait $$lint; linted=$$?; cat build/lint.log; \
+	[ $$linted -eq 0 ] || echo "make test: lint failed (its output is above)"; exit $$(( tests || linted ))
 
 # What `make test` checks besides the tests, fastest first. ruff: lint on the whole tree, format only on the files
 # in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (every module there
