@@ -1,15 +1,14 @@
 """Everything that runs the target, on the tiny Qwen3 target and drafter: run whole in the test's process and
-sharded in `world` gloo processes (`python tests/sharded_worker.py RANK WORLD PORT OUT MODE...`), whose rank 0 saves
+sharded in `world` gloo processes that tests/test_sharding.py forks (`main(RANK, WORLD, PORT, OUT, MODE)`), whose rank 0 saves
 what it got to OUT for tests/test_sharding.py to compare. Every rank runs the same calls (SPMD). MODE `all DIR...`:
 `run_all` and the evaluator's `run_eval` on the tiny target, then `run_micro` on each float64 micro target in DIR... (keys `micro0_...`), in the
-same processes (starting a process that imports transformers costs more than all of these calls); `micro DIR...`:
+same processes (one group for all of them); `micro DIR...`:
 only the micro targets; `model DIR ATTN`: the forward and packed replay of that model (`run_forward`: the micro
 MoE and sink targets)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
@@ -153,6 +152,3 @@ def main(rank: int, world: int, port: int, out: str, mode: list[str]) -> None:
     if rank == 0:
         torch.save(result, out)
 
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])

@@ -6,14 +6,16 @@ token for token; the evaluator's held-out rows (tests/sharded_worker.py runs bot
 ranks do, while the ranks run). In the same processes, a float64 micro target with one key/value head, which 2
 ranks hold whole (its attention replicated: opd/models/sharding.py `attention_splits`): the same comparisons, and
 the chi-square test of sampled decoding at T=1 against the target's exact law (tests/helpers/lossless.py). At 4
-ranks (`slow`: four processes that import transformers take minutes on 2 cores), micro targets whose 4 key/value
+ranks (`slow`: four ranks on 2 cores take half a minute), micro targets whose 4 key/value
 heads split and whose 1 is replicated."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import subprocess
 import sys
+import traceback
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +32,6 @@ from tests.helpers.decoding import EOS as MICRO_EOS
 from tests.helpers.decoding import PROMPT
 from tests.helpers.lossless import chi_square, exact_joint
 
-WORKER = Path(sharded_worker.__file__)
-ROOT = WORKER.parents[1]
 TOL = 1e-5
 CLOSE = {"logits": TOL, "features": 0, "scored_teacher": TOL, "scored_features": 0, "view_teacher": TOL,
          "teacher_logits": TOL}  # name: relative tolerance on top of TOL
@@ -40,13 +40,34 @@ MICRO_CLOSE = ("logits", "features", "packed_hidden", "packed_features")
 MICRO_EQUAL = ("greedy", "sampled")
 
 
-def start_sharded(world: int, out: Path, *mode: str) -> list[subprocess.Popen]:
-    """`world` worker processes over one gloo group, running `mode` (tests/sharded_worker.py)."""
-    port = free_address().rsplit(":", 1)[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), port, str(out), *mode], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for rank in range(world)]
+def start_sharded(world: int, out: Path, *mode: str) -> list[BaseProcess]:
+    """`world` worker processes over one gloo group, running `mode` (tests/sharded_worker.py `main`). They are
+    forked from this process, which has imported everything they run: a fresh interpreter per rank would spend
+    longer importing transformers than the ranks spend computing."""
+    port = int(free_address().rsplit(":", 1)[1])
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_rank, args=(rank, world, port, str(out), list(mode))) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def _rank(rank: int, world: int, port: int, out: str, mode: list[str]) -> None:
+    """One rank: its output into `out`.rank{rank}.log (pytest owns this process's streams), its exit code 1 on any
+    error, and no interpreter shutdown, which would run this test process's exit hooks in the fork."""
+    log = os.open(f"{out}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    code = 0
+    try:
+        sharded_worker.main(rank, world, port, out, mode)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def save_micro(path: Path, kv_heads: int) -> str:
@@ -66,11 +87,14 @@ def whole_side(run):
         torch.set_num_threads(threads)
 
 
-def finish_sharded(procs: list[subprocess.Popen], out: Path) -> dict:
+def finish_sharded(procs: list[BaseProcess], out: Path) -> dict:
     """Rank 0's results, once every rank has exited cleanly."""
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    failed = [(rank, log) for rank, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
-    assert not failed, f"rank {failed[0][0]} failed:\n{failed[0][1][-3000:]}"
+    for proc in procs:
+        proc.join(timeout=240)
+    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
+    for proc in procs:
+        proc.kill()  # a rank still running past the timeout (exitcode None) is failed above
+    assert not failed, f"rank {failed[0]} failed:\n{Path(f'{out}.rank{failed[0]}.log').read_text()[-3000:]}"
     return torch.load(out, weights_only=False)
 
 
@@ -213,7 +237,6 @@ def _micro_qwen3_5_moe():
         full_attention_interval=4, tie_word_embeddings=False))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("build", "attn_implementation"), [(_micro_qwen3_moe, "sdpa"), (_micro_gpt_oss, "eager"),
                                                             (_micro_qwen3_5_moe, "sdpa")])
 def test_sharded_moe_and_sink_targets_match_the_whole_target(tmp_path, build, attn_implementation):
