@@ -15,6 +15,7 @@ from opd.data.prompts import load_tokenizer, train_prompts
 from opd.errors import OpdError
 from opd.sources.store import GEN_CHUNK, SampleStore, samples_needed
 from opd.train.local import LocalTrainer
+from tests.helpers import forked
 from tests.helpers.local_runs import losses, sample_file, spec_for
 
 
@@ -168,15 +169,14 @@ def test_a_shared_sample_cache_is_drawn_once_and_charged_to_every_reader(micro_s
 
 
 def test_processes_filling_one_sample_file_draw_each_sample_once(micro_spec_file, tmp_path):
-    import subprocess
-    import sys
-
+    """Two `opd gen-samples` processes (forked: tests/helpers/forked.py) fill one file that a killed writer left
+    cut off mid-line; every sample is drawn once."""
     path = tmp_path / "concurrent.jsonl"
     path.write_text('{"id": "cut off by a kil')  # a writer killed mid-line
-    command = [sys.executable, "-m", "opd.cli", "gen-samples", str(micro_spec_file), "--samples", "2",
-               "--out", str(path), "--set", f"tracking.run_dir={tmp_path / 'gen'}"]
-    procs = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
-    assert all(p.wait(timeout=300) == 0 for p in procs), [p.stderr.read() for p in procs]
+    args = ["gen-samples", str(micro_spec_file), "--samples", "2", "--out", str(path), "--set",
+            f"tracking.run_dir={tmp_path / 'gen'}"]
+    logs = [tmp_path / f"writer{i}.log" for i in range(2)]
+    forked.join([forked.start(main, args, log=log) for log in logs], logs, timeout=300)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 80 and len({(r["id"], r["sample"]) for r in rows}) == 80
 

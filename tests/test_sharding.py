@@ -11,10 +11,6 @@ heads split and whose 1 is replicated."""
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import sys
-import traceback
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -28,6 +24,7 @@ from opd.errors import OpdError
 from opd.models.sharding import check_sinks, distributed_config, load_sharded_target
 from opd.tiny.micro import micro_target
 from opd.train.distributed import free_address
+from tests.helpers import forked
 from tests.helpers.decoding import EOS as MICRO_EOS
 from tests.helpers.decoding import PROMPT
 from tests.helpers.lossless import chi_square, exact_joint
@@ -41,33 +38,15 @@ MICRO_EQUAL = ("greedy", "sampled")
 
 
 def start_sharded(world: int, out: Path, *mode: str) -> list[BaseProcess]:
-    """`world` worker processes over one gloo group, running `mode` (tests/sharded_worker.py `main`). They are
-    forked from this process, which has imported everything they run: a fresh interpreter per rank would spend
-    longer importing transformers than the ranks spend computing."""
+    """`world` worker processes over one gloo group, running `mode` (tests/sharded_worker.py `main`), forked from
+    this process (tests/helpers/forked.py); rank r's output goes to `out`.rank{r}.log."""
     port = int(free_address().rsplit(":", 1)[1])
-    fork = multiprocessing.get_context("fork")
-    procs = [fork.Process(target=_rank, args=(rank, world, port, str(out), list(mode))) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    return procs
+    return [forked.start(sharded_worker.main, rank, world, port, str(out), list(mode), log=_log(out, rank))
+            for rank in range(world)]
 
 
-def _rank(rank: int, world: int, port: int, out: str, mode: list[str]) -> None:
-    """One rank: its output into `out`.rank{rank}.log (pytest owns this process's streams), its exit code 1 on any
-    error, and no interpreter shutdown, which would run this test process's exit hooks in the fork."""
-    log = os.open(f"{out}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    code = 0
-    try:
-        sharded_worker.main(rank, world, port, out, mode)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+def _log(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}.rank{rank}.log")
 
 
 def save_micro(path: Path, kv_heads: int) -> str:
@@ -89,12 +68,7 @@ def whole_side(run):
 
 def finish_sharded(procs: list[BaseProcess], out: Path) -> dict:
     """Rank 0's results, once every rank has exited cleanly."""
-    for proc in procs:
-        proc.join(timeout=240)
-    failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
-    for proc in procs:
-        proc.kill()  # a rank still running past the timeout (exitcode None) is failed above
-    assert not failed, f"rank {failed[0]} failed:\n{Path(f'{out}.rank{failed[0]}.log').read_text()[-3000:]}"
+    forked.join(procs, [_log(out, rank) for rank in range(len(procs))])
     return torch.load(out, weights_only=False)
 
 
