@@ -2,9 +2,14 @@
 PY := .venv/bin/python
 # torch comes from pip (`torch==2.13.0` is a local CPU wheel that only pip finds), the rest from uv, which keeps
 # that torch and installs in seconds where pip takes a minute or two. Bytecode is compiled at install, on every
-# core (pip compiles torch's 20,000 files on one: 53 s against 8), because a machine may set
-# PYTHONDONTWRITEBYTECODE, and then every Ray worker would compile torch and transformers again at import. torch
-# ships one Python 3.12-only test file that cannot compile here, hence `|| true`.
+# core (pip compiles torch's 20,000 files on one), for everything pip put there: torch and its own dependencies
+# (sympy, mpmath, jinja2, ...), which uv then leaves alone. torch ships one Python 3.12-only test file that cannot
+# compile here, hence `|| true`.
+# Every Ray actor, test worker and forked rank is a new interpreter that imports torch, transformers and this
+# project. A machine that sets PYTHONDONTWRITEBYTECODE would have each of them compile every module without a .pyc
+# again (sympy alone is hundreds), so the targets here write them (into .venv and the tree's __pycache__, both
+# ignored by git).
+unexport PYTHONDONTWRITEBYTECODE
 UV := $(PY) -m uv pip install -q --python $(PY) --compile-bytecode
 VENV_STAMP := .venv/.installed
 DS_STAMP := .venv/.deepspeed
@@ -17,7 +22,7 @@ LOCK := requirements.lock
 $(VENV_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --no-compile -c $(LOCK) torch==2.13.0 uv
-	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages/torch > /dev/null || true
+	$(PY) -m compileall -q -j 0 .venv/lib/python3*/site-packages > /dev/null || true
 	$(UV) -c $(LOCK) -e '.[dev,docs]'
 	$(UV) -c $(LOCK) --no-deps dflash==0.1.0 speculators==0.9.0  # the interop extra without its pins (pyproject.toml)
 	touch $(VENV_STAMP)
