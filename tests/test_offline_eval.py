@@ -81,8 +81,9 @@ def test_another_drafter_on_greedy_samples_gets_its_decoded_tau_exactly(setup):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The shipped tiny target and warm drafter (τ ~4 at Qwen3's serving setting, so a wrong sample distribution
-    moves it visibly), 96 held-out prompts of 64 tokens; samples drawn by plain autoregressive sampling, so the
-    drafter evaluated did not draw them."""
+    moves it visibly), 64 held-out prompts of 48 tokens (enough that samples drawn at the wrong temperature fall
+    well outside the agreement band); samples drawn by plain autoregressive sampling, so the drafter evaluated did
+    not draw them."""
     from opd.data.prompts import load_prompts
     from opd.models.build import build_models
     from opd.spec import load_spec
@@ -90,18 +91,19 @@ def tiny(tmp_path_factory):
     root = Path(__file__).resolve().parents[1]
     spec = load_spec(root / "configs/tiny.yaml", ["models.device=cpu"])
     models = build_models(spec)
-    prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=256, limit=96).prompts
+    prompts = load_prompts(spec.data.eval_prompts, models.tokenizer, max_prompt_tokens=256, limit=64).prompts
     sampler = build_sampler(spec, "autoregressive", models.target, None, models.eos_id)
     paths = {}
     for name, drawn_at in (("right", TINY), ("wrong", [TINY[0], SamplingSpec(name="sampled", temperature=1.2)])):
         paths[name] = tmp_path_factory.mktemp("tiny") / f"{name}.jsonl"
-        SampleStore.of(spec, paths[name], TINY, prompts, 64).fetch([Wanted(p, i, 0) for i in range(2) for p in prompts],
-                                                      sampler_draw(sampler, drawn_at, 64, SEED))
-    decoded_rows = evaluate(models, prompts, TINY, max_new_tokens=64, batch_size=32, seed=SEED, baseline=False)
+        SampleStore.of(spec, paths[name], TINY, prompts, TINY_NEW).fetch(
+            [Wanted(p, i, 0) for i in range(2) for p in prompts], sampler_draw(sampler, drawn_at, TINY_NEW, SEED))
+    decoded_rows = evaluate(models, prompts, TINY, max_new_tokens=TINY_NEW, batch_size=32, seed=SEED, baseline=False)
     return SimpleNamespace(models=models, prompts=prompts, paths=paths, decoded={r.sampling: r for r in decoded_rows},
-                           made=Provenance.of(spec, 64))
+                           made=Provenance.of(spec, TINY_NEW))
 
 
+TINY_NEW = 48
 TINY = [SamplingSpec(name="greedy"), SamplingSpec(name="sampled", temperature=0.6, top_p=0.95, top_k=20)]
 
 
