@@ -19,7 +19,7 @@ from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue
 from opd.distill.losses import StepNorm
-from opd.distill.replay import ScoredBatch
+from opd.distill.scored_batch import ScoredBatch
 from opd.models.build import resolve_device
 from opd.spec import ExperimentSpec
 from opd.train.distributed import Group, init_group

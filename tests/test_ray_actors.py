@@ -14,7 +14,7 @@ import yaml
 
 from actors.driver import place, relaunch
 from actors.queues import BatchQueue, Lost
-from opd.distill.replay import ScoredBatch
+from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec
 from opd.train.messages import Ticket, WeightSnapshot

@@ -9,7 +9,8 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.anchors import redraft_at_random_anchors
 from opd.distill.losses import TopKTeacher, teacher_distribution
-from opd.distill.replay import ScoredBatch, score, student_hidden
+from opd.distill.replay import score, student_hidden
+from opd.distill.scored_batch import ScoredBatch
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK, K = 6, 7, 4

@@ -21,7 +21,8 @@ import torch
 
 from opd.decoding.record import SequenceRecord
 from opd.distill.losses import TopKTeacher
-from opd.distill.replay import ScoredBatch, pack
+from opd.distill.replay import pack
+from opd.distill.scored_batch import ScoredBatch
 
 
 def padded_tokens(sizes: Sequence[tuple[int, ...]]) -> int:

@@ -11,7 +11,8 @@ import torch
 from opd.decoding.sampling import Sampling
 from opd.distill.acceptance_loss import realized_q
 from opd.distill.losses import processed_logprobs
-from opd.distill.replay import ScoredBatch, score, student_hidden
+from opd.distill.replay import score, student_hidden
+from opd.distill.scored_batch import ScoredBatch
 from opd.eval.expected import ExpectedAcceptance, record_drafts, sampled_acceptance, teacher_acceptance
 from opd.models.build import Models
 from opd.models.lm_head import SLOTS_PER_CHUNK, apply_head, chunks, teacher_head

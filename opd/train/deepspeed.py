@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from opd.distill.replay import ScoredBatch, student_hidden
+from opd.distill.replay import student_hidden
+from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
 from opd.models.family import Drafter
 from opd.spec import ExperimentSpec, OptimSpec

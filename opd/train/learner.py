@@ -18,7 +18,8 @@ from opd.distill.acceptance_loss import acceptance_objective, block_slots
 from opd.distill.confidence_loss import opd_confidence_loss
 from opd.distill.losses import LossTerms, StepNorm, TopKTeacher, acceptance_aware_loss, teacher_processing
 from opd.distill.micro_batches import learner_plan, merge
-from opd.distill.replay import ScoredBatch, student_hidden
+from opd.distill.replay import student_hidden
+from opd.distill.scored_batch import ScoredBatch
 from opd.distill.selector_loss import selector_loss
 from opd.errors import OpdError
 from opd.models.dflash2 import CandidateSelector

@@ -10,7 +10,7 @@ account of them); the driver folds the StepReports into one `TrainResult` (opd/t
 Each is a plain dataclass (`Ticket` a NamedTuple: it is a heap key and a dict key in the ledger). The ones with
 large tensors (`ScoredBatch`, `WeightSnapshot`) pickle zero-copy (`ZeroCopy`). Two live in the stage that makes
 them, below train: `SequenceRecord`, the per-sequence payload of an AnchorBatch (opd/decoding/record.py), and
-`ScoredBatch`, one micro-batch of teacher replay (opd/distill/replay.py).
+`ScoredBatch`, one micro-batch of teacher replay (opd/distill/scored_batch.py, made by opd/distill/replay.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from opd.zero_copy import ZeroCopy
 
 if TYPE_CHECKING:  # annotations only: the queue and ledger actors unpickle a Ticket without loading the models
     from opd.decoding.record import SequenceRecord
-    from opd.distill.replay import ScoredBatch
+    from opd.distill.scored_batch import ScoredBatch
     from opd.eval.row import EvalRow
     from opd.models.flops import FlopCounter
 

@@ -22,7 +22,8 @@ import torch
 
 from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.distill.micro_batches import replay_groups
-from opd.distill.replay import CommittedView, ScoredBatch, pack, replay_mode, score
+from opd.distill.replay import CommittedView, pack, replay_mode, score
+from opd.distill.scored_batch import ScoredBatch
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, TargetParams, rebuild_flops

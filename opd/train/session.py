@@ -19,7 +19,7 @@ import torch
 
 from opd.distill.losses import StepNorm
 from opd.distill.micro_batches import sequence_rows
-from opd.distill.replay import ScoredBatch
+from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.eval.expected import ExpectedAcceptance
