@@ -437,7 +437,11 @@ def tracking_uri(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
-@pytest.mark.parametrize("source", ["speculative", "target"])
+# The rebuilt source's run on every family is make test-all's: each family's rebuild is checked exactly above
+# (test_rebuild_from_text_equals_decoded_blocks), and this run on Qwen3 stays in make test.
+@pytest.mark.parametrize(("family", "source"), [
+    (f, s) if s == "speculative" or f == "qwen3" else pytest.param(f, s, marks=pytest.mark.slow)
+    for f in FAMILIES for s in ("speculative", "target")], indirect=["family"])
 def test_opd_run_two_steps(family_run_assets, tracking_uri, source, tmp_path, capsys):
     assets = family_run_assets
     spec = {
