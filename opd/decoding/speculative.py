@@ -178,7 +178,10 @@ class SpeculativeDecoder:
         # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
         next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
                                                                            verdict.bonus[:, None])
-        self.drafter.extend_cache(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids[:, :width])
+        # Deferred: the next draft projects this context in its own forward. A compiled draft keeps one graph per
+        # shape, so there the context is projected now, outside it.
+        extend = self.drafter.extend_cache if self.compiled else self.drafter.defer_context
+        extend(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids[:, :width])
         clock.append(time.perf_counter())
         self._keep_slots(s, kept, accepted, k)
         done = self._record(s, records, facts, max_new_tokens)
@@ -266,6 +269,8 @@ class SpeculativeDecoder:
                 s.live[i] = False
             return
         keep = [i for i in range(len(s.rows)) if i not in done]
+        if keep:  # the context verified with the leaving rows is projected with them, as when it was not deferred
+            self.drafter.commit_context(s.draft_cache)
         s.select(keep, self.target.kinds)
         if keep:
             crop(self.target.kinds, s.target_cache, s.draft_cache, max(s.used))

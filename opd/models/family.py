@@ -65,6 +65,14 @@ class Drafter(Protocol):
                      valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
         """Add verified context: features [B,T,n*H] at positions [B,T], and the token after each."""
 
+    def defer_context(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """`extend_cache` as the decoder calls it after each step: a family may leave the work to the next draft
+        (`DrafterCache.defer`; DFlash's families fold it into the block's forward) or do it now (EAGLE-3)."""
+
+    def commit_context(self, cache: DrafterCache) -> None:
+        """Do now whatever `defer_context` left for the next draft (before rows leave the batch)."""
+
     def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,
               anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Point-mass drafts [B,K-1] (target ids: the argmax, or DFlash 2's selector path) and logits [B,K-1,V]
