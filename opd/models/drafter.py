@@ -22,6 +22,7 @@ vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/formats/dflas
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,13 +83,22 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [B,T,head_dim] for integer positions [B,T] (computed in float32, like HF, or float64)."""
-    compute = torch.promote_types(dtype, torch.float32)
-    exponents = torch.arange(0, head_dim, 2, device=positions.device).to(compute) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    angles = positions.to(compute)[..., None] * inv_freq
+    """cos/sin tables [...,head_dim] for integer positions [...] (computed in float32, like HF, or float64)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = positions.to(compute)[..., None] * _inverse_frequencies(head_dim, theta, positions.device, compute)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    # No cast where the dtype already is the computing one: a draft forms these tables every step.
+    return (cos, sin) if dtype == compute else (cos.to(dtype), sin.to(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """theta^(-2i/head_dim), formed once per RoPE, device and dtype rather than at every draft (outside inference
+    mode, so that the training path may use the same tensor)."""
+    with torch.inference_mode(False):
+        exponents = torch.arange(0, head_dim, 2, device=device).to(dtype) / head_dim
+        return 1.0 / (theta**exponents)
 
 
 def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
@@ -119,10 +129,13 @@ def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B,heads,T,d] by the half-split (NeoX) convention Qwen3 uses."""
+    """Rotate x [B,heads,T,d] by the half-split (NeoX) convention Qwen3 uses; cos/sin [B,T,d], or [B,1,T,d] as a
+    draft forms them once for all its layers' queries and keys."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    if cos.dim() < x.dim():
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotated * sin
 
 
 class DFlashMLP(nn.Module):
@@ -193,7 +206,7 @@ class DFlashAttention(nn.Module):
 @dataclass
 class NewContext:
     """One layer's view of context that a draft projects together with its block, as z-lab's drafter does: the
-    context stream [B,T,H], the RoPE tables [B,T+S,d] of its positions and the block's, and the cache and the
+    context stream [B,T,H], the RoPE tables [B,1,T+S,d] of its positions and the block's, and the cache and the
     pending entries the projection is written to. K-norm and RoPE then run once over context and block."""
 
     context: torch.Tensor
@@ -518,13 +531,14 @@ class DFlashDrafter(nn.Module):
         block_positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
         pending = cache.take_pending()
         masks = _block_masks(cache, anchor_positions, block_ids.shape[1], self.attention)
+        block_tables = self._rope_tables(block_positions[:, None])  # [B,1,S,d]: one broadcast for every layer
         if pending is None:
-            return self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks)
+            return self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks,
+                                    self._per_layer(block_tables))
         # Context and block tables are formed apart: a vectorised cos rounds an element by where it falls in the
         # tensor, and each entry must rotate exactly as an eager `extend_cache` and a separate block would.
-        block_tables = self._rope_tables(block_positions)
-        tables = [(torch.cat([cos, block_cos], dim=1), torch.cat([sin, block_sin], dim=1))
-                  for (cos, sin), (block_cos, block_sin) in zip(self._rope_tables(pending.positions), block_tables)]
+        tables = [(torch.cat([cos, block_cos], dim=2), torch.cat([sin, block_sin], dim=2)) for (cos, sin), (
+            block_cos, block_sin) in zip(self._rope_tables(pending.positions[:, None]), block_tables)]
         context = self.project_context(pending.features)
         layers = [NewContext(context, cos, sin, cache, pending, i)
                   for i, (cos, sin) in enumerate(self._per_layer(tables))]

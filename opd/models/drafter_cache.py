@@ -57,7 +57,7 @@ class PendingContext:
         out = torch.cat([old, new], dim=dim)
         if self.columns is not None:
             move_block(out, dim, self.columns, self.start, self.width)
-        return out if self.length is None else out.narrow(dim, 0, self.length)
+        return out if self.length in (None, out.shape[dim]) else out.narrow(dim, 0, self.length)
 
 
 def place(x: torch.Tensor, dim: int, columns: torch.Tensor, source: torch.Tensor) -> None:
@@ -144,7 +144,8 @@ class DrafterCache:
         if self.pending is not None:
             raise ValueError("drafter cache: context is already pending; write it (the drafter's commit_context) "
                              "before deferring more")
-        self.pending = PendingContext(features, positions, valid.to(torch.bool), next_ids)
+        self.pending = PendingContext(features, positions, valid if valid.dtype == torch.bool else valid.bool(),
+                                      next_ids)
 
     def place_pending(self, columns: torch.Tensor | None, length: int | None,
                       valid_after: torch.Tensor | None) -> None:
