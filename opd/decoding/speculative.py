@@ -171,22 +171,27 @@ class SpeculativeDecoder:
         # Slots past every row's kept ones are rejected everywhere: the drafter's context never needs them (a static
         # cache writes all K, so that its shapes never change).
         width = k if self.static_cache else max(accepted) + 1
-        kept = offsets[None, :width] <= verdict.accepted[:, None]  # anchor + accepted
+        if width == min(accepted) + 1:  # every row keeps all `width` (always at batch 1): no comparison to make
+            kept = torch.ones(len(accepted), width, dtype=torch.bool, device=drafts.device)
+        else:
+            kept = offsets[None, :width] <= verdict.accepted[:, None]  # anchor + accepted
         if self.rollback is not None:
             self.rollback.keep(s.target_cache, verdict.accepted + 1)
         clock.append(time.perf_counter())
         # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
-        next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
-                                                                           verdict.bonus[:, None])
+        next_ids = None
+        if self.drafter.reads_next_ids:
+            next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
+                                                                               verdict.bonus[:, None])[:, :width]
         # Deferred: the next draft projects this context in its own forward. A compiled draft keeps one graph per
         # shape, so there the context is projected now, outside it.
         extend = self.drafter.extend_cache if self.compiled else self.drafter.defer_context
-        extend(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids[:, :width])
+        extend(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids)
         clock.append(time.perf_counter())
         self._keep_slots(s, kept, accepted, k)
         done = self._record(s, records, facts, max_new_tokens)
-        s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
-        s.response_len = s.response_len + verdict.accepted + 1
+        committed = verdict.accepted + 1
+        s.anchor, s.anchor_pos, s.response_len = verdict.bonus, s.anchor_pos + committed, s.response_len + committed
         self._drop(done, s)
         clock.append(time.perf_counter())
         # "draft" and "verify" are the two models' forwards; everything else is bookkeeping.

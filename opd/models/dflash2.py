@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opd.formats.dflash import DFlash2Spec, DFlashConfig, DFlashSpec, TargetShape, check_dflash2_fields
@@ -76,16 +77,19 @@ class BlockConvolution(nn.Module):
 
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, pass_index: int) -> torch.Tensor:
         """out[t] = sum_j (base[j] + dynamic[t, j]) * x[t - j], within each block (positions before its start are
-        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree; a
-        shifted tap adds only where it reads inside the block (z-lab adds zeros elsewhere, which changes nothing)."""
+        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree bit
+        for bit; each shifted tap reads a zero-padded copy of the block (z-lab's own form), so every tap is three
+        whole-tensor operations and a draft's eight convolutions stay a few dozen dispatches."""
         batch, length, hidden = x.shape
         shape = (batch, length // self.block_size, self.block_size, hidden // self.group_size, self.group_size)
-        blocks, taps = x.view(shape), dynamic.reshape(*shape[:3], self.taps, shape[3], 1)
-        base = self.base_kernel[pass_index].to(x.dtype).view(self.taps, *shape[3:])
-        out = torch.addcmul(base[0] * blocks, taps[:, :, :, 0], blocks)
+        blocks = x.view(shape)
+        taps = dynamic.reshape(*shape[:3], self.taps, shape[3], 1).unbind(3)
+        base = self.base_kernel[pass_index].view(self.taps, *shape[3:])
+        bases = (base if base.dtype == x.dtype else base.to(x.dtype)).unbind(0)
+        out = torch.addcmul(bases[0] * blocks, taps[0], blocks)
         for j in range(1, min(self.taps, self.block_size)):  # a tap past the block's length reads only zeros
-            shifted, later = blocks[:, :, : self.block_size - j], out[:, :, j:]
-            later.copy_(torch.addcmul(later + base[j] * shifted, taps[:, :, j:, j], shifted))
+            shifted = F.pad(blocks[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = torch.addcmul(out + bases[j] * shifted, taps[j], shifted)
         return out.view_as(x)
 
 

@@ -335,6 +335,7 @@ class DFlashDrafter(nn.Module):
 
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
     chains_q = False  # q_k is the logits' own (`draft`), whatever was drafted at the slots before
+    reads_next_ids = False  # a block reads the context alone
 
     def extra_flops(self) -> tuple[int, int]:
         """(FLOPs per block token, per drafted slot) beyond its weights': none (opd/models/flops.py)."""

@@ -155,6 +155,7 @@ class Eagle3Drafter(nn.Module):
 
     sft_target = "target"  # SFT learns the target's distribution over the draft vocabulary (SpecForge's recipe)
     chains_q = False  # sampled drafts come from the logits `draft` returns (the chain is fed its argmax)
+    reads_next_ids = True  # a column pairs each position's features with the token after it
 
     def extra_flops(self) -> tuple[int, int]:
         """No work beyond its weights' (FLOP counting)."""

@@ -28,6 +28,9 @@ class Drafter(Protocol):
     # Whether q at a slot depends on the draft sampled at the slot before (DFlash 2's selector): its sampled drafts
     # (`draft: sample`) then come from `draft_path` (a `ChainedDrafter`), not from the logits `draft` returns.
     chains_q: bool
+    # Whether `extend_cache` reads the token after each position (EAGLE-3's columns pair them with the features);
+    # the decoder forms them only then.
+    reads_next_ids: bool
 
     @property
     def config(self) -> object:
