@@ -147,11 +147,14 @@ class CandidateSelector(nn.Module):
         """(scores [B,S,k,k], candidates [B,S,k]): every score a walk can ask for, formed in one batched matmul.
         A slot's predecessor is the anchor (slot 0) or one of the previous slot's k candidates, so scores[b, s, i, j]
         is candidate j of slot s after candidate i of slot s-1; slot 0's k rows all score after the anchor."""
+        # Sorted: an unsorted top-k orders a row's candidates by the shape of the whole tensor, and a sampled draft's
+        # token is the candidate its keyed uniform falls on, so it would depend on the batch.
         unary, candidates = logits.topk(self.top_k, dim=-1)
         gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # [B,S,rank]
         before = torch.cat([anchor_ids[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
-        queries = self.predecessor_codebook[before] * gates[:, :, None, :]  # [B,S,k,rank]
-        return unary[:, :, None, :] + queries @ self.successor_codebook[candidates].transpose(-1, -2), candidates
+        queries = F.embedding(before, self.predecessor_codebook) * gates[:, :, None, :]  # [B,S,k,rank]
+        successors = F.embedding(candidates, self.successor_codebook).transpose(-1, -2)  # [B,S,rank,k]
+        return unary[:, :, None, :] + queries @ successors, candidates
 
     def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick
              ) -> tuple[torch.Tensor, torch.Tensor]:
