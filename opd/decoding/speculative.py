@@ -128,13 +128,12 @@ class SpeculativeDecoder:
         if self.rollback is not None:
             target_cache = self.rollback.new_cache()
             prefill = self.rollback.prefill(target_cache, mask.sum(-1), ids.shape[1])
-        with prefill:
-            out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
-                              use_cache=True)
-        keys_t = torch.tensor(keys, device=device)
         last = mask.sum(-1) - 1
-        first = next_token(out.logits[torch.arange(len(prompts), device=device), last], sampling, seed=seed,
-                           keys=keys_t, positions=torch.zeros_like(keys_t))
+        with prefill:  # logits only at each prompt's last token, as HF's `generate` and z-lab's prefill form them
+            out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
+                              use_cache=True, logits_to_keep=last[:, None])
+        keys_t = torch.tensor(keys, device=device)
+        first = next_token(out.logits[:, 0], sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
         draft_cache = self.drafter.new_cache(len(prompts), capacity)
         next_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter_(1, last[:, None], first[:, None])
         self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool(), next_ids)
