@@ -22,7 +22,6 @@ vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/formats/dflas
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,13 +91,18 @@ def rope_cos_sin(
     return (cos, sin) if dtype == compute else (cos.to(dtype), sin.to(dtype))
 
 
-@functools.lru_cache(maxsize=64)
+_INVERSE_FREQUENCIES: dict[tuple[int, float, torch.device, torch.dtype], torch.Tensor] = {}
+
+
 def _inverse_frequencies(head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """theta^(-2i/head_dim), formed once per RoPE, device and dtype rather than at every draft (outside inference
     mode, so that the training path may use the same tensor)."""
-    with torch.inference_mode(False):
-        exponents = torch.arange(0, head_dim, 2, device=device).to(dtype) / head_dim
-        return 1.0 / (theta**exponents)
+    key = (head_dim, theta, device, dtype)
+    if key not in _INVERSE_FREQUENCIES:
+        with torch.inference_mode(False):
+            exponents = torch.arange(0, head_dim, 2, device=device).to(dtype) / head_dim
+            _INVERSE_FREQUENCIES[key] = 1.0 / (theta**exponents)
+    return _INVERSE_FREQUENCIES[key]
 
 
 def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
