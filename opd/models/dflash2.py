@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opd.formats.dflash import DFlash2Spec, DFlashConfig, DFlashSpec, TargetShape, check_dflash2_fields
-from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily
+from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
 from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import BlockChunks
 from opd.models.shared_head import SharedHead
@@ -103,7 +103,8 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.mlp_conv = BlockConvolution(config)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | BlockChunks | None) -> torch.Tensor:
+                context_kv: tuple[torch.Tensor, torch.Tensor] | NewContext,
+                mask: torch.Tensor | BlockChunks | None) -> torch.Tensor:
         x, taps = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, cos, sin, context_kv, mask), taps)
         x, taps = self.mlp_conv.prepare(self.post_attention_layernorm(h))
