@@ -492,7 +492,7 @@ class DFlashDrafter(nn.Module):
         """`extend_cache`, with the projection left to the next draft (`DrafterCache.defer`), which runs it in the
         same forward as its block: one drafter forward per decoding step, as z-lab's, and the same cache."""
         self.commit_context(cache)
-        cache.defer(target_features, positions, valid, next_ids)
+        cache.defer(target_features, positions, valid)
 
     @torch.no_grad()
     def commit_context(self, cache: DrafterCache) -> None:

@@ -24,8 +24,8 @@ import torch
 
 @dataclass
 class PendingContext:
-    """Verified context not yet projected: target features [B,T,n*H] at `positions` [B,T], `valid` [B,T] and the
-    token after each (`next_ids`, what a chain drafter pairs with them).
+    """Verified context not yet projected: target features [B,T,n*H] at `positions` [B,T] and `valid` [B,T] (a
+    DFlash block reads the context alone, so the token after each position is not kept).
 
     Where its entries go is compaction's word (`DrafterCache.place_pending`): row b's T entries start at column
     `columns[b]` (None: where the cache's entries end, the same column for every row), the cache is then `length`
@@ -35,7 +35,6 @@ class PendingContext:
     features: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
-    next_ids: torch.Tensor | None = None
     columns: torch.Tensor | None = None
     length: int | None = None
     valid_after: torch.Tensor | None = None
@@ -137,15 +136,13 @@ class DrafterCache:
             self.states[:, start:end] = states
         self.filled = end
 
-    def defer(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-              next_ids: torch.Tensor | None = None) -> None:
+    def defer(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Hold verified context for the next draft to project (`PendingContext`); the drafter writes any earlier
         pending context first, so there is at most one."""
         if self.pending is not None:
             raise ValueError("drafter cache: context is already pending; write it (the drafter's commit_context) "
                              "before deferring more")
-        self.pending = PendingContext(features, positions, valid if valid.dtype == torch.bool else valid.bool(),
-                                      next_ids)
+        self.pending = PendingContext(features, positions, valid if valid.dtype == torch.bool else valid.bool())
 
     def place_pending(self, columns: torch.Tensor | None, length: int | None,
                       valid_after: torch.Tensor | None) -> None:
