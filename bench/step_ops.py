@@ -78,7 +78,9 @@ def count(name: str, models: Any, prompts: list[list[int]], max_new_tokens: int)
     counter = PhaseCounter()
     counter.tag(target.model, "forward", "target forward")
     counter.tag(decoder, "_draft", "drafter forward")
-    counter.tag(ours, "extend_cache", "drafter context")
+    counter.tag(ours, "extend_cache", "drafter context")  # the prefill's; each step's is folded into the draft
+    counter.tag(ours, "defer_context", "drafter context")
+    counter.tag(ours, "commit_context", "drafter context")
     counter.tag(decoder, "_keep_slots", "cache packing")
     counter.tag(theirs, "forward", "drafter forward")  # z-lab projects the new context inside its forward
     counter.tag(theirs, "compute_logits", "drafter forward")

@@ -47,9 +47,11 @@ def spy_cache_lengths(target, drafter, monkeypatch) -> tuple[list[int], list[tup
         return target_forward(self, ids, **kw)
 
     def spy_draft(self, cache, anchor_ids, anchor_positions):
+        out = draft(self, cache, anchor_ids, anchor_positions)  # writes the context the decoder deferred
+        self.commit_context(cache)  # a drafter that drafts without its forward (constant5) leaves it pending
         rows = [cache.positions[b][cache.valid[b]].tolist() for b in range(len(anchor_ids))]
         draft_views.append((cache.length, rows))
-        return draft(self, cache, anchor_ids, anchor_positions)
+        return out
 
     monkeypatch.setattr(type(target), "forward", spy_target)
     monkeypatch.setattr(type(drafter), "draft", spy_draft)

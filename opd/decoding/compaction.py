@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from opd.errors import OpdError
-from opd.models.drafter_cache import DrafterCache
+from opd.models.drafter_cache import DrafterCache, move_block
 from opd.models.layer_kind import TargetKinds
 
 
@@ -37,16 +37,6 @@ def pack_block(x: torch.Tensor, dim: int, used: torch.Tensor, block: int, width:
     return x.narrow(dim, 0, width)
 
 
-def move_block(x: torch.Tensor, dim: int, used: torch.Tensor, start: int, block: int) -> None:
-    """In place: the `block` entries of every row at columns start.. along `dim` move to columns used[b]... The
-    block is copied out first, so a destination that overlaps it reads the old values."""
-    source = x.narrow(dim, start, block).clone()
-    columns = used[:, None] + torch.arange(block, device=used.device)  # [B, block]
-    shape = [len(used)] + [1] * (x.dim() - 1)
-    shape[dim] = block
-    x.scatter_(dim, columns.view(shape).expand_as(source), source)
-
-
 def compact(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int],
             block: int, draft_block: int) -> list[int]:
     """Pack the block both caches just appended (the target's `block` slots, the drafter's first `draft_block` of
@@ -55,16 +45,23 @@ def compact(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, 
 
     When every row ended at the same column (always at batch 1), each row's block already starts at its own next
     free column: nothing moves, the caches are only cropped, and the drafter's appended `valid` already is the
-    packed layout's."""
+    packed layout's. A drafter cache whose new context is pending (`DrafterCache.defer`) is told where it goes
+    instead, and the next draft writes it there."""
     new_used = [u + n for u, n in zip(used, kept)]
     width = max(new_used)
-    if min(used) == max(used):
+    uniform = min(used) == max(used)
+    if draft_cache.pending is not None:
+        columns = None if uniform else torch.tensor(used, device=draft_cache.positions.device)
+        if columns is None:
+            crop(kinds, target_cache, draft_cache, width)
+        else:
+            _pack_target(kinds, target_cache, columns, block, width)
+            draft_cache.place_pending(columns, width, row_mask(new_used, width, columns.device).bool())
+    elif uniform:
         crop(kinds, target_cache, draft_cache, width)
     else:
         columns = torch.tensor(used, device=draft_cache.positions.device)
-        for layer in _dynamic_layers(kinds, target_cache):
-            layer.keys = pack_block(layer.keys, 2, columns, block, width)
-            layer.values = pack_block(layer.values, 2, columns, block, width)
+        _pack_target(kinds, target_cache, columns, block, width)
         draft_cache.keys = [pack_block(k, 2, columns, draft_block, width) for k in draft_cache.keys]
         draft_cache.values = [pack_block(v, 2, columns, draft_block, width) for v in draft_cache.values]
         draft_cache.positions = pack_block(draft_cache.positions, 1, columns, draft_block, width)
@@ -75,29 +72,46 @@ def compact(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, 
     return new_used
 
 
+def _pack_target(kinds: TargetKinds, target_cache: Cache, columns: torch.Tensor, block: int, width: int) -> None:
+    """The target's half of `compact`: its cache layers with per-token columns packed and cropped."""
+    for layer in _dynamic_layers(kinds, target_cache):
+        layer.keys = pack_block(layer.keys, 2, columns, block, width)
+        layer.values = pack_block(layer.values, 2, columns, block, width)
+
+
 def compact_static(target_cache: Cache, draft_cache: DrafterCache, used: list[int], kept: list[int],
                    block: int) -> list[int]:
     """The packing of fixed-shape caches (`rollout.static_cache`): the step wrote `block` slots at the same
     columns of every row, from the longest row's end; row b's first kept[b] move, in place, to its own next
     columns, and both write counters rewind to the new longest row, so the next block overwrites what was
     rejected. The caches then need only prompt + max_new_tokens + 2K columns, and attention runs over those
-    instead of K per step. Returns the new `used`."""
+    instead of K per step. A drafter cache whose new context is pending is told where it goes (`compact`).
+    Returns the new `used`."""
     assert draft_cache.filled is not None, "a static drafter cache counts the columns written"
-    start = draft_cache.filled - block
+    pending = draft_cache.pending is not None
+    start = draft_cache.filled - (0 if pending else block)
     new_used = [u + n for u, n in zip(used, kept)]
     width = max(new_used)
     layers = _static_layers(target_cache)
+    valid = row_mask(new_used, draft_cache.valid.shape[1], draft_cache.valid.device).bool()
+    columns = None
     if min(used) != start or max(used) != start:
         columns = torch.tensor(used, device=draft_cache.positions.device)
-        for x in [t for layer in layers for t in (layer.keys, layer.values)] + draft_cache.keys + draft_cache.values:
+        moved = [t for layer in layers for t in (layer.keys, layer.values)]
+        if not pending:
+            moved += [*draft_cache.keys, *draft_cache.values]
+        for x in moved:
             move_block(x, 2, columns, start, block)
-        move_block(draft_cache.positions, 1, columns, start, block)
-        if draft_cache.states is not None:
-            move_block(draft_cache.states, 1, columns, start, block)
+        if not pending:
+            move_block(draft_cache.positions, 1, columns, start, block)
+            if draft_cache.states is not None:
+                move_block(draft_cache.states, 1, columns, start, block)
     for layer in layers:
         layer.crop(width - start - block)  # a negative count rewinds the layer's write counter
-    draft_cache.filled = width
-    draft_cache.valid = row_mask(new_used, draft_cache.valid.shape[1], draft_cache.valid.device).bool()
+    if pending:
+        draft_cache.place_pending(columns, width, valid)
+    else:
+        draft_cache.filled, draft_cache.valid = width, valid
     return new_used
 
 
@@ -105,13 +119,7 @@ def crop(kinds: TargetKinds, target_cache: Cache, draft_cache: DrafterCache, wid
     """Drop the columns past `width` (the longest remaining row): after a step, or after rows left the batch."""
     for layer in _dynamic_layers(kinds, target_cache):
         layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-    if draft_cache.positions.shape[1] <= width:  # nothing to drop (at batch 1 the drafter appends only kept slots)
-        return
-    draft_cache.keys = [k[:, :, :width] for k in draft_cache.keys]
-    draft_cache.values = [v[:, :, :width] for v in draft_cache.values]
-    draft_cache.positions, draft_cache.valid = draft_cache.positions[:, :width], draft_cache.valid[:, :width]
-    if draft_cache.states is not None:
-        draft_cache.states = draft_cache.states[:, :width]
+    draft_cache.crop(width)
 
 
 def _static_layers(cache: Cache) -> list[StaticLayer]:

@@ -128,13 +128,12 @@ class SpeculativeDecoder:
         if self.rollback is not None:
             target_cache = self.rollback.new_cache()
             prefill = self.rollback.prefill(target_cache, mask.sum(-1), ids.shape[1])
-        with prefill:
-            out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
-                              use_cache=True)
-        keys_t = torch.tensor(keys, device=device)
         last = mask.sum(-1) - 1
-        first = next_token(out.logits[torch.arange(len(prompts), device=device), last], sampling, seed=seed,
-                           keys=keys_t, positions=torch.zeros_like(keys_t))
+        with prefill:  # logits only at each prompt's last token, as HF's `generate` and z-lab's prefill form them
+            out = self.target(ids, attention_mask=full_mask, position_ids=positions, past_key_values=target_cache,
+                              use_cache=True, logits_to_keep=last[:, None])
+        keys_t = torch.tensor(keys, device=device)
+        first = next_token(out.logits[:, 0], sampling, seed=seed, keys=keys_t, positions=torch.zeros_like(keys_t))
         draft_cache = self.drafter.new_cache(len(prompts), capacity)
         next_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter_(1, last[:, None], first[:, None])
         self.drafter.extend_cache(draft_cache, out.features, positions, mask.bool(), next_ids)
@@ -171,19 +170,27 @@ class SpeculativeDecoder:
         # Slots past every row's kept ones are rejected everywhere: the drafter's context never needs them (a static
         # cache writes all K, so that its shapes never change).
         width = k if self.static_cache else max(accepted) + 1
-        kept = offsets[None, :width] <= verdict.accepted[:, None]  # anchor + accepted
+        if width == min(accepted) + 1:  # every row keeps all `width` (always at batch 1): no comparison to make
+            kept = torch.ones(len(accepted), width, dtype=torch.bool, device=drafts.device)
+        else:
+            kept = offsets[None, :width] <= verdict.accepted[:, None]  # anchor + accepted
         if self.rollback is not None:
             self.rollback.keep(s.target_cache, verdict.accepted + 1)
         clock.append(time.perf_counter())
         # The token after slot j is draft j+1 for the kept drafts and the bonus after the last kept slot.
-        next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
-                                                                           verdict.bonus[:, None])
-        self.drafter.extend_cache(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids[:, :width])
+        next_ids = None
+        if self.drafter.reads_next_ids:
+            next_ids = torch.cat([drafts, verdict.bonus[:, None]], 1).scatter_(1, verdict.accepted[:, None],
+                                                                               verdict.bonus[:, None])[:, :width]
+        # Deferred: the next draft projects this context in its own forward. A compiled draft keeps one graph per
+        # shape, so there the context is projected now, outside it.
+        extend = self.drafter.extend_cache if self.compiled else self.drafter.defer_context
+        extend(s.draft_cache, features[:, :width], block_pos[:, :width], kept, next_ids)
         clock.append(time.perf_counter())
         self._keep_slots(s, kept, accepted, k)
         done = self._record(s, records, facts, max_new_tokens)
-        s.anchor, s.anchor_pos = verdict.bonus, s.anchor_pos + verdict.accepted + 1
-        s.response_len = s.response_len + verdict.accepted + 1
+        committed = verdict.accepted + 1
+        s.anchor, s.anchor_pos, s.response_len = verdict.bonus, s.anchor_pos + committed, s.response_len + committed
         self._drop(done, s)
         clock.append(time.perf_counter())
         # "draft" and "verify" are the two models' forwards; everything else is bookkeeping.
@@ -266,6 +273,8 @@ class SpeculativeDecoder:
                 s.live[i] = False
             return
         keep = [i for i in range(len(s.rows)) if i not in done]
+        if keep:  # the context verified with the leaving rows is projected with them, as when it was not deferred
+            self.drafter.commit_context(s.draft_cache)
         s.select(keep, self.target.kinds)
         if keep:
             crop(self.target.kinds, s.target_cache, s.draft_cache, max(s.used))

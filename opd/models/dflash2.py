@@ -36,10 +36,11 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opd.formats.dflash import DFlash2Spec, DFlashConfig, DFlashSpec, TargetShape, check_dflash2_fields
-from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily
+from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
 from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import BlockChunks
 from opd.models.shared_head import SharedHead
@@ -76,16 +77,19 @@ class BlockConvolution(nn.Module):
 
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, pass_index: int) -> torch.Tensor:
         """out[t] = sum_j (base[j] + dynamic[t, j]) * x[t - j], within each block (positions before its start are
-        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree; a
-        shifted tap adds only where it reads inside the block (z-lab adds zeros elsewhere, which changes nothing)."""
+        zero). Accumulated tap by tap, base term then dynamic term, as z-lab sums them, so greedy drafts agree bit
+        for bit; each shifted tap reads a zero-padded copy of the block (z-lab's own form), so every tap is three
+        whole-tensor operations and a draft's eight convolutions stay a few dozen dispatches."""
         batch, length, hidden = x.shape
         shape = (batch, length // self.block_size, self.block_size, hidden // self.group_size, self.group_size)
-        blocks, taps = x.view(shape), dynamic.reshape(*shape[:3], self.taps, shape[3], 1)
-        base = self.base_kernel[pass_index].to(x.dtype).view(self.taps, *shape[3:])
-        out = torch.addcmul(base[0] * blocks, taps[:, :, :, 0], blocks)
+        blocks = x.view(shape)
+        taps = dynamic.reshape(*shape[:3], self.taps, shape[3], 1).unbind(3)
+        base = self.base_kernel[pass_index].view(self.taps, *shape[3:])
+        bases = (base if base.dtype == x.dtype else base.to(x.dtype)).unbind(0)
+        out = torch.addcmul(bases[0] * blocks, taps[0], blocks)
         for j in range(1, min(self.taps, self.block_size)):  # a tap past the block's length reads only zeros
-            shifted, later = blocks[:, :, : self.block_size - j], out[:, :, j:]
-            later.copy_(torch.addcmul(later + base[j] * shifted, taps[:, :, j:, j], shifted))
+            shifted = F.pad(blocks[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = torch.addcmul(out + bases[j] * shifted, taps[j], shifted)
         return out.view_as(x)
 
 
@@ -99,7 +103,8 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.mlp_conv = BlockConvolution(config)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | BlockChunks | None) -> torch.Tensor:
+                context_kv: tuple[torch.Tensor, torch.Tensor] | NewContext,
+                mask: torch.Tensor | BlockChunks | None) -> torch.Tensor:
         x, taps = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, cos, sin, context_kv, mask), taps)
         x, taps = self.mlp_conv.prepare(self.post_attention_layernorm(h))
@@ -143,11 +148,14 @@ class CandidateSelector(nn.Module):
         """(scores [B,S,k,k], candidates [B,S,k]): every score a walk can ask for, formed in one batched matmul.
         A slot's predecessor is the anchor (slot 0) or one of the previous slot's k candidates, so scores[b, s, i, j]
         is candidate j of slot s after candidate i of slot s-1; slot 0's k rows all score after the anchor."""
+        # Sorted: an unsorted top-k orders a row's candidates by the shape of the whole tensor, and a sampled draft's
+        # token is the candidate its keyed uniform falls on, so it would depend on the batch.
         unary, candidates = logits.topk(self.top_k, dim=-1)
         gates = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # [B,S,rank]
         before = torch.cat([anchor_ids[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
-        queries = self.predecessor_codebook[before] * gates[:, :, None, :]  # [B,S,k,rank]
-        return unary[:, :, None, :] + queries @ self.successor_codebook[candidates].transpose(-1, -2), candidates
+        queries = F.embedding(before, self.predecessor_codebook) * gates[:, :, None, :]  # [B,S,k,rank]
+        successors = F.embedding(candidates, self.successor_codebook).transpose(-1, -2)  # [B,S,rank,k]
+        return unary[:, :, None, :] + queries @ successors, candidates
 
     def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ vLLM/SGLang (`method: dflash`) and public drafters load here; `opd/formats/dflas
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,7 +48,7 @@ from opd.formats.dflash import (
 from opd.formats.eagle3 import Eagle3Config
 from opd.formats.layer_attention import LayerAttention
 from opd.model_dir import ModelDir
-from opd.models.drafter_cache import DrafterCache
+from opd.models.drafter_cache import DrafterCache, PendingContext
 from opd.models.drafter_family import DrafterFamily, Shapes
 from opd.models.lm_head import softcap, teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
@@ -81,13 +82,27 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [B,T,head_dim] for integer positions [B,T] (computed in float32, like HF, or float64)."""
-    compute = torch.promote_types(dtype, torch.float32)
-    exponents = torch.arange(0, head_dim, 2, device=positions.device).to(compute) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    angles = positions.to(compute)[..., None] * inv_freq
+    """cos/sin tables [...,head_dim] for integer positions [...] (computed in float32, like HF, or float64)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = positions.to(compute)[..., None] * _inverse_frequencies(head_dim, theta, positions.device, compute)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    # No cast where the dtype already is the computing one: a draft forms these tables every step.
+    return (cos, sin) if dtype == compute else (cos.to(dtype), sin.to(dtype))
+
+
+_INVERSE_FREQUENCIES: dict[tuple[int, float, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """theta^(-2i/head_dim), formed once per RoPE, device and dtype rather than at every draft (outside inference
+    mode, so that the training path may use the same tensor)."""
+    key = (head_dim, theta, device, dtype)
+    if key not in _INVERSE_FREQUENCIES:
+        with torch.inference_mode(False):
+            exponents = torch.arange(0, head_dim, 2, device=device).to(dtype) / head_dim
+            _INVERSE_FREQUENCIES[key] = 1.0 / (theta**exponents)
+    return _INVERSE_FREQUENCIES[key]
 
 
 def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
@@ -118,10 +133,13 @@ def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B,heads,T,d] by the half-split (NeoX) convention Qwen3 uses."""
+    """Rotate x [B,heads,T,d] by the half-split (NeoX) convention Qwen3 uses; cos/sin [B,T,d], or [B,1,T,d] as a
+    draft forms them once for all its layers' queries and keys."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    if cos.dim() < x.dim():
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotated * sin
 
 
 class DFlashMLP(nn.Module):
@@ -169,21 +187,48 @@ class DFlashAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context_kv: tuple[torch.Tensor, torch.Tensor] | NewContext,
         mask: torch.Tensor | BlockChunks | None,
     ) -> torch.Tensor:
         """x: block hidden [B,S,H]; mask: bool [B,1,S,C+S] over keys [context (C); block (S)] (one block per row,
         decoding; None: every key), or the `BlockChunks` of many blocks per row (training: no [S, C+S] mask is
-        formed)."""
+        formed). `context_kv`: the cached context's K/V, or a `NewContext` still to be projected with the block."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        k, v = self.project_kv(x, cos, sin)
         scale = self.head_dim**-0.5
+        if isinstance(context_kv, NewContext):
+            out = grouped_sdpa(q, *context_kv.keys_values(self, x), cast(torch.Tensor | None, mask), scale)
+            return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.num_heads * self.head_dim))
+        k, v = self.project_kv(x, cos, sin)
         if isinstance(mask, BlockChunks):
             out = mask.attend(q, k, v, context_kv, scale)
         else:
             keys, values = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
             out = grouped_sdpa(q, keys, values, mask, scale)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.num_heads * self.head_dim))
+
+
+@dataclass
+class NewContext:
+    """One layer's view of context that a draft projects together with its block, as z-lab's drafter does: the
+    context stream [B,T,H], the RoPE tables [B,1,T+S,d] of its positions and the block's, and the cache and the
+    pending entries the projection is written to. K-norm and RoPE then run once over context and block."""
+
+    context: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: DrafterCache
+    pending: PendingContext
+    layer: int
+
+    def keys_values(self, attention: DFlashAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the block x [B,S,H] attends to: the cache's (the context written into it first),
+        then the block's own. Each linear runs on context and block apart, so every entry's K/V is what a separate
+        projection of it gives."""
+        heads = attention.num_kv_heads
+        k = torch.cat([attention.k_proj(self.context), attention.k_proj(x)], dim=1)
+        v = torch.cat([attention.v_proj(self.context), attention.v_proj(x)], dim=1)
+        k = apply_rope(attention.k_norm(attention._heads(k, heads)), self.cos, self.sin)
+        return self.cache.fold(self.pending, self.layer, k, attention._heads(v, heads))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -201,7 +246,7 @@ class DFlashDecoderLayer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context_kv: tuple[torch.Tensor, torch.Tensor] | NewContext,
         mask: torch.Tensor | BlockChunks | None,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_kv, mask)
@@ -294,6 +339,7 @@ class DFlashDrafter(nn.Module):
 
     sft_target = "data"  # SFT learns the data tokens (DFlash's recipe)
     chains_q = False  # q_k is the logits' own (`draft`), whatever was drafted at the slots before
+    reads_next_ids = False  # a block reads the context alone
 
     def extra_flops(self) -> tuple[int, int]:
         """(FLOPs per block token, per drafted slot) beyond its weights': none (opd/models/flops.py)."""
@@ -341,10 +387,17 @@ class DFlashDrafter(nn.Module):
 
     def _rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin tables at `positions`, formed once per distinct RoPE."""
+        return self._per_layer(self._rope_tables(positions))
+
+    def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The cos/sin tables of each distinct RoPE at `positions`."""
         dtype = self.fc.weight.dtype
-        tables = [rope_cos_sin(positions, self.config.head_dim, rope["rope_theta"], dtype) if scaled is None else
-                  scaled_cos_sin(positions, *scaled, dtype)
-                  for rope, scaled in zip(self._ropes, self._rope_frequencies)]
+        return [rope_cos_sin(positions, self.config.head_dim, rope["rope_theta"], dtype) if scaled is None else
+                scaled_cos_sin(positions, *scaled, dtype)
+                for rope, scaled in zip(self._ropes, self._rope_frequencies)]
+
+    def _per_layer(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's tables, from the distinct RoPEs' (`_rope_tables`)."""
         return [tables[i] for i in self._rope_index]
 
     def _context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -356,11 +409,13 @@ class DFlashDrafter(nn.Module):
         self,
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
-        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]] | list[NewContext],
         masks: list[torch.Tensor | None] | list[BlockChunks],
+        rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers (`masks`: one per layer)."""
-        rope = self._rope(block_positions)
+        """Block tokens [B,S] -> final normed hidden [B,S,H] through all layers (`masks`: one per layer; `rope`:
+        each layer's tables at block_positions, formed here when None)."""
+        rope = self._rope(block_positions) if rope is None else rope
         # the embedding's rows as stored, scaled by the drafter's own factor (z-lab's `_raw_input_embeddings`): a
         # target embedding that scales its rows itself (Gemma's) and the learner's plain copy of it then agree
         h = F.embedding(block_ids, self.embed_tokens.weight)
@@ -429,7 +484,25 @@ class DFlashDrafter(nn.Module):
         Entries with valid=False (padding, holes from ragged acceptance) stay masked out forever. `next_ids` (the
         token after each position) is what a chain drafter pairs with the features; a DFlash block reads the
         context alone."""
+        self.commit_context(cache)
         cache.append(self._context_kv(self.project_context(target_features), positions), positions, valid)
+
+    def defer_context(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """`extend_cache`, with the projection left to the next draft (`DrafterCache.defer`), which runs it in the
+        same forward as its block: one drafter forward per decoding step, as z-lab's, and the same cache."""
+        self.commit_context(cache)
+        cache.defer(target_features, positions, valid)
+
+    @torch.no_grad()
+    def commit_context(self, cache: DrafterCache) -> None:
+        """Project and write any context still pending (none: nothing to do), for a cache no draft will fold."""
+        pending = cache.take_pending()
+        if pending is None:
+            return
+        context_kv = self._context_kv(self.project_context(pending.features), pending.positions)
+        for layer, (k, v) in enumerate(context_kv):
+            cache.write(pending, layer, k, v)
 
     @torch.no_grad()
     def draft(
@@ -449,15 +522,32 @@ class DFlashDrafter(nn.Module):
         position < anchor_pos and itself; its own K/V are not added to the cache.
         """
         block_size = self.config.block_size
-        offsets = torch.arange(block_size, device=anchor_ids.device)
         block_ids = torch.full(
             (anchor_ids.shape[0], block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device
         )
         block_ids[:, 0] = anchor_ids
-        block_positions = anchor_positions[:, None] + offsets
-        masks = _block_masks(cache, anchor_positions, block_size, self.attention)
-        hidden = self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks)[:, 1:]
+        hidden = self._cached_blocks(cache, block_ids, anchor_positions)[:, 1:]
         return hidden, self.logits(hidden)
+
+    def _cached_blocks(self, cache: DrafterCache, block_ids: torch.Tensor, anchor_positions: torch.Tensor
+                       ) -> torch.Tensor:
+        """Final normed hidden [B,S,H] of one block [B,S] per row at anchor_positions.., attending to the cache;
+        pending context is projected in the same forward (`NewContext`) and written to the cache."""
+        block_positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
+        pending = cache.take_pending()
+        masks = _block_masks(cache, anchor_positions, block_ids.shape[1], self.attention)
+        block_tables = self._rope_tables(block_positions[:, None])  # [B,1,S,d]: one broadcast for every layer
+        if pending is None:
+            return self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks,
+                                    self._per_layer(block_tables))
+        # Context and block tables are formed apart: a vectorised cos rounds an element by where it falls in the
+        # tensor, and each entry must rotate exactly as an eager `extend_cache` and a separate block would.
+        tables = [(torch.cat([cos, block_cos], dim=2), torch.cat([sin, block_sin], dim=2)) for (cos, sin), (
+            block_cos, block_sin) in zip(self._rope_tables(pending.positions[:, None]), block_tables)]
+        context = self.project_context(pending.features)
+        layers = [NewContext(context, cos, sin, cache, pending, i)
+                  for i, (cos, sin) in enumerate(self._per_layer(tables))]
+        return self._run_blocks(block_ids, block_positions, layers, masks, self._per_layer(block_tables))
 
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The point-mass drafts [B,K-1] of a block from its slots' hidden and logits: DFlash drafts every slot's

@@ -37,7 +37,7 @@ from opd.errors import OpdError
 from opd.formats.dflash import DFlashConfig, DFlashSpec, write_layout
 from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
-from opd.models.drafter import DFlashDrafter, DFlashFamily, _block_masks
+from opd.models.drafter import DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
 from opd.models.packed_attention import CHUNK_ROWS
 from opd.models.shared_head import SharedHead
@@ -184,10 +184,7 @@ class DSparkDrafter(DFlashDrafter):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden [B,K-1,H] and the LM head's logits [B,K-1,V] (before the Markov bias) of one block's
         drafting slots per sequence, the anchor's included."""
-        block = self._block(anchor_ids)
-        positions = anchor_positions[:, None] + torch.arange(block.shape[1], device=anchor_ids.device)
-        masks: Any = _block_masks(cache, anchor_positions, block.shape[1], self.attention)  # None: no mask needed
-        hidden = self._run_blocks(block, positions, list(zip(cache.keys, cache.values)), masks)
+        hidden = self._cached_blocks(cache, self._block(anchor_ids), anchor_positions)
         return hidden, self._base_head[0](hidden)
 
     @torch.no_grad()

@@ -155,6 +155,7 @@ class Eagle3Drafter(nn.Module):
 
     sft_target = "target"  # SFT learns the target's distribution over the draft vocabulary (SpecForge's recipe)
     chains_q = False  # sampled drafts come from the logits `draft` returns (the chain is fed its argmax)
+    reads_next_ids = True  # a column pairs each position's features with the token after it
 
     def extra_flops(self) -> tuple[int, int]:
         """No work beyond its weights' (FLOP counting)."""
@@ -255,6 +256,15 @@ class Eagle3Drafter(nn.Module):
             out.append(grouped_sdpa(q[:, :, part], keys, values, sees[:, None], self.config.head_dim**-0.5))
         states = self._finish(state, torch.cat(out, dim=2))
         cache.append([(k, v)], positions, valid, states)
+
+    def defer_context(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """Extends the cache now: a chain's first step reads the cached state of the anchor's column, written by
+        this extension's own attention, so there is no separate context pass to fold into the draft."""
+        self.extend_cache(cache, target_features, positions, valid, next_ids)
+
+    def commit_context(self, cache: DrafterCache) -> None:
+        """Nothing is ever left pending (`defer_context`)."""
 
     @torch.no_grad()
     def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,

@@ -28,6 +28,9 @@ class Drafter(Protocol):
     # Whether q at a slot depends on the draft sampled at the slot before (DFlash 2's selector): its sampled drafts
     # (`draft: sample`) then come from `draft_path` (a `ChainedDrafter`), not from the logits `draft` returns.
     chains_q: bool
+    # Whether `extend_cache` reads the token after each position (EAGLE-3's columns pair them with the features);
+    # the decoder forms them only then.
+    reads_next_ids: bool
 
     @property
     def config(self) -> object:
@@ -64,6 +67,14 @@ class Drafter(Protocol):
     def extend_cache(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
                      valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
         """Add verified context: features [B,T,n*H] at positions [B,T], and the token after each."""
+
+    def defer_context(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
+        """`extend_cache` as the decoder calls it after each step: a family may leave the work to the next draft
+        (`DrafterCache.defer`; DFlash's families fold it into the block's forward) or do it now (EAGLE-3)."""
+
+    def commit_context(self, cache: DrafterCache) -> None:
+        """Do now whatever `defer_context` left for the next draft (before rows leave the batch)."""
 
     def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor,
               anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

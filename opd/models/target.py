@@ -136,6 +136,7 @@ class Target(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         use_cache: bool = False,
+        logits_to_keep: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run the target; `attention_mask` is a 2-D padding mask, a 4-D custom mask [B,1,T,S] (sdpa, eager), or
         the `PackedRows` layout of packed replay (any implementation, no [T,T] mask formed).
@@ -143,9 +144,13 @@ class Target(nn.Module):
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
         (sdpa) or as an additive mask (eager). A target whose kinds narrow their keys takes a 2-D mask, or a bool
         4-D one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
+
+        `logits_to_keep` [B, n]: the positions of each row whose logits are formed (transformers' own argument; the
+        features cover every position), so a prefill runs the LM head on each prompt's last token alone.
         """
+        keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         out, features = self._run(self.model, input_ids, attention_mask, position_ids,
-                                  use_cache=use_cache, **{self._cache_arg: past_key_values})
+                                  use_cache=use_cache, **{self._cache_arg: past_key_values}, **keep)
         return TargetOutput(logits=out.logits, features=features, past_key_values=getattr(out, self._cache_arg))
 
     @torch.no_grad()
