@@ -1,7 +1,7 @@
 """Offline τ: a drafter's blocks rebuilt on stored target samples give what decoding gives.
 
-An 8-token micro target with random micro drafters (acceptance ~0.3-0.6 per slot, so τ is informative), 160
-prompts, greedy and a sampled setting. D draws the samples; D' is evaluated on them.
+An 8-token micro target with random micro drafters (acceptance ~0.3-0.6 per slot, so τ is informative), 64
+prompts (two batches of 32), greedy and a sampled setting. D draws the samples; D' is evaluated on them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
     d2 = micro_drafter(target, seed=2, block_size=4, mask_token_id=MASK)
     gen = torch.Generator().manual_seed(0)
     prompts = [Prompt(f"p{i}", "", torch.randint(0, 6, (int(torch.randint(1, 6, (1,), generator=gen)),),
-                                                   generator=gen).tolist()) for i in range(160)]
+                                                   generator=gen).tolist()) for i in range(64)]
     tokenizer = SimpleNamespace(eos_token_id=EOS)
     path = tmp_path_factory.mktemp("offline") / "eval_samples.jsonl"
     draw_samples(target, d, prompts, path, SETTINGS)
