@@ -26,12 +26,15 @@ from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig
 from opd.formats.dspark import DSparkConfig
 from opd.model_dir import ModelDir
+from opd.models.build import build_models
 from opd.models.drafter import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
 from opd.models.families import detect, family, load_drafter
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
+from opd.spec import SpecError, load_spec
 from opd.tiny.micro import micro_target
+from opd.train.sft import init_from
 from tests.helpers.decoding import EOS, PROMPT
 from tests.helpers.dspark import dspark_drafter
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint
@@ -168,16 +171,22 @@ def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark,
     """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
     serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
     the Markov head and save speculators' layout; the confidence head trains under `loss.confidence_weight` and
-    DSpark's published SFT objective, and is left as it is otherwise."""
+    DSpark's published SFT objective, and is left as it is otherwise. The published objective's run starts a fresh
+    drafter from the warm one's tensors (`sft.init_from`), which the command must carry in before training."""
     run_dir = tmp_path / "run"
     args = [command.split("-")[0], str(micro_spec_file), "--set", f"models.drafter_path={micro_dspark}",
             *(SERVED if command == "run-sampled" else []), *TRAINS_CONFIDENCE.get(command, [])]
+    if command == "sft-dspark":  # a fresh drafter that `sft.init_from` starts from the same checkpoint
+        args += ["--set", "models.drafter_path=", "--set", "models.drafter.kind=dspark", "--set",
+                 "models.drafter.markov_rank=4", "--set", f"sft.init_from={micro_dspark}"]
     if command.startswith("run"):
         args += ["--set", f"tracking.run_dir={run_dir}", "--set", "steps=2", "--set", "eval.every=0"]
     else:
         args += ["--out", str(run_dir / "sft"), "--set", "sft.epochs=1", "--set", "sft.batch_size=20", "--set",
                  "sft.anchors_per_seq=2", "--set", "sft.response_max_new_tokens=6", "--set", "rollout.temperature=0"]
     assert main(args) == 0, capsys.readouterr().err
+    if command == "sft-dspark":
+        assert f"sft.init_from: 18 tensors from {micro_dspark}; random: none" in capsys.readouterr().out
     saved = sorted(p.parent for p in run_dir.rglob("config.json") if "dspark" in p.read_text())[-1]
     before = load_file(str(Path(micro_dspark) / "model.safetensors"))
     after = load_file(str(saved / "model.safetensors"))
@@ -185,3 +194,55 @@ def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark,
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight"} <= changed
     confidence = {"confidence_head.proj.weight", "confidence_head.proj.bias"}
     assert (confidence <= changed) if command in TRAINS_CONFIDENCE else not changed & confidence
+
+
+FRESH_DSPARK = ["models.drafter_path=", "models.drafter.kind=dspark", "models.drafter.markov_rank=4"]
+HEADS = {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+         "confidence_head.proj.bias"}
+
+
+def test_init_from_carries_a_dflash_backbone_into_a_fresh_dspark_drafter(micro_spec_file, micro_assets):
+    """`sft.init_from`: every tensor of the DFlash checkpoint lands unchanged, the Markov and confidence heads keep
+    their random initialisation, and DSpark's backbone computes exactly what the DFlash drafter computes on DSpark's
+    block. That is all the mapping guarantees: DSpark's slot j sits at a+j and predicts a+j+1, where DFlash runs a
+    mask at a+j+1 for it, so no DSpark slot equals a DFlash draft and SFT learns that shift."""
+    spec = load_spec(micro_spec_file, [*FRESH_DSPARK, f"sft.init_from={micro_assets['drafter']}", "seed=3"])
+    models = build_models(spec)  # seed 3: a random backbone other than the checkpoint's
+    fresh = {name: tensor.clone() for name, tensor in models.drafter.state_dict().items()}
+    init_from(spec, models)
+    source = DFlashDrafter.from_pretrained(micro_assets["drafter"], models.target)
+    carried = models.drafter.state_dict()
+    assert set(carried) - set(source.state_dict()) == HEADS
+    assert all(torch.equal(carried[name], tensor) for name, tensor in source.state_dict().items())
+    assert all(torch.equal(carried[name], fresh[name]) for name in HEADS)
+    assert not torch.equal(carried["fc.weight"], fresh["fc.weight"])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    valid, anchors = torch.ones_like(ids, dtype=torch.bool), torch.tensor([[1, 4, 6]])
+    inputs = ids[0, anchors[0, :, None] + torch.arange(models.drafter.block_size - 1)][None]
+    with torch.no_grad():
+        features = models.target(ids).features
+        ours = models.drafter.block_hidden(features, ids, valid, anchors, inputs)[..., : source.config.hidden_size]
+        block = inputs.new_full(inputs.shape, source.mask_token_id)
+        block[..., 0] = inputs[..., 0]
+        theirs = source.forward_blocks(source.project_context(features), valid, block, anchors)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    ([*FRESH_DSPARK, "models.drafter.num_layers=2"],
+     r"has layer_types \['full_attention'\] but the fresh dspark drafter \['full_attention', 'full_attention'\] "
+     r"\(expected them to agree"),
+    (["models.drafter_path="], "holds markov_head.markov_w1.weight, which the dflash drafter lacks"),
+])
+def test_init_from_a_checkpoint_that_does_not_map_is_one_line(micro_spec_file, micro_dspark, sets, message):
+    spec = load_spec(micro_spec_file, [*sets, f"sft.init_from={micro_dspark}"])
+    with pytest.raises(OpdError, match=message):
+        init_from(spec, build_models(spec))
+
+
+def test_init_from_a_warm_drafter_is_refused_in_one_line(micro_spec_file, micro_assets):
+    with pytest.raises(SpecError) as info:
+        load_spec(micro_spec_file, [f"sft.init_from={micro_assets['drafter']}"])
+    assert info.value.messages == [
+        f"sft.init_from: {micro_assets['drafter']} with models.drafter_path {micro_assets['drafter']} (it starts a "
+        "fresh drafter; expected models.drafter_path empty, or sft.init_from: null)"]

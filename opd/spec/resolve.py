@@ -122,7 +122,7 @@ def path_problems(spec: ExperimentSpec) -> list[str]:
     m, d = spec.models, spec.data
     wanted = [("models.target_path", m.target_path, "model"),
               ("models.tokenizer_path", m.tokenizer_path if m.tokenizer_path != m.target_path else None, "dir"),
-              ("models.drafter_path", m.drafter_path, "model"),
+              ("models.drafter_path", m.drafter_path, "model"), ("sft.init_from", spec.sft.init_from, "model"),
               ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
               ("rollout.samples_path", spec.rollout.samples_path if spec.rollout.source == "samples" else None,
                "file"), ("eval.samples_path", spec.eval.samples_path, "file"),

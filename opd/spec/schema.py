@@ -338,6 +338,11 @@ class SftSpec(Section):
         "opd/distill/dspark_loss.py), on the same weights: 0.1 x cross-entropy + 0.9 x ||p - q||_1 to the target's "
         "distribution + the confidence head's binary cross-entropy against the slot's acceptance 1 - ||p - q||_1 / 2; "
         "for a drafter with a confidence head (kind dspark)."))
+    init_from: str | None = Field(None, description=(
+        "A drafter checkpoint (of any family) whose tensors a fresh drafter (models.drafter_path empty) starts from, "
+        "each copied into the tensor of the same name and shape, the rest left at its random initialisation: how a "
+        "DSpark drafter starts from a trained DFlash one, whose backbone (fc, norms, layers) it shares. Every tensor of "
+        "the checkpoint must land, so nothing trained is dropped silently. None: all random."))
     acceptance_weight: float = Field(0.0, ge=0, description=(
         "Weight of loss.objective's acceptance term (drafts sampled from q at the serving setting) added on SFT's "
         "slots, each slot's prefix the data (teacher forcing) and p̃ the target's view of it, so a warm start is "
@@ -716,6 +721,9 @@ class ExperimentSpec(Section):
                        "head to train; expected ce, or models.drafter.kind: dspark)"] * (self.sft.objective == "dspark")
             issues += [f"loss.confidence_weight: {self.loss.confidence_weight:g} with {_a(drafter.kind)} drafter (it "
                        "has no confidence head; expected 0)"] * bool(self.loss.confidence_weight)
+        if self.sft.init_from is not None and self.models.warm:
+            issues.append(f"sft.init_from: {self.sft.init_from} with models.drafter_path {self.models.drafter_path} "
+                          "(it starts a fresh drafter; expected models.drafter_path empty, or sft.init_from: null)")
         if not drafter.topk_teacher and self.replay.teacher_topk is not None:
             issues.append(f"replay.teacher_topk: {self.replay.teacher_topk} with {_a(drafter.kind)} drafter (it reads "
                           "every slot's full teacher; expected null)")

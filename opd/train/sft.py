@@ -32,7 +32,7 @@ from opd.distill.micro_batches import group_by_budget
 from opd.distill.selector_loss import sft_selector_loss
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE
-from opd.models.build import Models, build_models
+from opd.models.build import Models, build_drafter, build_models
 from opd.models.dflash2 import CandidateSelector
 from opd.models.families import family
 from opd.models.family import Drafter, chains
@@ -257,6 +257,8 @@ def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     if not spec.models.warm:  # a warm drafter keeps what it was trained with
         family(spec.models.drafter.kind).fit_to_data(models.drafter,
                                                     response_token_counts(examples, models.target.vocab_size))
+        if spec.sft.init_from is not None:
+            init_from(spec, models)
     tracker = Tracker(spec)
     try:
         flops = train_sft(spec, models, examples, tracker)
@@ -268,6 +270,29 @@ def _run_sft(spec: ExperimentSpec, out_dir: str | None) -> int:
     print(f"SFT drafter saved to {out} ({flops.total:.3g} training FLOPs); MLflow run {tracker.run_id} in "
           f"{spec.tracking_uri}")
     return 0
+
+
+def init_from(spec: ExperimentSpec, models: Models) -> None:
+    """`sft.init_from`: the fresh drafter takes the checkpoint's tensors by name, keeping its random initialisation
+    elsewhere (a DSpark drafter from a DFlash one: the backbone carried, its Markov and confidence heads random).
+    The configs must agree on every field both have but the block size (so the tensors have the same sizes and mean
+    what they meant: the target layers read, the mask token, RoPE), and every checkpoint tensor must land: a
+    mismatch is an error, not a skip."""
+    path, kind = spec.sft.init_from, spec.models.drafter.kind
+    source = build_drafter(spec, models.target, models.tokenizer, path)
+    ours, theirs = models.drafter.config, source.config
+    for field in sorted(set(vars(ours)) & set(vars(theirs)) - {"block_size"}):
+        if getattr(ours, field) != getattr(theirs, field):
+            raise OpdError(f"sft.init_from: {path} has {field} {getattr(theirs, field)} but the fresh {kind} drafter "
+                           f"{getattr(ours, field)} (expected them to agree, so its tensors mean what they meant)")
+    own, tensors = models.drafter.state_dict(), source.state_dict()
+    lacking = [name for name in tensors if name not in own]
+    if lacking:
+        raise OpdError(f"sft.init_from: {path} holds {lacking[0]}, which the {kind} drafter lacks (expected a "
+                       f"checkpoint whose every tensor the {kind} drafter holds, as a DFlash one's backbone)")
+    models.drafter.load_state_dict({**own, **tensors})
+    random = sorted(set(own) - set(tensors))
+    print(f"sft.init_from: {len(tensors)} tensors from {path}; random: {', '.join(random) or 'none'}")
 
 
 def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], tracker: Tracker | None = None,
