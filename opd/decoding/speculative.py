@@ -272,7 +272,8 @@ class SpeculativeDecoder:
             for i in done:
                 s.live[i] = False
             return
-        keep = [i for i in range(len(s.rows)) if i not in done]
+        leaving = set(done)  # a set: a list would make this quadratic in the batch
+        keep = [i for i in range(len(s.rows)) if i not in leaving]
         if keep:  # the context verified with the leaving rows is projected with them, as when it was not deferred
             self.drafter.commit_context(s.draft_cache)
         s.select(keep, self.target.kinds)
