@@ -9,25 +9,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import ray
 
 from actors.driver import evaluate_in_actor, run_ray
 from opd.spec import load_spec
 from opd.train.evaluator import Checkpoint, Evaluator
 from opd.train.local import LocalTrainer
-
-
-@pytest.fixture
-def ray_cluster():
-    if ray.is_initialized():  # a Ray an earlier module left up in this process
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+from tests.helpers.ray_runs import ray_four_cpus  # noqa: F401 (a fixture)
 
 
 @pytest.mark.slow
-def test_sharded_rollout_and_scorer_take_the_unsharded_steps(ray_cluster, micro_spec_file, tmp_path):
+def test_sharded_rollout_and_scorer_take_the_unsharded_steps(ray_four_cpus, micro_spec_file, tmp_path):
     common = ["steps=2", "eval.every=0", "eval.offline=false"]
     local = LocalTrainer(load_spec(micro_spec_file, [*common, f"tracking.run_dir={tmp_path / 'local'}"]),
                          track=False).run()
@@ -40,7 +31,7 @@ def test_sharded_rollout_and_scorer_take_the_unsharded_steps(ray_cluster, micro_
 
 
 @pytest.mark.slow
-def test_a_sharded_evaluator_actor_gives_the_local_rows(ray_cluster, micro_spec_file):
+def test_a_sharded_evaluator_actor_gives_the_local_rows(ray_four_cpus, micro_spec_file):
     spec = load_spec(micro_spec_file, ["eval.speedup_prompts=2", "resources.cluster.num_cpus=4",
                                        "resources.evaluator.gpus_per_replica=2",
                                        "resources.evaluator.num_cpus=0.5"])

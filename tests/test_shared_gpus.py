@@ -23,6 +23,7 @@ from opd.eval.row import EvalRow
 from opd.spec import ResourcesSpec, load_spec
 from opd.train.evaluator import Evaluator
 from opd.train.messages import WeightSnapshot
+from tests.helpers.ray_runs import ray_four_cpus  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_NODES = ["resources.evaluate_on=rollout", "resources.colocate_learner=true", "resources.evaluator.num_cpus=0",
@@ -94,7 +95,7 @@ def test_the_shipped_two_node_layout_validates_and_evaluates_before_and_after_on
 
 
 @pytest.mark.slow
-def test_a_two_node_style_run_takes_the_unsharded_steps(ray_cluster, micro_spec_file, tmp_path):
+def test_a_two_node_style_run_takes_the_unsharded_steps(ray_four_cpus, micro_spec_file, tmp_path):
     """Rollout and scorer at 2 gloo ranks each, the learner's 2 ranks in the scorer ranks' bundles, held-out
     evaluation on rollout-0 at every step: the local run's losses and evaluations."""
     from actors.driver import run_ray
@@ -113,13 +114,3 @@ def test_a_two_node_style_run_takes_the_unsharded_steps(ray_cluster, micro_spec_
     assert sorted(shared.evals) == sorted(local.evals) == [0, 1, 2]  # the warm drafter at step 0
     assert all(untimed(shared.evals[step]) == untimed(local.evals[step]) for step in local.evals)
 
-
-@pytest.fixture
-def ray_cluster():
-    import ray
-
-    if ray.is_initialized():  # a Ray an earlier module left up in this process
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()

@@ -25,6 +25,16 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture
+def ray_four_cpus():
+    """A local Ray of 4 CPUs for one test: room for sharded replicas' gloo ranks beside the learner."""
+    if ray.is_initialized():  # a Ray an earlier module left up in this process
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 def ray_spec(micro_spec_file, tmp_path, *sets: str, **overrides) -> ExperimentSpec:
     base = ["engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
             f"tracking.run_dir={tmp_path / 'ray' / '{name}'}", "tracking.checkpoint_every=1"]
