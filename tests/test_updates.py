@@ -119,3 +119,26 @@ def test_the_qwen3_recipes_match_the_authors_run_within_one_percent():
         assert batches * spec.rollout.batch_size == pytest.approx(111_867, rel=0.01)
         assert spec.optim.lr == 3e-4 and spec.optim.schedule == "cosine" and spec.optim.warmup_ratio > 0
         assert "optimizer updates" in run_length(spec)
+
+
+@pytest.mark.parametrize("resumed_at", [2, 1])
+def test_the_bar_shows_the_last_trained_steps_loss_and_a_dash_before_one(micro_spec_file, monkeypatch, resumed_at):
+    """A run resumed at its last step trains nothing: its bar said `loss nan τ nan`; it now shows `–` until a step
+    of this invocation reports, then that step's loss and τ."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from opd.train.messages import StepReport, TrainResult
+
+    out = StringIO()
+    monkeypatch.setattr(result_module, "progress_bar", lambda *columns: Progress(
+        *columns, console=Console(file=out, width=200, force_terminal=True), auto_refresh=False))
+    spec = load_spec(micro_spec_file, ["steps=2"])
+    report = StepReport(step=2, metrics={"loss": 1.23456, "rollout_tau": 3.5})
+    result_module.run_to(spec, TrainResult(steps=resumed_at), lambda step: [report])
+    shown = out.getvalue()
+    final = shown.rsplit("\x1b[2K", 1)[-1]  # the bar as it was left
+    assert "nan" not in shown
+    assert ("loss – τ –" if resumed_at == 2 else "loss 1.2346 τ 3.500") in final, final

@@ -20,9 +20,10 @@ from opd.train.messages import StepReport, TrainResult
 
 def progress_columns() -> tuple[TextColumn, TextColumn, TextColumn]:
     """The bar counts optimizer updates (the spec's steps); the rollout batches they trained on are shown beside,
-    since papers often count those."""
-    return (TextColumn("{task.fields[batches]:,} rollout batches"), TextColumn("loss {task.fields[loss]:.4f}"),
-            TextColumn("τ {task.fields[tau]:.3f}"))
+    since papers often count those. Loss and τ are the last step's this invocation trained (`–` before one: a
+    resumed run at its last step trains none)."""
+    return (TextColumn("{task.fields[batches]:,} rollout batches"), TextColumn("loss {task.fields[loss]}"),
+            TextColumn("τ {task.fields[tau]}"))
 
 
 def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], Iterable[StepReport]], *,
@@ -35,7 +36,7 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
     if result.checkpoint is None and (resumed := latest_checkpoint(spec.run_dir)) is not None:
         result.checkpoint = str(resumed.resolve())  # a resumed run's drafter so far, even with no step here
     with progress_bar(*progress_columns()) as bar:
-        task = bar.add_task(label, total=spec.steps, completed=step, loss=float("nan"), tau=float("nan"),
+        task = bar.add_task(label, total=spec.steps, completed=step, loss="–", tau="–",
                             batches=step * spec.batches_per_step)
         while step < until:
             for report in advance(step + 1):
@@ -43,8 +44,8 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
                 result.losses.append(report.metrics["loss"])
                 result.evals.update(report.evals)
                 result.checkpoint = report.checkpoint or result.checkpoint
-                bar.update(task, completed=step, loss=report.metrics["loss"], tau=report.metrics["rollout_tau"],
-                           batches=step * spec.batches_per_step)
+                bar.update(task, completed=step, loss=f"{report.metrics['loss']:.4f}",
+                           tau=f"{report.metrics['rollout_tau']:.3f}", batches=step * spec.batches_per_step)
     result.steps = step
     return result
 
