@@ -14,6 +14,7 @@ from opd.models.eagle3 import Eagle3Drafter
 from opd.models.target import load_target
 from opd.spec import load_spec
 from tests.helpers.local_runs import losses, sample_file, spec_for
+from tests.helpers.specs import validate_errors
 
 EAGLE3 = ["models.drafter_path=", "models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,1,2]",
           "models.drafter.draft_vocab_size=64"]
@@ -70,13 +71,7 @@ def test_sft_takes_the_draft_vocabulary_from_its_data(micro_spec_file, tmp_path,
     (["models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,1,2]"], "drafter.kind: eagle3 but"),
 ])
 def test_eagle3_spec_errors_are_one_line(micro_spec_file, capsys, sets, message):
-    args = ["validate", str(micro_spec_file)]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert all(line.startswith("error: ") for line in err.strip().splitlines()), err  # one line per problem
+    assert message in validate_errors(micro_spec_file, sets, capsys)
 
 
 def test_a_draft_vocabulary_larger_than_the_target_is_one_error(micro_spec_file, capsys):

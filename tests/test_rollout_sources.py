@@ -17,6 +17,7 @@ from opd.sources.store import GEN_CHUNK, SampleStore, samples_needed
 from opd.train.local import LocalTrainer
 from tests.helpers import forked
 from tests.helpers.local_runs import losses, sample_file, spec_for
+from tests.helpers.specs import validate_errors
 
 
 def test_greedy_rollouts_train_identically_from_every_source(micro_spec_file, tmp_path):
@@ -141,12 +142,7 @@ def test_too_few_sampled_samples_name_the_count_needed(micro_spec_file, tmp_path
     (["rollout.source=target", "replay.anchors=random"], "replay.anchors: random with rollout.source target"),
 ])
 def test_source_spec_errors_are_one_line(micro_spec_file, capsys, sets, message):
-    args = ["validate", str(micro_spec_file)]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in validate_errors(micro_spec_file, sets, capsys)
 
 
 def test_a_shared_sample_cache_is_drawn_once_and_charged_to_every_reader(micro_spec_file, tmp_path):

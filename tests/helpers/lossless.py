@@ -11,7 +11,7 @@ import torch
 
 from opd.decoding.sampling import Sampling, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
-from tests.helpers.decoding import EOS
+from tests.helpers.decoding import EOS, PROMPT
 
 # name -> (sampling, the drafter to draft with), the cases every drafter family is checked on
 LOSSLESS_CASES = {
@@ -66,3 +66,10 @@ def sampled_joint(target, drafter, prompt, sampling, n: int, length: int) -> dic
     for rec in records:
         counts[tuple(rec.response_ids)] = counts.get(tuple(rec.response_ids), 0) + 1
     return counts
+
+
+def assert_lossless(target, drafter, sampling: Sampling, n: int, prompt: list[int] = PROMPT) -> None:
+    """The speculative decoder's first three tokens from `prompt`, n rows, follow the target's exact law (chi-square)."""
+    counts = sampled_joint(target, drafter, prompt, sampling, n, length=3)
+    stat, critical = chi_square(counts, exact_joint(target, prompt, sampling, 3, EOS), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
