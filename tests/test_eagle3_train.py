@@ -13,7 +13,7 @@ from opd.cli import main
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.target import load_target
 from opd.spec import load_spec
-from tests.helpers.local_runs import losses, sample_file, spec_for
+from tests.helpers.local_runs import assert_every_source_trains_alike
 from tests.helpers.specs import validate_errors
 
 EAGLE3 = ["models.drafter_path=", "models.drafter.kind=eagle3", "models.drafter.target_layer_ids=[1,1,2]",
@@ -30,13 +30,7 @@ def test_greedy_eagle3_rollouts_train_identically_from_every_source(micro_spec_f
     scorer, or read from a sample file all take the same steps, at a learning rate that changes the drafts."""
     greedy = [*eagle3_sets(), "rollout.temperature=0", "optim.lr=0.03", "steps=4",
               "models.dtype=float64"]  # the shared forward and the packed row differ in shape: float32 rounding
-    reference = losses(spec_for(micro_spec_file, tmp_path, "speculative", *greedy))
-    assert all(torch.isfinite(torch.tensor(reference)))
-    path = sample_file(micro_spec_file, tmp_path, *greedy, engine="autoregressive")
-    for name, sets in {"target": ["rollout.source=target"],
-                       "samples": ["rollout.source=samples", f"rollout.samples_path={path}"]}.items():
-        assert losses(spec_for(micro_spec_file, tmp_path, name, *greedy, *sets)) == pytest.approx(
-            reference, rel=1e-9), name
+    assert_every_source_trains_alike(micro_spec_file, tmp_path, greedy)
 
 
 def test_sft_takes_the_draft_vocabulary_from_its_data(micro_spec_file, tmp_path, capsys):

@@ -15,7 +15,7 @@ from opd.formats.peagle import PEagleSpec
 from opd.models.families import family, load_drafter
 from opd.models.peagle import PEagleDrafter
 from opd.models.target import load_target
-from tests.helpers.local_runs import losses, sample_file, spec_for
+from tests.helpers.local_runs import assert_every_source_trains_alike
 from tests.helpers.specs import validate_errors
 
 SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k: 40}", "--set",
@@ -71,13 +71,7 @@ def test_greedy_peagle_rollouts_train_identically_from_every_source(micro_spec_f
     by the scorer, or read from a sample file all take the same steps, at a learning rate that changes the drafts."""
     greedy = [*FRESH, "models.drafter.mask_token_id=3", "rollout.temperature=0", "optim.lr=0.03", "steps=4",
               "models.dtype=float64"]
-    reference = losses(spec_for(micro_spec_file, tmp_path, "speculative", *greedy))
-    assert all(torch.isfinite(torch.tensor(reference)))
-    path = sample_file(micro_spec_file, tmp_path, *greedy, engine="autoregressive")
-    for name, sets in {"target": ["rollout.source=target"],
-                       "samples": ["rollout.source=samples", f"rollout.samples_path={path}"]}.items():
-        assert losses(spec_for(micro_spec_file, tmp_path, name, *greedy, *sets)) == pytest.approx(
-            reference, rel=1e-9), name
+    assert_every_source_trains_alike(micro_spec_file, tmp_path, greedy)
 
 
 @pytest.mark.parametrize(("sets", "message"), [

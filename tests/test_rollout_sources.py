@@ -16,7 +16,7 @@ from opd.errors import OpdError
 from opd.sources.store import GEN_CHUNK, SampleStore, samples_needed
 from opd.train.local import LocalTrainer
 from tests.helpers import forked
-from tests.helpers.local_runs import losses, sample_file, spec_for
+from tests.helpers.local_runs import assert_every_source_trains_alike, losses, sample_file, spec_for
 from tests.helpers.specs import validate_errors
 
 
@@ -26,13 +26,7 @@ def test_greedy_rollouts_train_identically_from_every_source(micro_spec_file, tm
     high enough that the drafts change from step to step, so a rebuild with stale weights would not pass."""
     greedy = ["rollout.temperature=0", "optim.lr=0.03", "steps=4",
               "models.dtype=float64"]  # the shared forward and the packed row differ in shape: float32 rounding
-    reference = losses(spec_for(micro_spec_file, tmp_path, "speculative", *greedy))
-    path = sample_file(micro_spec_file, tmp_path, *greedy, engine="autoregressive")
-    for name, sets in {"target-speculative": ["rollout.source=target"],
-                       "target-autoregressive": ["rollout.source=target", "rollout.sampler=autoregressive"],
-                       "samples": ["rollout.source=samples", f"rollout.samples_path={path}"]}.items():
-        assert losses(spec_for(micro_spec_file, tmp_path, name, *greedy, *sets)) == pytest.approx(
-            reference, rel=1e-9), name
+    assert_every_source_trains_alike(micro_spec_file, tmp_path, greedy, autoregressive=True)
 
 
 def test_sampled_target_rollouts_are_rebuilt_with_the_newest_drafter(micro_spec_file, tmp_path):
