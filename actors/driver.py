@@ -40,7 +40,7 @@ from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
 from opd.run_dir import for_actors, lock_holder
-from opd.spec import ExperimentSpec, ResourcesSpec, RoleSpec
+from opd.spec import ExperimentSpec, RoleSpec
 from opd.tracking import end_run, run_status
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
@@ -81,38 +81,15 @@ def init_ray(spec: ExperimentSpec) -> None:
              configure_logging=False, log_to_driver=True)
 
 
-def _bundle(role: RoleSpec) -> dict[str, float]:
-    bundle = {"CPU": role.num_cpus}
-    if role.num_gpus:
-        bundle["GPU"] = role.num_gpus
-    return bundle
-
-
-def learner_bundles(r: ResourcesSpec) -> list[dict[str, float]]:
-    """The learner group's bundles: the learner ranks' (0..N-1), then the scorer ranks' (`first_scorer_bundle`).
-    With `colocate_learner`, bundle i holds scorer rank i and learner rank i (i < N) together: a whole GPU (the
-    spec checks that their fractions sum to 1), so a pair shares it and no two scorer ranks share one."""
-    if not r.colocate_learner:
-        return [_bundle(r.learner)] * r.learner.replicas + [_bundle(r.scorer)] * r.scorer.ranks
-    gpu = {"GPU": 1.0} if r.learner.num_gpus or r.scorer.num_gpus else {}
-    return [{"CPU": round(r.scorer.num_cpus + r.learner.num_cpus * (i < r.learner.replicas), 4)} | gpu
-            for i in range(r.scorer.ranks)]
-
-
-def first_scorer_bundle(r: ResourcesSpec) -> int:
-    """The learner group's bundle of scorer rank 0."""
-    return 0 if r.colocate_learner else r.learner.replicas
-
-
 def place(spec: ExperimentSpec, timeout_s: float = 60.0):
     """Two placement groups: the learner ranks with their scorers' ranks packed on one node (heavy tensors never
-    cross the network; `learner_bundles`), and the rollout replicas spread wherever they fit (sharded ones: on
+    cross the network; `ResourcesSpec.learner_bundles`), and the rollout replicas spread wherever they fit (sharded ones: on
     one node). Refused here if the cluster cannot hold them."""
     r, rollout = spec.resources, placed_rollout(spec)
-    learner_pg = placement_group(learner_bundles(r), strategy="STRICT_PACK", name="opd-learner")
+    learner_pg = placement_group(r.learner_bundles(), strategy="STRICT_PACK", name="opd-learner")
     # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
     strategy = "STRICT_PACK" if rollout.gpus_per_replica > 1 else "PACK"
-    rollout_pg = placement_group([_bundle(rollout)] * rollout.ranks, strategy=strategy, name="opd-rollout")
+    rollout_pg = placement_group([rollout.bundle] * rollout.ranks, strategy=strategy, name="opd-rollout")
     ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
     if len(ready) < 2:
         for pg in (learner_pg, rollout_pg):
@@ -247,7 +224,7 @@ class RayRun:
             as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
             _Named(EVALUATOR if self.evaluator is not None else "rollout-0"))
         self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg,
-                                              first_scorer_bundle(r), as_dict, store, ledger, anchors, scored)
+                                              r.first_scorer_bundle, as_dict, store, ledger, anchors, scored)
         self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
         self.loops: dict = {}  # loop ref -> (actor name, actor)
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it

@@ -22,7 +22,7 @@ from actors.replica import ShardFollower, Spmd, bundle_address, evaluator, join
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
-from opd.spec import ExperimentSpec, RoleSpec
+from opd.spec import ExperimentSpec
 from opd.train.evaluator import Checkpoint, EvalResult
 from opd.train.messages import WeightSnapshot
 
@@ -67,20 +67,13 @@ class ActorEvaluations:
         return done
 
 
-def evaluator_role(spec: ExperimentSpec) -> RoleSpec:
-    """What an evaluator actor takes: `resources.evaluator`, or with `evaluate_on: rollout` (where training has no
-    evaluator actor; rollout-0 evaluates) one rollout replica's resources, idle before and after the run."""
-    r = spec.resources
-    return r.rollout.model_copy(update={"replicas": 1}) if r.evaluate_on == "rollout" else r.evaluator
-
-
 class EvaluatorPlacement:
     """The evaluator's placement: a group of `gpus_per_replica` bundles packed on one node when its role
-    (`evaluator_role`) reserves anything (a sharded one always does: the spec says so), and the ranks past 0 that
+    (`ResourcesSpec.evaluator_role`) reserves anything (a sharded one always does: the spec says so), and the ranks past 0 that
     `start` puts there."""
 
     def __init__(self, spec: ExperimentSpec, timeout_s: float = 60.0) -> None:
-        role = evaluator_role(spec)
+        role = spec.resources.evaluator_role
         bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v}
         self.role = role
         self.followers: list = []

@@ -1,6 +1,6 @@
 """Layouts for targets whose every copy takes a node (Qwen3.5-397B-A17B in bf16 on two 8xH200 nodes): held-out
 evaluation on rollout-0's target (`resources.evaluate_on: rollout`, actors/replica.py `RolloutReplica`) and learner
-ranks sharing the scorer ranks' GPUs (`resources.colocate_learner`, actors/driver.py `learner_bundles`).
+ranks sharing the scorer ranks' GPUs (`resources.colocate_learner`, opd/spec/schema.py `ResourcesSpec.learner_bundles`).
 
 Fast here: the evaluation a rollout replica serves equals the evaluator's and leaves its drafting weights alone;
 the placement bundles; the spec's one-line refusals (tests/test_sharded_spec.py holds the others). `slow`: `opd run`
@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.driver import first_scorer_bundle, learner_bundles
-from actors.evaluator import evaluator_role
 from actors.replica import rollout_worker
 from opd.eval.row import EvalRow
 from opd.spec import ResourcesSpec, load_spec
@@ -55,11 +53,11 @@ def test_colocated_learner_ranks_share_the_first_scorer_bundles():
         "rollout": {"num_gpus": 1, "num_cpus": 4, "gpus_per_replica": 8},
         "scorer": {"num_gpus": 0.9, "num_cpus": 4, "gpus_per_replica": 8},
         "learner": {"replicas": 7, "num_gpus": 0.1, "num_cpus": 2}, "evaluator": {"num_cpus": 0}})
-    assert learner_bundles(r) == [{"CPU": 6, "GPU": 1.0}] * 7 + [{"CPU": 4, "GPU": 1.0}]
-    assert first_scorer_bundle(r) == 0
+    assert r.learner_bundles() == [{"CPU": 6, "GPU": 1.0}] * 7 + [{"CPU": 4, "GPU": 1.0}]
+    assert r.first_scorer_bundle == 0
     apart = r.model_copy(update={"colocate_learner": False, "learner": r.learner.model_copy(update={"replicas": 1})})
-    assert learner_bundles(apart) == [{"CPU": 2, "GPU": 0.1}] + [{"CPU": 4, "GPU": 0.9}] * 8
-    assert first_scorer_bundle(apart) == 1
+    assert apart.learner_bundles() == [{"CPU": 2, "GPU": 0.1}] + [{"CPU": 4, "GPU": 0.9}] * 8
+    assert apart.first_scorer_bundle == 1
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
@@ -90,8 +88,8 @@ def test_the_shipped_two_node_layout_validates_and_evaluates_before_and_after_on
     spec = load_spec(ROOT / "configs" / "qwen3.5-397b-a17b.yaml", [], check_paths=False)
     r = spec.resources
     assert (r.evaluate_on, r.colocate_learner, r.rollout.ranks, r.scorer.ranks) == ("rollout", True, 8, 8)
-    assert len(learner_bundles(r)) + r.rollout.ranks == r.cluster.num_gpus == 16
-    assert evaluator_role(spec) == r.rollout  # one replica of 8 ranks; training's evaluator role reserves nothing
+    assert len(r.learner_bundles()) + r.rollout.ranks == r.cluster.num_gpus == 16
+    assert spec.resources.evaluator_role == r.rollout  # one replica of 8 ranks; training's evaluator role reserves nothing
 
 
 @pytest.mark.slow

@@ -427,6 +427,11 @@ class RoleSpec(Section):
         """Processes the role runs: replicas x gpus_per_replica."""
         return self.replicas * self.gpus_per_replica
 
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One rank's Ray placement bundle."""
+        return {"CPU": self.num_cpus} | ({"GPU": self.num_gpus} if self.num_gpus else {})
+
 
 _ROLES = ("rollout", "scorer", "learner", "evaluator")
 
@@ -462,6 +467,28 @@ class ResourcesSpec(Section):
         "must sum to 1. So a scorer that needs all of the learner's node still has the learner beside it. Whether "
         "both fit one GPU's memory is for bench/sharded_layout.py to project: with optim.backend deepspeed and ZeRO "
         "the learner's optimizer state splits over its ranks."))
+
+    @property
+    def evaluator_role(self) -> RoleSpec:
+        """What an evaluator actor takes: `evaluator`, or with `evaluate_on: rollout` (where training has no evaluator
+        actor; rollout-0 evaluates) one rollout replica's resources, idle before and after the run."""
+        return self.rollout.model_copy(update={"replicas": 1}) if self.evaluate_on == "rollout" else self.evaluator
+
+    def learner_bundles(self) -> list[dict[str, float]]:
+        """The learner placement group's bundles: the learner ranks' (0..N-1), then the scorer ranks'
+        (`first_scorer_bundle`). With `colocate_learner`, bundle i holds scorer rank i and learner rank i (i < N)
+        together: a whole GPU (the fractions sum to 1, checked below), so a pair shares it and no two scorer ranks
+        share one."""
+        if not self.colocate_learner:
+            return [self.learner.bundle] * self.learner.replicas + [self.scorer.bundle] * self.scorer.ranks
+        gpu = {"GPU": 1.0} if self.learner.num_gpus or self.scorer.num_gpus else {}
+        return [{"CPU": round(self.scorer.num_cpus + self.learner.num_cpus * (i < self.learner.replicas), 4)} | gpu
+                for i in range(self.scorer.ranks)]
+
+    @property
+    def first_scorer_bundle(self) -> int:
+        """The learner placement group's bundle of scorer rank 0."""
+        return 0 if self.colocate_learner else self.learner.replicas
 
     def _as_placed(self, roles: dict[str, RoleSpec]) -> dict[str, RoleSpec]:
         """The roles' GPUs as their bundles hold them: with colocate_learner each scorer rank's bundle is a whole GPU
