@@ -8,12 +8,18 @@ The record must be truthful: a sqlite store is built under a temporary name and 
 creates its 65 tables one migration at a time, so an interrupted creation used to leave a file that every rerun
 then failed on); artifacts go beside the store, not into `./mlruns` of whatever the working directory is; a run
 ends FINISHED, FAILED or KILLED; and steps replayed after a resume are not logged a second time.
+
+Building those tables takes seconds, every new run directory. So the first store built at a schema revision is kept,
+empty, in the user's cache (`template_path`), and later stores start as a copy of it: the same MLflow, the same
+migrations, only not run again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -59,15 +65,53 @@ def ensure_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None or (path.exists() and (_revision(path) == _head_revision() or _has_runs(path))):
         return
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.creating")  # one name: a creation killed before is replaced, not piled up
     tmp.unlink(missing_ok=True)
+    template = template_path(_head_revision())
+    if _revision(template) == _head_revision() and not _has_runs(template):
+        shutil.copyfile(template, tmp)
+        _adopt(tmp, uri)
+    else:
+        _build(tmp, uri)
+        _keep_as_template(tmp, template)
+    os.replace(tmp, path)
+
+
+def template_path(revision: str) -> Path:
+    """Where the empty store of schema `revision` is kept: $OPD_CACHE_DIR, else the user's cache directory."""
+    root = os.environ.get("OPD_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "opd"
+    return Path(root) / f"mlflow-{revision}.db"
+
+
+def _build(tmp: Path, uri: str) -> None:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
     with _quiet():
         store = SqlAlchemyStore(f"sqlite:///{tmp}", artifact_root(uri))
     store.engine.dispose()
-    os.replace(tmp, path)
+
+
+def _adopt(tmp: Path, uri: str) -> None:
+    """Point the copied store's Default experiment (MLflow creates it with the store) at this store's artifacts
+    and give it this store's creation time, as building it here would have."""
+    now = int(time.time() * 1000)
+    with sqlite3.connect(tmp) as db:
+        db.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                   "WHERE experiment_id = 0", (f"{artifact_root(uri)}/0", now, now))
+    db.close()
+
+
+def _keep_as_template(store: Path, template: Path) -> None:
+    """Copy a freshly built store to the cache, atomically; a cache that cannot be written is only slower."""
+    partial = template.with_name(f".{template.name}.{os.getpid()}")
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(store, partial)
+        os.replace(partial, template)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
 
 
 def _head_revision() -> str:

@@ -31,6 +31,9 @@ def pytest_configure(config):
     # test get almost no CPU and that test, the suite's longest chain, stretches several-fold; the same priority
     # as this process shares the cores evenly.
     os.environ["RAY_worker_niceness"] = "0"
+    # The empty MLflow store that new stores are copied from (opd/tracking.py): the checkout's own, not the
+    # user's cache, shared by the xdist workers and kept between runs as .venv is.
+    os.environ.setdefault("OPD_CACHE_DIR", str(Path(config.rootpath) / "build" / "cache"))
 
 
 def pytest_unconfigure(config):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -12,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from opd.spec import load_spec
-from opd.tracking import Tracker
+from opd.tracking import Tracker, _head_revision, ensure_store, template_path
 
 
 def test_logging_from_another_thread_stays_in_the_same_run(micro_spec_file):
@@ -62,13 +64,14 @@ else:  # as MLflow itself creates a store, and this project did before it built 
 
 @pytest.mark.slow  # a child process that imports MLflow and is killed mid-creation: 8-16 s each on a shared CPU
 @pytest.mark.parametrize("creator", ["tracker", "mlflow"])
-def test_a_store_killed_mid_creation_does_not_break_the_rerun(micro_spec_file, creator):
+def test_a_store_killed_mid_creation_does_not_break_the_rerun(micro_spec_file, creator, tmp_path):
     """Issue 16, item 4: MLflow builds its tables one migration at a time; killed in between, it left a half-built
     mlflow.db that every rerun died on (`table mcp_servers already exists`). Now a store is built under another
     name and renamed into place, and a half-built one left by MLflow itself (it holds no run) is rebuilt."""
     spec = load_spec(micro_spec_file)
+    empty_cache = {**os.environ, "OPD_CACHE_DIR": str(tmp_path / "cache")}  # so the child builds, not copies
     child = subprocess.Popen([sys.executable, "-c", CREATE_AND_STALL, str(micro_spec_file), creator],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=empty_cache)
     try:
         assert child.stdout.readline() == "creating\n"
     finally:
@@ -128,3 +131,48 @@ def test_a_failed_or_interrupted_run_is_not_marked_finished(micro_spec_file, mon
     runs = MlflowClient(spec.tracking_uri).search_runs([MlflowClient(spec.tracking_uri).get_experiment_by_name(
         spec.tracking.experiment).experiment_id])
     assert [r.info.status for r in runs] == [status]
+
+
+def _dump(path: Path) -> list[str]:
+    with sqlite3.connect(path) as db:
+        return list(db.iterdump())
+
+
+def test_a_new_store_is_a_copy_of_the_cached_empty_one_as_mlflow_builds_it(tmp_path, monkeypatch):
+    """The first store built at MLflow's schema revision is kept in the cache; the next is copied from it, without
+    running a migration, and equals the one MLflow built but for its Default experiment's artifact location."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    monkeypatch.setenv("OPD_CACHE_DIR", str(tmp_path / "cache"))
+    built, copied = tmp_path / "built" / "mlflow.db", tmp_path / "copied" / "mlflow.db"
+    ensure_store(f"sqlite:///{built}")
+    assert template_path(_head_revision()).exists()
+
+    def no_migrations(*args, **kwargs):
+        raise AssertionError("the store was built, not copied")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(SqlAlchemyStore, "__init__", no_migrations)
+        ensure_store(f"sqlite:///{copied}")
+    as_built = [line.replace("/built/", "/copied/") for line in _dump(built) if "'Default'" not in line]
+    assert [line for line in _dump(copied) if "'Default'" not in line] == as_built
+    default = MlflowClient(f"sqlite:///{copied}").get_experiment("0")
+    assert default.artifact_location == f"{(copied.parent / 'artifacts').as_uri()}/0"
+    assert sorted(p.name for p in copied.parent.iterdir()) == ["mlflow.db"]  # no temporary left over
+
+
+def test_a_broken_or_unwritable_cache_only_makes_the_store_slower(tmp_path, monkeypatch):
+    """A half-written template is not copied (it is rebuilt and replaced); a cache that cannot be written still
+    gives a working store."""
+    monkeypatch.setenv("OPD_CACHE_DIR", str(tmp_path / "cache"))
+    template = template_path(_head_revision())
+    template.parent.mkdir()
+    template.write_bytes(b"SQLite format 3\0 cut short")
+    ensure_store(f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}")
+    assert sqlite3.connect(template).execute("SELECT version_num FROM alembic_version").fetchone() == (
+        _head_revision(),)
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("OPD_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    uri = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+    ensure_store(uri)
+    assert MlflowClient(uri).get_experiment("0").name == "Default"
