@@ -33,6 +33,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
 from opd.models.deltanet import DeltaNetKernels, conv_window, per_position
+from opd.models.linear_replay import chunked_by_segment
 
 
 class RecurrentRollback:
@@ -56,12 +57,16 @@ class RecurrentRollback:
         leaves each row's own states in `cache`: past a row's end its gate and write strength are zeroed, so the
         kernel carries the state through the padding unchanged (no decay, no write), and each layer's conv inputs
         are cut to the row's window as soon as the layer has run, so a long prompt's are never held for every
-        layer at once."""
+        layer at once. The chunked kernel runs in packed replay's chunks (`chunked_by_segment`): transformers' torch
+        kernel would pad a short prompt to 64 positions."""
         real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
         def masked(kernel: Any, _recurrent: Any):
+            chunked = chunked_by_segment(kernel)
+
             def run(query, key, value, g, beta, **kwargs):
-                return kernel(query, key, value, g=g * per_position(real, g), beta=beta * per_position(real, beta),
+                kwargs.pop("chunk_size", None)
+                return chunked(query, key, value, g=g * per_position(real, g), beta=beta * per_position(real, beta),
                               **kwargs)
 
             return run
