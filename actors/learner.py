@@ -24,8 +24,9 @@ from opd.models.build import resolve_device
 from opd.spec import ExperimentSpec
 from opd.train.distributed import Group, init_group
 from opd.train.ledger import StepBuffer
-from opd.train.messages import ScoredItem, Ticket, WeightSnapshot
+from opd.train.messages import ScoredItem, WeightSnapshot
 from opd.train.session import LearnerRank, TrainingSession
+from opd.train.ticket import Ticket
 
 
 class RankPeers:

@@ -16,8 +16,8 @@ from actors.queues import BatchQueue, Lost
 from actors.signal import Signal
 from opd.spec import ExperimentSpec
 from opd.train.ledger import Ledger
-from opd.train.messages import Ticket
 from opd.train.policy_lag import claim_version
+from opd.train.ticket import Ticket
 
 
 @ray.remote(num_cpus=0)

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.util.queue import Empty, Full, Queue
 
-from opd.train.messages import Ticket
+from opd.train.ticket import Ticket
 
 
 class Stopped(Exception):

@@ -15,7 +15,8 @@ from actors.replica import Spmd, join, rollout_worker
 from opd.eval.acceptance import AcceptanceStats
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import EvalResult
-from opd.train.messages import Ticket, WeightSnapshot
+from opd.train.messages import WeightSnapshot
+from opd.train.ticket import Ticket
 
 WAIT_S = 5.0  # longest one blocking wait on the ledger or weight store; then the loop checks again
 

@@ -17,8 +17,9 @@ from actors.queues import BatchQueue, Stopped
 from actors.replica import Spmd, join, scorer
 from opd.spec import ExperimentSpec
 from opd.train.ledger import VersionGate
-from opd.train.messages import AnchorBatch, Ticket, WeightSnapshot
+from opd.train.messages import AnchorBatch, WeightSnapshot
 from opd.train.policy_lag import required_version
+from opd.train.ticket import Ticket
 
 WAIT_S = 1.0  # with batches set aside, how long one wait for the inbox lasts before versions are checked again
 

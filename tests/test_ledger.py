@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from opd.train.ledger import Ledger, StepBuffer, VersionGate, account_metrics, fault_line, reconciles, undisturbed
-from opd.train.messages import Ticket
+from opd.train.ticket import Ticket
 
 
 def ledger(first: int = 0, per_step: int = 2, lag: int = 0) -> Ledger:
@@ -182,3 +185,9 @@ def test_a_restart_that_cost_batches_is_one_line_naming_every_count():
                                          "still waiting 3; actor restarts 1, late copies dropped 0, trained twice 0")
     stale_only = undisturbed(4) | {"stale": 1, "reproduced": 1, "claimed": 5}
     assert reconciles(stale_only) and fault_line(stale_only) is None  # max_policy_lag at work, not a fault
+
+
+def test_the_queue_and_ledger_actors_start_without_torch():
+    """They unpickle tickets and specs only, so their processes need not import torch or the models."""
+    code = "import sys, actors.queues, actors.ledger; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -20,7 +20,7 @@ from actors.weight_store import WeightStore
 from opd.errors import OpdError
 from opd.run_dir import RunDirLock
 from opd.spec import load_spec
-from opd.train.messages import Ticket
+from opd.train.ticket import Ticket
 
 
 @pytest.fixture(scope="module")

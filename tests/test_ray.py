@@ -21,7 +21,8 @@ from opd.models.flops import FlopCounter
 from opd.spec import load_spec
 from opd.train.ledger import fault_line, reconciles
 from opd.train.local import LocalTrainer
-from opd.train.messages import AnchorBatch, ScoredItem, Ticket
+from opd.train.messages import AnchorBatch, ScoredItem
+from opd.train.ticket import Ticket
 from tests.helpers.ray_runs import account, local_losses, ray_cluster, ray_spec, wait_for  # noqa: F401 (a fixture)
 
 

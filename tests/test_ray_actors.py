@@ -17,7 +17,8 @@ from actors.queues import BatchQueue, Lost
 from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec
-from opd.train.messages import Ticket, WeightSnapshot
+from opd.train.messages import WeightSnapshot
+from opd.train.ticket import Ticket
 from tests.helpers.ray_runs import ray_cluster, wait_for  # noqa: F401 (ray_cluster is a fixture)
 
 

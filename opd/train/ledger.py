@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from opd.train.messages import Ticket
+from opd.train.ticket import Ticket
 
 
 @dataclass

@@ -4,10 +4,10 @@
         ▲                                                                                      │
         └──────────── WeightSnapshot (learner → weight store → rollout) ◄──────────────────────┘
 
-A `Ticket` travels beside every AnchorBatch and ScoredItem through the queues (opd/train/ledger.py keeps the
-account of them); the driver folds the StepReports into one `TrainResult` (opd/train/result.py).
+A `Ticket` (opd/train/ticket.py) travels beside every AnchorBatch and ScoredItem through the queues
+(opd/train/ledger.py keeps the account of them); the driver folds the StepReports into one `TrainResult` (opd/train/result.py).
 
-Each is a plain dataclass (`Ticket` a NamedTuple: it is a heap key and a dict key in the ledger). The ones with
+Each is a plain dataclass. The ones with
 large tensors (`ScoredBatch`, `WeightSnapshot`) pickle zero-copy (`ZeroCopy`). Two live in the stage that makes
 them, below train: `SequenceRecord`, the per-sequence payload of an AnchorBatch (opd/decoding/record.py), and
 `ScoredBatch`, one micro-batch of teacher replay (opd/distill/scored_batch.py, made by opd/distill/replay.py).
@@ -17,26 +17,18 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from opd.errors import OpdError
 from opd.zero_copy import ZeroCopy
 
-if TYPE_CHECKING:  # annotations only: the queue and ledger actors unpickle a Ticket without loading the models
+if TYPE_CHECKING:  # annotations only: a process that unpickles one of these does not load the models
     from opd.decoding.record import SequenceRecord
     from opd.distill.scored_batch import ScoredBatch
     from opd.eval.row import EvalRow
     from opd.models.flops import FlopCounter
-
-
-class Ticket(NamedTuple):
-    """One production attempt of batch `index`; it travels through the queues beside the payload."""
-
-    # the rollout batch number (the data cursor); it shadows tuple.index, which nothing calls on a Ticket
-    index: int  # type: ignore[assignment]
-    attempt: int  # 0 for the first production, +1 for every re-production of a given-up attempt
 
 
 @dataclass
