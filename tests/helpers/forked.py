@@ -1,6 +1,11 @@
-"""Child processes forked from the test process, for tests that need real separate processes (gloo ranks, writers
-racing for one file) but not fresh interpreters: a fork has everything the test imported, where a new interpreter
-would first spend seconds importing transformers."""
+"""Child processes for tests that need real separate processes (gloo ranks, writers racing for one file) but not
+fresh interpreters, which would each first spend seconds importing transformers.
+
+They are forked from a fork server (multiprocessing's `forkserver`), one per test process, which has imported the
+model stack once. Not from the test process itself: by the time a test runs, it has threads (pytest-xdist's channel,
+a trainer's publisher), and a fork taken while one of them holds the allocator's lock gives a child whose heap is
+corrupt ("malloc(): unaligned fastbin chunk detected", a rank aborting mid-test).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +18,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+_SERVER = multiprocessing.get_context("forkserver")
+
 
 def start(fn: Callable[..., Any], *args: Any, log: Path) -> BaseProcess:
     """`fn(*args)` in a forked process whose output goes to `log`; its exit code is 1 if it raises, else `fn`'s
-    return value if that is an int, else 0."""
-    proc = multiprocessing.get_context("fork").Process(target=_child, args=(fn, args, str(log)))
+    return value if that is an int, else 0. `fn` and `args` are pickled to the child."""
+    _SERVER.set_forkserver_preload([fn.__module__, "opd.models.target"])  # read when the server first starts
+    proc = _SERVER.Process(target=_child, args=(fn, args, str(log)))
     proc.start()
     return proc
 
