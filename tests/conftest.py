@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -55,6 +56,16 @@ def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):
         rank = {name: i for i, name in enumerate(FIRST)}
         items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_up():
+    """Shut down a Ray that a module's `opd ... engine=ray` left up in this process: its processes (a dashboard
+    among them) would take CPU from every later module, and its threads would be forked along with the process."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _write_prompts(path: Path, problems) -> None:
