@@ -105,6 +105,20 @@ def _inverse_frequencies(head_dim: int, theta: float, device: torch.device, dtyp
     return _INVERSE_FREQUENCIES[key]
 
 
+_HALF_SIGNS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _half_signs(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[−1 × width/2, +1 × width/2], formed once per width, dtype and device (outside inference mode, so that the
+    training path may use the same tensor)."""
+    key = (width, dtype, device)
+    if key not in _HALF_SIGNS:
+        with torch.inference_mode(False):
+            _HALF_SIGNS[key] = torch.ones(width, dtype=dtype, device=device).index_fill_(
+                0, torch.arange(width // 2, device=device), -1)
+    return _HALF_SIGNS[key]
+
+
 def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
     """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), from
     transformers' own RoPE initialisation (`ROPE_INIT_FUNCTIONS`, on the Qwen3 config z-lab's drafter is built
@@ -134,9 +148,12 @@ def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B,heads,T,d] by the half-split (NeoX) convention Qwen3 uses; cos/sin [B,T,d], or [B,1,T,d] as a
-    draft forms them once for all its layers' queries and keys."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    draft forms them once for all its layers' queries and keys.
+
+    The rotated half [−x₂, x₁] is x rolled by half its width times the signs [−1…, +1…]: two operations where
+    slicing, negating and concatenating take four (a draft rotates four times per layer pair), with the same
+    values (a product by ±1 is exact)."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1) * _half_signs(x.shape[-1], x.dtype, x.device)
     if cos.dim() < x.dim():
         cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotated * sin
