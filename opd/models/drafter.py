@@ -553,14 +553,14 @@ class DFlashDrafter(nn.Module):
         block_positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
         pending = cache.take_pending()
         masks = _block_masks(cache, anchor_positions, block_ids.shape[1], self.attention)
-        block_tables = self._rope_tables(block_positions[:, None])  # [B,1,S,d]: one broadcast for every layer
-        if pending is None:
+        if pending is None:  # tables [B,1,S,d]: one broadcast for every layer
             return self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks,
-                                    self._per_layer(block_tables))
-        # Context and block tables are formed apart: a vectorised cos rounds an element by where it falls in the
-        # tensor, and each entry must rotate exactly as an eager `extend_cache` and a separate block would.
-        tables = [(torch.cat([cos, block_cos], dim=2), torch.cat([sin, block_sin], dim=2)) for (cos, sin), (
-            block_cos, block_sin) in zip(self._rope_tables(pending.positions[:, None]), block_tables)]
+                                    self._per_layer(self._rope_tables(block_positions[:, None])))
+        # One table over [context; block], as z-lab's drafter forms it, and the block's is its tail: each element of
+        # cos and sin is a function of its own angle alone (tests/test_deferred_context.py holds every draft and
+        # cache entry to the eager extension's, whose context and block tables are formed apart).
+        tables = self._rope_tables(torch.cat([pending.positions, block_positions], 1)[:, None])
+        block_tables = [(cos[:, :, pending.width :], sin[:, :, pending.width :]) for cos, sin in tables]
         context = self.project_context(pending.features)
         layers = [NewContext(context, cos, sin, cache, pending, i)
                   for i, (cos, sin) in enumerate(self._per_layer(tables))]
