@@ -161,6 +161,33 @@ def test_rope_table_equals_the_rotary_module_at_every_position(dtype, block):
     assert [capacity for capacity, _ in rope.tables.values()] == [768]  # 256 first, then grown once
 
 
+@torch.inference_mode()
+def test_rope_table_slices_on_its_own_thread_only():
+    """While one thread runs a given block, another thread's forward on the same model gets the rotary module's
+    own output (an actor decodes on one thread and evaluates on another)."""
+    import threading
+
+    target = load_target(str(TINY_TARGET), dtype=torch.float32, layer_ids=[1])
+    rope, x, positions = target._rope, torch.zeros(1, 4, target.hidden_size), torch.arange(100, 104)[None]
+    assert rope is not None
+    inside, done = threading.Event(), threading.Event()
+
+    def given_elsewhere():
+        with rope.given(0, 4):  # a slice here would be positions 0..3
+            inside.set()
+            done.wait(30)
+
+    worker = threading.Thread(target=given_elsewhere)
+    worker.start()
+    try:
+        inside.wait(30)
+        got = target.decoder.rotary_emb(x, positions)
+    finally:
+        done.set()
+        worker.join(30)
+    assert all(torch.equal(a, b) for a, b in zip(got, rope.inner(x, positions), strict=True)) and not rope.tables
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_a_ready_block_equals_the_causal_mask_on_the_tiny_target(attn_implementation):
