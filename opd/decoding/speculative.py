@@ -218,12 +218,12 @@ class SpeculativeDecoder:
         return drafts, DraftQ(q)
 
     def _block_mask(self, s: _State, k: int) -> torch.Tensor | ReadyBlock | None:
-        """The target's mask for verifying a K-token block. Where every row uses every column (always at batch 1),
+        """The target's mask for verifying a K-token block. Where every row uses every column (always at batch 1):
         its ready block (`Target.ready_block`: the model's own causal mask, or its kinds' narrowed ones, and the
-        rotary embeddings, without rebuilding them every step), else None where no kind narrows its keys (the model's own causal mask is then
-        the same, and it is how z-lab's decoder calls the target). Otherwise the 2-D mask of every row's used
-        columns plus the block itself (appended after the cache's last column), from which `kind_masks` narrows
-        a narrowing kind's."""
+        rotary embeddings, without rebuilding them every step), else None where no kind narrows its keys (the
+        model's own causal mask is then the same, and it is how z-lab's decoder calls the target). Otherwise the
+        2-D mask of every row's used columns plus the block itself (appended after the cache's last column), from
+        which `kind_masks` narrows a narrowing kind's."""
         if not self.static_cache:
             if min(s.used) == max(s.used):
                 ready = self.target.ready_block(s.used[0], k)

@@ -151,8 +151,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     draft forms them once for all its layers' queries and keys.
 
     The rotated half [−x₂, x₁] is x rolled by half its width times the signs [−1…, +1…]: two operations where
-    slicing, negating and concatenating take four (a draft rotates four times per layer pair), with the same
-    values (a product by ±1 is exact)."""
+    slicing, negating and concatenating take four (a draft rotates the queries and keys of every layer), with
+    the same values (a product by ±1 is exact)."""
     rotated = x.roll(x.shape[-1] // 2, dims=-1) * _half_signs(x.shape[-1], x.dtype, x.device)
     if cos.dim() < x.dim():
         cos, sin = cos[:, None], sin[:, None]

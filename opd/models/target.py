@@ -173,7 +173,7 @@ class Target(nn.Module):
         (sdpa) or as an additive mask (eager). A target whose kinds narrow their keys takes a 2-D mask, or a bool
         4-D one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
 
-        A `ReadyBlock` (`block_mask`) reaches the layers unchanged.
+        A `ReadyBlock` (`ready_block`) reaches the layers unchanged.
 
         `logits_to_keep` [B, n]: the positions of each row whose logits are formed (transformers' own argument; the
         features cover every position), so a prefill runs the LM head on each prompt's last token alone.
@@ -210,12 +210,13 @@ class Target(nn.Module):
         the layers read it, and its positions for the rotary table (opd/models/rope_table.py); None where the
         target's masks have no such form, and the caller passes the 2-D mask or none.
 
-        Why: transformers builds its causal mask again at every forward, a score of small operations per verify
-        step at batch 1. Where every attention kind sees a key by its distance from the query alone
-        (`LayerKind.by_distance`), that mask is one template slid along the cache: built once (`kind_masks`, on
-        positions, in each kind's kernel form), each step takes its last length + block columns, a view with the
-        values the model's own builder would give. Not served: linear-attention layers (they read the 2-D mask),
-        flash-attn and flex (no dense mask), chunked layers (their bounds are fixed positions)."""
+        Why: transformers builds its causal mask again at every forward, in small operations that a batch-1 verify
+        step, bound by per-operation overhead, pays for in full. Where every attention kind sees a key by its
+        distance from the query alone (`LayerKind.by_distance`), that mask is one template slid along the cache:
+        built once (`kind_masks`, on positions, in each kind's kernel form), each step takes its last length + block
+        columns, a view with the values the model's own builder would give. Not served: linear-attention layers
+        (they read the 2-D mask), flash-attn and flex (no dense mask), chunked layers (their bounds are fixed
+        positions)."""
         implementation = self.model.config._attn_implementation
         kinds = self.kinds.attention
         if (self._linear or implementation not in ("sdpa", "eager") or not all(k.by_distance for k in kinds.values())
