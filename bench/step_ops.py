@@ -4,8 +4,9 @@ On the shipped tiny target a step is bound by per-operation overhead, and on a s
 ±20% between runs, so this counts instead: every ATen operation that reaches the dispatcher (a `TorchDispatchMode`),
 split by where it was called from (the target's forward, the prefill's included; the drafter's forward; extending
 the drafter's context; packing the caches; everything else), divided by the verification steps. The counts do not
-depend on the machine's load. A second count leaves out the views (a slice, an unsqueeze, a cast or reshape that
-returns its input's storage): on a GPU those launch no kernel, so it is the closer proxy for a launch-bound step.
+depend on the machine's load. A second count, of the operations that compute, takes an operation made of others
+(a linear layer, sdpa) by its parts and leaves out the views (a slice, an unsqueeze, a cast or reshape with nothing
+to do): on a GPU those launch no kernel, so it is the closer proxy for a launch-bound step.
 Both decoders decode the same held-out prompts greedily, one at a time, with both shipped tiny drafters.
 
     python bench/step_ops.py [--prompts 4] [--max-new-tokens 128] [--out bench/results/step_ops.json]
@@ -38,19 +39,34 @@ DRAFTERS = {"DFlash 1": "opd/assets/tiny/drafter", "DFlash 2": "opd/assets/tiny/
 
 class PhaseCounter(TorchDispatchMode):
     """Counts the operations dispatched while it is active, under the innermost phase entered: all of them
-    (`counts`), and those that compute (`computing`: every one but a view, reshape or cast that returns its own
-    input's storage, which on a GPU launches no kernel)."""
+    (`counts`), and those that compute (`computing`). An operation that transformers or torch implements from
+    others (`aten.linear`, `aten.scaled_dot_product_attention`, which turns a bool mask into an additive one in
+    kernels of its own first) counts once in `counts` and by its parts in `computing`; a part counts there unless
+    it returns its own input's storage without writing to it (a view, or a reshape or cast with nothing to do),
+    which on a GPU launches no kernel."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.computing: Counter[str] = Counter()
         self.phases = ["other"]
+        self.inside = 0  # how deep inside operations made of others this dispatch is
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.counts[self.phases[-1]] += 1
-        out = func(*args, **(kwargs or {}))
-        if not (func.is_view and _aliases(out, args)):
+        kwargs = kwargs or {}
+        if not self.inside:
+            self.counts[self.phases[-1]] += 1
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            self.inside += 1
+            try:
+                with self:
+                    out = func.decompose(*args, **kwargs)
+            finally:
+                self.inside -= 1
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable or not _aliases(out, args):
             self.computing[self.phases[-1]] += 1
         return out
 
@@ -74,7 +90,7 @@ class PhaseCounter(TorchDispatchMode):
 
 
 def _aliases(out: Any, args: tuple) -> bool:
-    """Whether an operation's output shares its first argument's storage (a view: no kernel ran)."""
+    """Whether an operation's output shares its first argument's storage."""
     return (isinstance(out, torch.Tensor) and bool(args) and isinstance(args[0], torch.Tensor)
             and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr())
 

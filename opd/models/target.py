@@ -210,13 +210,14 @@ class Target(nn.Module):
         the layers read it, and its positions for the rotary table (opd/models/rope_table.py); None where the
         target's masks have no such form, and the caller passes the 2-D mask or none.
 
-        Why: transformers builds its causal mask again at every forward, in small operations that a batch-1 verify
-        step, bound by per-operation overhead, pays for in full. Where every attention kind sees a key by its
-        distance from the query alone (`LayerKind.by_distance`), that mask is one template slid along the cache:
-        built once (`kind_masks`, on positions, in each kind's kernel form), each step takes its last length + block
-        columns, a view with the values the model's own builder would give. Not served: linear-attention layers
-        (they read the 2-D mask), flash-attn and flex (no dense mask), chunked layers (their bounds are fixed
-        positions)."""
+        Why: transformers builds its causal mask again at every forward, and sdpa turns a bool mask into an additive
+        one again in every layer, in small operations that a batch-1 verify step, bound by per-operation overhead,
+        pays for in full. Where every attention kind sees a key by its distance from the query alone
+        (`LayerKind.by_distance`), that mask is one template slid along the cache: built once (`kind_masks`, on
+        positions, in the form each kernel uses as it is: `_ready_form`), each step takes its last length + block
+        columns, a view with the values the model's own builder and the kernel would give. Not served:
+        linear-attention layers (they read the 2-D mask), flash-attn and flex (no dense mask), chunked layers
+        (their bounds are fixed positions)."""
         implementation = self.model.config._attn_implementation
         kinds = self.kinds.attention
         if (self._linear or implementation not in ("sdpa", "eager") or not all(k.by_distance for k in kinds.values())
@@ -236,7 +237,7 @@ class Target(nn.Module):
         capacity = -(-2 * length // BLOCK_TEMPLATE_STEP) * BLOCK_TEMPLATE_STEP
         every = torch.ones(1, capacity + block, dtype=torch.long, device=self.device)
         positions = torch.arange(capacity, capacity + block, device=self.device)[None]
-        masks = {kind: self._for_kernel(m, implementation)
+        masks = {kind: self._ready_form(m, implementation)
                  for kind, m in kind_masks(self.kinds.attention, every, positions).items()}
         return _BlockTemplate(capacity, block, self.device,
                               masks if len(masks) > 1 else next(iter(masks.values())))
@@ -321,6 +322,15 @@ class Target(nn.Module):
         masks = {kind: self._for_kernel(m, implementation)
                  for kind, m in kind_masks(self.kinds.attention, mask, position_ids).items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def _ready_form(self, mask: torch.Tensor, implementation: str) -> torch.Tensor:
+        """A bool mask as a ready block hands it to the kernel: eager's additive mask, and for sdpa the additive
+        mask sdpa itself would make of a bool one (0 and −inf in the queries' dtype) at every layer, in a few
+        kernels of its own, before it attends."""
+        if implementation != "sdpa":
+            return self._for_kernel(mask, implementation)
+        additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+        return additive.masked_fill_(~mask, float("-inf"))
 
     def _for_kernel(self, mask: torch.Tensor, implementation: str) -> torch.Tensor:
         """Eager adds its mask to the scores, so a bool mask becomes additive there."""
