@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,67 @@ def test_incremental_forward_with_cache_matches_full_forward():
     assert first.past_key_values is not None
     assert (second.features - full.features[:, 6:]).abs().max() < TOL
     assert (second.logits - full.logits[:, 6:]).abs().max() < TOL
+
+
+TINY_TARGET = Path(__file__).resolve().parents[1] / "opd/assets/tiny/target"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("dtype", "block"), [(torch.float32, 16), (torch.float32, 3), (torch.bfloat16, 5)])
+def test_rope_table_equals_the_rotary_module_at_every_position(dtype, block):
+    """The shipped tiny target's rotary table (head_dim 64; blocks of 16 as decoded, odd ones too) gives, at
+    every position, what its rotary module forms for the block alone, bit for bit: an element's cos must not
+    depend on where it falls in the tensor."""
+    target = load_target(str(TINY_TARGET), dtype=dtype, layer_ids=[1])
+    rope, x = target._rope, torch.zeros(1, block, target.hidden_size, dtype=dtype)
+    assert rope is not None
+    for length in range(0, 600, 7):
+        positions = torch.arange(length, length + block)[None]
+        with rope.given(length, block):
+            sliced = target.decoder.rotary_emb(x, positions)
+        assert all(torch.equal(a, b) for a, b in zip(sliced, rope.inner(x, positions), strict=True))
+    assert [capacity for capacity, _ in rope.tables.values()] == [768]  # 256 first, then grown once
+
+
+@torch.inference_mode()
+def test_rope_table_slices_on_its_own_thread_only():
+    """While one thread runs a given block, another thread's forward on the same model gets the rotary module's
+    own output (an actor decodes on one thread and evaluates on another)."""
+    import threading
+
+    target = load_target(str(TINY_TARGET), dtype=torch.float32, layer_ids=[1])
+    rope, x, positions = target._rope, torch.zeros(1, 4, target.hidden_size), torch.arange(100, 104)[None]
+    assert rope is not None
+    inside, done = threading.Event(), threading.Event()
+
+    def given_elsewhere():
+        with rope.given(0, 4):  # a slice here would be positions 0..3
+            inside.set()
+            done.wait(30)
+
+    worker = threading.Thread(target=given_elsewhere)
+    worker.start()
+    try:
+        inside.wait(30)
+        got = target.decoder.rotary_emb(x, positions)
+    finally:
+        done.set()
+        worker.join(30)
+    assert all(torch.equal(a, b) for a, b in zip(got, rope.inner(x, positions), strict=True)) and not rope.tables
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_ready_block_equals_the_causal_mask_on_the_tiny_target(attn_implementation):
+    """A verify forward at the decoder's shape (a 16-token block after the text) with `Target.ready_block` equals
+    transformers' own causal mask, bit for bit (the families' test does the rest)."""
+    target = load_target(str(TINY_TARGET), dtype=torch.float32, attn_implementation=attn_implementation,
+                         layer_ids=[1, 3])
+    ids = torch.randint(0, target.vocab_size, (1, 80), generator=torch.Generator().manual_seed(0))
+    prefill = [target(ids[:, :40], use_cache=True).past_key_values for _ in range(2)]
+    outs = [target(ids[:, 40:56], attention_mask=mask, position_ids=torch.arange(40, 56)[None], use_cache=True,
+                   past_key_values=cache) for mask, cache in zip((None, target.ready_block(40, 16)), prefill)]
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].features, outs[1].features)
 
 
 def test_target_is_frozen_and_exposes_shared_modules():

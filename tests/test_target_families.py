@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -109,6 +110,43 @@ def test_greedy_speculative_decode_equals_generate(family):
         MIXED_PROMPTS, Sampling(), max_new_tokens=16)
     assert [r.response_ids for r in records] == expected
     assert {0, 3} <= {r for rec in records for r in rec.accepted}
+
+
+@torch.no_grad()
+def test_a_ready_block_verifies_as_the_models_own_masks(family):
+    """`Target.ready_block` (a mask template slid along the cache, the rotary embeddings sliced from a table) gives
+    the logits, features and cache of the masks the target builds per forward (transformers' causal mask, or the
+    narrowing kinds' from a 2-D mask), bit for bit: two rows of one length, blocks kept in part, and a text that
+    outgrows the first template and table. Families whose masks it has no form for get None (the decoder then
+    verifies as before)."""
+    target, k = family.target, 4
+    ready = target.ready_block(5, k)
+    if family.name in LINEAR or family.name == "llama4":  # masks read as 2-D; chunks at fixed positions
+        assert ready is None
+        return
+    assert ready is not None
+    ids = torch.randint(0, 8, (2, 300), generator=torch.Generator().manual_seed(0))
+
+    def forward(start: int, end: int, mask: Any, cache: Any) -> Any:
+        return target(ids[:, start:end], attention_mask=mask, position_ids=torch.arange(start, end).expand(2, -1),
+                      past_key_values=cache, use_cache=True)
+
+    def plain(end: int) -> torch.Tensor:
+        return torch.ones(2, end, dtype=torch.long)
+
+    caches, length = [forward(0, 5, plain(5), None).past_key_values for _ in range(2)], 5
+    for step, keep in enumerate([4, 1, 3, 0, 2, 4]):
+        if step == 3:  # the text outgrows the first template and table
+            caches = [forward(length, 280, plain(280), cache).past_key_values for cache in caches]
+            length = 280
+        outs = [forward(length, length + k, mask, cache)
+                for mask, cache in zip((plain(length + k), target.ready_block(length, k)), caches)]
+        assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].features, outs[1].features)
+        caches = [out.past_key_values for out in outs]
+        length += keep
+        for layer in (layer for cache in caches for layer in target.kinds.column_layers(cache)):
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+    assert target._rope is None or target._rope.tables
 
 
 @torch.no_grad()

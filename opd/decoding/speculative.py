@@ -44,7 +44,7 @@ from opd.errors import OpdError
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import Drafter, chains
 from opd.models.layer_kind import TargetKinds
-from opd.models.target import Target
+from opd.models.target import ReadyBlock, Target
 
 CAPACITY_STEP = 256  # a compiled decoder's cache capacities are multiples of this, so batches share compiled code
 
@@ -71,7 +71,7 @@ class SpeculativeDecoder:
             self._verify_forward = torch.compile(self._target_forward, backend=backend, dynamic=False)
             self._draft_forward = torch.compile(self._drafter_forward, backend=backend, dynamic=False)
 
-    def _target_forward(self, block: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+    def _target_forward(self, block: torch.Tensor, mask: torch.Tensor | ReadyBlock | None, positions: torch.Tensor,
                         cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify forward (logits [B,K,V], features [B,K,n*H]); the cache is updated in place."""
         out = self.target(block, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
@@ -217,14 +217,18 @@ class SpeculativeDecoder:
         drafts, q = sample_draft(logits, sampling, seed=seed, keys=s.keys, start=s.response_len)
         return drafts, DraftQ(q)
 
-    def _block_mask(self, s: _State, k: int) -> torch.Tensor | None:
-        """The target's 2-D mask for verifying a K-token block: every row's used columns plus the block itself
-        (appended after the cache's last column). None where every row uses every column (always at batch 1) and
-        no kind of the target narrows its keys (their masks `kind_masks` narrows from this one): the model's own
-        causal mask is then the same, and it is how z-lab's decoder calls the target."""
+    def _block_mask(self, s: _State, k: int) -> torch.Tensor | ReadyBlock | None:
+        """The target's mask for verifying a K-token block. Where every row uses every column (always at batch 1):
+        its ready block (`Target.ready_block`: the model's own causal mask, or its kinds' narrowed ones, and the
+        rotary embeddings, without rebuilding them every step), else None where no kind narrows its keys (the
+        model's own causal mask is then the same, and it is how z-lab's decoder calls the target). Otherwise the
+        2-D mask of every row's used columns plus the block itself (appended after the cache's last column), from
+        which `kind_masks` narrows a narrowing kind's."""
         if not self.static_cache:
-            if min(s.used) == max(s.used) and not self.target.narrowed:
-                return None
+            if min(s.used) == max(s.used):
+                ready = self.target.ready_block(s.used[0], k)
+                if ready is not None or not self.target.narrowed:
+                    return ready
             used = row_mask(s.used, s.target_cache.get_seq_length(), s.anchor.device)
             return torch.cat([used, used.new_ones(len(s.rows), k)], 1)
         assert s.target_mask is not None  # a static cache's state always has its mask (_State's construction)

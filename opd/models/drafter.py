@@ -105,6 +105,20 @@ def _inverse_frequencies(head_dim: int, theta: float, device: torch.device, dtyp
     return _INVERSE_FREQUENCIES[key]
 
 
+_HALF_SIGNS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _half_signs(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[−1 × width/2, +1 × width/2], formed once per width, dtype and device (outside inference mode, so that the
+    training path may use the same tensor)."""
+    key = (width, dtype, device)
+    if key not in _HALF_SIGNS:
+        with torch.inference_mode(False):
+            _HALF_SIGNS[key] = torch.ones(width, dtype=dtype, device=device).index_fill_(
+                0, torch.arange(width // 2, device=device), -1)
+    return _HALF_SIGNS[key]
+
+
 def rope_frequencies(config: DFlashConfig, rope: dict) -> tuple[torch.Tensor, float] | None:
     """(inverse frequencies [head_dim/2], attention scaling) of the RoPE `rope` (one of `config`'s), from
     transformers' own RoPE initialisation (`ROPE_INIT_FUNCTIONS`, on the Qwen3 config z-lab's drafter is built
@@ -134,9 +148,12 @@ def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B,heads,T,d] by the half-split (NeoX) convention Qwen3 uses; cos/sin [B,T,d], or [B,1,T,d] as a
-    draft forms them once for all its layers' queries and keys."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    draft forms them once for all its layers' queries and keys.
+
+    The rotated half [−x₂, x₁] is x rolled by half its width times the signs [−1…, +1…]: two operations where
+    slicing, negating and concatenating take four (a draft rotates the queries and keys of every layer), with
+    the same values (a product by ±1 is exact)."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1) * _half_signs(x.shape[-1], x.dtype, x.device)
     if cos.dim() < x.dim():
         cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotated * sin
@@ -536,14 +553,14 @@ class DFlashDrafter(nn.Module):
         block_positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
         pending = cache.take_pending()
         masks = _block_masks(cache, anchor_positions, block_ids.shape[1], self.attention)
-        block_tables = self._rope_tables(block_positions[:, None])  # [B,1,S,d]: one broadcast for every layer
-        if pending is None:
+        if pending is None:  # tables [B,1,S,d]: one broadcast for every layer
             return self._run_blocks(block_ids, block_positions, list(zip(cache.keys, cache.values)), masks,
-                                    self._per_layer(block_tables))
-        # Context and block tables are formed apart: a vectorised cos rounds an element by where it falls in the
-        # tensor, and each entry must rotate exactly as an eager `extend_cache` and a separate block would.
-        tables = [(torch.cat([cos, block_cos], dim=2), torch.cat([sin, block_sin], dim=2)) for (cos, sin), (
-            block_cos, block_sin) in zip(self._rope_tables(pending.positions[:, None]), block_tables)]
+                                    self._per_layer(self._rope_tables(block_positions[:, None])))
+        # One table over [context; block], as z-lab's drafter forms it, and the block's is its tail: each element of
+        # cos and sin is a function of its own angle alone (tests/test_deferred_context.py holds every draft and
+        # cache entry to the eager extension's, whose context and block tables are formed apart).
+        tables = self._rope_tables(torch.cat([pending.positions, block_positions], 1)[:, None])
+        block_tables = [(cos[:, :, pending.width :], sin[:, :, pending.width :]) for cos, sin in tables]
         context = self.project_context(pending.features)
         layers = [NewContext(context, cos, sin, cache, pending, i)
                   for i, (cos, sin) in enumerate(self._per_layer(tables))]

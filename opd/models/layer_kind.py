@@ -41,6 +41,8 @@ class LayerKind:
     name: ClassVar[str]  # transformers' layer type
     label: ClassVar[str]  # how a one-line message names its layers ("sliding-window")
     columns: ClassVar[bool] = True  # its cache holds a key and value per token (packed per row by the decoder)
+    # whether `sees` depends on the distance q − p alone: a block's mask is then one template slid along the cache
+    by_distance: ClassVar[bool] = True
 
     def __init__(self, config: Any, layers: tuple[int, ...]) -> None:
         self.config, self.layers = config, layers

@@ -13,7 +13,8 @@ drafter's own attention: block m sees valid context positions before its anchor 
 
 GQA: masked calls fold each key/value head's G query heads into the query axis ([B, kv, G·S, d]), so keys and
 values are never copied, on every SDPA kernel and torch version (SDPA's `enable_gqa` with a mask drops CUDA to
-the math kernel); the unmasked causal prefix uses `enable_gqa`, which the flash kernels take.
+the math kernel); unmasked calls (the causal prefix, a draft that sees every key) use `enable_gqa`, which the
+flash kernels take, and which spares the fold's copies of the queries and of the output.
 
 The teacher is a Hugging Face model, and models differ in the masks their forwards take: Qwen3's takes a dict
 {layer type: mask}, Llama's and Qwen3-MoE's one mask. What every decoder takes is a prepared 4-D mask: HF's mask
@@ -64,6 +65,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     groups = heads // k.shape[1]
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is None and _GQA_KWARG:  # a draft at batch 1: no copy of the queries in, nor of the output out
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     folded = q.reshape(batch, k.shape[1], groups * rows, dim)
     mask = None if mask is None else mask.repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)

@@ -22,6 +22,7 @@ from opd.model_dir import ModelDir
 from opd.models.kind_masks import kind_masks
 from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
+from opd.models.rope_table import RopeTable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -34,6 +35,31 @@ class TargetOutput:
     logits: torch.Tensor
     features: torch.Tensor
     past_key_values: Any = None
+
+
+@dataclass(frozen=True)
+class ReadyBlock:
+    """A verified block's mask already in the form the target's layers read (`Target.ready_block`): one tensor,
+    or {layer type: mask} where its kinds are mixed. It reaches the model as is, so transformers builds no mask of
+    its own; and the block's positions, `length` .. `length` + `block` − 1 in every row, whose rotary embeddings
+    are sliced from a table (opd/models/rope_table.py)."""
+
+    mask: torch.Tensor | dict[str, torch.Tensor]
+    length: int
+    block: int
+
+
+@dataclass(frozen=True)
+class _BlockTemplate:
+    """`Target.ready_block`'s template: the ready mask of a `block`-token block after `capacity` columns."""
+
+    capacity: int
+    block: int
+    device: torch.device
+    mask: torch.Tensor | dict[str, torch.Tensor]
+
+
+BLOCK_TEMPLATE_STEP = 256  # a block mask template's capacity is a multiple of this, at least twice the text's
 
 
 @dataclass(frozen=True)
@@ -81,6 +107,8 @@ class Target(nn.Module):
         self._linear = self.kinds.replay(model)
         self._cache_arg = _cache_argument_name(model)
         self._captured: dict[int, torch.Tensor] | None = None
+        self._template: _BlockTemplate | None = None
+        self._rope = RopeTable.of(self.decoder)
         self._register_feature_hooks()
 
     @property
@@ -132,7 +160,7 @@ class Target(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        attention_mask: torch.Tensor | PackedRows | None = None,
+        attention_mask: torch.Tensor | PackedRows | ReadyBlock | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         use_cache: bool = False,
@@ -144,6 +172,8 @@ class Target(nn.Module):
         A 4-D mask may be bool (True = attend) or additive float. It reaches the attention kernel unchanged
         (sdpa) or as an additive mask (eager). A target whose kinds narrow their keys takes a 2-D mask, or a bool
         4-D one without a cache, and narrows it per layer kind by position (`kind_masks`); its caches keep every key.
+
+        A `ReadyBlock` (`ready_block`) reaches the layers unchanged.
 
         `logits_to_keep` [B, n]: the positions of each row whose logits are formed (transformers' own argument; the
         features cover every position), so a prefill runs the LM head on each prompt's last token alone.
@@ -174,7 +204,46 @@ class Target(nn.Module):
         cache = getattr(out, self._cache_arg)
         return out.last_hidden_state, features, KVPrefix(tuple((layer.keys, layer.values) for layer in cache.layers))
 
-    def _run(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | PackedRows | None,
+    def ready_block(self, length: int, block: int) -> ReadyBlock | None:
+        """A `block`-token block verified after `length` cache columns that every row fills (no padding: each
+        key's column is its position, and the block's positions are length, length + 1, ...): its mask in the form
+        the layers read it, and its positions for the rotary table (opd/models/rope_table.py); None where the
+        target's masks have no such form, and the caller passes the 2-D mask or none.
+
+        Why: transformers builds its causal mask again at every forward, and sdpa turns a bool mask into an additive
+        one again in every layer, in small operations that a batch-1 verify step, bound by per-operation overhead,
+        pays for in full. Where every attention kind sees a key by its distance from the query alone
+        (`LayerKind.by_distance`), that mask is one template slid along the cache: built once (`kind_masks`, on
+        positions, in the form each kernel uses as it is: `_ready_form`), each step takes its last length + block
+        columns, a view with the values the model's own builder and the kernel would give. Not served:
+        linear-attention layers (they read the 2-D mask), flash-attn and flex (no dense mask), chunked layers
+        (their bounds are fixed positions)."""
+        implementation = self.model.config._attn_implementation
+        kinds = self.kinds.attention
+        if (self._linear or implementation not in ("sdpa", "eager") or not all(k.by_distance for k in kinds.values())
+                or (len(kinds) > 1 and not self.narrowed)):
+            return None
+        template = self._template
+        if (template is None or template.block != block or template.capacity < length
+                or template.device != self.device):
+            template = self._template = self._block_template(max(length, 1), block, implementation)
+        start = template.capacity - length
+        if isinstance(template.mask, dict):
+            return ReadyBlock({name: mask[..., start:] for name, mask in template.mask.items()}, length, block)
+        return ReadyBlock(template.mask[..., start:], length, block)
+
+    def _block_template(self, length: int, block: int, implementation: str) -> _BlockTemplate:
+        """A template for texts up to twice `length` (so that it is rebuilt a logarithmic number of times)."""
+        capacity = -(-2 * length // BLOCK_TEMPLATE_STEP) * BLOCK_TEMPLATE_STEP
+        every = torch.ones(1, capacity + block, dtype=torch.long, device=self.device)
+        positions = torch.arange(capacity, capacity + block, device=self.device)[None]
+        masks = {kind: self._ready_form(m, implementation)
+                 for kind, m in kind_masks(self.kinds.attention, every, positions).items()}
+        return _BlockTemplate(capacity, block, self.device,
+                              masks if len(masks) > 1 else next(iter(masks.values())))
+
+    def _run(self, module: nn.Module, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor | PackedRows | ReadyBlock | None,
              position_ids: torch.Tensor | None, **kwargs: Any) -> tuple[Any, torch.Tensor]:
         """`module`'s output and the features its hooks captured."""
         mask = self._prepare_mask(attention_mask, position_ids)
@@ -183,9 +252,11 @@ class Target(nn.Module):
 
             kwargs[self._cache_arg] = DynamicCache()  # plain layers: HF's sliding layers would drop keys by column
         blocks = isinstance(attention_mask, PackedRows) and any(len(row.anchors) for row in attention_mask.rows)
+        ready = attention_mask if isinstance(attention_mask, ReadyBlock) and self._rope else None
         self._captured = {}
         try:
-            with self._linear.packed(attention_mask) if self._linear and blocks else nullcontext():
+            with (self._linear.packed(attention_mask) if self._linear and blocks else nullcontext(),
+                  self._rope.given(ready.length, ready.block) if self._rope and ready else nullcontext()):
                 out = module(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs)
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
@@ -222,13 +293,16 @@ class Target(nn.Module):
 
         return hook
 
-    def _prepare_mask(self, mask: torch.Tensor | PackedRows | None, position_ids: torch.Tensor | None) -> Any:
+    def _prepare_mask(self, mask: torch.Tensor | PackedRows | ReadyBlock | None,
+                      position_ids: torch.Tensor | None) -> Any:
         """A `PackedRows` goes to every layer as a `PackedMask`, a prepared 4-D mask carrying each layer's kind,
         which every HF decoder forwards unchanged to the attention functions `opd.models.packed_attention` wraps
         (they apply each layer's kind and sinks). A target whose kinds narrow their keys gets one mask per layer
         kind (`kind_masks`): a dict {kind: mask} where its kinds are mixed, the form such models' forwards take.
         Otherwise a dense 4-D mask reaches sdpa as is and eager as an additive mask; flash-attn has no custom
         masks."""
+        if isinstance(mask, ReadyBlock):
+            return mask.mask
         if isinstance(mask, PackedRows):
             if self._linear and mask.cached:
                 raise OpdError(f"target {type(self.model).__name__}: its 'linear_attention' layers keep no keys "
@@ -248,6 +322,15 @@ class Target(nn.Module):
         masks = {kind: self._for_kernel(m, implementation)
                  for kind, m in kind_masks(self.kinds.attention, mask, position_ids).items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def _ready_form(self, mask: torch.Tensor, implementation: str) -> torch.Tensor:
+        """A bool mask as a ready block hands it to the kernel: eager's additive mask, and for sdpa the additive
+        mask sdpa itself would make of a bool one (0 and −inf in the queries' dtype) at every layer, in a few
+        kernels of its own, before it attends."""
+        if implementation != "sdpa":
+            return self._for_kernel(mask, implementation)
+        additive = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device)
+        return additive.masked_fill_(~mask, float("-inf"))
 
     def _for_kernel(self, mask: torch.Tensor, implementation: str) -> torch.Tensor:
         """Eager adds its mask to the scores, so a bool mask becomes additive there."""

@@ -20,6 +20,7 @@ from opd.models.layer_kind import LayerKind, register
 class ChunkedAttention(LayerKind):
     name = "chunked_attention"
     label = "chunked-attention"
+    by_distance = False  # a chunk's bounds are fixed positions
 
     @property
     def chunk(self) -> int:
