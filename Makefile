@@ -47,12 +47,11 @@ test: $(VENV_STAMP)
 	[ $$linted -eq 0 ] || echo "make test: lint failed (its output is above)"; exit $$(( tests || linted ))
 
 # What `make test` checks besides the tests, fastest first. ruff: lint on the whole tree, format only on the files
-# in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS (every module there
-# must be clean); the docs with --strict, so a broken link, anchor or
+# in FORMATTED (adopted file by file: pyproject.toml's [tool.ruff.format]); mypy on MYPY_PATHS, every package of the
+# project (each module must be clean); the docs with --strict, so a broken link, anchor or
 # reference page fails (never -q: it hides the warnings that --strict counts).
 FORMATTED := docs/hooks/reference.py
-MYPY_PATHS := opd/models opd/decoding opd/distill opd/train opd/eval opd/data opd/sources opd/reproduce \
-    opd/formats opd/spec opd/model_dir.py
+MYPY_PATHS := opd actors
 DOCS_ENV := NO_MKDOCS_2_WARNING=1
 
 lint: $(VENV_STAMP)

@@ -32,6 +32,7 @@ from actors.evaluator import EvaluatorPlacement
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
 from actors.queues import BatchQueue
+from actors.remote import as_actor_class
 from actors.replica import ShardFollower, bundle_address
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
@@ -107,7 +108,7 @@ def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
 
 
-def replicas(actor_class, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args) -> tuple[list, list]:
+def replicas(actor_class: type, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args) -> tuple[list, list]:
     """(rank 0 of each replica of `kind`, every other rank): replica i on bundles first + i·N .. first + i·N + N − 1
     of `pg`, N = gpus_per_replica; rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers
     (actors/replica.py) in its torch.distributed group."""
@@ -115,9 +116,10 @@ def replicas(actor_class, kind: str, role: RoleSpec, pg, first: int, spec: dict,
     for i in range(role.replicas):
         name, base = f"{kind}-{i}", first + i * n
         shard = (bundle_address(pg, base), n) if n > 1 else None
-        ranks = [ShardFollower.options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
+        ranks = [as_actor_class(ShardFollower).options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
             spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
-        leaders.append(actor_class.options(**_on(pg, base, role, name)).remote(spec, name, *args, shard, ranks))
+        leader = as_actor_class(actor_class).options(**_on(pg, base, role, name))
+        leaders.append(leader.remote(spec, name, *args, shard, ranks))
         followers += ranks
     return leaders, followers
 
@@ -206,21 +208,23 @@ class RayRun:
             raise
         r, as_dict = spec.resources, spec.model_dump(mode="json")
         pin = on_driver_node()
-        self.store = WeightStore.options(name="weights", scheduling_strategy=pin).remote()
-        self.ledger = LedgerActor.options(name="ledger", scheduling_strategy=pin).remote(as_dict)
+        self.store = as_actor_class(WeightStore).options(name="weights", scheduling_strategy=pin).remote()
+        self.ledger = as_actor_class(LedgerActor).options(name="ledger", scheduling_strategy=pin).remote(as_dict)
         self.anchors = BatchQueue("anchors", r.queue_size, pin)
         self.scored = BatchQueue("scored", r.queue_size, pin)
         n = r.learner.replicas
         address = bundle_address(self.learner_pg) if n > 1 else None
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
-        self.learner_ranks = [LearnerRankActor.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
+        learner_rank = as_actor_class(LearnerRankActor)
+        self.learner_ranks = [learner_rank.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
             as_dict, i, address) for i in range(1, n)]
         # held-out eval, off the learner's critical path: its own actor, or rollout-0 between batches
         self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0,
                                                 as_dict, store, ledger, anchors)
         self.evaluator_placement = None if r.evaluate_on == "rollout" else EvaluatorPlacement(spec)
         self.evaluator = self.evaluator_placement.start(as_dict) if self.evaluator_placement else None
-        self.learner = LearnerActor.options(**_on(self.learner_pg, 0, r.learner, "learner")).remote(
+        learner = as_actor_class(LearnerActor).options(**_on(self.learner_pg, 0, r.learner, "learner"))
+        self.learner = learner.remote(
             as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
             _Named(EVALUATOR if self.evaluator is not None else "rollout-0"))
         self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg,

@@ -18,6 +18,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.remote import as_actor_class
 from actors.replica import ShardFollower, Spmd, bundle_address, evaluator, join
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
@@ -55,7 +56,8 @@ class ActorEvaluations:
     submission order as they finish (the actor evaluates one at a time)."""
 
     def __init__(self, actor) -> None:
-        self.actor, self.pending = actor, []
+        self.actor = actor
+        self.pending: list[ray.ObjectRef] = []  # evaluations submitted, oldest first
 
     def submit(self, snapshot: WeightSnapshot) -> None:
         self.pending.append(self.actor.evaluate.remote(snapshot))
@@ -90,9 +92,9 @@ class EvaluatorPlacement:
         """The evaluator actor (rank 0), and its other ranks when it is sharded."""
         n = self.role.gpus_per_replica
         shard = (bundle_address(self.group), n) if n > 1 else None
-        self.followers = [ShardFollower.options(**self.options(f"{name}-rank{j}", j)).remote(
+        self.followers = [as_actor_class(ShardFollower).options(**self.options(f"{name}-rank{j}", j)).remote(
             spec, "evaluator", shard[0], j, n) for j in range(1, n)] if shard else []
-        return EvaluatorActor.options(**self.options(name)).remote(spec, shard, self.followers)
+        return as_actor_class(EvaluatorActor).options(**self.options(name)).remote(spec, shard, self.followers)
 
     def options(self, name: str = NAME, bundle: int = 0) -> dict:
         strategy = None if self.group is None else PlacementGroupSchedulingStrategy(self.group, bundle)

@@ -34,7 +34,8 @@ class RankPeers:
     share with rank 0); `join` surfaces a rank's failure in rank 0's step."""
 
     def __init__(self, ranks: list) -> None:
-        self.ranks, self.pending = ranks, []
+        self.ranks = ranks
+        self.pending: list[ray.ObjectRef] = []  # this step's shards, one call per rank
 
     def launch(self, shards: list[list[ScoredBatch]], norm: StepNorm) -> None:
         self.pending = [rank.train_step.remote(s, norm) for rank, s in zip(self.ranks, shards)]
@@ -43,10 +44,8 @@ class RankPeers:
         ray.get(self.pending)
 
 
-def join_group(spec: ExperimentSpec, address: str | None, rank: int) -> Group | None:
-    """This rank's place in the learner process group at `address` (None: a single learner, no group)."""
-    if address is None:
-        return None
+def join_group(spec: ExperimentSpec, address: str, rank: int) -> Group:
+    """This rank's place in the learner process group at `address`."""
     return init_group(address, rank, spec.resources.learner.replicas, resolve_device(spec.models.device))
 
 
@@ -58,7 +57,8 @@ class LearnerActor:
         `EvaluatorActor` (None: no held-out evaluation)."""
         self.spec = ExperimentSpec.model_validate(spec)
         self.store, self.ledger, self.inbox, self.ranks = store, ledger, inbox, ranks or []
-        self.session = TrainingSession(self.spec, track=track, group=join_group(self.spec, address, 0),
+        group = None if address is None else join_group(self.spec, address, 0)  # None: a single learner
+        self.session = TrainingSession(self.spec, track=track, group=group,
                                       peers=RankPeers(self.ranks) if self.ranks else None,
                                       evals=ActorEvaluations(evaluator) if evaluator is not None else None,
                                       publish=self._publish)
@@ -148,8 +148,8 @@ class LearnerRankActor:
     """Learner rank r > 0: joins the group, then steps on the shards rank 0 sends (`LearnerRank`)."""
 
     def __init__(self, spec: dict, rank: int, address: str) -> None:
-        spec = ExperimentSpec.model_validate(spec)
-        self.rank = LearnerRank(spec, join_group(spec, address, rank))
+        parsed = ExperimentSpec.model_validate(spec)
+        self.rank = LearnerRank(parsed, join_group(parsed, address, rank))
 
     def start(self, checkpoint: str | None) -> None:
         self.rank.start(checkpoint)

@@ -33,13 +33,21 @@ class LedgerActor:
         self.ledger = Ledger(first_index, partial(claim_version, spec=self.spec))
         self.changed.fire()
 
+    @property
+    def opened(self) -> Ledger:
+        """The ledger `begin` opened, for every other call: the learner begins it before it registers, and the
+        driver starts the rollout and scorer loops only after that."""
+        if self.ledger is None:
+            raise RuntimeError("the ledger was used before the learner began it (LedgerActor.begin)")
+        return self.ledger
+
     def register(self, name: str) -> str:
-        worker = self.ledger.register(name)
+        worker = self.opened.register(name)
         self.changed.fire()
         return worker
 
     def claim(self, worker: str, version: int) -> Ticket | None:
-        ticket = self.ledger.claim(worker, version)
+        ticket = self.opened.claim(worker, version)
         if ticket is not None:  # another index is next now
             self.changed.fire()
         return ticket
@@ -51,29 +59,29 @@ class LedgerActor:
             lambda: self.ledger is not None and self.ledger.claimable(worker, version), timeout_s)
 
     def handoff(self, ticket: Ticket, worker: str) -> bool:
-        taken = self.ledger.handoff(ticket, worker)
+        taken = self.opened.handoff(ticket, worker)
         self.changed.fire()
         return taken
 
     def lost(self, ticket: Ticket) -> None:
-        self.ledger.lost(ticket)
+        self.opened.lost(ticket)
         self.changed.fire()
 
     def stale(self, ticket: Ticket) -> None:
-        self.ledger.stale(ticket)
+        self.opened.stale(ticket)
         self.changed.fire()
 
     def trained(self, tickets: list[Ticket]) -> None:
-        self.ledger.trained(tickets)
+        self.opened.trained(tickets)
 
     def account(self) -> dict[str, int]:
-        return self.ledger.account()
+        return self.opened.account()
 
     def trained_indices(self) -> list[int]:
-        return self.ledger.trained_indices()
+        return self.opened.trained_indices()
 
     def holders(self) -> dict[int, str]:
-        return self.ledger.holders()
+        return self.opened.holders()
 
 
 def receive(inbox: BatchQueue, ledger, worker: str, stopped=lambda: False,

@@ -14,7 +14,8 @@ from actors.signal import Signal
 @ray.remote(num_cpus=0)
 class WeightStore:
     def __init__(self) -> None:
-        self.version, self.ref, self.checksum, self.stop = -1, None, "", False
+        self.version, self.checksum, self.stop = -1, "", False
+        self.ref: list | None = None  # the newest snapshot's reference, wrapped (see `publish`)
         self.changed = Signal()
 
     def publish(self, version: int, wrapped_ref: list, checksum: str) -> None:

@@ -73,9 +73,9 @@ def writable_problem(run_dir: Path) -> str | None:
     return unwritable(run_dir, why) if why else None
 
 
-def lock_holder(run_dir: Path) -> str | None:
-    """What the lock file of `run_dir` says (`pid N on host`), or None without one: read on another node, it shows
-    whether that node sees the driver's directory."""
+def lock_holder(run_dir: str | Path) -> str | None:
+    """What the lock file of `run_dir` says (`pid N on host`), or None without one: read on another node (where
+    `run_dir` arrives as a str), it shows whether that node sees the driver's directory."""
     try:
         return (Path(run_dir) / LOCK_FILE).read_text(errors="replace").strip() or None
     except OSError:

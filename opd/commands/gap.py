@@ -26,8 +26,7 @@ from opd.spec import ExperimentSpec
 
 
 def run_gap(spec: ExperimentSpec, drafters: dict[str, str], samples: str | None, json_out: str | None) -> int:
-    path = samples or spec.eval.samples_path
-    check_samples_file(path, "--samples")
+    path = check_samples_file(samples or spec.eval.samples_path, "--samples")
     if json_out:
         check_output_file(json_out, "--json", "the results")
     models = build_models(spec)

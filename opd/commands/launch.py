@@ -52,12 +52,12 @@ def held_out_eval(spec: ExperimentSpec, drafters: list[Checkpoint]) -> list[list
     return Evaluator(spec).checkpoints(drafters)
 
 
-def suite_eval(spec: ExperimentSpec, drafters: dict[str, str], out: Path) -> SuiteResult:
-    """`opd run`'s benchmark suite table (`eval.suite`) of drafter directories (label -> path), samples under
-    OUT/samples/: in this process for `engine: local`, in one evaluator actor for `engine: ray`, where the held-out
-    eval runs too. Paths go to the actor absolute, as this process names them."""
-    suite = spec.eval.model_copy(update={"suite": str(Path(spec.eval.suite).resolve())})
-    spec, out = spec.model_copy(update={"eval": suite}), out.resolve()
+def suite_eval(spec: ExperimentSpec, suite: str, drafters: dict[str, str], out: Path) -> SuiteResult:
+    """`opd run`'s benchmark suite table (`suite`: the spec's `eval.suite`) of drafter directories (label -> path),
+    samples under OUT/samples/: in this process for `engine: local`, in one evaluator actor for `engine: ray`,
+    where the held-out eval runs too. Paths go to the actor absolute, as this process names them."""
+    evals = spec.eval.model_copy(update={"suite": str(Path(suite).resolve())})
+    spec, out = spec.model_copy(update={"eval": evals}), out.resolve()
     if spec.engine == "ray":
         from actors.driver import suite_in_actor
 
@@ -81,7 +81,7 @@ def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
         return spec
     prompts = eval_prompts(spec.data, load_tokenizer(spec.models.tokenizer), spec.eval.num_prompts)
     if spec.eval.samples_path:
-        if _usable(spec, prompts):
+        if _usable(spec, spec.eval.samples_path, prompts):
             return spec
         spec = spec.model_copy(update={"eval": spec.eval.model_copy(update={"samples_path": None})})
     if not spec.eval.offline:
@@ -100,13 +100,13 @@ def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:
     return with_eval_samples(spec, path)
 
 
-def _usable(spec: ExperimentSpec, prompts: list) -> bool:
-    """Whether `eval.samples_path` serves this run's eval of `prompts`; when not, a note says why and what the run
-    does instead."""
+def _usable(spec: ExperimentSpec, samples: str, prompts: list) -> bool:
+    """Whether `samples` (`eval.samples_path`) serves this run's eval of `prompts`; when not, a note says why and
+    what the run does instead."""
     from opd.eval.offline import check_eval_samples
 
     try:
-        check_eval_samples(spec, prompts, spec.eval.samples_path, "eval.samples_path")
+        check_eval_samples(spec, prompts, samples, "eval.samples_path")
         return True
     except StaleSamples as exc:
         instead = (f"this run draws its own into {spec.run_dir / 'eval_samples.jsonl'}" if spec.eval.offline

@@ -38,8 +38,8 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
-    if m.warm:
-        check_drafter(m.drafter_path, target, m.drafter)
+    if (warm := m.warm_path) is not None:
+        check_drafter(warm, target, m.drafter)
     else:
         from opd.models.families import family
 
@@ -49,15 +49,14 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     if spec.rollout.source == "samples":
         SampleStore.for_rollout(spec, prompts).check_budget(spec)  # prompt ids and enough samples for the step budget
     if spec.eval.suite is not None:
-        check_suite(spec, tokenizer)
+        check_suite(spec, Path(spec.eval.suite), tokenizer)
     return prompts[0]
 
 
-def check_suite(spec: ExperimentSpec, tokenizer) -> None:
-    """`eval.suite` is a finished build, scored at a point-mass setting, and every prompt of it parses, renders and
-    fits the target's context with its answer: found after training, any of these would cost a cluster run its
-    table hours in."""
-    suite = Path(spec.eval.suite)
+def check_suite(spec: ExperimentSpec, suite: Path, tokenizer) -> None:
+    """`suite` (`eval.suite`) is a finished build, scored at a point-mass setting, and every prompt of it parses,
+    renders and fits the target's context with its answer: found after training, any of these would cost a cluster
+    run its table hours in."""
     scored_settings(spec.eval.sampling)
     suite_inputs(built_suite(suite, field="eval.suite:"), suite, tokenizer, Rendering.of(spec.data),
                  target_context(spec.models.target_path), "eval.suite:")

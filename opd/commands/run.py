@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shlex
 import shutil
 import sys
@@ -136,7 +137,7 @@ def _speedup(row: EvalRow) -> str:
 
 
 def plot_tau(history: dict[int, dict[str, float]], path: Path) -> None:
-    """Held-out τ over training steps, one line per sampling setting."""
+    """Held-out τ over training steps, one line per sampling setting (a step without a setting's τ: a gap)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +146,8 @@ def plot_tau(history: dict[int, dict[str, float]], path: Path) -> None:
     steps = sorted(history)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in sorted({k for h in history.values() for k in h}):
-        ax.plot(steps, [history[s].get(key) for s in steps], marker="o", label=key.removeprefix("eval_tau_"))
+        taus = [history[s].get(key, math.nan) for s in steps]
+        ax.plot(steps, taus, marker="o", label=key.removeprefix("eval_tau_"))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("held-out τ (acceptance length)")
     ax.set_title("Draft-OPD on the tiny target")
@@ -199,7 +201,8 @@ def _after_training(spec: ExperimentSpec, console: Console, result: TrainResult,
     plot_tau(history, plot)
     table = comparison_table(spec, before, after)
     console.print(table)
-    suite_metrics, suite_files = suite_table(spec, result) if spec.eval.suite is not None else ({}, [])
+    suite = spec.eval.suite
+    suite_metrics, suite_files = suite_table(spec, suite, result) if suite is not None else ({}, [])
     summary = {"before": [asdict(r) for r in before], "after": [asdict(r) for r in after], "history": history,
                "checkpoint": result.checkpoint, "minutes": (time.perf_counter() - started) / 60,
                "ledger": result.ledger}
@@ -208,15 +211,16 @@ def _after_training(spec: ExperimentSpec, console: Console, result: TrainResult,
     return summary
 
 
-def suite_table(spec: ExperimentSpec, result: TrainResult) -> tuple[dict[str, float], list[Path]]:
-    """The benchmark table a paper reports (`eval.suite`): the warm and the trained drafter per benchmark beside
-    the ceiling, printed and written under RUN_DIR/suite/ (samples included, so a rerun resumes them). Returns its
-    MLflow metrics and files."""
+def suite_table(spec: ExperimentSpec, suite: str, result: TrainResult) -> tuple[dict[str, float], list[Path]]:
+    """The benchmark table a paper reports (`suite`: `eval.suite`): the warm and the trained drafter per benchmark
+    beside the ceiling, printed and written under RUN_DIR/suite/ (samples included, so a rerun resumes them).
+    Returns its MLflow metrics and files."""
     out = spec.run_dir / "suite"
+    assert result.checkpoint is not None  # training's last step writes one (`checkpoint_due`); a resume had one
     drafters = {"warm": spec.models.drafter_path or "random", "draft-opd": result.checkpoint}
-    suite = launch.suite_eval(spec, drafters, out)
-    print(markdown(suite))
-    return metrics(suite), write_report(suite, out)
+    table = launch.suite_eval(spec, suite, drafters, out)
+    print(markdown(table))
+    return metrics(table), write_report(table, out)
 
 
 def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, artifacts: list[Path],
@@ -231,6 +235,6 @@ def _log_to_mlflow(spec: ExperimentSpec, run_id: str | None, before, after, arti
     held_out = {f"heldout_{name}_{r.sampling}_{when}": value
                 for when, rows in (("before", before), ("after", after)) for r in rows
                 for name, value in (("tau", r.tau), ("tau_ci", r.tau_ci), ("speedup", r.speedup)) if value is not None}
-    tracker.log({**held_out, **extra}, spec.steps)
+    tracker.log({**held_out, **extra}, spec.total_steps)
     for path in artifacts:
         tracker.artifact(path)

@@ -81,9 +81,9 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
     levels = parse_concurrency(concurrency)
     if json_out:
         check_output_file(json_out, "--json", "the results")
-    engines = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
+    engines: dict[str, dict | None] = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
     require_vllm("opd serve-bench")
-    if baseline:
+    if baseline:  # the target alone: no speculative config
         engines = {BASELINE: None, **engines}
     e = spec.eval
     prompts = eval_prompts(spec.data, load_tokenizer(spec.models.tokenizer), e.num_prompts)

@@ -41,11 +41,12 @@ def resolved_yaml(spec: ExperimentSpec) -> str:
 def run_length(spec: ExperimentSpec) -> str:
     """The run's length in every unit a reader compares with a paper: updates, rollout batches, sequences, epochs;
     as YAML comments, so the printed spec stays loadable."""
-    batches = spec.steps * spec.batches_per_step
+    steps = spec.total_steps
+    batches = steps * spec.batches_per_step
     sequences = batches * spec.rollout.batch_size
     pool = spec.data.train_pool_size
     epochs = f", {sequences / pool:.2f} epochs over {pool:,} prompts" if pool else ""
-    return (f"# run length: {spec.steps:,} optimizer updates (steps) x {spec.batches_per_step} rollout batches of "
+    return (f"# run length: {steps:,} optimizer updates (steps) x {spec.batches_per_step} rollout batches of "
             f"{spec.rollout.batch_size} prompts = {batches:,} rollout batches, {sequences:,} sequences{epochs}\n")
 
 

@@ -92,13 +92,14 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def check_samples_file(path: str | Path | None, field: str) -> None:
-    """Held-out samples exist, or one line naming the draw that writes them there; commands call it before
-    loading any model."""
+def check_samples_file(path: str | Path | None, field: str) -> str | Path:
+    """`path`, once held-out samples exist there, or one line naming the draw that writes them there; commands
+    call it before loading any model and go on with the path it returns, no longer optional."""
     if not path or not Path(path).is_file():
         out = f" --out {path}" if path else ""
         raise OpdError(f"{field}: {path} is not a file (expected held-out target samples; draw them with "
                        f"`opd gen-samples CONFIG --eval{out}`)")
+    return path
 
 
 def stale_advice(field: str) -> str | None:

@@ -99,8 +99,7 @@ def samples_needed(spec: ExperimentSpec, num_prompts: int) -> list[int]:
     """Per rollout setting, how many samples of every prompt the step budget reads: 1 for greedy, else one per
     epoch its batches reach (batch i holds global prompt positions i*size .. (i+1)*size-1; epoch = position // n)."""
     settings, size = spec.rollout.settings, spec.rollout.batch_size
-    assert spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
-    total = spec.steps * spec.batches_per_step
+    total = spec.total_steps * spec.batches_per_step
     out = []
     for s, setting in enumerate(settings):
         last = max((i for i in range(s, total, len(settings))), default=None)

@@ -81,7 +81,13 @@ class ModelsSpec(Section):
     @property
     def warm(self) -> bool:
         """Whether the drafter is loaded from a checkpoint (not randomly initialised)."""
-        return self.drafter_path not in (None, "random")
+        return self.warm_path is not None
+
+    @property
+    def warm_path(self) -> str | None:
+        """The warm drafter's checkpoint; None when the drafter is randomly initialised (`drafter_path` None or
+        random), so a caller that checks it holds the path typed."""
+        return None if self.drafter_path in (None, "random") else self.drafter_path
 
     @property
     def layer_ids(self) -> list[int] | None:
@@ -870,6 +876,13 @@ class ExperimentSpec(Section):
             return [f"steps: the run's length is given twice and disagrees ({said}; expected one of them)"]
         self.steps = values.pop()
         return []
+
+    @property
+    def total_steps(self) -> int:
+        """`steps` as the validator leaves it, always filled (from `rollout_batches` or `epochs` when not given),
+        typed so: the field itself stays optional for the spec a user writes."""
+        assert self.steps is not None  # the validator fills it or refuses the spec
+        return self.steps
 
     @property
     def batches_per_step(self) -> int:

@@ -102,8 +102,7 @@ class Learner:
         self._selects = selector_trains(drafter, spec.loss.selector_weight > 0 or spec.loss.on_acceptance)
         self._teacher = teacher_processing(spec.replay, spec.serving)
         self._serving = Sampling.of(spec.serving) if spec.serving is not None else None
-        assert spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
-        self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.steps,
+        self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.total_steps,
                                                          masters=not zero_keeps_masters(spec.optim))
         self.group = group or Group()
         self.engine: DeepSpeedEngine | None = None

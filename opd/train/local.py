@@ -69,8 +69,7 @@ class LocalTrainer:
         s = self.session
         resumed = self.start()
         result = TrainResult(steps=s.step, run_id=s.run_id, evals={} if resumed else {0: s.start_evals})
-        assert self.spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
-        until = None if stop_after is None else min(self.spec.steps, s.step + stop_after)
+        until = None if stop_after is None else min(self.spec.total_steps, s.step + stop_after)
         first = s.step
         run_to(self.spec, result, lambda _: [self.train_step()], until=until)
         record_ledger(self.spec, result, undisturbed((s.step - first) * self.per_step), track=self.track)

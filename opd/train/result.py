@@ -30,13 +30,12 @@ def run_to(spec: ExperimentSpec, result: TrainResult, advance: Callable[[int], I
            until: int | None = None, label: str = "draft-opd") -> TrainResult:
     """Advance one step at a time from `result.steps` to `until` (default `spec.steps`), recording each step's
     loss and checkpoint, and the held-out evaluations that came back, under the steps they evaluated, in `result`."""
-    assert spec.steps is not None  # the spec's validator fills it from steps, rollout_batches or epochs
-    until = spec.steps if until is None else until
+    until = spec.total_steps if until is None else until
     step = result.steps
     if result.checkpoint is None and (resumed := latest_checkpoint(spec.run_dir)) is not None:
         result.checkpoint = str(resumed.resolve())  # a resumed run's drafter so far, even with no step here
     with progress_bar(*progress_columns()) as bar:
-        task = bar.add_task(label, total=spec.steps, completed=step, loss="–", tau="–",
+        task = bar.add_task(label, total=spec.total_steps, completed=step, loss="–", tau="–",
                             batches=step * spec.batches_per_step)
         while step < until:
             for report in advance(step + 1):
