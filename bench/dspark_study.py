@@ -9,7 +9,7 @@ block costs to draft (the counters of opd/models/flops.py: the layers over the b
 Markov bias at K-1 slots, DFlash 2's convolution taps and selector). summary.md has one row per arm and seed, then
 per arm the mean over seeds, so the docs' tables are read off it, not computed by hand.
 
-    python bench/dspark_study.py [--spec configs/reproduce/dspark.yaml] [--set KEY=VALUE ...]
+    python bench/dspark_study.py [--spec configs/reproduce/dspark.yaml] [--set KEY=VALUE ...] [--results DIR]
 """
 
 from __future__ import annotations
@@ -28,31 +28,33 @@ from opd.models.flops import DrafterParams
 from opd.reproduce import ArmResult, load_reproduce_spec, run_reproduce
 from opd.spec import load_spec
 
-RESULTS = Path(__file__).parent / "results" / "reproduce-dspark"
+RESULTS = Path(__file__).parent / "results" / "reproduce-dspark"  # --results: a variant's own (a longer budget)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="configs/reproduce/dspark.yaml")
     parser.add_argument("--set", action="append", default=[], help="a top-level override of the reproduce spec")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the summary and reports go")
     args = parser.parse_args()
+    results = args.results
     run_reproduce(args.spec, args.set)
     spec = load_reproduce_spec(args.spec, args.set)
     out = Path(spec.out_dir)
-    (RESULTS / "arms").mkdir(parents=True, exist_ok=True)
+    (results / "arms").mkdir(parents=True, exist_ok=True)
     for report in [out / "results.md", *out.glob("*.png")]:
-        shutil.copy(report, RESULTS / report.name)
+        shutil.copy(report, results / report.name)
     rows = []
     for arm in spec.arms:
         for seed in spec.seeds:
             source = out / "arms" / f"{arm.name}-seed{seed}.json"
-            shutil.copy(source, RESULTS / "arms" / source.name)
+            shutil.copy(source, results / "arms" / source.name)
             result = ArmResult(**json.loads(source.read_text()))
             rows.append(_row(result, _drafter_cost(spec.experiment, [*spec.set, *arm.set])))
     summary = {"spec": args.spec, "overrides": args.set, "arms": rows}
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = _table(rows) + "\n" + _over_seeds(rows) + "\n" + _slots(rows)
-    (RESULTS / "summary.md").write_text(report)
+    (results / "summary.md").write_text(report)
     print(report)
 
 
