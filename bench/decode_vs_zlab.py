@@ -6,6 +6,7 @@ The same held-out prompts, greedy, go through
   `DFlash2DraftModel` (one prompt at a time: it decodes batch 1 only);
 - this project's `SpeculativeDecoder` at batch 1 and batched (`--batch`), and with `--compile` also its compiled
   static-shape step (`SpeculativeDecoder(compiled=True)`) at both.
+The two baselines run transformers' attention functions as shipped, without the project's wrappers (`as_shipped`).
 Every response must be identical across all of them (asserted). Each round runs every decoder over all prompts,
 decoders interleaved so the machine's drift hits all alike; a decoder's time is its best round. Both shipped tiny
 drafters, DFlash 1 (opd/assets/tiny/drafter) and DFlash 2 (opd/assets/tiny/dflash2), are measured. Needs the
@@ -33,6 +34,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.build import build_models
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.families import load_drafter
+from opd.models.packed_attention import as_shipped
 from opd.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,17 +57,19 @@ def decoders(models, drafter, drafter_dir: str, prompts: list[list[int]], args) 
     theirs = zlab_class.from_pretrained(drafter_dir, dtype=target.dtype).to(target.device).eval()
 
     def hf_generate() -> list[list[int]]:
-        out = []
-        for p in prompts:
-            ids = torch.tensor([p], device=target.device)
-            row = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                                        do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            out.append(row[0, len(p):].tolist())
-        return out
+        with as_shipped():
+            return [generate_one(p) for p in prompts]
+
+    def generate_one(p: list[int]) -> list[int]:
+        ids = torch.tensor([p], device=target.device)
+        row = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        return row[0, len(p):].tolist()
 
     def zlab_generate() -> list[list[int]]:
-        return [zlab.dflash_generate(theirs, target.model, torch.tensor([p], device=target.device), budget, [eos])
-                [0, len(p):].tolist() for p in prompts]
+        with as_shipped():
+            return [zlab.dflash_generate(theirs, target.model, torch.tensor([p], device=target.device), budget,
+                                         [eos])[0, len(p):].tolist() for p in prompts]
 
     def ours(batch: int, compiled: bool = False) -> Decode:
         decoder = SpeculativeDecoder(target, drafter, eos_id=eos, static_cache=compiled, compiled=compiled)

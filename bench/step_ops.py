@@ -31,6 +31,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.build import build_models
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.families import load_drafter
+from opd.models.packed_attention import as_shipped
 from opd.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def count(name: str, models: Any, prompts: list[list[int]], max_new_tokens: int
         steps = sum(len(decoder.generate([p], Sampling(), max_new_tokens=max_new_tokens)[0].accepted)
                     for p in prompts)
     mine, counter.counts, computing, counter.computing = counter.counts, Counter(), counter.computing, Counter()
-    with counter:
+    with counter, as_shipped():  # z-lab's decoder as its users run it: transformers' own attention
         for p in prompts:
             zlab.dflash_generate(theirs, target.model, torch.tensor([p], device=target.device), max_new_tokens,
                                  [models.eos_id])

@@ -16,7 +16,7 @@ from opd.distill.dense_reference import dense_block_mask, dense_teacher_masks
 from opd.distill.replay import CommittedView, block_inputs, packed_inputs
 from opd.errors import OpdError
 from opd.memory import peak_cpu_bytes
-from opd.models.packed_attention import PackedRow, PackedRows, grouped_sdpa
+from opd.models.packed_attention import PackedRow, PackedRows, as_shipped, grouped_sdpa
 from opd.tiny.micro import micro_drafter, micro_target
 
 EXACT = 1e-10
@@ -173,15 +173,25 @@ def test_flash_labelled_target_replays_packed_rows_without_touching_its_config(m
 
 @pytest.mark.parametrize("mask_kind", ["none", "padding"])
 def test_ordinary_target_calls_run_the_original_attention(monkeypatch, mask_kind):
-    """Non-packed masks go to HF's own function: outputs are bit-identical with the wrapper removed."""
+    """Non-packed masks go to HF's own function (masked CPU calls to its equal without key copies,
+    opd/models/cpu_gqa.py): outputs are bit-identical with the wrappers removed."""
     target = target_for(4, 2)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = None if mask_kind == "none" else torch.tensor([[1] * 9, [0] * 3 + [1] * 6])
     wrapped = target(ids, attention_mask=mask)
-    assert AttentionInterface._global_mapping["sdpa"].packed_original is sdpa_attention_forward
+    assert AttentionInterface._global_mapping["sdpa"].packed_original.original is sdpa_attention_forward
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_attention_forward)
     plain = target(ids, attention_mask=mask)
     assert torch.equal(wrapped.logits, plain.logits) and torch.equal(wrapped.features, plain.features)
+
+
+def test_as_shipped_restores_transformers_functions_and_then_the_wrappers():
+    mapping = AttentionInterface._global_mapping
+    wrapped = dict(mapping)
+    with as_shipped():
+        assert mapping["sdpa"] is sdpa_attention_forward
+        assert not any(hasattr(f, "packed_original") for f in mapping.values())
+    assert mapping == wrapped
 
 
 def test_packed_row_rejects_anchors_outside_its_prefix():

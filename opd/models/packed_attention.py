@@ -35,7 +35,8 @@ enter each softmax as one more key (`with_sink_key`), so they need no kernel of 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
 from opd.formats.layer_attention import LayerAttention
+from opd.models.cpu_gqa import cpu_masked_gqa
 from opd.models.layer_kind import LayerKind
 
 CHUNK_ROWS = 1024  # block query rows per attention call: bounds its mask at CHUNK_ROWS x (prefix + CHUNK_ROWS)
@@ -309,15 +311,34 @@ def _model_eager(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
 
 
+@contextmanager
+def as_shipped() -> Iterator[None]:
+    """Transformers' attention functions without the wrappers `_register` installs, for a baseline that must run
+    as its own users run it (z-lab's decoder and `generate` in bench/decode_vs_zlab.py). The registry is global:
+    nothing else may run attention meanwhile."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    wrapped = dict(ALL_ATTENTION_FUNCTIONS._global_mapping)
+    for name, function in wrapped.items():
+        while hasattr(function, "packed_original") or hasattr(function, "original"):
+            function = getattr(function, "packed_original", None) or function.original
+        ALL_ATTENTION_FUNCTIONS._global_mapping[name] = function
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS._global_mapping.update(wrapped)
+
+
 def _register() -> None:
-    """Wrap the attention functions the targets use, once per process."""
+    """Wrap the attention functions the targets use, once per process (sdpa also skips masked CPU calls' key and
+    value copies: opd/models/cpu_gqa.py)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     for name in ("sdpa", "eager", "flash_attention_2"):
         current = ALL_ATTENTION_FUNCTIONS.get(name, _model_eager if name == "eager" else None)
         if current is not None and not hasattr(current, "packed_original"):
-            AttentionInterface.register(name, _packed_or(current))
+            AttentionInterface.register(name, _packed_or(cpu_masked_gqa(current) if name == "sdpa" else current))
 
 
 _register()
