@@ -10,37 +10,77 @@ drafter decodes the same prompts drafting its logits' argmax instead of its sele
 
 `--compiled` decodes with the compiled static-shape step (`SpeculativeDecoder(compiled=True)`; a warm-up batch
 per drafter compiles it first). Writes bench/results/dflash2_cost.json (dflash2_cost_compiled.json).
+
+A tiny drafter hides what a real one costs: its fixed per-operation overhead outweighs its arithmetic. So
+`--shapes qwen3-4b` drafts at z-lab's Qwen3-4B drafter shape instead (random bf16 weights, no target, no
+download: `real_shapes`), timing the drafting call the decoder makes per step on a cache of random context:
+
+    python bench/dflash2_cost.py --shapes qwen3-4b [--layers 5] [--context 384] [--committed 6] [--repeats 3]
+
+Writes bench/results/dflash2_cost_qwen3_4b.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+from transformers import Qwen3Config
 
 from opd.data.prompts import eval_prompts
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.eval.acceptance import AcceptanceStats
+from opd.formats.dflash import DFlashConfig, default_target_layer_ids
 from opd.models.build import build_models
+from opd.models.dflash2 import DFlash2Drafter
+from opd.models.drafter import DFlashDrafter
+from opd.models.drafter_cache import DrafterCache
 from opd.models.flops import DrafterParams
 from opd.spec import load_spec
 
 RESULTS = Path(__file__).parent / "results"
 DRAFTERS = {"DFlash 1": "opd/assets/tiny/drafter", "DFlash 2": "opd/assets/tiny/dflash2"}
+# Qwen3-4B (the target z-lab's Qwen3-4B-DFlash-b16 drafts for): its config.json's fields a drafter copies.
+QWEN3_4B = Qwen3Config(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       max_position_embeddings=40_960, rope_theta=1_000_000, tie_word_embeddings=True)
+QWEN3_4B_BLOCK = 16
+QWEN3_4B_FEATURES = 5  # the target layers z-lab's Qwen3-4B drafter reads (its 5 layers' default ids)
+QWEN3_MASK = 151_669  # z-lab's Qwen3 drafters' mask_token_id (configs/qwen3-4b.yaml)
+# z-lab's published DFlash 2 drafters' additions (REFERENCE.md's DFlash 2 bullet).
+ZLAB_DFLASH2: dict[str, Any] = {"selector_top_k": 16, "selector_rank": 256, "conv_kernel_size": 2, "conv_group_size": 16}
+BATCHES = (1, 8)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=["tiny", "qwen3-4b"], default="tiny",
+                        help="the shipped tiny drafters decoding (default), or random drafters at Qwen3-4B's shape")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compiled", action="store_true", help="the compiled static-shape decoding step")
+    parser.add_argument("--layers", type=int, default=5, help="qwen3-4b: decoder layers of both drafters")
+    parser.add_argument("--context", type=int, default=384, help="qwen3-4b: cached context positions per row")
+    parser.add_argument("--committed", type=int, default=6,
+                        help="qwen3-4b: positions the previous step committed, projected by the timed draft")
+    parser.add_argument("--repeats", type=int, default=3, help="qwen3-4b: timed drafts per drafter and batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.shapes == "qwen3-4b":
+        real_shapes(args)
+        return
     spec = load_spec("configs/tiny.yaml", ["engine=local"])
     base = build_models(spec)
     prompts = [p.ids for p in eval_prompts(spec.data, base.tokenizer, args.prompts)]
@@ -88,6 +128,151 @@ def main() -> None:
     out.write_text(json.dumps({"drafters": rows, "ratios": ratios, "prompts": len(prompts), "rounds": args.rounds,
                                "batch": args.batch, "compiled": args.compiled}, indent=2) + "\n")
 
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside start in `dtype`: a Qwen3-4B drafter built in float32 first would take twice the
+    memory and the time to initialise."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def qwen3_4b_drafters(layers: int, seed: int = 0) -> dict[str, DFlashDrafter]:
+    """A DFlash 1 drafter at z-lab's Qwen3-4B drafter shape (`layers` deep) and a DFlash 2 drafter with the same
+    weights plus z-lab's DFlash 2 additions, random bf16, on one tied random embedding / LM head of Qwen3-4B's
+    vocabulary: what differs between them is only what DFlash 2 adds."""
+    config = DFlashConfig.for_target(QWEN3_4B, num_layers=layers, block_size=QWEN3_4B_BLOCK, mask_token_id=QWEN3_MASK,
+                                     target_layer_ids=default_target_layer_ids(QWEN3_4B.num_hidden_layers,
+                                                                                QWEN3_4B_FEATURES))
+    with torch.random.fork_rng(devices=[]), default_dtype(torch.bfloat16):
+        torch.manual_seed(seed)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        nn.init.normal_(embed.weight, std=0.02)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head.weight = embed.weight  # tied, as Qwen3-4B's
+        one = DFlashDrafter(config, embed, head)
+        two = DFlash2Drafter(dataclasses.replace(config, **ZLAB_DFLASH2), embed, head)
+        two.load_state_dict(one.state_dict(), strict=False)  # the convolutions and the selector stay random
+    return {"DFlash 1": one.eval(), "DFlash 2": two.eval()}
+
+
+def filled_cache(drafter: DFlashDrafter, features: torch.Tensor) -> DrafterCache:
+    """A growing cache (the eager decoder's) holding every row's context `features` [B,C,n*H] at positions 0..C-1,
+    through the call the decoder's prefill makes; every row equally long, so dense, as the decoder marks it."""
+    batch, length = features.shape[:2]
+    cache = drafter.new_cache(batch)
+    positions = torch.arange(length).expand(batch, -1)
+    drafter.extend_cache(cache, features, positions, torch.ones(batch, length, dtype=torch.bool))
+    cache.dense = True
+    return cache
+
+
+def timed_draft(drafter: DFlashDrafter, cache: DrafterCache, committed: torch.Tensor, anchor: torch.Tensor
+                ) -> tuple[float, torch.Tensor]:
+    """(seconds, drafts [B,K-1]) of one decoding step's drafting, as `SpeculativeDecoder` times it: the previous
+    step's committed features [B,W,n*H] deferred (`defer_context`), then `draft`, which projects them with the
+    block. It runs on a shallow copy of `cache`: the fold replaces the copy's tensors, so every repeat starts from
+    the same cache."""
+    cache = dataclasses.replace(cache, keys=list(cache.keys), values=list(cache.values))
+    batch, width = committed.shape[:2]
+    positions = cache.length + torch.arange(width).expand(batch, -1)
+    valid = torch.ones(batch, width, dtype=torch.bool)
+    start = time.perf_counter()
+    drafter.defer_context(cache, committed, positions, valid)
+    drafts, _ = drafter.draft(cache, anchor, torch.full((batch,), cache.length + width))
+    return time.perf_counter() - start, drafts
+
+
+@contextmanager
+def two_dimensional_head(drafter: DFlashDrafter) -> Iterator[None]:
+    """The drafter's logits formed from a contiguous 2-D copy of the slots' hidden. `drafted_slots` hands the head
+    a slice [B,K-1,H] of the block's [B,K,H], which CPU matmul cannot fold into one matrix product: it runs a
+    batched product instead, copying the head's weight transposed (and expanded per row) every draft. The values
+    are the same; the copy is what this variant leaves out (the bench records whether the drafts agree)."""
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return DFlashDrafter.logits(drafter, flat).view(*hidden.shape[:-1], -1)
+
+    drafter.logits = logits  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del drafter.logits
+
+
+PATHS = {"decoder": "the decoder's call as it runs", "2-D": "committed features and head input contiguous 2-D"}
+
+
+def draft_times(drafters: dict[str, DFlashDrafter], batch: int, args: argparse.Namespace,
+                generator: torch.Generator) -> dict[str, dict[str, dict]]:
+    """Per path and drafter, the drafting times at `batch` rows, both drafters on the same random context and
+    interleaved repeat by repeat (the first draft of each, a warm-up, untimed). The decoder's committed features
+    are the first W of its verified block's [B,K,n*H] (`features[:, :width]`); the 2-D path hands them over
+    contiguous and forms the logits from 2-D rows (`two_dimensional_head`)."""
+    width = QWEN3_4B_FEATURES * QWEN3_4B.hidden_size
+    context = torch.randn(batch, args.context, width, generator=generator).bfloat16()
+    block = torch.randn(batch, QWEN3_4B_BLOCK, width, generator=generator).bfloat16()
+    anchor = torch.randint(QWEN3_4B.vocab_size, (batch,), generator=generator)
+    caches = {name: filled_cache(d, context) for name, d in drafters.items()}
+    out: dict[str, dict[str, dict]] = {path: {} for path in PATHS}
+    drafts: dict[str, dict[str, torch.Tensor]] = {path: {} for path in PATHS}
+    for path in PATHS:
+        committed = block[:, : args.committed]
+        committed = committed.contiguous() if path == "2-D" else committed
+        seconds: dict[str, list[float]] = {name: [] for name in drafters}
+        for repeat in range(args.repeats + 1):
+            for name, drafter in drafters.items():
+                with two_dimensional_head(drafter) if path == "2-D" else nullcontext():
+                    spent, drafts[path][name] = timed_draft(drafter, caches[name], committed, anchor)
+                if repeat:
+                    seconds[name].append(spent)
+        for name, times in seconds.items():
+            out[path][name] = {"best_ms": 1000 * min(times), "median_ms": 1000 * statistics.median(times),
+                               "ms": [1000 * t for t in times]}
+    for name in drafters:
+        out["2-D"][name]["same_drafts"] = torch.equal(drafts["2-D"][name], drafts["decoder"][name])
+    return out
+
+
+@torch.inference_mode()
+def real_shapes(args: argparse.Namespace) -> None:
+    """DFlash 2 against DFlash 1 at Qwen3-4B's drafter shape: block FLOPs and drafting wall per block, at batch 1
+    and 8, on the decoder's path and on the 2-D one."""
+    drafters = qwen3_4b_drafters(args.layers)
+    generator = torch.Generator().manual_seed(1)
+    times = {batch: draft_times(drafters, batch, args, generator) for batch in BATCHES}
+    rows: dict[str, dict] = {}
+    for name, drafter in drafters.items():
+        params, k = DrafterParams.of(drafter), drafter.block_size
+        rows[name] = {"parameters": sum(p.numel() for p in drafter.parameters()),
+                      "block_flops": params.forward(context=0, blocks=1, slots=k - 1),
+                      "step_flops": params.forward(context=args.committed, blocks=1, slots=k - 1),
+                      **{path: {f"batch {b}": times[b][path][name] for b in BATCHES} for path in PATHS}}
+    one, two = rows["DFlash 1"], rows["DFlash 2"]
+    ratios = {"block_flops": two["block_flops"] / one["block_flops"],
+              **{path: {f"batch {b}": two[path][f"batch {b}"]["median_ms"] / one[path][f"batch {b}"]["median_ms"]
+                        for b in BATCHES} for path in PATHS}}
+    print(f"Qwen3-4B drafter shape, {args.layers} layers, block {QWEN3_4B_BLOCK}, bf16, 1 thread; {args.context} "
+          f"cached positions, {args.committed} committed per step; draft ms per block, median (best) of "
+          f"{args.repeats}")
+    columns = [(path, b) for path in PATHS for b in BATCHES]
+    print(f"{'drafter':<10}{'params':>13}{'block GFLOP':>13}" + "".join(f"{f'{p}, batch {b}':>21}" for p, b in columns))
+    for name, r in rows.items():
+        cells = "".join(f"{r[p][f'batch {b}']['median_ms']:>12.0f} ({r[p][f'batch {b}']['best_ms']:>6.0f})"
+                        for p, b in columns)
+        print(f"{name:<10}{r['parameters']:>13,}{r['block_flops'] / 1e9:>13.2f}{cells}")
+    print(f"DFlash 2 / DFlash 1: block FLOPs {ratios['block_flops']:.3f}x; drafting wall (medians) "
+          + "; ".join(f"{path} ({PATHS[path]}): " + ", ".join(f"{ratios[path][f'batch {b}']:.3f}x at batch {b}"
+                                                              for b in BATCHES) for path in PATHS))
+    out = RESULTS / "dflash2_cost_qwen3_4b.json"
+    out.write_text(json.dumps({"drafters": rows, "ratios": ratios, "paths": PATHS, "layers": args.layers,
+                               "block_size": QWEN3_4B_BLOCK, "context": args.context, "committed": args.committed,
+                               "repeats": args.repeats, "dtype": "bfloat16", "threads": 1,
+                               "dflash2": ZLAB_DFLASH2}, indent=2) + "\n")
 
 if __name__ == "__main__":
     main()
