@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -187,61 +187,31 @@ def timed_draft(drafter: DFlashDrafter, cache: DrafterCache, committed: torch.Te
     return time.perf_counter() - start, drafts
 
 
-@contextmanager
-def two_dimensional_head(drafter: DFlashDrafter) -> Iterator[None]:
-    """The drafter's logits formed from a contiguous 2-D copy of the slots' hidden. `drafted_slots` hands the head
-    a slice [B,K-1,H] of the block's [B,K,H], which CPU matmul cannot fold into one matrix product: it runs a
-    batched product instead, copying the head's weight transposed (and expanded per row) every draft. The values
-    are the same; the copy is what this variant leaves out (the bench records whether the drafts agree)."""
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        return DFlashDrafter.logits(drafter, flat).view(*hidden.shape[:-1], -1)
-
-    drafter.logits = logits  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del drafter.logits
-
-
-PATHS = {"decoder": "the decoder's call as it runs", "2-D": "committed features and head input contiguous 2-D"}
-
-
 def draft_times(drafters: dict[str, DFlashDrafter], batch: int, args: argparse.Namespace,
-                generator: torch.Generator) -> dict[str, dict[str, dict]]:
-    """Per path and drafter, the drafting times at `batch` rows, both drafters on the same random context and
-    interleaved repeat by repeat (the first draft of each, a warm-up, untimed). The decoder's committed features
-    are the first W of its verified block's [B,K,n*H] (`features[:, :width]`); the 2-D path hands them over
-    contiguous and forms the logits from 2-D rows (`two_dimensional_head`)."""
+                generator: torch.Generator) -> dict[str, dict]:
+    """Per drafter, the drafting times at `batch` rows, both drafters on the same random context and interleaved
+    repeat by repeat (the first draft of each, a warm-up, untimed). The committed features are the first W of
+    the verified block's [B,K,n*H], a slice, as the decoder hands them over (`features[:, :width]`)."""
     width = QWEN3_4B_FEATURES * QWEN3_4B.hidden_size
     context = torch.randn(batch, args.context, width, generator=generator).bfloat16()
     block = torch.randn(batch, QWEN3_4B_BLOCK, width, generator=generator).bfloat16()
     anchor = torch.randint(QWEN3_4B.vocab_size, (batch,), generator=generator)
     caches = {name: filled_cache(d, context) for name, d in drafters.items()}
-    out: dict[str, dict[str, dict]] = {path: {} for path in PATHS}
-    drafts: dict[str, dict[str, torch.Tensor]] = {path: {} for path in PATHS}
-    for path in PATHS:
-        committed = block[:, : args.committed]
-        committed = committed.contiguous() if path == "2-D" else committed
-        seconds: dict[str, list[float]] = {name: [] for name in drafters}
-        for repeat in range(args.repeats + 1):
-            for name, drafter in drafters.items():
-                with two_dimensional_head(drafter) if path == "2-D" else nullcontext():
-                    spent, drafts[path][name] = timed_draft(drafter, caches[name], committed, anchor)
-                if repeat:
-                    seconds[name].append(spent)
-        for name, times in seconds.items():
-            out[path][name] = {"best_ms": 1000 * min(times), "median_ms": 1000 * statistics.median(times),
-                               "ms": [1000 * t for t in times]}
-    for name in drafters:
-        out["2-D"][name]["same_drafts"] = torch.equal(drafts["2-D"][name], drafts["decoder"][name])
-    return out
+    committed = block[:, : args.committed]
+    seconds: dict[str, list[float]] = {name: [] for name in drafters}
+    for repeat in range(args.repeats + 1):
+        for name, drafter in drafters.items():
+            spent, _ = timed_draft(drafter, caches[name], committed, anchor)
+            if repeat:
+                seconds[name].append(spent)
+    return {name: {"best_ms": 1000 * min(times), "median_ms": 1000 * statistics.median(times),
+                   "ms": [1000 * t for t in times]} for name, times in seconds.items()}
 
 
 @torch.inference_mode()
 def real_shapes(args: argparse.Namespace) -> None:
     """DFlash 2 against DFlash 1 at Qwen3-4B's drafter shape: block FLOPs and drafting wall per block, at batch 1
-    and 8, on the decoder's path and on the 2-D one."""
+    and 8."""
     drafters = qwen3_4b_drafters(args.layers)
     generator = torch.Generator().manual_seed(1)
     times = {batch: draft_times(drafters, batch, args, generator) for batch in BATCHES}
@@ -251,28 +221,26 @@ def real_shapes(args: argparse.Namespace) -> None:
         rows[name] = {"parameters": sum(p.numel() for p in drafter.parameters()),
                       "block_flops": params.forward(context=0, blocks=1, slots=k - 1),
                       "step_flops": params.forward(context=args.committed, blocks=1, slots=k - 1),
-                      **{path: {f"batch {b}": times[b][path][name] for b in BATCHES} for path in PATHS}}
+                      **{f"batch {b}": times[b][name] for b in BATCHES}}
     one, two = rows["DFlash 1"], rows["DFlash 2"]
     ratios = {"block_flops": two["block_flops"] / one["block_flops"],
-              **{path: {f"batch {b}": two[path][f"batch {b}"]["median_ms"] / one[path][f"batch {b}"]["median_ms"]
-                        for b in BATCHES} for path in PATHS}}
+              **{f"batch {b}": two[f"batch {b}"]["median_ms"] / one[f"batch {b}"]["median_ms"] for b in BATCHES}}
     print(f"Qwen3-4B drafter shape, {args.layers} layers, block {QWEN3_4B_BLOCK}, bf16, 1 thread; {args.context} "
           f"cached positions, {args.committed} committed per step; draft ms per block, median (best) of "
           f"{args.repeats}")
-    columns = [(path, b) for path in PATHS for b in BATCHES]
-    print(f"{'drafter':<10}{'params':>13}{'block GFLOP':>13}" + "".join(f"{f'{p}, batch {b}':>21}" for p, b in columns))
+    print(f"{'drafter':<10}{'params':>13}{'block GFLOP':>13}" + "".join(f"{f'batch {b}':>21}" for b in BATCHES))
     for name, r in rows.items():
-        cells = "".join(f"{r[p][f'batch {b}']['median_ms']:>12.0f} ({r[p][f'batch {b}']['best_ms']:>6.0f})"
-                        for p, b in columns)
+        cells = "".join(f"{r[f'batch {b}']['median_ms']:>12.0f} ({r[f'batch {b}']['best_ms']:>6.0f})"
+                        for b in BATCHES)
         print(f"{name:<10}{r['parameters']:>13,}{r['block_flops'] / 1e9:>13.2f}{cells}")
     print(f"DFlash 2 / DFlash 1: block FLOPs {ratios['block_flops']:.3f}x; drafting wall (medians) "
-          + "; ".join(f"{path} ({PATHS[path]}): " + ", ".join(f"{ratios[path][f'batch {b}']:.3f}x at batch {b}"
-                                                              for b in BATCHES) for path in PATHS))
+          + ", ".join(f"{ratios[f'batch {b}']:.3f}x at batch {b}" for b in BATCHES))
     out = RESULTS / "dflash2_cost_qwen3_4b.json"
-    out.write_text(json.dumps({"drafters": rows, "ratios": ratios, "paths": PATHS, "layers": args.layers,
+    out.write_text(json.dumps({"drafters": rows, "ratios": ratios, "layers": args.layers,
                                "block_size": QWEN3_4B_BLOCK, "context": args.context, "committed": args.committed,
                                "repeats": args.repeats, "dtype": "bfloat16", "threads": 1,
                                "dflash2": ZLAB_DFLASH2}, indent=2) + "\n")
+
 
 if __name__ == "__main__":
     main()

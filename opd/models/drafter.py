@@ -51,6 +51,7 @@ from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache, PendingContext
 from opd.models.drafter_family import DrafterFamily, Shapes
 from opd.models.lm_head import softcap, teacher_head
+from opd.models.row_product import per_row
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
 from opd.models.shared_head import SharedHead, embedding_scale
 from opd.models.target import Target
@@ -517,7 +518,7 @@ class DFlashDrafter(nn.Module):
         pending = cache.take_pending()
         if pending is None:
             return
-        context_kv = self._context_kv(self.project_context(pending.features), pending.positions)
+        context_kv = self._context_kv(per_row(self.project_context, pending.features), pending.positions)
         for layer, (k, v) in enumerate(context_kv):
             cache.write(pending, layer, k, v)
 
@@ -544,7 +545,7 @@ class DFlashDrafter(nn.Module):
         )
         block_ids[:, 0] = anchor_ids
         hidden = self._cached_blocks(cache, block_ids, anchor_positions)[:, 1:]
-        return hidden, self.logits(hidden)
+        return hidden, per_row(self.logits, hidden)
 
     def _cached_blocks(self, cache: DrafterCache, block_ids: torch.Tensor, anchor_positions: torch.Tensor
                        ) -> torch.Tensor:
@@ -561,7 +562,7 @@ class DFlashDrafter(nn.Module):
         # cache entry to the eager extension's, whose context and block tables are formed apart).
         tables = self._rope_tables(torch.cat([pending.positions, block_positions], 1)[:, None])
         block_tables = [(cos[:, :, pending.width :], sin[:, :, pending.width :]) for cos, sin in tables]
-        context = self.project_context(pending.features)
+        context = per_row(self.project_context, pending.features)
         layers = [NewContext(context, cos, sin, cache, pending, i)
                   for i, (cos, sin) in enumerate(self._per_layer(tables))]
         return self._run_blocks(block_ids, block_positions, layers, masks, self._per_layer(block_tables))
