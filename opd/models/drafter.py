@@ -51,8 +51,8 @@ from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache, PendingContext
 from opd.models.drafter_family import DrafterFamily, Shapes
 from opd.models.lm_head import softcap, teacher_head
-from opd.models.row_product import per_row
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
+from opd.models.row_product import per_row
 from opd.models.shared_head import SharedHead, embedding_scale
 from opd.models.target import Target
 
