@@ -6,8 +6,8 @@ runs a batched product against the weight broadcast over the batch, at batch 1 t
 PyTorch's CPU batched product is several times slower than a loop of matrix products, and at Qwen3's vocabulary
 the LM head's takes seconds per draft (`python bench/dflash2_cost.py --shapes qwen3-4b`). Each row of the batched
 product is its own matrix product, so the loop gives the same bits (tests/test_row_product.py): drafts stay
-independent of the batch and equal to z-lab's, whose decoder hands the head the same slice. In float32 and on
-GPUs the batched product is as fast, and runs unchanged.
+independent of the batch and equal to z-lab's, whose decoder hands the head the same slice. In float32 the CPU's
+batched product is as fast, and it runs unchanged there and on GPUs, whose batched products were not measured.
 """
 
 from __future__ import annotations
