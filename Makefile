@@ -17,7 +17,7 @@ DS_STAMP := .venv/.deepspeed
 # `make lock` writes it from a venv that passed, `make upgrade-check` tries the newest releases.
 LOCK := requirements.lock
 
-.PHONY: run test lint docs test-all bench lock upgrade-check clean-venv
+.PHONY: run test lint docs test-all bench lock gpu-stack-check vllm-env gpu-wheels upgrade-check clean-venv
 
 $(VENV_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv .venv
@@ -77,12 +77,43 @@ bench: $(VENV_STAMP)
 	$(PY) bench/replay.py
 	$(PY) bench/pipeline.py
 
-# The lock from the venv `make test` passed in: every installed version but torch (the local CPU wheel, pinned
-# above and by the `gpu` extra), pip and the project itself.
+# The two locks. requirements.lock, the trainer's: the venv `make test` passed in, every installed version but torch
+# (the local CPU wheel, pinned above and by the `gpu` extra), pip and the project itself. cluster/vllm.lock, the vLLM
+# environment's (resources.vllm_python): cluster/vllm.in resolved for the cluster image (Linux x86_64, Python
+# 3.11), holding the packages both environments import at requirements.lock's versions.
 lock: $(VENV_STAMP)
 	{ echo "# The versions the tests passed on, written by \`make lock\` (uv pip freeze); every install is constrained to it."; \
 	  $(PY) -m uv pip freeze --python $(PY) --exclude-editable --exclude torch --exclude pip; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
+	$(PY) cluster/check_gpu_stack.py --write
+
+# Both locks still resolve for the cluster image and share their common packages' versions (seconds; .ci/run runs
+# it). Only a conflict fails it: an index that cannot be reached is one note.
+gpu-stack-check: $(VENV_STAMP)
+	$(PY) cluster/check_gpu_stack.py
+
+# The vLLM environment on a GPU machine outside the image (cluster/Dockerfile builds it at /opt/vllm): the vLLM lock,
+# then this project without dependencies for its vLLM worker module; set resources.vllm_python to
+# $(VLLM_ENV)/bin/python. It must be made from the same Python minor as .venv (Ray runs workers of one version).
+VLLM_ENV ?= /opt/vllm
+vllm-env:
+	python3 -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/pip install -q -r cluster/vllm.lock
+	$(VLLM_ENV)/bin/pip install -q --no-deps -e .
+	@echo "the vLLM environment is ready: set resources.vllm_python: $(VLLM_ENV)/bin/python"
+
+# The wheels GPU first light needs beside the device image's own (Python 3.12, torch 2.11, transformers 5.17, no Ray):
+# this project's tested transformers and what the trainer imports that the image lacks, for Python 3.12 on Linux
+# x86_64, without their dependencies, into build/gpu-wheels (ignored by git). bench/gpu_first_light.sh installs
+# them with --no-deps; bench/gpu_first_light.md says how to carry them.
+GPU_WHEELS := build/gpu-wheels
+gpu-wheels: $(VENV_STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform any -d $(GPU_WHEELS) -c $(LOCK) \
+	  transformers tokenizers huggingface-hub safetensors pydantic pydantic-core typing-inspection annotated-types \
+	  pyyaml rich markdown-it-py mdurl pygments
+	@du -sh $(GPU_WHEELS)
 
 # The newest releases of every dependency, above the ranges in pyproject.toml (torch aside: it moves with the GPU
 # stack's pins), in a scratch venv under build/upgrade, then every check `make test` runs. Prints what moved

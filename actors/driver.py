@@ -100,25 +100,30 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
     return learner_pg, rollout_pg
 
 
-def _on(pg, bundle: int, role: RoleSpec, name: str) -> dict:
+def _on(pg, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False) -> dict:
+    """`gpus_to_child`: the actor leaves its bundle's GPUs to the worker it starts (a vLLM worker in vLLM's own
+    environment, opd/serving/isolated.py), which its placement group then captures into the same group."""
     restarts = MAX_RESTARTS if role.gpus_per_replica == 1 else 0  # a sharded replica dies with any rank
-    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_restarts": restarts,
+    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": 0 if gpus_to_child else role.num_gpus,
+            "max_restarts": restarts,
             # so a test or the dashboard can query an actor while its loop runs, and rollout-0 take evaluations
             "max_concurrency": 3,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=gpus_to_child)}
 
 
-def replicas(actor_class: type, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args) -> tuple[list, list]:
+def replicas(actor_class: type, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args,
+             gpus_to_child: bool = False) -> tuple[list, list]:
     """(rank 0 of each replica of `kind`, every other rank): replica i on bundles first + i·N .. first + i·N + N − 1
     of `pg`, N = gpus_per_replica; rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers
-    (actors/replica.py) in its torch.distributed group."""
+    (actors/replica.py) in its torch.distributed group. `gpus_to_child`: see `_on`."""
     n, leaders, followers = role.gpus_per_replica, [], []
     for i in range(role.replicas):
         name, base = f"{kind}-{i}", first + i * n
         shard = (bundle_address(pg, base), n) if n > 1 else None
         ranks = [as_actor_class(ShardFollower).options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
             spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
-        leader = as_actor_class(actor_class).options(**_on(pg, base, role, name))
+        leader = as_actor_class(actor_class).options(**_on(pg, base, role, name, gpus_to_child))
         leaders.append(leader.remote(spec, name, *args, shard, ranks))
         followers += ranks
     return leaders, followers
@@ -133,14 +138,20 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
 
 
 def placed_rollout(spec: ExperimentSpec) -> RoleSpec:
-    """The rollout role as Ray places it. A replica whose sampler is vLLM is one actor holding all its
-    `gpus_per_replica` GPUs in one bundle: vLLM starts its own tensor-parallel ranks inside it
-    (opd/serving/engine.py), so there is no rank of ours to follow it. Any other replica is that many ranks."""
+    """The rollout role as Ray places it. A replica whose sampler is vLLM is one bundle of all its
+    `gpus_per_replica` GPUs, which its vLLM worker holds (`vllm_samples`): vLLM starts its own tensor-parallel
+    ranks inside it (opd/serving/engine.py), so there is no rank of ours to follow it. Any other replica is that
+    many ranks."""
     r = spec.resources.rollout
-    if spec.rollout.sampler != "vllm" or r.gpus_per_replica == 1:
+    if not vllm_samples(spec) or r.gpus_per_replica == 1:
         return r
     n = r.gpus_per_replica
     return r.model_copy(update={"num_gpus": r.num_gpus * n, "num_cpus": r.num_cpus * n, "gpus_per_replica": 1})
+
+
+def vllm_samples(spec: ExperimentSpec) -> bool:
+    """Whether rollout replicas sample in a vLLM worker of their own, which takes their bundle's GPUs."""
+    return spec.rollout.source == "target" and spec.rollout.sampler == "vllm"
 
 
 @ray.remote(num_cpus=0)
@@ -220,7 +231,7 @@ class RayRun:
             as_dict, i, address) for i in range(1, n)]
         # held-out eval, off the learner's critical path: its own actor, or rollout-0 between batches
         self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0,
-                                                as_dict, store, ledger, anchors)
+                                                as_dict, store, ledger, anchors, gpus_to_child=vllm_samples(spec))
         self.evaluator_placement = None if r.evaluate_on == "rollout" else EvaluatorPlacement(spec)
         self.evaluator = self.evaluator_placement.start(as_dict) if self.evaluator_placement else None
         learner = as_actor_class(LearnerActor).options(**_on(self.learner_pg, 0, r.learner, "learner"))

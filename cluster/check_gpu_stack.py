@@ -1,119 +1,143 @@
-"""Check that the pinned GPU stack (pyproject.toml's `gpu` and `flash-attn` extras) installs together.
+"""Check that the GPU stack's two environments resolve, and share the packages both import at one version.
 
-    python cluster/check_gpu_stack.py [--pin vllm==0.33.0 ...]
+    python cluster/check_gpu_stack.py            # resolve both (seconds; needs the package index, installs nothing)
+    python cluster/check_gpu_stack.py --write    # write cluster/vllm.lock from cluster/vllm.in (`make lock`)
 
-Runs `pip install --dry-run` (needs the package index, installs nothing) the way cluster/Dockerfile installs:
-the project's dependencies with the `gpu` extra must resolve to exactly the pinned torch, vLLM and DeepSpeed (a
-vLLM that requires another torch makes pip swap torch, which breaks a flash-attn built against the pinned one),
-and flash-attn's source distribution must prepare against the installed torch with --no-build-isolation (it has
-no wheel on PyPI). `--pin` overrides a pin, to see what a bump would do. Prints one line per package; exits 1
-with one `error:` line per drifted pin. On CUDA machines the torch wheel comes from the CUDA index; the version
-resolution checked here is the same.
+The trainer's environment is pyproject.toml with the `gpu` extra (CUDA torch and DeepSpeed), constrained by
+requirements.lock, the versions the tests passed on. The vLLM environment is cluster/vllm.lock, compiled from
+cluster/vllm.in with vLLM's own torch and transformers. vLLM caps transformers below the trainer's, release after
+release, so the two never share one environment; what they do share crosses a Ray boundary, so Ray (a worker of
+another Ray version is refused), pydantic, tokenizers and huggingface-hub must be the same version in both.
+
+Both are resolved with `uv pip compile` for the cluster image: Linux x86_64, Python 3.11, and PyPI's CUDA builds
+of torch. Exits 1 with one `error:` line per problem when a lock no longer resolves or the shared packages
+differ; a package index that cannot be reached is one `note:` line and exit 0, since it says nothing about the
+locks.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PIN = re.compile(r"^([A-Za-z0-9_.-]+)==([^;\s]+)$")
+TRAINER_LOCK = ROOT / "requirements.lock"
+VLLM_IN = ROOT / "cluster" / "vllm.in"
+VLLM_LOCK = ROOT / "cluster" / "vllm.lock"
+SHARED = ("ray", "pydantic", "pydantic-core", "tokenizers", "huggingface-hub")
+PLATFORM = ["--python-platform", "x86_64-manylinux_2_28", "--python-version", "3.11"]
+PIN = re.compile(r"^([A-Za-z0-9_.-]+)(\[[^]]*\])?==([^;\s]+)")
+
+
+class Unreachable(Exception):
+    """The package index did not answer: nothing is known about the locks."""
+
+
+class Conflict(Exception):
+    """The requirements do not resolve together."""
 
 
 def canonical(name: str) -> str:
-    """PEP 503 name, so `flash_attn` in a report matches `flash-attn` in a pin."""
+    """PEP 503 name, so `pydantic_core` matches `pydantic-core`."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def extras(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, list[str]]:
-    """The optional-dependency groups of pyproject.toml."""
-    return tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
-
-
-def pins(requirements: list[str]) -> dict[str, str]:
-    """{name: version} of `name==version` requirements; anything looser is an error: the stack must be pinned."""
+def pins(lines: list[str]) -> dict[str, str]:
+    """{name: version} of the `name==version` lines of a lock or requirements file (comments and others skipped)."""
     out = {}
-    for req in requirements:
-        match = PIN.match(req.strip())
-        if not match:
-            raise ValueError(f"{req!r} is not pinned (expected name==version)")
-        out[canonical(match.group(1))] = match.group(2)
+    for line in lines:
+        if match := PIN.match(line.strip()):
+            out[canonical(match.group(1))] = match.group(3)
     return out
 
 
-def dry_run(requirements: list[str], *args: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """{name: version} pip would install for `requirements` into an empty environment."""
+def locked(path: Path) -> dict[str, str]:
+    return pins(path.read_text().splitlines())
+
+
+def resolve(*args: str) -> dict[str, str]:
+    """{name: version} that `uv pip compile ARGS` resolves for the cluster image's platform."""
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--report", str(report), *args, *requirements]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+        out = Path(tmp) / "resolved.txt"
+        cmd = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--no-header", "--no-annotate", *PLATFORM,
+               *args, "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if line.strip() and "is ignored" not in line]
-            raise RuntimeError(f"pip could not resolve {' '.join(requirements)}: {' | '.join(lines[-3:])}")
-        installed = json.loads(report.read_text())["install"]
-    return {canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in installed}
+            raise _failure(done.stderr)
+        return locked(out)
 
 
-def same_version(resolved: str | None, pinned: str) -> bool:
-    """2.13.0+cu128 (or +cpu) is the pinned 2.13.0: a local build label does not change the release."""
-    return resolved is not None and resolved.split("+")[0] == pinned
+def _failure(stderr: str) -> Exception:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    text = " | ".join(lines[-4:]) or "no output"
+    return Conflict(text) if "No solution found" in stderr else Unreachable(text)
 
 
-def check(overrides: dict[str, str] | None = None) -> list[str]:
-    """Problems with the pinned stack (empty when it is coherent); prints what was resolved."""
-    groups = extras()
-    gpu, flash = pins(groups["gpu"]) | (overrides or {}), pins(groups["flash-attn"])
-    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    problems = []
-    # torch is left free here: what pip picks for it beside the other pins is what would replace the pinned one
-    # (with torch pinned as well, a drifted set would only say "cannot resolve").
-    others = [f"{name}=={version}" for name, version in gpu.items() if name != "torch"]
-    resolved = dry_run([*base, *others])
-    for name, version in gpu.items():
-        print(f"{name:12} pinned {version:12} resolves {resolved.get(name)}")
-        if not same_version(resolved.get(name), version):
-            problems.append(f"{name}: pinned {version} but the gpu extra resolves {resolved.get(name)} "
-                            f"(with {', '.join(others)})")
-    torch_here = _installed_torch()
-    if not same_version(torch_here, gpu["torch"]):
-        problems.append(f"flash-attn: builds against the installed torch, which is {torch_here}, not the pinned "
-                        f"{gpu['torch']} (run this in the environment that has the pinned torch)")
-    else:
-        built = dry_run([f"{n}=={v}" for n, v in flash.items()], "--no-deps", "--no-build-isolation",
-                        env={"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"})
-        for name, version in flash.items():
-            print(f"{name:12} pinned {version:12} prepares {built.get(name)} against torch {torch_here}")
-            if not same_version(built.get(name), version):
-                problems.append(f"{name}: pinned {version} but pip prepares {built.get(name)}")
+def trainer() -> dict[str, str]:
+    """The trainer's GPU environment: the project with the `gpu` extra, at the tested versions."""
+    return resolve(str(ROOT / "pyproject.toml"), "--extra", "gpu", "-c", str(TRAINER_LOCK))
+
+
+def vllm() -> dict[str, str]:
+    """The vLLM environment as its lock pins it (every pin, with what each requires: a stale lock fails here)."""
+    return resolve(str(VLLM_LOCK))
+
+
+def shared_mismatches(trainer_pins: dict[str, str], vllm_pins: dict[str, str], where: str) -> list[str]:
+    """One line per shared package whose versions differ (or that one side lacks)."""
+    return [f"{name}: {trainer_pins.get(name)} in the trainer's environment but {vllm_pins.get(name)} in the vLLM "
+            f"environment ({where}; expected the same version, since both sides of the vLLM worker import it)"
+            for name in SHARED if trainer_pins.get(name) != vllm_pins.get(name)]
+
+
+def check() -> list[str]:
+    """Problems with the two locks (empty when both resolve and agree); prints what was resolved."""
+    problems = shared_mismatches(locked(TRAINER_LOCK), locked(VLLM_LOCK), "requirements.lock, cluster/vllm.lock")
+    ours, theirs = trainer(), vllm()
+    for name in ("torch", "transformers", "deepspeed", *SHARED):
+        print(f"{name:16} trainer {ours.get(name, '-'):12} vllm {theirs.get(name, '-')}")
+    print(f"{'vllm':16} trainer {'-':12} vllm {theirs.get('vllm')}")
+    problems += shared_mismatches(ours, theirs, "as resolved")
     return problems
 
 
-def _installed_torch() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch.__version__
+def write_vllm_lock() -> None:
+    """cluster/vllm.lock from cluster/vllm.in, the shared packages held at requirements.lock's versions."""
+    shared = locked(TRAINER_LOCK)
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "shared.txt"
+        constraints.write_text("".join(f"{name}=={shared[name]}\n" for name in SHARED))
+        resolved = resolve(str(VLLM_IN), "-c", str(constraints))
+    header = ("# The vLLM environment (resources.vllm_python), written by `make lock` (cluster/check_gpu_stack.py "
+              "--write) from cluster/vllm.in\n# for Linux x86_64, Python 3.11; the packages it shares with the "
+              "trainer are at requirements.lock's versions.\n")
+    VLLM_LOCK.write_text(header + "".join(f"{name}=={version}\n" for name, version in sorted(resolved.items())))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pin", action="append", default=[], help="override a gpu pin, e.g. vllm==0.33.0")
+    parser.add_argument("--write", action="store_true", help="write cluster/vllm.lock from cluster/vllm.in")
     args = parser.parse_args(argv)
     try:
-        problems = check(pins(args.pin))
-    except (ValueError, RuntimeError) as exc:
-        problems = [str(exc)]
+        if args.write:
+            write_vllm_lock()
+            print(f"wrote {VLLM_LOCK.relative_to(ROOT)}")
+            return 0
+        problems = check()
+    except Unreachable as exc:
+        print(f"note: the package index could not be reached, so the GPU stack was not resolved ({exc})")
+        return 0
+    except Conflict as exc:
+        problems = [f"the GPU stack does not resolve: {exc}"]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
+    if not problems:
+        print("the trainer's and the vLLM environment's locks resolve, and share one version of "
+              + ", ".join(SHARED))
     return 1 if problems else 0
 
 

@@ -18,7 +18,7 @@ from opd.data.render import Rendering
 from opd.errors import OpdError
 from opd.spec import SpecError, load_spec
 from tests.helpers.chat_template import QWEN3_STYLE_TEMPLATE
-from tests.helpers.fake_vllm import FakeEngine, fake_vllm  # noqa: F401 (a fixture)
+from tests.helpers.fake_vllm import VLLM_SETS, fake_vllm, fake_vllm_ray  # noqa: F401 (fixtures)
 
 CHAT = Rendering("chat")
 
@@ -172,21 +172,18 @@ def test_every_path_feeds_the_target_the_rendered_ids(chat_spec_file, chat_asset
     assert main(["train", str(chat_spec_file)]) == 0  # engine local, one step: one rollout batch of 2
     assert decoded[0] and all(ids in train for ids in decoded[0])
 
+    sets = [arg for s in VLLM_SETS for arg in ("--set", s)]  # the stand-in vLLM's environment
     for engine in ("hf", "vllm"):
         out = tmp_path / f"sft-{engine}.jsonl"
         assert main(["gen-sft-data", str(chat_spec_file), "--engine", engine, "--out", str(out),
-                     "--set", "sft.response_max_new_tokens=2"]) == 0
+                     "--set", "sft.response_max_new_tokens=2", *sets]) == 0
         assert [json.loads(line)["prompt_ids"] for line in out.read_text().splitlines()] == train
-    (llm,) = fake_vllm.made
+    (llm,) = fake_vllm.made()
     assert [p["prompt_token_ids"] for p in llm.calls[0][0]] == train
 
-    served: list[list[int]] = []
-    add_request = FakeEngine.add_request
-    monkeypatch.setattr(FakeEngine, "add_request",
-                        lambda self, rid, prompt, params: served.append(prompt["prompt_token_ids"])
-                        or add_request(self, rid, prompt, params))
     assert main(["serve-bench", str(chat_spec_file), "--draft", chat_assets["drafter"], "--concurrency", "1",
-                 "--no-baseline", "--set", "eval.num_prompts=4"]) == 0
+                 "--no-baseline", "--set", "eval.num_prompts=4", *sets]) == 0
+    served = fake_vllm.made()[1].served
     assert served and all(ids in heldout for ids in served) and set(map(tuple, heldout)) <= set(map(tuple, served))
 
 

@@ -21,13 +21,15 @@ from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.target import load_target
+from opd.spec import ResourcesSpec
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.vllm_assets import LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
-vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install -e .[gpu])")
+vllm = pytest.mark.skipif(not Path(ResourcesSpec().vllm_python).exists(),
+                          reason=f"needs the vLLM environment at {ResourcesSpec().vllm_python} (make vllm-env)")
 EOS, MASK = 6, 7
 
 

@@ -1,17 +1,17 @@
 """`opd gen-sft-data` and `opd serve-bench` without a GPU.
 
-The HF engine runs for real on the micro models. vLLM cannot run here, so: a missing vLLM is one `error:` line
-with the install command; argument errors are caught before vLLM is even looked for; and the glue (resume,
-sampling mapping, the fixed-concurrency loop, τ from counter deltas, speedup) runs against a stand-in `vllm`
-module that implements the few calls it makes. The stand-in encodes our reading of vLLM's API, so these tests
-check our code, not vLLM: tests/test_gpu.py runs the real thing.
+The HF engine runs for real on the micro models. vLLM cannot run here, so: a missing vLLM environment is one
+`error:` line naming resources.vllm_python; argument errors are caught before the environment is even looked at;
+and the glue (resume, sampling mapping, the fixed-concurrency loop, τ from counter deltas, speedup) runs in a real
+vLLM worker actor of its own interpreter, against a stand-in `vllm` package that implements the few calls it
+makes. The stand-in encodes our reading of vLLM's API, so these tests check our code, not vLLM:
+tests/test_gpu.py runs the real thing.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ import yaml
 
 from opd.cli import main
 from opd.spec import load_spec
-from tests.helpers.fake_vllm import fake_vllm  # noqa: F401 (a fixture)
+from tests.helpers.fake_vllm import VLLM_SETS, fake_vllm, fake_vllm_ray  # noqa: F401 (fixtures)
 
 
 def one_error_line(capsys) -> str:
@@ -28,9 +28,12 @@ def one_error_line(capsys) -> str:
     return err[0]
 
 
-@pytest.fixture
-def no_vllm(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError even where it is installed
+NO_VLLM = ["--set", "resources.vllm_python=/nonexistent/vllm/bin/python"]  # a machine without the vLLM environment
+SETS = [arg for s in VLLM_SETS for arg in ("--set", s)]  # this interpreter with the stand-in vLLM, one logical GPU
+
+
+def names_the_missing_environment(line: str) -> bool:
+    return "resources.vllm_python: /nonexistent/vllm/bin/python does not exist" in line and "make vllm-env" in line
 
 
 # ------------------------------------------------------------------------------------------------ gen-sft-data
@@ -68,20 +71,20 @@ def test_sft_data_drawn_at_another_length_is_refused_before_training(micro_spec_
     assert not (tmp_path / "d").exists()
 
 
-def test_gen_sft_data_vllm_without_vllm_is_one_line(micro_spec_file, no_vllm, capsys):
-    assert main(["gen-sft-data", str(micro_spec_file), "--engine", "vllm"]) == 2
-    assert "pip install -e .[gpu]" in one_error_line(capsys)
+def test_gen_sft_data_vllm_without_vllm_is_one_line(micro_spec_file, capsys):
+    assert main(["gen-sft-data", str(micro_spec_file), "--engine", "vllm", *NO_VLLM]) == 2
+    assert names_the_missing_environment(one_error_line(capsys))
 
 
 def test_gen_sft_data_vllm_writes_the_same_rows_and_resumes(micro_spec_file, tmp_path, fake_vllm):
     out = tmp_path / "data" / "sft.jsonl"
-    args = ["gen-sft-data", str(micro_spec_file), "--engine", "vllm", "--out", str(out),
+    args = ["gen-sft-data", str(micro_spec_file), "--engine", "vllm", "--out", str(out), *SETS,
             "--set", "sft.response_temperature=0.7", "--set", "sft.response_max_new_tokens=5"]
     assert main(args) == 0
     full = out.read_text()
     rows = [json.loads(line) for line in full.splitlines()]
     assert len(rows) == 40 and all(r["response_ids"] == r["prompt_ids"][:2] + [9] for r in rows)
-    (llm,) = fake_vllm.made
+    (llm,) = fake_vllm.made()
     prompts, params = llm.calls[0]
     assert [p["prompt_token_ids"] for p in prompts] == [r["prompt_ids"] for r in rows]
     assert {(q.temperature, q.top_k, q.top_p, q.max_tokens) for q in params} == {(0.7, -1, 1.0, 5)}
@@ -90,11 +93,11 @@ def test_gen_sft_data_vllm_writes_the_same_rows_and_resumes(micro_spec_file, tmp
 
     out.write_text("".join(full.splitlines(keepends=True)[:30]))  # interrupted after 30 rows
     assert main(args) == 0
-    resumed = fake_vllm.made[1]
+    resumed = fake_vllm.made()[1]
     assert len(resumed.calls) == 1 and [p["prompt_token_ids"] for p in resumed.calls[0][0]] == \
         [r["prompt_ids"] for r in rows[30:]]  # only the 10 missing prompts
     assert out.read_text() == full
-    assert main(args) == 0 and len(fake_vllm.made) == 2  # all done: no engine is even started
+    assert main(args) == 0 and len(fake_vllm.made()) == 2  # all done: no engine is even started
 
 
 # ------------------------------------------------------------------------------------------ rollout from vLLM
@@ -106,12 +109,13 @@ def test_rollouts_sampled_by_vllm_are_rebuilt_and_trained_on(micro_spec_file, tm
     from opd.data.prompts import prompt_key
     from opd.train.local import LocalTrainer
 
-    spec = load_spec(micro_spec_file, ["rollout.source=target", "rollout.sampler=vllm", "steps=2", "eval.every=0",
+    spec = load_spec(micro_spec_file, [*VLLM_SETS, "rollout.source=target", "rollout.sampler=vllm", "steps=2",
+                                       "eval.every=0",
                                        "rollout.top_k=5", f"tracking.run_dir={tmp_path / 'run'}"])
     trainer = LocalTrainer(spec, track=False)
     result = trainer.run()
     assert result.steps == 2 and all(loss == loss for loss in result.losses)
-    (llm,) = fake_vllm.made
+    (llm,) = fake_vllm.made()
     assert len(llm.calls) == 4  # two rollout batches per step
     prompts, params = llm.calls[0]
     chosen = trainer.rollout.prompts_for(0)
@@ -124,27 +128,30 @@ def test_rollouts_sampled_by_vllm_are_rebuilt_and_trained_on(micro_spec_file, tm
     assert batch.batch.flops.target_forward > 0  # sampling and rebuilding are counted
 
 
-def test_a_vllm_rollout_without_vllm_is_one_line(micro_spec_file, no_vllm, capsys):
-    assert main(["gen-samples", str(micro_spec_file), "--engine", "vllm"]) == 2
-    assert "pip install -e .[gpu]" in one_error_line(capsys)
+def test_a_vllm_rollout_without_vllm_is_one_line(micro_spec_file, capsys):
+    assert main(["gen-samples", str(micro_spec_file), "--engine", "vllm", *NO_VLLM]) == 2
+    assert names_the_missing_environment(one_error_line(capsys))
+    assert main(["validate", str(micro_spec_file), "--set", "rollout.source=target", "--set", "rollout.sampler=vllm",
+                 *NO_VLLM]) == 2  # checked with the other inputs, before any model loads
+    assert names_the_missing_environment(one_error_line(capsys))
 
 
 # ------------------------------------------------------------------------------------------------ serve-bench
 
 
-def test_serve_bench_without_vllm_is_one_line(micro_spec_file, micro_assets, no_vllm, capsys):
-    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"]]) == 2
-    assert "pip install -e .[gpu]" in one_error_line(capsys)
+def test_serve_bench_without_vllm_is_one_line(micro_spec_file, micro_assets, capsys):
+    assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"], *NO_VLLM]) == 2
+    assert names_the_missing_environment(one_error_line(capsys))
 
 
 @pytest.mark.parametrize("levels", ["1,x", "0,4", "4,4", "", "1,,2"])
-def test_serve_bench_bad_concurrency_is_one_line(micro_spec_file, micro_assets, no_vllm, capsys, levels):
+def test_serve_bench_bad_concurrency_is_one_line(micro_spec_file, micro_assets, capsys, levels):
     assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"],
                  "--concurrency", levels]) == 2
     assert "--concurrency" in one_error_line(capsys)
 
 
-def test_serve_bench_missing_or_mismatched_drafter_is_one_line(micro_spec_file, micro_assets, tmp_path, no_vllm,
+def test_serve_bench_missing_or_mismatched_drafter_is_one_line(micro_spec_file, micro_assets, tmp_path,
                                                                capsys):
     assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"],
                  "--draft", "/nonexistent/drafter"]) == 2
@@ -160,7 +167,7 @@ def test_serve_bench_reports_tau_speedup_and_holds_each_concurrency(micro_spec_f
                                                                     fake_vllm, capsys):
     out = tmp_path / "serve.json"
     assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"], "--concurrency", "1,3",
-                 "--json", str(out), "--set", "eval.max_new_tokens=7", "--set", "eval.num_prompts=10",
+                 "--json", str(out), *SETS, "--set", "eval.max_new_tokens=7", "--set", "eval.num_prompts=10",
                  "--set", f"data.eval_prompts={micro_assets['train']}"]) == 0
     assert "vLLM serving" in capsys.readouterr().out  # the table (its cells wrap at the terminal's width)
     result = json.loads(out.read_text())
@@ -173,11 +180,11 @@ def test_serve_bench_reports_tau_speedup_and_holds_each_concurrency(micro_spec_f
         assert spec["tau"] == pytest.approx(3.0)  # the warm-up's drafts are not counted
         assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / base["tokens_per_s"])
         assert spec["requests"] == 10 and spec["output_tokens"] == 10 * 7
-    target_llm, drafter_llm = fake_vllm.made
+    target_llm, drafter_llm = fake_vllm.made()
     assert target_llm.kwargs.get("speculative_config") is None and drafter_llm.kwargs["max_num_seqs"] == 3
     assert drafter_llm.kwargs["speculative_config"] == {"method": "dflash", "model": micro_assets["drafter"],
                                                         "num_speculative_tokens": 3}  # block size 4
-    assert drafter_llm.llm_engine.peak == {"warmup": 3, "c1": 1, "c3": 3}
+    assert drafter_llm.peak == {"warmup": 3, "c1": 1, "c3": 3}
 
 
 # ------------------------------------------------------------------------------------------ serve-bench, EAGLE-3
@@ -224,9 +231,9 @@ def test_serve_bench_serves_an_eagle3_drafter_as_method_eagle3(tiny_spec_file, t
     """K − 1 chain drafts: the file's block size, else the spec's (SpecForge's files have none)."""
     ours = save_eagle3(tmp_path / "ours", [2, 3, 4], block_size=4)
     public = save_eagle3(tmp_path / "public", [2, 3, 4], block_size=None)
-    assert main(["serve-bench", str(tiny_spec_file), "--draft", ours, "--draft", public, "--no-baseline",
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", ours, "--draft", public, "--no-baseline", *SETS,
                  "--concurrency", "2", "--json", str(tmp_path / "serve.json")]) == 0
-    assert [llm.kwargs["speculative_config"] for llm in fake_vllm.made] == [
+    assert [llm.kwargs["speculative_config"] for llm in fake_vllm.made()] == [
         {"method": "eagle3", "model": ours, "num_speculative_tokens": 3},
         {"method": "eagle3", "model": public, "num_speculative_tokens": 5}]
     rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
@@ -236,8 +243,9 @@ def test_serve_bench_serves_an_eagle3_drafter_as_method_eagle3(tiny_spec_file, t
 def test_serve_bench_serves_both_families_side_by_side(tiny_spec_file, tmp_path, fake_vllm):
     """The shipped DFlash drafter and an EAGLE-3 drafter of the same target in one run, each as its own method."""
     dflash, eagle3 = str(TINY / "drafter"), save_eagle3(tmp_path / "e3", [2, 3, 5], block_size=5)
-    assert main(["serve-bench", str(tiny_spec_file), "--draft", dflash, "--draft", eagle3, "--concurrency", "1"]) == 0
-    assert [llm.kwargs.get("speculative_config") for llm in fake_vllm.made] == [
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", dflash, "--draft", eagle3, "--concurrency", "1",
+                 *SETS]) == 0
+    assert [llm.kwargs.get("speculative_config") for llm in fake_vllm.made()] == [
         None, {"method": "dflash", "model": dflash, "num_speculative_tokens": 7},
         {"method": "eagle3", "model": eagle3, "num_speculative_tokens": 4}]
 
@@ -253,7 +261,7 @@ def test_serve_bench_serves_both_families_side_by_side(tiny_spec_file, tmp_path,
      r"--draft .*/e3: eagle_config\.eagle_aux_hidden_state_layer_ids \[2, 3, 3\] repeat a layer, which vLLM "
      r"captures once, so its fc would get 2 states for 3 \(expected distinct ids\)"),
 ])
-def test_serve_bench_refuses_an_unusable_eagle3_drafter_in_one_line(tiny_spec_file, tmp_path, no_vllm, capsys,
+def test_serve_bench_refuses_an_unusable_eagle3_drafter_in_one_line(tiny_spec_file, tmp_path, capsys,
                                                                    change, message):
     draft = save_eagle3(tmp_path / "e3", [2, 3, 4], **change)
     assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
@@ -261,11 +269,11 @@ def test_serve_bench_refuses_an_unusable_eagle3_drafter_in_one_line(tiny_spec_fi
     assert re.search(message, line) and draft in line, line
 
 
-def test_serve_bench_checks_an_eagle3_drafter_before_looking_for_vllm(tiny_spec_file, tmp_path, no_vllm, capsys):
+def test_serve_bench_checks_an_eagle3_drafter_before_looking_for_vllm(tiny_spec_file, tmp_path, capsys):
     """A good EAGLE-3 drafter gets as far as the missing vLLM; a config.json that is not JSON is one line."""
     draft = save_eagle3(tmp_path / "e3", [2, 3, 4])
-    assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
-    assert "pip install -e .[gpu]" in one_error_line(capsys)
+    assert main(["serve-bench", str(tiny_spec_file), "--draft", draft, *NO_VLLM]) == 2
+    assert names_the_missing_environment(one_error_line(capsys))
     (tmp_path / "e3" / "config.json").write_text("{not json")
     assert main(["serve-bench", str(tiny_spec_file), "--draft", draft]) == 2
     assert f"--draft {draft}: {draft}/config.json: not valid JSON (Expecting property name" in one_error_line(capsys)
@@ -288,6 +296,6 @@ def test_serve_bench_serves_a_peagle_drafter_as_eagle3_drafting_in_parallel(tiny
     shared = nn.Embedding(config.vocab_size, config.hidden_size), nn.Linear(config.hidden_size, config.vocab_size)
     PEagleDrafter(config, *shared).save_pretrained(tmp_path / "pe")
     assert main(["serve-bench", str(tiny_spec_file), "--draft", str(tmp_path / "pe"), "--no-baseline",
-                 "--concurrency", "1"]) == 0
-    assert [llm.kwargs["speculative_config"] for llm in fake_vllm.made] == [
+                 "--concurrency", "1", *SETS]) == 0
+    assert [llm.kwargs["speculative_config"] for llm in fake_vllm.made()] == [
         {"method": "eagle3", "model": str(tmp_path / "pe"), "num_speculative_tokens": 4, "parallel_drafting": True}]

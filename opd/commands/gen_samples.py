@@ -18,7 +18,7 @@ from opd.errors import OpdError
 from opd.eval.offline import draw_eval_samples, stale_advice
 from opd.models.build import build_models
 from opd.progress import progress_bar
-from opd.serving.engine import require_vllm
+from opd.serving.engine import check_vllm
 from opd.sources.samplers import TargetSampler, build_sampler
 from opd.sources.store import GEN_CHUNK, SampleStore, rollout_draw, wanted
 from opd.spec import ExperimentSpec
@@ -67,7 +67,7 @@ def _default_path(spec: ExperimentSpec, purpose: str) -> Path:
 def _sampler(spec: ExperimentSpec, kind: str) -> tuple[object, TargetSampler]:
     """The tokenizer and the sampler `kind`; vLLM loads its own target, so no model is built here for it."""
     if kind == "vllm":
-        require_vllm("opd gen-samples --engine vllm")
+        check_vllm(spec, "opd gen-samples --engine vllm", spec.resources.rollout.gpus_per_replica)
         tokenizer = load_tokenizer(spec.models.tokenizer)
         return tokenizer, build_sampler(spec, kind, None, None, tokenizer.eos_token_id)
     models = build_models(spec, "random" if kind == "autoregressive" else None)  # the sampler needs no drafter

@@ -19,6 +19,7 @@ from opd.data.suite import built_suite, scored_settings, suite_inputs, target_co
 from opd.errors import OpdError
 from opd.formats.section import DrafterSection
 from opd.model_dir import WEIGHTS_FILE, ModelDir
+from opd.serving.engine import check_vllm
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
 
@@ -44,6 +45,8 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         from opd.models.families import family
 
         family(m.drafter.kind).check_random(m.drafter, tokenizer, target)
+    if spec.rollout.source == "target" and spec.rollout.sampler == "vllm":
+        check_vllm(spec, "rollout.sampler vllm")
     prompts = train_prompts(spec.data, tokenizer)
     eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
     if spec.rollout.source == "samples":

@@ -25,15 +25,7 @@ from opd.model_dir import ModelDir
 from opd.models.families import detect
 from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar
-from opd.serving.engine import (
-    release_gpu_memory,
-    require_vllm,
-    sampling_params,
-    serve_closed_loop,
-    spec_decode_counts,
-    speculative_config,
-    target_llm,
-)
+from opd.serving.engine import check_vllm, engine_args, sampling_dict, speculative_config, vllm_worker
 from opd.spec import ExperimentSpec
 
 BASELINE = "target only"
@@ -82,7 +74,7 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
     if json_out:
         check_output_file(json_out, "--json", "the results")
     engines: dict[str, dict | None] = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
-    require_vllm("opd serve-bench")
+    check_vllm(spec, "opd serve-bench", 1)
     if baseline:  # the target alone: no speculative config
         engines = {BASELINE: None, **engines}
     e = spec.eval
@@ -94,7 +86,6 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
         for name, config in engines.items():
             task = bar.add_task(f"serve {Path(name).name}", total=len(levels))
             rows += _serve(spec, name, config, [p.ids for p in prompts], sampling, levels, lambda: bar.advance(task))
-            release_gpu_memory()
     base = {r.concurrency: r.tokens_per_s for r in rows if r.drafter == BASELINE}
     for r in rows:
         r.speedup = r.tokens_per_s / base[r.concurrency] if base and r.drafter != BASELINE else None
@@ -110,21 +101,24 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
 
 def _serve(spec: ExperimentSpec, name: str, config: dict | None, prompts: list[list[int]], sampling: Sampling,
            levels: list[int], tick: Callable[[], None]) -> list[ServeRow]:
-    """Every concurrency level on one engine; the engine is dropped on return so its GPU memory can be freed."""
+    """Every concurrency level on one engine, in a vLLM worker of its own that ends on return, freeing its GPU
+    memory for the next engine."""
     max_tokens = spec.eval.max_new_tokens
-    llm = target_llm(spec, max_tokens=max_tokens, speculative_config=config, max_num_seqs=max(levels), stats=True)
-    params = sampling_params(sampling, max_tokens)
-    serve_closed_loop(llm, prompts[: max(levels)], sampling_params(sampling, 8), max(levels), "warmup")
-    rows = []
-    for c in levels:
-        before = spec_decode_counts(llm)  # the counters are cumulative over the engine's life
-        tokens, seconds = serve_closed_loop(llm, prompts, params, c, f"c{c}")
-        after = spec_decode_counts(llm)
-        drafts, accepted = after[0] - before[0], after[1] - before[1]
-        tau = 1 + accepted / drafts if config is not None and drafts else None
-        rows.append(ServeRow(name, c, len(prompts), tokens, seconds, tokens / seconds, tau, None))
-        tick()
-    return rows
+    engine = engine_args(spec, max_tokens=max_tokens, speculative_config=config, max_num_seqs=max(levels), stats=True)
+    worker = vllm_worker(spec, engine, "opd serve-bench")
+    try:
+        target = sampling_dict(sampling)
+        worker.call("serve", prompts[: max(levels)], target, 8, max(levels), "warmup")
+        rows = []
+        for c in levels:
+            done = worker.call("serve", prompts, target, max_tokens, c, f"c{c}")
+            tau = 1 + done["accepted"] / done["drafts"] if config is not None and done["drafts"] else None
+            rows.append(ServeRow(name, c, len(prompts), done["tokens"], done["seconds"],
+                                 done["tokens"] / done["seconds"], tau, None))
+            tick()
+        return rows
+    finally:
+        worker.close()
 
 
 def print_rows(rows: list[ServeRow], title: str, console: Console | None = None) -> None:

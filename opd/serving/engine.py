@@ -1,44 +1,35 @@
-"""The one module that talks to vLLM, through its public offline API only (`LLM`, `SamplingParams`, the engine's
-`add_request`/`step` loop, `LLM.get_metrics()`), so a vLLM upgrade touches one small file.
+"""The trainer's side of vLLM: what to ask a vLLM worker for, in plain data, and the worker itself.
 
-vLLM is the `[gpu]` extra: it pins its own CUDA torch and transformers and has no CPU build, so it is imported
-lazily and a missing install is a one-line user error, never a traceback.
+vLLM runs in an environment of its own (opd/serving/vllm_env.py), in a worker reached through Ray
+(opd/serving/isolated.py, opd/serving/vllm_worker.py). This module turns the spec and an exported drafter into
+vLLM's engine arguments and starts that worker after checking its environment, so every user error comes before
+a model loads.
 """
 
 from __future__ import annotations
 
-import gc
-import time
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from opd.decoding.sampling import Sampling
-from opd.errors import OpdError
 from opd.model_dir import ModelDir
 from opd.models.families import detect
+from opd.serving.vllm_env import check_gpus, check_vllm_env
+from opd.serving.vllm_worker import VllmWorker
 from opd.spec import ExperimentSpec
 
-DRAFTS = "vllm:spec_decode_num_drafts"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+if TYPE_CHECKING:
+    from opd.serving.isolated import Worker
 
 
-def require_vllm(command: str) -> Any:
-    """The `vllm` module, or an OpdError naming the install command (checked before any model is loaded)."""
-    try:
-        import vllm
-    except ImportError as exc:
-        raise OpdError(f"{command} needs vLLM ({exc}): pip install -e .[gpu] on a CUDA machine") from None
-    return vllm
-
-
-def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dict | None = None,
-               max_num_seqs: int | None = None, stats: bool = False, tensor_parallel_size: int = 1) -> Any:
-    """A vLLM engine for the spec's target (its dtype, tokenizer and seed), optionally speculating with a drafter,
-    over `tensor_parallel_size` of this process's GPUs.
+def engine_args(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dict | None = None,
+                max_num_seqs: int | None = None, stats: bool = False, tensor_parallel_size: int = 1) -> dict:
+    """vLLM's `LLM` arguments for the spec's target (its dtype, tokenizer and seed), optionally speculating with a
+    drafter, over `tensor_parallel_size` of the worker's GPUs.
 
     `max_model_len` is prompt + response budget: otherwise a Qwen3's 40K context sizes the scheduler for nothing.
-    `stats` turns on the Prometheus counters that `spec_decode_counts` reads. Past one GPU, vLLM's ranks are
-    processes of its own (the "mp" backend) on the GPUs this process sees: inside a Ray actor vLLM would otherwise
-    ask Ray for a GPU bundle per rank, while the actor already holds them all (actors/driver.py `placed_rollout`).
+    `stats` turns on the Prometheus counters τ is read from. Past one GPU, vLLM's ranks are processes of its own
+    (the "mp" backend) on the GPUs the worker holds: otherwise vLLM would ask Ray for a GPU bundle per rank.
     """
     m = spec.models
     kwargs: dict[str, Any] = dict(model=m.target_path, tokenizer=m.tokenizer, dtype=m.dtype, seed=spec.seed,
@@ -50,7 +41,7 @@ def target_llm(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dic
         kwargs["speculative_config"] = speculative_config
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
-    return require_vllm("vLLM serving").LLM(**kwargs)
+    return kwargs
 
 
 def speculative_config(drafter_dir: str, block_size: int) -> dict:
@@ -60,57 +51,31 @@ def speculative_config(drafter_dir: str, block_size: int) -> dict:
     return detect(directory).vllm_config(directory, block_size)
 
 
-def sampling_params(sampling: Sampling, max_tokens: int, seed: int | None = None) -> Any:
-    """Our sampling as vLLM's (our top_k 0 = off is vLLM's -1, which every vLLM version accepts); `seed` makes
-    one request's sample reproducible whatever it is batched with."""
-    return require_vllm("vLLM serving").SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, max_tokens=max_tokens,
-        seed=seed)
+def sampling_dict(sampling: Sampling) -> dict[str, Any]:
+    """The target's sampling as it crosses to the worker (draft sampling is this project's decoder's alone)."""
+    return {k: v for k, v in asdict(sampling).items() if k != "sample_drafts"}
 
 
-def generate(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
-    """Response token ids per prompt (`params`: one SamplingParams for all, or one per prompt), prompts passed as
-    token ids so vLLM sees exactly what the HF path sees.
-
-    vLLM keeps the eos token in `token_ids` when it stops on it, as `generate_autoregressive` does.
-    """
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    return [list(out.outputs[0].token_ids) for out in outputs]
+def check_vllm(spec: ExperimentSpec, command: str, gpus: int | None = None) -> None:
+    """The vLLM environment, checked before anything loads: one line for each thing a worker would fail on.
+    With `gpus`, the Ray cluster (joined, or started here) must have that many too."""
+    check_vllm_env(spec.resources.vllm_python, command)
+    if gpus is not None:
+        _ray_with_gpus(spec, command, gpus)
 
 
-def serve_closed_loop(llm: Any, prompts: list[list[int]], params: Any, concurrency: int, tag: str) -> tuple[int, float]:
-    """Serve every prompt with exactly `concurrency` requests in flight, a new one entering as each finishes
-    (what a fixed-concurrency serving client does); returns (output tokens, wall seconds).
+def vllm_worker(spec: ExperimentSpec, engine: dict, command: str) -> Worker:
+    """A vLLM engine in the vLLM environment, on `engine`'s tensor-parallel GPUs of the Ray cluster; the caller
+    has checked the environment (`check_vllm`)."""
+    from opd.serving.isolated import Worker  # Ray only where a worker starts
 
-    One engine thus covers every concurrency level: `max_num_seqs` would need an engine per level.
-    """
-    engine, todo = llm.llm_engine, iter(enumerate(prompts))
-    in_flight = tokens = 0
-    start = time.perf_counter()
-    while True:
-        while in_flight < concurrency and (item := next(todo, None)) is not None:
-            engine.add_request(f"{tag}-{item[0]}", {"prompt_token_ids": item[1]}, params)
-            in_flight += 1
-        if not in_flight:
-            return tokens, time.perf_counter() - start
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                tokens += len(out.outputs[0].token_ids)
+    gpus = engine["tensor_parallel_size"]
+    _ray_with_gpus(spec, command, gpus)
+    return Worker(VllmWorker, spec.resources.vllm_python, [engine], gpus=gpus, what=f"vLLM worker ({command})")
 
 
-def spec_decode_counts(llm: Any) -> tuple[float, float]:
-    """(drafts, accepted draft tokens) so far; over an interval τ = 1 + Δaccepted / Δdrafts."""
-    totals = {DRAFTS: 0.0, ACCEPTED: 0.0}
-    for metric in llm.get_metrics():
-        if metric.name in totals:
-            totals[metric.name] += metric.value
-    return totals[DRAFTS], totals[ACCEPTED]
+def _ray_with_gpus(spec: ExperimentSpec, command: str, gpus: int) -> None:
+    from opd.serving.isolated import ensure_ray
 
-
-def release_gpu_memory() -> None:
-    """Free a dropped engine's GPU memory before the next one is made (vLLM's own tests do this)."""
-    gc.collect()
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
+    ensure_ray(spec.resources.cluster.num_gpus or None)  # 0: as many as this machine has
+    check_gpus(spec.resources.vllm_python, command, gpus)

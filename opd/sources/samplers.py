@@ -6,7 +6,7 @@ blocks from the text (opd/sources/rebuild.py). Three are offered, chosen by `rol
 - `speculative`: this project's speculative decoder with the warm drafter, never updated. Lossless whatever the
   drafter, and on a CPU the fastest (0.61 s against 0.98 s per tiny batch of 8).
 - `autoregressive`: plain batched decoding with a KV cache, the simplest reference.
-- `vllm`: vLLM's sampling on a GPU, unpatched (the `[gpu]` extra).
+- `vllm`: vLLM's sampling on a GPU, unpatched, in vLLM's own environment (`resources.vllm_python`).
 
 Every one samples with keyed random numbers per (seed, key) where it can (vLLM: one seed per request), so a
 sample depends on its prompt and key, not on its batch.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, sample_flops
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
+
+if TYPE_CHECKING:
+    from opd.serving.isolated import Worker
 
 
 @dataclass
@@ -85,23 +89,25 @@ class _AutoregressiveSampler:
 
 
 class _VllmSampler:
-    """vLLM's plain sampling; its own engine and target copy, built on the first call, tensor-parallel over
-    `resources.rollout.gpus_per_replica` GPUs (vLLM's own ranks). FLOPs are counted from the target's config as for
-    the autoregressive sampler, but with logits only at the sampled positions."""
+    """vLLM's plain sampling, in a vLLM worker of its own environment (opd/serving/engine.py) holding its own copy
+    of the target, started on the first call, tensor-parallel over `resources.rollout.gpus_per_replica` GPUs
+    (vLLM's own ranks). Only token ids, sampling settings and seeds cross to it. FLOPs are counted here from the
+    target's config as for the autoregressive sampler, but with logits only at the sampled positions."""
 
     def __init__(self, spec: ExperimentSpec) -> None:
-        self.spec, self.llm = spec, None
+        self.spec = spec
+        self.worker: Worker | None = None  # started on the first call
         self.params: TargetParams | None = None  # read from the target's config on the first call
 
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:
-        from opd.serving.engine import generate, sampling_params, target_llm
+        from opd.serving.engine import engine_args, sampling_dict, vllm_worker
 
-        if self.llm is None:
-            self.llm = target_llm(self.spec, max_tokens=max_new_tokens,
-                                  tensor_parallel_size=self.spec.resources.rollout.gpus_per_replica)
+        if self.worker is None:
+            engine = engine_args(self.spec, max_tokens=max_new_tokens,
+                                 tensor_parallel_size=self.spec.resources.rollout.gpus_per_replica)
+            self.worker = vllm_worker(self.spec, engine, "rollout.sampler vllm")
             self.params = _params_from_config(self.spec.models.target_path)
-        params = [sampling_params(sampling, max_new_tokens, seed=seed * 1_000_003 + key) for key in keys]
-        responses = generate(self.llm, prompts, params)
+        responses = self.worker.call("sample", prompts, sampling_dict(sampling), max_new_tokens, seed, keys)
         assert self.params is not None
         return Samples(responses, [sample_flops(self.params, len(p), len(r), prefill_logits=False)
                                    for p, r in zip(prompts, responses)])

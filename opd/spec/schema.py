@@ -456,6 +456,11 @@ class ResourcesSpec(Section):
     scorer: RoleSpec = Field(default_factory=RoleSpec)
     learner: RoleSpec = Field(default_factory=RoleSpec)
     evaluator: RoleSpec = Field(default_factory=lambda: RoleSpec(num_cpus=0))
+    vllm_python: str = Field("/opt/vllm/bin/python", description=(
+        "The vLLM environment's interpreter. vLLM pins a torch and transformers of its own, so everything that "
+        "uses it (rollout.sampler vllm, opd gen-samples --engine vllm, opd serve-bench) runs in a Ray actor started "
+        "with this interpreter, and only token ids, settings and counts cross. The default is where "
+        "cluster/Dockerfile builds it from cluster/vllm.lock; elsewhere, `make vllm-env VLLM_ENV=DIR` and DIR/bin/python."))
     queue_size: int = Field(4, ge=1, description="bounded queues: producers block, nothing is dropped")
     max_policy_lag: int = Field(1, ge=0, description=(
         "In optimizer updates: update s trains only on rollout batches drafted with weights of version >= s - lag, "

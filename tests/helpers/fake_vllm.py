@@ -1,76 +1,61 @@
-"""A stand-in `vllm` module implementing the few calls the project makes (LLM, SamplingParams, the engine's step
-loop and its speculative-decoding counters), installed in sys.modules by the `fake_vllm` fixture. It encodes the
-project's reading of vLLM's API, so the tests that use it check the project's code, not vLLM."""
+"""The `fake_vllm` fixture: the stand-in `vllm` package (tests/helpers/fake_vllm_pkg) as the vLLM environment.
+
+The vLLM environment is this interpreter with the stand-in on PYTHONPATH, and a private Ray with one logical GPU,
+so `opd gen-samples --engine vllm`, `rollout.sampler: vllm` and `opd serve-bench` start their vLLM worker in a
+Ray actor of that environment, as on a GPU machine. `fake_vllm.made()` reads back what each engine was asked.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
-import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import ray
+
+PACKAGE = Path(__file__).resolve().parent / "fake_vllm_pkg"
+# The spec settings of a run whose vLLM environment is this interpreter, with a logical GPU to place the worker.
+VLLM_SETS = [f"resources.vllm_python={sys.executable}", "resources.cluster.num_gpus=1"]
 
 
-class FakeEngine:
-    """Every step advances each running request by τ tokens; a speculating engine counts one draft per request
-    and step with τ − 1 accepted tokens, so the benchmark must report exactly τ."""
+class Engines:
+    def __init__(self, log: Path) -> None:
+        self.log = log
 
-    def __init__(self, speculating: bool, tau: int = 3) -> None:
-        self.tau = tau if speculating else 1
-        self.speculating = speculating
-        self.running: dict[str, list[int]] = {}
-        self.peak: dict[str, int] = {}  # most requests in flight per request-id prefix (one per level)
-        self.drafts = self.accepted = 0
-
-    def add_request(self, request_id: str, prompt: dict, params) -> None:
-        assert isinstance(prompt["prompt_token_ids"], list)
-        self.running[request_id] = [0, params.max_tokens]
-        tag = request_id.split("-")[0]
-        self.peak[tag] = max(self.peak.get(tag, 0), len(self.running))
-
-    def step(self) -> list:
-        outs = []
-        for rid, state in list(self.running.items()):
-            state[0] = min(state[0] + self.tau, state[1])
-            if self.speculating:
-                self.drafts, self.accepted = self.drafts + 1, self.accepted + self.tau - 1
-            done = state[0] == state[1]
-            if done:
-                del self.running[rid]
-            outs.append(SimpleNamespace(finished=done, outputs=[SimpleNamespace(token_ids=[5] * state[0])]))
-        return outs
+    def made(self) -> list[SimpleNamespace]:
+        """Each engine made so far, oldest first: its kwargs, its generate calls (prompts, params), the prompt ids
+        it served request by request and, per request-id prefix, the most requests it had in flight."""
+        records = [json.loads(p.read_text()) for p in sorted(self.log.glob("*.json"))]
+        return [SimpleNamespace(kwargs=r["kwargs"], peak=r["peak"], served=r["served"],
+                                calls=[(p, [SimpleNamespace(**q) for q in params]) for p, params in r["calls"]])
+                for r in records]
 
 
-class FakeLLM:
-    made: list[FakeLLM] = []
-
-    def __init__(self, **kwargs) -> None:
-        self.kwargs, self.calls = kwargs, []
-        self.llm_engine = FakeEngine(kwargs.get("speculative_config") is not None)
-        FakeLLM.made.append(self)
-
-    def generate(self, prompts: list[dict], params, use_tqdm: bool = True) -> list:
-        """`params`: one SamplingParams for every prompt, or a list with one per prompt (as vLLM takes)."""
-        self.calls.append((prompts, params))
-        each = params if isinstance(params, list) else [params] * len(prompts)
-        assert len(each) == len(prompts)
-        responses = [(p["prompt_token_ids"][:2] + [9])[: q.max_tokens] for p, q in zip(prompts, each)]
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=r)]) for r in responses]
-
-    def get_metrics(self) -> list:
-        e = self.llm_engine
-        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=e.drafts),
-                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=e.accepted),
-                SimpleNamespace(name="vllm:prompt_tokens", value=123)]
+@pytest.fixture(scope="module")
+def fake_vllm_ray(tmp_path_factory):
+    """A private Ray whose workers see the stand-in vLLM (the environment is fixed when Ray starts)."""
+    log = tmp_path_factory.mktemp("fake_vllm_log")
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAKE_VLLM_LOG")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE), saved["PYTHONPATH"]) if p)
+    os.environ["FAKE_VLLM_LOG"] = str(log)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, configure_logging=False)
+    yield log
+    ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture
-def fake_vllm(monkeypatch) -> type[FakeLLM]:
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams = FakeLLM, lambda **kw: SimpleNamespace(**kw)
-    distributed = types.ModuleType("vllm.distributed")
-    distributed.cleanup_dist_env_and_memory = lambda: None
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.distributed", distributed)
-    monkeypatch.setattr(FakeLLM, "made", [])
-    return FakeLLM
+def fake_vllm(fake_vllm_ray) -> Engines:
+    shutil.rmtree(fake_vllm_ray)
+    fake_vllm_ray.mkdir()
+    return Engines(fake_vllm_ray)
