@@ -128,6 +128,40 @@ def test_rollouts_sampled_by_vllm_are_rebuilt_and_trained_on(micro_spec_file, tm
     assert batch.batch.flops.target_forward > 0  # sampling and rebuilding are counted
 
 
+# make test-all: a Ray run of four actors. The sampler, its requests and the training on its samples are
+# test_rollouts_sampled_by_vllm_are_rebuilt_and_trained_on's; this adds where Ray places the vLLM worker.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rollout_replica_leaves_its_gpu_to_its_vllm_worker_and_trains_as_locally(micro_spec_file, tmp_path,
+                                                                                   fake_vllm):
+    """On Ray the rollout actor holds no GPU: its vLLM worker takes the bundle's, in the rollout's placement group,
+    and the steps equal the single-process run's."""
+    import ray
+
+    from actors.driver import RayRun
+    from opd.train.local import LocalTrainer
+
+    sets = [*VLLM_SETS, "rollout.source=target", "rollout.sampler=vllm", "steps=2", "eval.every=0",
+            "resources.cluster.num_gpus=2", "resources.rollout.num_gpus=1", "resources.evaluator.num_gpus=1",
+            "resources.evaluator.num_cpus=0.25",
+            "resources.max_policy_lag=0"]
+    local = LocalTrainer(load_spec(micro_spec_file, [*sets, f"tracking.run_dir={tmp_path / 'local'}"]),
+                         track=False).run().losses
+    run = RayRun(load_spec(micro_spec_file, [*sets, "engine=ray", f"tracking.run_dir={tmp_path / 'ray'}"]),
+                 track=False)
+    try:
+        assert run.start() == 0
+        losses = [r["metrics"]["loss"] for step in (1, 2) for r in run.train(step)]
+        held = ray.get(run.rollouts[0].__ray_call__.remote(
+            lambda actor: ray.get_runtime_context().get_assigned_resources()))
+        assert not any(name.startswith("GPU") for name in held), held  # the rollout actor holds no GPU ...
+        free = ray.available_resources()
+        assert free.get(f"GPU_group_{run.rollout_pg.id.hex()}", 0) == 0  # ... and its bundle's GPU is taken: vLLM's
+    finally:
+        run.shutdown()
+    assert losses == pytest.approx(local, rel=1e-5, abs=1e-7)
+
+
 def test_a_vllm_rollout_without_vllm_is_one_line(micro_spec_file, capsys):
     assert main(["gen-samples", str(micro_spec_file), "--engine", "vllm", *NO_VLLM]) == 2
     assert names_the_missing_environment(one_error_line(capsys))

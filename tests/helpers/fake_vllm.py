@@ -37,14 +37,15 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def fake_vllm_ray(tmp_path_factory):
-    """A private Ray whose workers see the stand-in vLLM (the environment is fixed when Ray starts)."""
+    """A private Ray of two logical GPUs whose workers see the stand-in vLLM (a worker's environment is fixed when
+    Ray starts)."""
     log = tmp_path_factory.mktemp("fake_vllm_log")
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAKE_VLLM_LOG")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE), saved["PYTHONPATH"]) if p)
     os.environ["FAKE_VLLM_LOG"] = str(log)
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False)
     yield log
     ray.shutdown()
     for key, value in saved.items():
