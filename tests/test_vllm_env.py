@@ -112,6 +112,16 @@ def test_each_environment_a_vllm_worker_cannot_start_in_is_one_line(micro_spec_f
     assert "ModuleNotFoundError: No module named 'vllm'" in line
 
 
+def test_an_interpreter_of_another_python_minor_is_one_line(micro_spec_file, tmp_path, capsys):
+    """No second Python minor is installed here, so a stand-in interpreter answers the probe as Python 3.99 would."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho \'OPD-PROBE {"python": "3.99", "ray": null, "vllm": null, "worker": null}\'\n')
+    python.chmod(0o755)
+    assert main(gen_samples(micro_spec_file, str(python))) == 2
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert f"resources.vllm_python: {python} is Python 3.99, this environment's is {here}" in one_error_line(capsys)
+
+
 def test_serve_bench_in_an_environment_without_vllm_is_one_line(micro_spec_file, micro_assets, capsys):
     """This interpreter has no vLLM: refused before a prompt is read."""
     assert main(["serve-bench", str(micro_spec_file), "--draft", micro_assets["drafter"],
