@@ -23,7 +23,7 @@ from opd.decoding.verify import sample_chained_draft, sample_draft
 from opd.distill.acceptance_loss import acceptance_objective, block_slots, realized_q, served_acceptance
 from opd.distill.losses import StepNorm, acceptance_aware_loss, processed_logprobs, slot_weights
 from opd.distill.replay import score, student_hidden
-from opd.models.dflash2 import CandidateSelector
+from opd.models.dflash2 import CandidateSelector, DFlash2Drafter
 from opd.models.family import chains
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
@@ -215,6 +215,11 @@ class _Chain:
     before k (a table of final-norm states per prefix)."""
 
     chains_q = True  # its selector chains the slots, as DFlash 2's does
+    draft_law = DFlash2Drafter.draft_law  # and its q is DFlash 2's law over that selector
+
+    @property
+    def candidate_selector(self) -> CandidateSelector:
+        return self.selector
 
     def __init__(self, vocab: int = 4, slots: int = 3, hidden: int = 6, top_k: int = 3, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -32,7 +32,6 @@ formed, reduced and dropped after that chunk's gradient is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import nn
@@ -40,7 +39,6 @@ from torch import nn
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, prob_of
 from opd.distill.losses import LossTerms, StepNorm, _valid_positions, processed_logprobs, slot_weights
-from opd.models.dflash2 import CandidateSelector
 from opd.models.family import Drafter, chains
 from opd.models.lm_head import apply_head, chunked_loss
 from opd.spec import LossSpec
@@ -53,23 +51,13 @@ def realized_q(drafter: Drafter, hidden: torch.Tensor, logits: torch.Tensor, pre
     """The law the serving decoder samples each slot's draft from, differentiably: hidden [..., H] and logits
     [..., V] of the slots, predecessors [...] the token sampled before each (the anchor at the first slot).
 
-    A drafter without a selector samples its processed logits (opd/decoding/verify.py, `sample_draft`); DFlash 2's
-    selector samples softmax(scores / T) over its top-k candidates given the predecessor (`sample_chained_draft`),
-    and a chain without a candidate selector (DSpark, whose logits already read the predecessor) softmax(logits / T)
-    over the whole vocabulary.
+    A drafter whose slots do not chain samples its processed logits (opd/decoding/verify.py, `sample_draft`); a
+    chaining drafter samples the law its family defines given the predecessor (`ChainedDrafter.draft_law`: DFlash 2's
+    selector over its top-k candidates, DSpark's logits over the whole vocabulary).
     """
     if not chains(drafter):
         return DraftQ(processed_logprobs(logits, serving).exp())
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    if not list(drafter.selector.parameters()):
-        return DraftQ(torch.softmax(logits.to(dtype) / serving.temperature, dim=-1))
-    selector = cast(CandidateSelector, drafter.selector)  # the chaining family's (opd/models/dflash2.py)
-    top_k: int = selector.top_k  # type: ignore[assignment]  # set for every DFlash 2 config (opd/formats/dflash.py)
-    unary, ids = logits.topk(top_k, dim=-1)
-    gate = selector.hidden_projection(hidden.to(selector.hidden_projection.weight.dtype))
-    scores = selector.scores(gate.flatten(0, -2), predecessors.flatten(), unary.flatten(0, -2).to(gate.dtype),
-                             ids.flatten(0, -2))
-    return DraftQ(torch.softmax(scores.to(dtype) / serving.temperature, dim=-1).view_as(unary), ids)
+    return DraftQ(*drafter.draft_law(hidden, logits, predecessors, serving.temperature))
 
 
 def served_acceptance(teacher_logprobs: torch.Tensor, q: DraftQ) -> torch.Tensor:

@@ -21,16 +21,20 @@ from dataclasses import replace
 import torch
 
 from opd.decoding.record import SequenceRecord
-from opd.models.drafter import DFlashDrafter
+from opd.models.family import Drafter
 from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.target import Target
 
 
 @torch.no_grad()
-def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: SequenceRecord, num_anchors: int,
+def redraft_at_random_anchors(target: Target, drafter: Drafter, record: SequenceRecord, num_anchors: int,
                               generator: torch.Generator) -> SequenceRecord:
     """A copy of `record` whose blocks start at random anchors a whose whole block is verifiable (a+1 .. a+K−1
-    are all response tokens); a response shorter than one block keeps the rollout's own, verified, blocks."""
+    are all response tokens); a response shorter than one block keeps the rollout's own, verified, blocks.
+
+    The drafts are the argmax of the drafter's training call (`block_hidden`) fed the committed text, which is
+    what the family drafts only when no slot reads the draft before it: the spec allows random anchors to the
+    families whose section says so (`random_anchors`)."""
     response, k1 = record.response_ids, drafter.block_size - 1
     candidates = verifiable_anchors(len(response), k1)
     if candidates < 1:
@@ -39,13 +43,11 @@ def redraft_at_random_anchors(target: Target, drafter: DFlashDrafter, record: Se
     committed = torch.tensor([record.prompt_ids + response], device=target.device)
     _, features = target.hidden_states(committed)  # the decoder alone: no [T, V] logits
     prompt_len = len(record.prompt_ids)
-    block_ids = torch.full((1, len(pick), k1 + 1), drafter.mask_token_id, dtype=torch.long, device=target.device)
-    block_ids[0, :, 0] = torch.tensor([response[a] for a in pick])
+    block_inputs = torch.tensor([[response[a : a + k1] for a in pick]], device=target.device)
     anchor_positions = torch.tensor([[prompt_len + a for a in pick]], device=target.device)
-    context = drafter.project_context(features.to(drafter.fc.weight.dtype))
-    valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)
-    hidden = drafter.forward_blocks(context, valid, block_ids, anchor_positions)
-    drafts = argmax(drafter.student_head, hidden[0, :, 1:], SLOTS_PER_CHUNK).tolist()
+    valid = torch.ones(committed.shape, dtype=torch.bool, device=target.device)
+    hidden = drafter.block_hidden(features, committed, valid, anchor_positions, block_inputs)
+    drafts = argmax(drafter.student_head, hidden[0], SLOTS_PER_CHUNK).tolist()
     accepted = [_matching_prefix(d, response[a + 1 : a + 1 + k1]) for a, d in zip(pick, drafts)]
     return replace(record, anchors=pick, drafts=drafts, accepted=accepted)
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from opd.decoding.sampling import Sampling
-from opd.distill.confidence_loss import confidence_bce, confidence_logits
+from opd.distill.confidence_loss import confidence_bce, confidence_logits, opd_confidence_loss
+from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
 from opd.distill.losses import _compute_dtype, _teacher_logprobs, sft_slot_weights
 from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunked_loss
@@ -56,3 +57,26 @@ def dspark_sft_loss(drafter: Drafter, student: torch.Tensor, teacher: torch.Tens
     loss, _ = chunked_loss(None, student.flatten(0, 1)[rows], slot_loss, coef, chunk_size or max(1, len(rows)),
                            trainable)
     return loss
+
+
+@terms_for("dspark")
+class DSparkTerms(FamilyTerms):
+    """DSpark's terms: its confidence head learns the realized acceptance under Draft-OPD (`loss.confidence_weight`,
+    opd/distill/confidence_loss.py), and SFT may take DSpark's published objective (`sft.objective: dspark`)."""
+
+    def opd(self, drafter: Drafter, slots: OpdSlots, trains: bool) -> torch.Tensor | float:
+        weight = slots.loss.confidence_weight
+        if not weight:
+            return 0.0
+        return weight * opd_confidence_loss(drafter, slots.hidden, slots.accepted, slots.position_mask,
+                                            slots.norm.num_verified)
+
+    def sft_objective(self, drafter: Drafter, slots: SftSlots, objective: str) -> torch.Tensor | None:
+        if objective != "dspark":
+            return None
+        return dspark_sft_loss(drafter, slots.hidden, slots.view(), slots.labels, gamma=slots.gamma,
+                               position_mask=slots.position_mask, chunk_size=slots.chunk_size,
+                               log_weight_sum=slots.log_weight_sum)
+
+    def sft_reads_target(self, objective: str) -> bool:
+        return objective == "dspark"

@@ -32,8 +32,10 @@ import torch
 from torch import nn
 
 from opd.decoding.sampling import Sampling
+from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
 from opd.distill.losses import StepNorm, _kl, _teacher_logprobs, _valid_positions, slot_weights
-from opd.models.dflash2 import CandidateSelector
+from opd.models.dflash2 import CandidateSelector, DFlash2Drafter
+from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunks
 from opd.spec import LossSpec
 
@@ -94,3 +96,35 @@ def _term(selector: CandidateSelector, head: nn.Module, rows: torch.Tensor, befo
         kl = torch.where(torch.isinf(log_p).all(-1), 0.0, _kl(log_p, log_q))
         total = total + (coef[part].to(dtype) * kl).sum()
     return total
+
+
+@terms_for("dflash2")
+class SelectorTerms(FamilyTerms):
+    """DFlash 2's terms: its candidate selector trains on the term above, `loss.selector_weight` of it, whenever a
+    loss reads the selector (this term, or an acceptance objective, whose q is the selector's)."""
+
+    def prepare(self, drafter: Drafter, wanted: bool) -> bool:
+        _selector(drafter).requires_grad_(wanted)
+        return wanted
+
+    def opd(self, drafter: Drafter, slots: OpdSlots, trains: bool) -> torch.Tensor | float:
+        weight = slots.loss.selector_weight
+        if not (trains and weight > 0):
+            return 0.0
+        assert isinstance(slots.teacher, torch.Tensor)  # the spec refuses the selector term with a top-k teacher
+        return weight * selector_loss(_selector(drafter), drafter.student_head, drafter.teacher_head, slots.hidden,
+                                      slots.teacher, slots.predecessors, slots.accepted, slots.position_mask,
+                                      slots.loss, slots.norm, teacher_processing=slots.teacher_processing,
+                                      chunk_size=slots.chunk_size)
+
+    def sft(self, drafter: Drafter, slots: SftSlots, selector_weight: float) -> torch.Tensor | float:
+        if not selector_weight:
+            return 0.0
+        return selector_weight * sft_selector_loss(
+            _selector(drafter), drafter.student_head, slots.hidden, slots.labels, slots.predecessors,
+            slots.position_mask, gamma=slots.gamma, log_weight_sum=slots.log_weight_sum, chunk_size=slots.chunk_size)
+
+
+def _selector(drafter: Drafter) -> CandidateSelector:
+    assert isinstance(drafter, DFlash2Drafter)  # registered for DFlash 2 alone
+    return drafter.selector

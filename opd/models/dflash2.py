@@ -179,6 +179,8 @@ class CandidateSelector(nn.Module):
 class DFlash2Drafter(DFlashDrafter):
     """DFlash 2: DFlash layers with block convolutions, drafts chained by the candidate selector."""
 
+    kind = "dflash2"
+
     layer_class = DFlash2DecoderLayer
     chains_q = True  # the selector scores slot s's candidates given the draft at slot s-1
 
@@ -191,6 +193,18 @@ class DFlash2Drafter(DFlashDrafter):
     @property
     def selector(self) -> CandidateSelector:
         return self.candidate_selector
+
+    def draft_law(self, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """softmax(scores / T) over the slot's top-k candidates, scored given the draft before it (what
+        `sample_chained_draft` draws from)."""
+        selector = self.candidate_selector
+        unary, ids = logits.topk(selector.top_k, dim=-1)
+        gate = selector.hidden_projection(hidden.to(selector.hidden_projection.weight.dtype))
+        scores = selector.scores(gate.flatten(0, -2), predecessors.flatten(), unary.flatten(0, -2).to(gate.dtype),
+                                 ids.flatten(0, -2))
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return torch.softmax(scores.to(dtype) / temperature, dim=-1).view_as(unary), ids
 
     def choose(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The selector's argmax path."""

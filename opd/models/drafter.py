@@ -301,6 +301,8 @@ class DraftHead(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (by reference, not as submodules)."""
 
+    kind = "dflash"
+
     layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer  # DFlash 2 (opd/models/dflash2.py) adds its convolutions
     config_class: type[DFlashConfig] = DFlashConfig  # what its config.json reads as (DSpark's has its heads)
 

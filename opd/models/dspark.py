@@ -110,6 +110,8 @@ class MarkovLogits(nn.Module):
 class DSparkDrafter(DFlashDrafter):
     """DSpark: DFlash layers over K-1 drafting slots, drafts chained by the Markov head."""
 
+    kind = "dspark"
+
     config_class = DSparkConfig
     chains_q = True  # slot j's logits depend on the draft at slot j-1
 
@@ -134,6 +136,12 @@ class DSparkDrafter(DFlashDrafter):
     def selector(self) -> nn.Module:
         """No module of its own loss: the Markov head is part of q, trained by the main loss."""
         return self._no_selector[0]
+
+    def draft_law(self, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, None]:
+        """softmax(logits / T) over the whole vocabulary: the logits already read the draft before the slot."""
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return torch.softmax(logits.to(dtype) / temperature, dim=-1), None
 
     def extra_flops(self) -> tuple[int, int]:
         """(FLOPs per block token, per drafted slot): markov_w2 per slot (markov_w1 is a lookup)."""

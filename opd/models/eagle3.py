@@ -109,6 +109,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 chain drafter on the target's embedding (by reference), with its own draft-vocabulary head."""
 
+    kind = "eagle3"
+
     d2t: torch.Tensor  # buffers (register_buffer): draft id -> target id offset [Vd], target id in draft vocab [V]
     t2d: torch.Tensor
 

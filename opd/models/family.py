@@ -24,6 +24,8 @@ from opd.models.drafter_cache import DrafterCache
 class Drafter(Protocol):
     """A drafter on the target's frozen embedding (and, for DFlash, its LM head)."""
 
+    kind: str  # its family's `models.drafter.kind`: what its family's own training terms are registered under
+
     sft_target: str  # what SFT teaches: "data" tokens, or the "target"'s distribution at the same slots
     # Whether q at a slot depends on the draft sampled at the slot before (DFlash 2's selector): its sampled drafts
     # (`draft: sample`) then come from `draft_path` (a `ChainedDrafter`), not from the logits `draft` returns.
@@ -108,6 +110,12 @@ class ChainedDrafter(Drafter, Protocol):
     @property
     def selector(self) -> nn.Module:
         """What chains the slots: DFlash 2's candidate selector (its own loss term, opd/distill/selector_loss.py)."""
+
+    def draft_law(self, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The law the serving decoder samples each slot's draft from, differentiably, given the token sampled
+        before it: (probabilities [..., k], the k token ids they are over, or None when over the whole vocabulary
+        in order). hidden [..., H] and logits [..., V] of the slots, predecessors [...]."""
 
     def draft_path(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
                    pick: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

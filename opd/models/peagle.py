@@ -55,6 +55,8 @@ from opd.models.target import Target
 class PEagleDrafter(Eagle3Drafter):
     """P-EAGLE: EAGLE-3's columns, its chain drafted in one pass from the pard token and `mask_hidden`."""
 
+    kind = "peagle"
+
     def __init__(self, config: PEagleConfig, embed_tokens: nn.Embedding, target_head: nn.Linear) -> None:
         super().__init__(config, embed_tokens, target_head)
         self.config: PEagleConfig = config

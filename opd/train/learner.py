@@ -15,15 +15,13 @@ from torch import nn
 
 from opd.decoding.sampling import Sampling
 from opd.distill.acceptance_loss import acceptance_objective, block_slots
-from opd.distill.confidence_loss import opd_confidence_loss
+from opd.distill.family_terms import OpdSlots, terms_of
 from opd.distill.losses import LossTerms, StepNorm, TopKTeacher, acceptance_aware_loss, teacher_processing
 from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import student_hidden
 from opd.distill.scored_batch import ScoredBatch
-from opd.distill.selector_loss import selector_loss
 from opd.errors import OpdError
-from opd.models.dflash2 import CandidateSelector
-from opd.models.family import Drafter, chains
+from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter
 from opd.spec import ExperimentSpec, LossSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
@@ -49,23 +47,11 @@ def lr_lambda(optim: OptimSpec, total_steps: int):
     return factor
 
 
-def selector_trains(drafter: Drafter, wanted: bool) -> bool:
-    """Whether a step trains DFlash 2's selector: `wanted` when a loss reads it (its own term,
-    opd/distill/selector_loss.py, or an acceptance objective, whose q is the selector's). Otherwise (or with no
-    selector) a selector is frozen, so no optimizer holds it and it is saved as loaded. Call before
-    `build_optimizer`. A chaining drafter whose selector has no parameters (DSpark: its Markov head is part of q,
-    which the main loss trains) has no selector term."""
-    if not chains(drafter) or not list(drafter.selector.parameters()):
-        return False
-    drafter.selector.requires_grad_(wanted)
-    return wanted
-
-
 def build_optimizer(drafter: Drafter, optim: OptimSpec, total_steps: int, lr: float | None = None, *,
                     masters: bool = True):
     """AdamW and its schedule. A bf16/fp16 drafter's AdamW steps fp32 master weights (opd/train/master_weights.py)
     unless `masters` is False: DeepSpeed ZeRO, which keeps fp32 partitions of them itself."""
-    trainable = [p for p in drafter.parameters() if p.requires_grad]  # a frozen selector: `selector_trains`
+    trainable = [p for p in drafter.parameters() if p.requires_grad]  # a frozen part: `FamilyTerms.prepare`
     opt = adamw(trainable, masters=masters, lr=lr or optim.lr, betas=tuple(optim.betas),
                 weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
@@ -99,7 +85,9 @@ class Learner:
         self.spec, self.drafter = spec, drafter
         assert isinstance(drafter, nn.Module)  # every family is one
         drafter.train()
-        self._selects = selector_trains(drafter, spec.loss.selector_weight > 0 or spec.loss.on_acceptance)
+        # a part only the family's terms train (DFlash 2's selector) trains where a loss reads it
+        self.terms = terms_of(drafter)
+        self._selects = self.terms.prepare(drafter, spec.loss.selector_weight > 0 or spec.loss.on_acceptance)
         self._teacher = teacher_processing(spec.replay, spec.serving)
         self._serving = Sampling.of(spec.serving) if spec.serving is not None else None
         self.optimizer, self.scheduler = build_optimizer(drafter, spec.optim, spec.total_steps,
@@ -166,7 +154,7 @@ class Learner:
                 hidden = self.engine(batch)
             terms = self._main_loss(hidden, batch, norm)
             slots = terms.num_acc + terms.num_rej
-            loss = terms.loss + self._selector_term(hidden, batch, norm) + self._confidence_term(hidden, batch, norm)
+            loss = terms.loss + self.terms.opd(self.drafter, self._slots(hidden, batch, norm), self._selects)
             if self.engine is None:
                 loss.backward()
             else:  # DeepSpeed averages over ranks, so scale back up by the world size
@@ -193,25 +181,10 @@ class Learner:
                                      head=self.drafter.student_head, teacher_head=self.drafter.teacher_head,
                                      norm=norm, chunk_size=chunk, teacher_processing=self._teacher)
 
-    def _selector_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
-        """`loss.selector_weight` x the selector term of this micro-batch, or 0."""
-        if not (self._selects and self.spec.loss.selector_weight > 0 and chains(self.drafter)):
-            return 0.0
-        # only DFlash 2's selector has parameters (`selector_trains`); the spec refuses its term with a top-k teacher
-        assert isinstance(self.drafter.selector, CandidateSelector) and isinstance(batch.teacher, torch.Tensor)
-        term = selector_loss(self.drafter.selector, self.drafter.student_head, self.drafter.teacher_head, hidden,
-                             batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,
-                             self.spec.loss, norm, teacher_processing=self._teacher,
-                             chunk_size=self.spec.optim.loss_chunk_size)
-        return self.spec.loss.selector_weight * term
-
-    def _confidence_term(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> torch.Tensor | float:
-        """`loss.confidence_weight` x the BCE of DSpark's confidence head against the realized acceptance, or 0."""
-        weight = self.spec.loss.confidence_weight
-        if not weight:
-            return 0.0
-        return weight * opd_confidence_loss(self.drafter, hidden, batch.accepted, batch.position_mask,
-                                            norm.num_verified)
+    def _slots(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> OpdSlots:
+        """This micro-batch as the family's own terms read it (opd/distill/family_terms.py)."""
+        return OpdSlots(hidden, batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,
+                        self.spec.loss, norm, self._teacher, self.spec.optim.loss_chunk_size)
 
     def _plan(self, micro_batches: list[ScoredBatch]) -> list[list[ScoredBatch]]:
         """What each forward runs: the scorer's micro-batches as they came, or with `optim.micro_batch_tokens` this

@@ -20,7 +20,6 @@ from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.anchors import redraft_at_random_anchors
-from opd.models.drafter import DFlashDrafter
 from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, drafted_text_flops
 from opd.models.target import Target
@@ -130,7 +129,6 @@ class RolloutWorker:
         per_seq = self.spec.replay.random_anchors_per_seq
         assert self.decoder is not None  # random anchors redraft speculative rollouts
         target, drafter = self.decoder.target, self.decoder.drafter
-        assert isinstance(drafter, DFlashDrafter)  # the spec allows random anchors only to DFlash drafters
         out = [redraft_at_random_anchors(target, drafter, rec, per_seq or len(rec.anchors), gen) for rec in records]
         for rec in (new for new, old in zip(out, records) if new is not old):  # kept records cost nothing
             flops += drafted_text_flops(len(rec.prompt_ids) + len(rec.response_ids), len(rec.anchors),

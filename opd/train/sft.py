@@ -26,16 +26,14 @@ import torch
 from opd.data.prompts import train_prompts
 from opd.decoding.sampling import Sampling
 from opd.distill.acceptance_loss import acceptance_objective, sft_block_slots
-from opd.distill.dspark_loss import dspark_sft_loss
+from opd.distill.family_terms import SftSlots, terms_of
 from opd.distill.losses import sft_log_weight_sum, sft_loss, teacher_processing
 from opd.distill.micro_batches import group_by_budget
-from opd.distill.selector_loss import sft_selector_loss
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.build import Models, build_drafter, build_models
-from opd.models.dflash2 import CandidateSelector
 from opd.models.families import family
-from opd.models.family import Drafter, chains
+from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.target import Target
 from opd.outputs import atomic_dir, check_output_dir
@@ -44,7 +42,7 @@ from opd.run_dir import RunDirLock
 from opd.sources.samplers import build_sampler
 from opd.spec import ExperimentSpec, LossSpec, OptimSpec, SftSpec
 from opd.tracking import Tracker
-from opd.train.learner import build_optimizer, selector_trains
+from opd.train.learner import build_optimizer
 from opd.train.sft_data import SftExample, sft_examples, sft_store
 
 
@@ -144,9 +142,9 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
     `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary. A chain
     drafter is fed the data tokens (training-time test). DFlash learns the data tokens; EAGLE-3 the target's
     distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it; `objective`
-    dspark is DSpark's published objective instead (opd/distill/dspark_loss.py). A DFlash 2 drafter's selector adds
-    `selector_weight` x its term (opd/distill/selector_loss.py), and `acceptance` its weight x the serving mode's
-    acceptance at the teacher-forced slots (the target's view of the data prefix)."""
+    is a family's own objective when it names one (opd/distill/family_terms.py: DSpark's published objective). The family's
+    own terms add to it (DFlash 2's selector: `selector_weight` x its term), and `acceptance` its weight x the serving
+    mode's acceptance at the teacher-forced slots (the target's view of the data prefix)."""
     batch = batch.to(target.device)
     hidden_t, features = target.hidden_states(batch.ids, attention_mask=batch.valid.long())
     hidden = drafter.block_hidden(features, batch.ids, batch.valid, batch.anchor_pos, batch.inputs)
@@ -159,30 +157,23 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
             mask = mask & trainable  # the denominator still counts them, as SpecForge's mean
     if log_weight_sum is None:
         log_weight_sum = sft_log_weight_sum(mask, gamma)
-    if objective == "dspark":
-        rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
-        loss = dspark_sft_loss(drafter, slots, hidden_t[rows, batch.input_pos][batch.block_valid],
-                               batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
-                               chunk_size=chunk_size, log_weight_sum=log_weight_sum)
-    else:
+    rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
+    terms = terms_of(drafter)
+    family_slots = SftSlots(slots, lambda: hidden_t[rows, batch.input_pos][batch.block_valid],
+                            batch.labels[batch.block_valid], batch.inputs[batch.block_valid], mask, gamma,
+                            log_weight_sum, chunk_size)
+    loss = terms.sft_objective(drafter, family_slots, objective)
+    if loss is None:
         loss = sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
                         head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
                         teacher=teacher, teacher_head=drafter.teacher_head)
     if acceptance is not None:
-        rows = torch.arange(len(batch.ids), device=batch.ids.device)[:, None, None]
-        view = hidden_t[rows, batch.input_pos][batch.block_valid]
         cut = sft_block_slots(batch.inputs[batch.block_valid], mask, acceptance.loss, gamma=gamma,
                               log_weight_sum=log_weight_sum, step_blocks=acceptance.step_blocks)
         loss = loss + acceptance.weight * acceptance_objective(
-            drafter, slots, view, cut, acceptance.loss, serving=acceptance.serving,
+            drafter, slots, family_slots.view(), cut, acceptance.loss, serving=acceptance.serving,
             teacher_processing=acceptance.teacher, chunk_size=chunk_size).loss
-    if not chains(drafter) or not selector_weight:
-        return loss
-    # selector_weight is set only where selector_trains: a selector with parameters, DFlash 2's (not DSpark's)
-    assert isinstance(drafter.selector, CandidateSelector)
-    return loss + selector_weight * sft_selector_loss(
-        drafter.selector, drafter.student_head, slots, batch.labels[batch.block_valid],
-        batch.inputs[batch.block_valid], mask, gamma=gamma, log_weight_sum=log_weight_sum, chunk_size=chunk_size)
+    return loss + terms.sft(drafter, family_slots, selector_weight)
 
 
 def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], sft: SftSpec, *,
@@ -204,7 +195,8 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
         part.backward()
         loss += part.item()
     slots = sum(int(b.label_ok.sum()) for b in micro)
-    reads_target = drafter.sft_target == "target" or sft.objective == "dspark" or acceptance is not None
+    reads_target = (drafter.sft_target == "target" or terms_of(drafter).sft_reads_target(sft.objective)
+                    or acceptance is not None)
     return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
                    blocks=sum(int(b.block_valid.sum()) for b in micro), slots=slots,
                    teacher_slots=slots if reads_target else 0)
@@ -305,7 +297,7 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
     steps = steps_per_epoch * s.epochs
     optim = OptimSpec(lr=s.lr, warmup_ratio=s.warmup_ratio, schedule=s.schedule, batch_size=s.batch_size)
     acceptance = SftAcceptance.of(spec)
-    selects = selector_trains(models.drafter, spec.loss.selector_weight > 0 or acceptance is not None)
+    selects = terms_of(models.drafter).prepare(models.drafter, spec.loss.selector_weight > 0 or acceptance is not None)
     optimizer, scheduler = build_optimizer(models.drafter, optim, steps)
     generator = torch.Generator().manual_seed(spec.seed)
     flops = FlopCounter()
