@@ -74,9 +74,9 @@ def test_every_family_has_a_section_and_each_shipped_drafter_is_told_apart() -> 
     found = {name: detect(ModelDir.read(TINY / name)).kind for name in ("drafter", "dflash2", "eagle3")}
     assert found == {"drafter": "dflash", "dflash2": "dflash2", "eagle3": "eagle3"}
     assert detect_section({"architectures": ["LlamaForCausalLM"]}) is None
-    with pytest.raises(OpdError, match=r"of no drafter family here \(expected one of dflash, dflash2, eagle3, dspark"):
+    with pytest.raises(OpdError, match=r"of no drafter family here \(expected one of dflash, dflash2, dspark, eagle3"):
         detect(ModelDir(Path("/x"), {"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(OpdError, match=r"models.drafter.kind: 'medusa' \(expected one of dflash, dflash2, eagle3, dspark, peagle\)"):
+    with pytest.raises(OpdError, match=r"models.drafter.kind: 'medusa' \(expected one of dflash, dflash2, dspark, eagle3, peagle\)"):
         family("medusa")
 
 

@@ -33,7 +33,7 @@ from pydantic import Field
 
 from opd.errors import OpdError
 from opd.formats.layer_attention import LayerAttention
-from opd.formats.section import DrafterSection
+from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import dflash_public, dflash_speculators, is_speculators, model_type
 from opd.model_dir import ModelDir
 
@@ -86,6 +86,7 @@ def is_dflash2(config: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@drafter_section
 class DFlashSpec(DrafterSection):
     """kind dflash: a block of K-1 drafts per forward (DFlash, z-lab's `DFlashDraftModel`); must match a warm
     drafter's checkpoint when one is given."""
@@ -112,6 +113,7 @@ class DFlashSpec(DrafterSection):
                 "mask_token_id": (self.mask_token_id, dflash.get("mask_token_id", config.get("mask_token_id")))}
 
 
+@drafter_section
 class DFlash2Spec(DFlashSpec):
     """kind dflash2: a DFlash drafter whose candidate selector chains the block's drafts (z-lab's
     `DFlash2DraftModel`, opd/models/dflash2.py). A random one takes its four fields (dflash_config's names); a warm

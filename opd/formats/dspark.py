@@ -24,6 +24,7 @@ from pydantic import Field
 
 from opd.errors import OpdError
 from opd.formats.dflash import DFlashConfig, DFlashSpec
+from opd.formats.section import drafter_section
 from opd.formats.speculators import backbone_public, dflash_speculators, model_type
 
 KIND = "dspark"
@@ -36,6 +37,7 @@ def is_dspark(config: dict[str, Any]) -> bool:
     return model_type(config) == KIND or ARCHITECTURE in (config.get("architectures") or [])
 
 
+@drafter_section
 class DSparkSpec(DFlashSpec):
     """kind dspark: a DFlash drafter whose Markov head chains the block's drafts (speculators' `DSparkDraftModel`,
     opd/models/dspark.py). A random one takes `markov_rank`; a warm one brings its own."""

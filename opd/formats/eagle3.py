@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
-from opd.formats.section import DrafterSection, spec_issues
+from opd.formats.section import DrafterSection, drafter_section, spec_issues
 from opd.formats.speculators import (
     eagle3_public,
     eagle3_speculators,
@@ -58,6 +58,7 @@ def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     return [2, num_target_layers // 2, num_target_layers - 3]
 
 
+@drafter_section
 class Eagle3Spec(DrafterSection):
     """kind eagle3: one layer drafting a chain of K-1 argmax steps over its own draft vocabulary (EAGLE-3, the
     public SpecForge format); must match a warm drafter's checkpoint when one is given."""

@@ -33,6 +33,7 @@ from opd.formats.eagle3 import (
     check_fits_target,
 )
 from opd.formats.eagle3 import expected_shapes as eagle3_shapes
+from opd.formats.section import drafter_section
 from opd.formats.speculators import (
     MODEL_TYPE,
     eagle3_speculators,
@@ -52,6 +53,7 @@ MASK_HIDDEN = "mask_hidden"
 OWN_EMBEDDING = "embedding.weight"  # the drafter's own embedding, speculators' `embed_tokens.weight`
 
 
+@drafter_section
 class PEagleSpec(Eagle3Spec):
     """kind peagle: an EAGLE-3 drafter whose chain is drafted in one pass from the pard token and a learned
     `mask_hidden` (P-EAGLE, speculators' `PEagleDraftModel`, opd/models/peagle.py); must match a warm drafter's

@@ -73,3 +73,18 @@ class DrafterSection(Section):
     def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
         """{field: (the spec's value, the warm checkpoint's)} for the fields a checkpoint fixes."""
         return {"block_size": (self.block_size, config.get("block_size"))}
+
+
+_SECTIONS: list[type[DrafterSection]] = []
+
+
+def drafter_section(cls: type[DrafterSection]) -> type[DrafterSection]:
+    """Class decorator: a drafter family's spec section, and so its `kind`, made known to the spec's union and to
+    checkpoint detection (opd/formats/__init__.py finds the format modules; no list names them)."""
+    _SECTIONS.append(cls)
+    return cls
+
+
+def registered_sections() -> tuple[type[DrafterSection], ...]:
+    """The sections registered so far, in the order their modules were imported."""
+    return tuple(_SECTIONS)

@@ -42,6 +42,7 @@ from torch import nn
 from opd.formats.dflash import DFlash2Spec, DFlashConfig, DFlashSpec, TargetShape, check_dflash2_fields
 from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
 from opd.models.drafter_cache import DrafterCache
+from opd.models.drafter_family import drafter_family
 from opd.models.packed_attention import BlockChunks
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
@@ -240,6 +241,7 @@ class DFlash2Drafter(DFlashDrafter):
         return per_token, self.candidate_selector.flops_per_slot()
 
 
+@drafter_family
 class DFlash2Family(DFlashFamily):
     """DFlash 2 (z-lab's `DFlash2DraftModel`): the DFlash format with its four `dflash_config` fields."""
 

@@ -49,7 +49,7 @@ from opd.formats.eagle3 import Eagle3Config
 from opd.formats.layer_attention import LayerAttention
 from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache, PendingContext
-from opd.models.drafter_family import DrafterFamily, Shapes
+from opd.models.drafter_family import DrafterFamily, Shapes, drafter_family
 from opd.models.lm_head import softcap, teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
 from opd.models.row_product import per_row
@@ -609,6 +609,7 @@ def _block_masks(cache: DrafterCache, anchor_positions: torch.Tensor, block_size
     return [masks[rule][:, None] for rule in attention]
 
 
+@drafter_family
 class DFlashFamily(DrafterFamily):
     """DFlash (z-lab's `DFlashDraftModel`): the public DFlash format, vLLM's and SGLang's `method: dflash`."""
 

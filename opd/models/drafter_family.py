@@ -26,7 +26,8 @@ Shapes = tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]  # (tensor sha
 
 
 class DrafterFamily:
-    """One drafter family; subclasses are registered in opd/models/families.py under their section's `kind`."""
+    """One drafter family; a subclass registers itself with `@drafter_family` under its section's `kind`
+    (opd/models/families.py finds it)."""
 
     section: ClassVar[type[DrafterSection]]  # its spec section (opd/formats/)
 
@@ -69,3 +70,18 @@ class DrafterFamily:
     def fit_to_data(self, drafter: Drafter, token_counts: Any) -> None:
         """What a fresh drafter takes from its SFT data's response-token counts before training (nothing, unless
         the family says otherwise)."""
+
+
+_REGISTERED: dict[str, DrafterFamily] = {}
+
+
+def drafter_family(cls: type[DrafterFamily]) -> type[DrafterFamily]:
+    """Class decorator: the family of its section's `kind`, found by opd/models/families.py (no list names it)."""
+    family = cls()
+    _REGISTERED[family.kind] = family
+    return cls
+
+
+def registered_families() -> dict[str, DrafterFamily]:
+    """The families registered so far, by kind."""
+    return dict(_REGISTERED)

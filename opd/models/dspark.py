@@ -39,6 +39,7 @@ from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
 from opd.models.drafter import DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
+from opd.models.drafter_family import drafter_family
 from opd.models.packed_attention import CHUNK_ROWS
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
@@ -231,6 +232,7 @@ class DSparkDrafter(DFlashDrafter):
                      self.fc.weight.dtype)
 
 
+@drafter_family
 class DSparkFamily(DFlashFamily):
     """DSpark (speculators' `DSparkDraftModel`): vLLM's `method: dspark`."""
 

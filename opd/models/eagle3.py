@@ -52,7 +52,7 @@ from opd.formats.speculators import is_speculators, speculators_tensor_names
 from opd.model_dir import ModelDir
 from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 from opd.models.drafter_cache import DrafterCache
-from opd.models.drafter_family import DrafterFamily, Shapes
+from opd.models.drafter_family import DrafterFamily, Shapes, drafter_family
 from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.shared_head import SharedHead
@@ -421,6 +421,7 @@ def _chain_chunk(q: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tens
     return grouped_sdpa(q, keys, values, mask[:, None], scale)
 
 
+@drafter_family
 class Eagle3Family(DrafterFamily):
     """EAGLE-3 (SpecForge's format; vLLM's and SGLang's `method: eagle3`): a chain over its own draft vocabulary."""
 

@@ -1,26 +1,19 @@
-"""The drafter families, by `kind`: the one place that lists them (a new family adds its line here and its
-section in opd/formats/__init__.py)."""
+"""The drafter families, by `kind`: each registers itself (`@drafter_family`, opd/models/drafter_family.py) in
+its own module, and its spec section in its format module (opd/formats/), so a new family is listed nowhere."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 from opd.errors import OpdError
-from opd.formats import detect_section
+from opd.formats import KINDS, detect_section
 from opd.model_dir import ModelDir
-from opd.models.dflash2 import DFlash2Family
-from opd.models.drafter import DFlashFamily
-from opd.models.drafter_family import DrafterFamily
-from opd.models.dspark import DSparkFamily
-from opd.models.eagle3 import Eagle3Family
+from opd.models.drafter_family import DrafterFamily, registered_families
 from opd.models.family import Drafter
-from opd.models.peagle import PEagleFamily
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
-
-FAMILIES: dict[str, DrafterFamily] = {f.kind: f for f in (DFlashFamily(), DFlash2Family(), Eagle3Family(),
-                                                            DSparkFamily())}
-FAMILIES[PEagleFamily().kind] = PEagleFamily()
 
 
 def family(kind: str) -> DrafterFamily:
@@ -36,7 +29,7 @@ def detect(directory: ModelDir) -> DrafterFamily:
     section = detect_section(directory.config)
     if section is None:
         raise OpdError(f"drafter {directory.path}: its config.json is of no drafter family here (expected one of "
-                       f"{', '.join(FAMILIES)}: a DFlash, DFlash 2, EAGLE-3, DSpark or P-EAGLE checkpoint)")
+                       f"{', '.join(FAMILIES)})")
     return family(str(section.model_fields["kind"].default))
 
 
@@ -46,3 +39,21 @@ def load_drafter(path: str | Path, base: Target | SharedHead) -> Drafter:
     directory = ModelDir.read(path, "drafter")
     found = detect(directory)
     return found.load(directory, base, found.section.model_validate({}))
+
+
+def _discover() -> dict[str, DrafterFamily]:
+    """Every family, in the order of the spec sections (opd/formats/): each module of this package is imported,
+    so each family has registered itself."""
+    from opd import models
+
+    for module in pkgutil.iter_modules(models.__path__):
+        importlib.import_module(f"{models.__name__}.{module.name}")
+    found = registered_families()
+    missing = [kind for kind in KINDS if kind not in found]
+    if missing:
+        raise RuntimeError(f"drafter kind {missing[0]!r} has a spec section but no family: add a @drafter_family "
+                           "class for it in opd/models/")
+    return {kind: found[kind] for kind in KINDS}
+
+
+FAMILIES: dict[str, DrafterFamily] = _discover()

@@ -1,12 +1,13 @@
 """The drafter interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
 
-Four families implement it: DFlash (opd/models/drafter.py: a block of K-1 drafts in one forward), DFlash 2
-(opd/models/dflash2.py: a DFlash drafter whose selector chains the block's drafts), EAGLE-3 (opd/models/eagle3.py:
-a chain of K-1 argmax steps) and DSpark (opd/models/dspark.py: a DFlash drafter whose Markov head chains them). All draft point masses, so the rebuild (opd/sources/rebuild.py) and replay hold for
-each. A drafter whose q at a slot depends on the draft before it (`chains_q`) is a `ChainedDrafter` too: its
-sampled drafts and its selector's loss terms come through that protocol, asked with `chains`, never by family.
-What differs by family outside drafting (building, checkpoints, serving) is its `DrafterFamily`
-(opd/models/drafter_family.py, looked up by `models.drafter.kind` in opd/models/families.py).
+Every registered family implements it (opd/models/families.py), in one file of its own: DFlash's block of K-1
+drafts in one forward (opd/models/drafter.py) and its chained variants (DFlash 2's selector, DSpark's Markov head),
+EAGLE-3's chain of argmax steps and P-EAGLE's parallel one. All draft point masses, so the rebuild
+(opd/sources/rebuild.py) and replay hold for each. A drafter whose q at a slot depends on the draft before it
+(`chains_q`) is a `ChainedDrafter` too: its sampled drafts and the law they are sampled from come through that
+protocol, asked with `chains`, never by family. What differs by family outside drafting (building, checkpoints,
+serving) is its `DrafterFamily` (opd/models/drafter_family.py), and what it adds to training its `FamilyTerms`
+(opd/distill/family_terms.py), both looked up by kind.
 """
 
 from __future__ import annotations

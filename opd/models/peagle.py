@@ -45,7 +45,7 @@ from opd.formats.peagle import (
 )
 from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache
-from opd.models.drafter_family import DrafterFamily, Shapes
+from opd.models.drafter_family import DrafterFamily, Shapes, drafter_family
 from opd.models.eagle3 import Eagle3Drafter, _chain_attention, _check_fused_layers, draft_vocab_size
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.shared_head import SharedHead
@@ -152,6 +152,7 @@ class PEagleDrafter(Eagle3Drafter):
         return drafter
 
 
+@drafter_family
 class PEagleFamily(DrafterFamily):
     """P-EAGLE (speculators' layout; vLLM's `method: eagle3` with `parallel_drafting`): an EAGLE-3 drafter whose
     chain is drafted in one pass."""
