@@ -41,6 +41,7 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig, default_target_layer_ids
+from opd.formats.dflash2 import DFlash2Config
 from opd.models.build import build_models
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
@@ -155,7 +156,7 @@ def qwen3_4b_drafters(layers: int, seed: int = 0) -> dict[str, DFlashDrafter]:
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         head.weight = embed.weight  # tied, as Qwen3-4B's
         one = DFlashDrafter(config, embed, head)
-        two = DFlash2Drafter(dataclasses.replace(config, **ZLAB_DFLASH2), embed, head)
+        two = DFlash2Drafter(DFlash2Config.of(config, ZLAB_DFLASH2), embed, head)
         two.load_state_dict(one.state_dict(), strict=False)  # the convolutions and the selector stay random
     return {"DFlash 1": one.eval(), "DFlash 2": two.eval()}
 

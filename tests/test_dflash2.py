@@ -26,7 +26,7 @@ from opd.distill.replay import score, student_hidden
 from opd.distill.selector_loss import selector_loss, sft_selector_loss
 from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
-from opd.formats.dflash import DFlashConfig
+from opd.formats.dflash2 import DFlash2Config
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.families import load_drafter
 from opd.models.flops import DrafterParams
@@ -78,7 +78,7 @@ def test_bad_dflash2_configs_are_refused_in_one_line(drafter, change, message):
     hf = drafter.config.to_hf_dict()
     hf["dflash_config"] |= change
     with pytest.raises(OpdError, match=message) as info:
-        DFlashConfig.from_hf_dict(hf)
+        DFlash2Config.from_hf_dict(hf)
     assert "\n" not in str(info.value)
 
 

@@ -365,8 +365,9 @@ def test_unexpected_tensor_and_missing_files_raise(setup, tmp_path):
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "causal": True}},
          r"'dflash_config\.causal' is True, which z-lab's DFlashDraftModel does not read"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "selector_rank": 256}},
-         r"'dflash_config\.conv_kernel_size' is missing"),
-        ({"architectures": ["DFlash2DraftModel"]}, r"'dflash_config\.conv_kernel_size' is missing"),
+             r"'dflash_config\.selector_rank' belongs to a DFlash variant this drafter does not implement"),
+            ({"architectures": ["DFlash2DraftModel"]}, r"'architectures' names DFlash2DraftModel, another drafter "
+                                                       r"family's model"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "attention_sink_bias": True}},
          r"'dflash_config\.attention_sink_bias' belongs to a DFlash variant"),
         ({"dflash_config": {"mask_token_id": 63, "target_layer_ids": [0, 2, 3], "output_multiplier": "2"}},

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from opd.formats.dflash import DFlashConfig
+from opd.formats.dflash2 import DFlash2Config
 from opd.formats.dspark import DSparkConfig
 from opd.formats.eagle3 import Eagle3Spec, draft_vocab
 from opd.model_dir import ModelDir
@@ -77,7 +78,7 @@ def target():
 def drafters(target):
     """{kind: a drafter of that family on the tiny target}."""
     shipped = DFlashDrafter.from_pretrained(DRAFTER, target)
-    config = dataclasses.replace(shipped.config, **DFLASH2)
+    config = DFlash2Config.of(shipped.config, DFLASH2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         dflash2 = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
@@ -194,14 +195,14 @@ def test_speculators_layout_names_what_it_cannot_say(drafters):
     from opd.formats.speculators import dflash_public, dflash_speculators, eagle3_public
 
     public = drafters["dflash"].config.to_hf_dict()
-    layout = dflash_speculators(public, TARGET, ["Qwen3ForCausalLM"])
+    layout = dflash_speculators(public, TARGET, ["Qwen3ForCausalLM"], "dflash")
     with pytest.raises(OpdError, match="'sample_from_anchor' is true"):
         dflash_public(layout | {"sample_from_anchor": True}, 6)
     with pytest.raises(OpdError, match="'draft_vocab_size' is 32"):
         dflash_public(layout | {"draft_vocab_size": 32}, 6)
     scaled = public | {"dflash_config": public["dflash_config"] | {"output_multiplier": 0.5}}
     with pytest.raises(OpdError, match="'dflash_config.output_multiplier' has no counterpart"):
-        dflash_speculators(scaled, TARGET, [])
+        dflash_speculators(scaled, TARGET, [], "dflash")
     assert DFlashConfig.from_hf_dict(layout, 6) == drafters["dflash"].config
     with pytest.raises(OpdError, match="an entering id of 1"):
         eagle3_public({"speculators_model_type": "eagle3", "transformer_layer_config": {"model_type": "llama"},

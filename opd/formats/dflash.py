@@ -12,13 +12,9 @@ like z-lab's `_draft_value`, a DFlash value is read from `dflash_config` first, 
 transformers 5 configs carry it (`rope_parameters`, or the older `rope_scaling` and `rope_theta`): any type whose
 frequencies are fixed when the model is built (default, linear, YaRN, llama3, proportional), flat or per layer type,
 and the drafter takes its tables from transformers' own RoPE initialisation (opd/models/drafter.py). Anything else
-(DFlash 2's selector and convolutions, other `dflash_config` keys, RoPE that rescales with the sequence length) is
-refused with a one-line OpdError naming the field: loading it would draft wrongly, silently.
-
-DFlash 2 (`architectures: [DFlash2DraftModel]`, z-lab's `DFlash2DraftModel`) is the same config with its four
-`dflash_config` keys (`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`): all four or none.
-Its selector's codebooks are stored without a `.weight` suffix, as in z-lab's published checkpoints; a file that
-z-lab's `save_pretrained` wrote with the suffix is read too (`read_tensors`).
+(other `dflash_config` keys, DFlash 2's among them, RoPE that rescales with the sequence length) is refused with a
+one-line OpdError naming the field: loading it would draft wrongly, silently. The variants with a format of their
+own build on this one: DFlash 2 (opd/formats/dflash2.py) and DSpark (opd/formats/dspark.py).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import Field
 
@@ -43,7 +39,6 @@ if TYPE_CHECKING:  # torch and safetensors load inside the functions that read o
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
-ARCHITECTURE_2 = "DFlash2DraftModel"
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Tensors a checkpoint may carry but that we always take from the target.
 SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
@@ -71,14 +66,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-def is_dflash2(config: dict[str, Any]) -> bool:
-    """Whether a config.json describes a DFlash 2 drafter (its architecture, or any of its dflash_config keys)."""
-    dflash = config.get("dflash_config")
-    keys = set(dflash) if isinstance(dflash, dict) else set()
-    return (ARCHITECTURE_2 in (config.get("architectures") or []) or bool(keys & set(DFLASH2_FIELDS))
-            or model_type(config) == "dflash2")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,40 +100,6 @@ class DFlashSpec(DrafterSection):
                 "mask_token_id": (self.mask_token_id, dflash.get("mask_token_id", config.get("mask_token_id")))}
 
 
-@drafter_section
-class DFlash2Spec(DFlashSpec):
-    """kind dflash2: a DFlash drafter whose candidate selector chains the block's drafts (z-lab's
-    `DFlash2DraftModel`, opd/models/dflash2.py). A random one takes its four fields (dflash_config's names); a warm
-    one brings its own, and they must then be unset."""
-
-    kind: Literal["dflash2"] = "dflash2"  # type: ignore[assignment]  # the union's tag: each family its own
-    conv_kernel_size: int | None = Field(None, ge=1)
-    conv_group_size: int | None = Field(None, ge=1)
-    selector_rank: int | None = Field(None, ge=1)
-    selector_top_k: int | None = Field(None, ge=1)
-
-    has_selector: ClassVar[bool] = True
-
-    @classmethod
-    def detects(cls, config: dict[str, Any]) -> bool:
-        return is_dflash2(config)
-
-    @property
-    def fields(self) -> dict[str, int]:
-        """The four DFlash 2 fields given here (all four for a random drafter, none for a warm one)."""
-        return {name: value for name in DFLASH2_FIELDS if (value := getattr(self, name)) is not None}
-
-    def init_issues(self, warm: bool) -> list[str]:
-        given = self.fields
-        if warm and given:
-            return [f"{next(iter(given))}: set, but a warm DFlash 2 drafter brings its own (expected the four "
-                    "DFlash 2 fields unset)"]
-        missing = [name for name in DFLASH2_FIELDS if name not in given]
-        if not warm and missing:
-            return [f"{missing[0]}: missing (a random DFlash 2 drafter takes all of {', '.join(DFLASH2_FIELDS)})"]
-        return []
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,20 +130,10 @@ class DFlashConfig:
     input_embedding_scale: float | None = None  # on the block tokens' embeddings
     output_multiplier: float | None = None  # on the drafter's logits, then
     final_logit_softcapping: float | None = None  # cap · tanh(logits / cap) when > 0
-    # DFlash 2 (all four set, or none): each layer's causal convolutions and the candidate selector
-    conv_kernel_size: int | None = None  # taps along the block, the current position's included
-    conv_group_size: int | None = None  # channels sharing one dynamic tap
-    selector_rank: int | None = None  # the codebooks' rank
-    selector_top_k: int | None = None  # candidates per slot
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = [FULL] * self.num_hidden_layers
-
-    @property
-    def dflash2(self) -> bool:
-        """Whether this is a DFlash 2 drafter (convolutions and candidate selector)."""
-        return self.selector_rank is not None
 
     @property
     def rope_theta(self) -> float:
@@ -226,12 +169,12 @@ class DFlashConfig:
         text = target_hf_config.get_text_config(decoder=True) if hasattr(target_hf_config, "get_text_config") \
             else target_hf_config
         hf = text.to_dict()
-        num_target_layers = _int_field(hf, "num_hidden_layers")
+        num_target_layers = int_field(hf, "num_hidden_layers")
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
         return cls(
-            hidden_size=_int_field(hf, "hidden_size"),
-            intermediate_size=_int_field(hf, "intermediate_size"),
+            hidden_size=int_field(hf, "hidden_size"),
+            intermediate_size=int_field(hf, "intermediate_size"),
             num_hidden_layers=int(num_layers),
             num_attention_heads=int(hf["num_attention_heads"]),
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
@@ -239,7 +182,7 @@ class DFlashConfig:
             rms_norm_eps=float(hf["rms_norm_eps"]),
             rope_parameters=_target_rope(hf),
             vocab_size=int(hf["vocab_size"]),
-            max_position_embeddings=_int_field(hf, "max_position_embeddings"),
+            max_position_embeddings=int_field(hf, "max_position_embeddings"),
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
             target_layer_ids=[int(i) for i in target_layer_ids],
@@ -256,7 +199,7 @@ class DFlashConfig:
         (`rope_theta`, with `rope_scaling` for a scaled type) so either generation of loaders reads it.
         """
         return {
-            "architectures": [ARCHITECTURE_2 if self.dflash2 else ARCHITECTURE],
+            "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -294,8 +237,7 @@ class DFlashConfig:
             out |= {"use_sliding_window": True, "sliding_window": self.sliding_window}
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
-        scalars = {name: getattr(self, name) for name in (*SCALAR_KEYS, *DFLASH2_FIELDS)
-                   if getattr(self, name) is not None}
+        scalars = {name: getattr(self, name) for name in SCALAR_KEYS if getattr(self, name) is not None}
         if scalars:
             out["dflash_config"] = {"mask_token_id": self.mask_token_id,
                                     "target_layer_ids": list(self.target_layer_ids)} | scalars
@@ -311,62 +253,74 @@ class DFlashConfig:
         """
         if is_speculators(hf):
             hf = dflash_public(hf, num_target_layers)
+        _check_architecture(hf)
         _check_activation(hf)
         dflash = hf.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise OpdError("config field 'dflash_config' must be an object")
         _check_variant(hf, dflash)
-        num_hidden_layers = _int_field(hf, "num_hidden_layers")
-        num_target_layers = _int_field(*_draft_value(hf, dflash, "num_target_layers"))
-        block_size = _int_field(*_draft_value(hf, dflash, "block_size"))
-        layer_ids = _draft_value(hf, dflash, "target_layer_ids")[0].get("target_layer_ids")
+        num_hidden_layers = int_field(hf, "num_hidden_layers")
+        num_target_layers = int_field(*draft_value(hf, dflash, "num_target_layers"))
+        block_size = int_field(*draft_value(hf, dflash, "block_size"))
+        layer_ids = draft_value(hf, dflash, "target_layer_ids")[0].get("target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
         if not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
             raise OpdError("config field 'dflash_config.target_layer_ids' must be a list of integers")
-        num_heads = _int_field(hf, "num_attention_heads")
-        hidden_size = _int_field(hf, "hidden_size")
+        num_heads = int_field(hf, "num_attention_heads")
+        hidden_size = int_field(hf, "hidden_size")
         attention = _attention_fields(hf, num_hidden_layers)
         return cls(
             hidden_size=hidden_size,
-            intermediate_size=_int_field(hf, "intermediate_size"),
+            intermediate_size=int_field(hf, "intermediate_size"),
             num_hidden_layers=num_hidden_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_parameters=_rope_parameters(hf, attention["layer_types"]),
-            vocab_size=_int_field(hf, "vocab_size"),
-            max_position_embeddings=_int_field(hf, "max_position_embeddings"),
+            vocab_size=int_field(hf, "vocab_size"),
+            max_position_embeddings=int_field(hf, "max_position_embeddings"),
             block_size=block_size,
-            mask_token_id=_int_field(*_draft_value(hf, dflash, "mask_token_id")),
+            mask_token_id=int_field(*draft_value(hf, dflash, "mask_token_id")),
             target_layer_ids=list(layer_ids),
             num_target_layers=num_target_layers,
             attention_bias=bool(hf.get("attention_bias", False)),
             **attention,
             **_scalars(hf, dflash),
-            **_dflash2_fields(hf, dflash, hidden_size, _int_field(hf, "vocab_size")),
         )
+
+    def to_speculators_dict(self, verifier: str | None, verifier_architectures: list[str]) -> dict[str, Any]:
+        """speculators' DFlash config.json (opd/formats/speculators.py), naming the verifier."""
+        return dflash_speculators(self.to_hf_dict(), verifier, verifier_architectures, "dflash")
 
 
 # `dflash_config` keys z-lab's DFlashDraftModel and DFlash2DraftModel read (and `causal`, which they ignore:
 # refused unless false); any other key changes the forward in a way not implemented here.
 SCALAR_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DFLASH_KEYS = frozenset({"block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "causal",
-                         *SCALAR_KEYS, *DFLASH2_FIELDS})
-DFLASH_HOME = frozenset({"mask_token_id", "target_layer_ids", *SCALAR_KEYS, *DFLASH2_FIELDS})  # where exports write
+                         *SCALAR_KEYS})
+DFLASH_HOME = frozenset({"mask_token_id", "target_layer_ids", *SCALAR_KEYS})  # where exports write
 QWEN3_MAX_WINDOW_LAYERS = 28  # Qwen3Config's default, used when a config enables sliding windows without it
 QWEN3_SLIDING_WINDOW = 4096  # Qwen3Config's default window, in force when use_sliding_window comes without one
 
 
-def _draft_value(hf: dict[str, Any], dflash: dict[str, Any], name: str) -> tuple[dict[str, Any], str, str]:
+def draft_value(hf: dict[str, Any], dflash: dict[str, Any], name: str,
+                home: frozenset[str] | set[str] = DFLASH_HOME) -> tuple[dict[str, Any], str, str]:
     """(the dict holding `name`, name, its field prefix): `dflash_config` first, then the top level, as z-lab's
-    `_draft_value` reads; when neither has it, where the public exports put it (so a missing field is named
-    there)."""
-    if name in dflash or (name not in hf and name in DFLASH_HOME):
+    `_draft_value` reads; when neither has it, where the public exports put it (`home`: the keys written into
+    `dflash_config`), so a missing field is named there."""
+    if name in dflash or (name not in hf and name in home):
         return dflash, name, "dflash_config."
     return hf, name, ""
+
+
+def _check_architecture(hf: dict[str, Any]) -> None:
+    """Another drafter model's architecture is another family's format, which this reader would misread."""
+    other = [a for a in hf.get("architectures") or [] if a.endswith("DraftModel") and a != ARCHITECTURE]
+    if other:
+        raise OpdError(f"config field 'architectures' names {other[0]}, another drafter family's model (expected "
+                       f"{ARCHITECTURE}; load the directory as its own family)")
 
 
 def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
@@ -380,31 +334,6 @@ def _check_variant(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
                        "does not read (expected false or absent; the top-level 'is_causal' sets causal layers)")
     if hf.get("is_causal") is not None and not isinstance(hf["is_causal"], bool):
         raise OpdError(f"config field 'is_causal' must be true, false or null, got {hf['is_causal']!r}")
-
-
-def _dflash2_fields(hf: dict[str, Any], dflash: dict[str, Any], hidden_size: int,
-                    vocab_size: int) -> dict[str, Any]:  # Any: spread over DFlashConfig's differently typed fields
-    """DFlash 2's four fields when the architecture or any of them says DFlash 2 (then all four are required, as
-    z-lab's `DFlash2DraftModel` reads them), else none."""
-    given = [name for name in DFLASH2_FIELDS if _draft_value(hf, dflash, name)[0].get(name) is not None]
-    if ARCHITECTURE_2 not in (hf.get("architectures") or []) and not given:
-        return {}
-    out = {name: _int_field(*_draft_value(hf, dflash, name)) for name in DFLASH2_FIELDS}
-    for name, value in out.items():
-        if value < 1:
-            raise OpdError(f"config field 'dflash_config.{name}' must be a positive integer, got {value}")
-    check_dflash2_fields(out, hidden_size, vocab_size, "config field 'dflash_config.{}'")
-    return out
-
-
-def check_dflash2_fields(fields: dict[str, int], hidden_size: int, vocab_size: int, where: str) -> None:
-    """DFlash 2's fields fit the drafter's width and vocabulary; `where` names a field, formatted with its name."""
-    if hidden_size % fields["conv_group_size"]:
-        raise OpdError(f"{where.format('conv_group_size')} is {fields['conv_group_size']}, which does not divide "
-                       f"hidden_size {hidden_size} (expected a divisor)")
-    if fields["selector_top_k"] > vocab_size:
-        raise OpdError(f"{where.format('selector_top_k')} is {fields['selector_top_k']}, more than the "
-                       f"vocabulary's {vocab_size} tokens")
 
 
 def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -432,7 +361,7 @@ def _attention_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _scalars(hf: dict[str, Any], dflash: dict[str, Any]) -> dict[str, Any]:
     """The `SCALAR_KEYS` fields, each None or a finite float (Any: spread over DFlashConfig's fields)."""
-    return {name: _scalar(*_draft_value(hf, dflash, name)) for name in SCALAR_KEYS}
+    return {name: _scalar(*draft_value(hf, dflash, name)) for name in SCALAR_KEYS}
 
 
 def _scalar(d: dict[str, Any], name: str, prefix: str) -> float | None:
@@ -453,7 +382,7 @@ def check_vllm_capturable(config: DFlashConfig) -> None:
                        f"layer, which vLLM's DFlash path cannot capture (expected ids below {last})")
 
 
-def _int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
+def int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
     value = d.get(name)
     if value is None:
         raise OpdError(f"config field '{prefix}{name}' is missing")
@@ -554,8 +483,7 @@ def write_speculators(directory: str | Path, config: DFlashConfig, tensors: dict
                       dtype: torch.dtype, verifier: str | None, verifier_architectures: list[str]) -> None:
     """Write the checkpoint in vLLM's `speculators` layout (opd/formats/speculators.py): the same tensors, its
     config.json naming `verifier`, the target speculators reloads the embedding and LM head from."""
-    write_layout(directory, dflash_speculators(config.to_hf_dict(), verifier, verifier_architectures), tensors,
-                 dtype)
+    write_layout(directory, config.to_speculators_dict(verifier, verifier_architectures), tensors, dtype)
 
 
 def write_layout(directory: str | Path, hf: dict[str, Any], tensors: dict[str, torch.Tensor],

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from opd.errors import OpdError
-from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _int_field, _rope_theta, load_weights
+from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _rope_theta, int_field, load_weights
 from opd.formats.section import DrafterSection, drafter_section, spec_issues
 from opd.formats.speculators import (
     eagle3_public,
@@ -198,7 +198,7 @@ class Eagle3Config:
         elif ids and ids[0] == 1:
             ids = [i + 1 for i in ids]  # SpecForge's "output of layer" ids
         shape = _layer_shape(d)
-        config = cls(**shape, draft_vocab_size=_int_field(d, "draft_vocab_size"),
+        config = cls(**shape, draft_vocab_size=int_field(d, "draft_vocab_size"),
                      target_hidden_size=int(d.get("target_hidden_size") or shape["hidden_size"]),
                      aux_layer_ids=list(ids), num_target_layers=int(num_target_layers),
                      block_size=int(d.get("block_size", block_size)), **_eagle31_flags(d, eagle))
@@ -220,13 +220,13 @@ def _eagle31_flags(d: dict[str, Any], eagle: dict[str, Any]) -> dict[str, bool]:
 
 def _layer_shape(hf: dict[str, Any]) -> dict[str, Any]:
     """The Llama/Qwen3 layer fields shared by a target's config and a drafter's (which copies the target's)."""
-    hidden_size, num_heads = _int_field(hf, "hidden_size"), _int_field(hf, "num_attention_heads")
-    return dict(hidden_size=hidden_size, intermediate_size=_int_field(hf, "intermediate_size"),
+    hidden_size, num_heads = int_field(hf, "hidden_size"), int_field(hf, "num_attention_heads")
+    return dict(hidden_size=hidden_size, intermediate_size=int_field(hf, "intermediate_size"),
                 num_attention_heads=num_heads, num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
                 head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
-                max_position_embeddings=_int_field(hf, "max_position_embeddings"),
-                vocab_size=_int_field(hf, "vocab_size"))
+                max_position_embeddings=int_field(hf, "max_position_embeddings"),
+                vocab_size=int_field(hf, "vocab_size"))
 
 
 def _check(config: Eagle3Config) -> None:

@@ -1,4 +1,4 @@
-"""vLLM's `speculators` checkpoint layout (speculators 0.9.0): both ways for the DFlash families, read for EAGLE-3.
+"""vLLM's `speculators` checkpoint layout (speculators 0.9.0): what every family's translation shares, and DFlash's.
 
 `speculators` is the format library of vLLM's own training and serving. Its checkpoints keep the public drafters'
 tensor names (DFlash's `layers.*`, `fc`, `hidden_norm`, `norm`; DFlash 2's convolutions and codebooks) but wrap the
@@ -10,9 +10,10 @@ converter maps them; it does not record the target's depth, so reading one needs
 
 Reading translates a speculators config.json into the public layout the family's reader takes (z-lab's for DFlash,
 SpecForge's for EAGLE-3, whose `layers.0.*` tensors are SpecForge's `midlayer.*`), so every check of that reader
-holds; writing goes the other way from a `DFlashConfig` (speculators' converter reads SpecForge's EAGLE-3 layout). What the layout cannot say
-(a reduced draft vocabulary, an anchor slot that drafts, z-lab's logit scalars, causal full-attention layers) is a
-one-line OpdError naming the field.
+holds; writing goes the other way. Each family's own translation lives in its format module (DFlash 2's, DSpark's,
+P-EAGLE's), on the DFlash backbone's here where it has one. What the layout cannot say (a reduced draft vocabulary,
+an anchor slot that drafts, z-lab's logit scalars, causal full-attention layers) is a one-line OpdError naming the
+field.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ from opd.errors import OpdError
 
 MODEL_TYPE = "speculators_model_type"
 VERSION = "0.9.0"
-# speculators' model type -> the public (z-lab) architecture of the same drafter
-DFLASH_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-# DFlash2SpeculatorConfig's defaults, in force where a config leaves a field out
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH = "dflash"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's, the public layout's
 # what a public DFlash config.json holds beside the drafter's own Qwen3 fields
 PUBLIC_ONLY = ("architectures", "block_size", "dflash_config", "num_target_layers", "is_causal", "dtype")
 
@@ -54,32 +53,30 @@ def layer_fields(layer: Any) -> dict[str, Any]:
 
 
 def dflash_public(hf: dict[str, Any], num_target_layers: int | None) -> dict[str, Any]:
-    """The public DFlash config.json of a speculators DFlash or DFlash 2 checkpoint (`num_target_layers` is the
-    target's depth, which speculators does not record; None leaves it out)."""
-    kind = model_type(hf)
-    if kind not in DFLASH_TYPES:
-        raise OpdError(f"config field '{MODEL_TYPE}' is {kind!r} (expected one of {', '.join(DFLASH_TYPES)})")
+    """The public DFlash config.json of a speculators DFlash checkpoint (`num_target_layers` is the target's depth,
+    which speculators does not record; None leaves it out)."""
+    if model_type(hf) != DFLASH:
+        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected '{DFLASH}')")
     if hf.get("sample_from_anchor"):
         raise OpdError("config field 'sample_from_anchor' is true, an anchor slot that drafts (expected false: the "
                        "anchor is the bonus token, as in z-lab's DFlash)")
-    public = backbone_public(hf, hf.get("block_size"), num_target_layers)
-    if kind == "dflash2":
-        public["dflash_config"] |= {name: hf.get(name, default) for name, default in DFLASH2_DEFAULTS.items()}
-    return public | {"architectures": [DFLASH_TYPES[kind]]}
+    return backbone_public(hf, hf.get("block_size"), num_target_layers)
 
 
-def backbone_public(hf: dict[str, Any], block_size: Any, num_target_layers: int | None) -> dict[str, Any]:
+def backbone_public(hf: dict[str, Any], block_size: Any, num_target_layers: int | None,
+                    non_causal: bool = False) -> dict[str, Any]:
     """The public DFlash config.json of the DFlash backbone a speculators DFlash-family config describes, with the
-    block size the public layout counts (`block_size`: anchor included)."""
+    block size the public layout counts (`block_size`: anchor included); `non_causal`: the family's reading of a
+    sliding config that leaves `sliding_window_non_causal` out."""
     layer = layer_fields(hf.get("transformer_layer_config"))
     _check_dflash_wrapper(hf, layer["vocab_size"])
     dflash: dict[str, Any] = {"mask_token_id": hf.get("mask_token_id"),
                               "target_layer_ids": [i - 1 for i in hf["aux_hidden_state_layer_ids"]]}
     sliding = "sliding_attention" in (layer.get("layer_types") or [])
     out = {k: v for k, v in layer.items() if k not in PUBLIC_ONLY}
-    out |= {"architectures": [DFLASH_TYPES["dflash"]], "block_size": block_size, "dflash_config": dflash,
+    out |= {"architectures": [DFLASH_ARCHITECTURE], "block_size": block_size, "dflash_config": dflash,
             "use_sliding_window": layer.get("sliding_window") is not None}
-    if sliding and hf.get("sliding_window_non_causal", model_type(hf) == "dflash2"):
+    if sliding and hf.get("sliding_window_non_causal", non_causal):
         out["is_causal"] = False  # every layer sees its whole block, as z-lab's top-level flag says
     if num_target_layers is not None:
         out["num_target_layers"] = num_target_layers
@@ -107,12 +104,11 @@ def speculators_config(algorithm: str, speculative_tokens: int, verifier: str | 
 
 
 def dflash_speculators(public: dict[str, Any], verifier: str | None, verifier_architectures: list[str],
-                       kind: str | None = None) -> dict[str, Any]:
-    """speculators' config.json for a public DFlash or DFlash 2 config.json (as `DFlashConfig.to_hf_dict`
-    writes it), or the DFlash backbone of another DFlash family (`kind`, which adds its own fields)."""
+                       kind: str) -> dict[str, Any]:
+    """speculators' config.json of kind `kind` for the DFlash backbone of a public DFlash config.json (as
+    `DFlashConfig.to_hf_dict` writes it); a family on that backbone adds its own fields."""
     dflash = public.get("dflash_config", {})
-    kind = kind or ("dflash2" if public["architectures"] == [DFLASH_TYPES["dflash2"]] else "dflash")
-    extra = sorted(set(dflash) - {"mask_token_id", "target_layer_ids", *DFLASH2_DEFAULTS})
+    extra = sorted(set(dflash) - {"mask_token_id", "target_layer_ids"})
     if extra:
         raise OpdError(f"config field 'dflash_config.{extra[0]}' has no counterpart in speculators' {kind} layout")
     if public.get("is_causal"):
@@ -121,14 +117,13 @@ def dflash_speculators(public: dict[str, Any], verifier: str | None, verifier_ar
     sliding = "sliding_attention" in public.get("layer_types", [])
     layer = {k: v for k, v in public.items() if k not in PUBLIC_ONLY} | {"model_type": "qwen3"}
     block = public["block_size"]
-    return {MODEL_TYPE: kind, "speculators_version": VERSION, "architectures": [DFLASH_TYPES.get(kind, "")],
+    return {MODEL_TYPE: kind, "speculators_version": VERSION, "architectures": [DFLASH_ARCHITECTURE],
             "transformer_layer_config": layer, "draft_vocab_size": public["vocab_size"], "block_size": block,
             "target_hidden_size": None, "mask_token_id": dflash["mask_token_id"],
             "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
             "sliding_window_non_causal": sliding and public.get("is_causal") is False,
             "sample_from_anchor": False,
             "speculators_config": speculators_config(kind, block - 1, verifier, verifier_architectures),
-            **{name: dflash[name] for name in DFLASH2_DEFAULTS if name in dflash},
             "tie_word_embeddings": False}
 
 

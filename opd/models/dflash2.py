@@ -32,14 +32,14 @@ where a full-vocabulary KL is infinite, so it has a term of its own (opd/distill
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opd.formats.dflash import DFlash2Spec, DFlashConfig, DFlashSpec, TargetShape, check_dflash2_fields
+from opd.formats.dflash import DFlashConfig, DFlashSpec, TargetShape
+from opd.formats.dflash2 import DFlash2Config, DFlash2Spec, check_dflash2_fields
 from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
 from opd.models.drafter_cache import DrafterCache
 from opd.models.drafter_family import drafter_family
@@ -58,8 +58,8 @@ class BlockConvolution(nn.Module):
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
-        assert config.conv_kernel_size is not None and config.conv_group_size is not None  # a DFlash 2 config
-        self.taps, self.group_size, self.block_size = config.conv_kernel_size, config.conv_group_size, config.block_size
+        own = cast(DFlash2Config, config)  # the layer class of DFlash 2 drafters alone
+        self.taps, self.group_size, self.block_size = own.conv_kernel_size, own.conv_group_size, config.block_size
         groups = config.hidden_size // self.group_size
         # Starts as the identity (tap 0 is 1): a fresh DFlash 2 layer is a DFlash layer plus the dynamic taps.
         base = torch.zeros(PASSES, self.taps, config.hidden_size)
@@ -117,9 +117,8 @@ class CandidateSelector(nn.Module):
     the slot's hidden. The codebooks are plain parameters, so they save without a `.weight` suffix, as z-lab's
     published checkpoints store them."""
 
-    def __init__(self, config: DFlashConfig, std: float = 0.02) -> None:
+    def __init__(self, config: DFlash2Config, std: float = 0.02) -> None:
         super().__init__()
-        assert config.selector_rank is not None and config.selector_top_k is not None  # a DFlash 2 config
         rank, self.top_k = config.selector_rank, config.selector_top_k
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, rank) * std)
@@ -183,12 +182,13 @@ class DFlash2Drafter(DFlashDrafter):
     kind = "dflash2"
 
     layer_class = DFlash2DecoderLayer
+    config_class = DFlash2Config
     chains_q = True  # the selector scores slot s's candidates given the draft at slot s-1
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  teacher: nn.Module | None = None) -> None:
         super().__init__(config, embed_tokens, lm_head, teacher)
-        self.candidate_selector = CandidateSelector(config)
+        self.candidate_selector = CandidateSelector(cast(DFlash2Config, config))
         self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
 
     @property
@@ -235,8 +235,7 @@ class DFlash2Drafter(DFlashDrafter):
         """(FLOPs per block token, per drafted slot) that no weight matrix accounts for: each convolution's two
         passes multiply-add a base and a dynamic tap per channel and tap (2 · 2 · 2 · taps · H per convolution,
         two per layer), and the selector."""
-        c = self.config
-        assert c.conv_kernel_size is not None  # a DFlash 2 config
+        c = cast(DFlash2Config, self.config)
         per_token = len(self.layers) * 2 * PASSES * 2 * 2 * c.conv_kernel_size * c.hidden_size
         return per_token, self.candidate_selector.flops_per_slot()
 
@@ -249,10 +248,7 @@ class DFlash2Family(DFlashFamily):
     drafter_class = DFlash2Drafter
 
     def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
-        fields: dict[str, Any] = cast(DFlash2Spec, section).fields
-        config = super().config(section, base, tokenizer)
-        check_dflash2_fields(fields, config.hidden_size, config.vocab_size, "models.drafter.{}")
-        return replace(config, **fields)
+        return DFlash2Config.of(super().config(section, base, tokenizer), cast(DFlash2Spec, section).fields)
 
     def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
         super().check_random(section, tokenizer, target)

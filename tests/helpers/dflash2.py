@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
+from opd.formats.dflash2 import DFlash2Config
 from opd.models.dflash2 import DFlash2Drafter
 from opd.models.drafter import DFlashDrafter
 from opd.models.lm_head import teacher_head
@@ -22,7 +21,7 @@ def dflash2_drafter(target, seed: int = 1, block_size: int = 4, base: DFlashDraf
     """A DFlash 2 drafter for `target`: random (or `base`'s DFlash weights), with random base kernels around the
     identity and codebooks scaled so the selector's interaction competes with the logits."""
     base = base or micro_drafter(target, seed=seed, block_size=block_size, mask_token_id=MASK)
-    config = dataclasses.replace(base.config, **(DFLASH2 | fields))
+    config = DFlash2Config.of(base.config, DFLASH2 | fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
@@ -42,7 +41,7 @@ def micro_dflash2(micro_assets, tmp_path):
     """A DFlash 2 drafter for the micro assets' target, saved."""
     target = load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 2])
     base = DFlashDrafter.from_pretrained(micro_assets["drafter"], target)
-    config = dataclasses.replace(base.config, **DFLASH2)
+    config = DFlash2Config.of(base.config, DFLASH2)
     drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head)
     drafter.load_state_dict(base.state_dict(), strict=False)
     drafter.save_pretrained(tmp_path / "dflash2")
