@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.remote import as_actor_class
-from actors.replica import ShardFollower, Spmd, bundle_address, evaluator, join
+from actors.replica import ShardFollower, SpmdEvaluator, bundle_address, evaluator, join
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
@@ -36,7 +36,7 @@ class EvaluatorActor:
         """`shard`: (group address, ranks) when this is rank 0 of a sharded evaluator whose other ranks are
         `followers`."""
         parsed = ExperimentSpec.model_validate(spec)
-        self.evaluator = Spmd(evaluator(parsed, join(parsed, shard)), followers or [])
+        self.evaluator = SpmdEvaluator(evaluator(parsed, join(parsed, shard)), followers or [])
 
     def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
         return self.evaluator(snapshot)

@@ -14,24 +14,31 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.data.prompts import load_tokenizer, train_prompts
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.eval.row import EvalRow
+from opd.eval.suite import SuiteResult
 from opd.models.build import Models, build_drafter, build_models, resolve_device
 from opd.models.sharding import build_sharded_target, join_group, own_rank
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.train.distributed import free_address
-from opd.train.evaluator import EvalResult, Evaluator
-from opd.train.messages import WeightSnapshot
+from opd.train.evaluator import Checkpoint, EvalResult, Evaluator
+from opd.train.messages import AnchorBatch, ScoredItem, WeightSnapshot
 from opd.train.rollout import RolloutWorker
 from opd.train.scorer import Scorer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def rollout_worker(spec: ExperimentSpec, world: int = 1) -> RolloutReplica:
@@ -51,10 +58,11 @@ def rollout_worker(spec: ExperimentSpec, world: int = 1) -> RolloutReplica:
 
 
 class RolloutReplica:
-    """A rollout replica's `RolloutWorker` (its attributes are the worker's), and the `Evaluator` that shares its
-    target when `resources.evaluate_on` is rollout: held-out decoding between rollout batches, with a drafter copy
-    of its own, so evaluating never disturbs the weights the replica drafts with. The evaluator is built at the
-    first evaluation, on every rank alike (the calls reach all of them), so a replica never asked costs nothing."""
+    """A rollout replica's `RolloutWorker` (forwarding what the rollout actor uses of it), and the `Evaluator` that
+    shares its target when `resources.evaluate_on` is rollout: held-out decoding between rollout batches, with a
+    drafter copy of its own, so evaluating never disturbs the weights the replica drafts with. The evaluator is built
+    at the first evaluation, on every rank alike (the calls reach all of them), so a replica never asked costs
+    nothing."""
 
     def __init__(self, spec: ExperimentSpec, worker: RolloutWorker, target: Target | None,
                  tokenizer: PreTrainedTokenizerBase) -> None:
@@ -62,8 +70,19 @@ class RolloutReplica:
         self.spec, self.worker, self.target, self.tokenizer = spec, worker, target, tokenizer
         self.evaluator: Evaluator | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
+    @property
+    def draft_version(self) -> int:
+        return self.worker.draft_version
+
+    @property
+    def decoder(self) -> SpeculativeDecoder | None:
+        return self.worker.decoder
+
+    def run(self, index: int) -> AnchorBatch:
+        return self.worker.run(index)
+
+    def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.worker.load_drafter(state_dict, version)
 
     def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
         """`Evaluator.__call__` on this replica's target."""
@@ -128,31 +147,74 @@ class ShardFollower:
         getattr(self.obj, method)(*args)
 
 
-class Spmd:
+class Spmd(Generic[T]):
     """Rank 0's object, whose method calls also run on the followers: the arguments go once to the object store,
     the followers start, rank 0 runs, then waits for them (so a follower's error surfaces at the call). One call at
     a time: an actor's threads (a rollout's loop and the evaluation it serves) share the target, and two calls
-    interleaving their collectives would pair the wrong ones across ranks."""
+    interleaving their collectives would pair the wrong ones across ranks. Each role's subclass names the calls its
+    actor makes, so none reaches rank 0 alone by mistake; reads of state stay on rank 0 (every rank holds the same)."""
 
-    def __init__(self, obj: Any, followers: list) -> None:
+    def __init__(self, obj: T, followers: list) -> None:
         self.obj, self.followers, self.lock = obj, followers, threading.Lock()
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.obj, name)
-        if not callable(attr):
-            return attr
-        return lambda *args: self._everywhere(name, attr, args)
-
-    def __call__(self, *args: Any) -> Any:
-        return self._everywhere("__call__", self.obj, args)
-
-    def _everywhere(self, name: str, method: Callable[..., Any], args: tuple) -> Any:
+    def _everywhere(self, method: Callable[..., R], *args: Any) -> R:
+        """`method`, a bound method of `obj`, on rank 0; the followers run theirs by its name."""
         with self.lock:
             if not self.followers:
                 return method(*args)
             refs = [ray.put(arg) for arg in args]
-            pending = [follower.call.remote(name, *refs) for follower in self.followers]
+            pending = [follower.call.remote(method.__name__, *refs) for follower in self.followers]
             out = method(*args)
             ray.get(pending)
             return out
 
+
+class SpmdRollout(Spmd[RolloutReplica]):
+    """A rollout replica's ranks, as `RolloutActor` uses them."""
+
+    @property
+    def draft_version(self) -> int:
+        return self.obj.draft_version
+
+    @property
+    def decoder(self) -> SpeculativeDecoder | None:
+        return self.obj.decoder
+
+    def run(self, index: int) -> AnchorBatch:
+        return self._everywhere(self.obj.run, index)
+
+    def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self._everywhere(self.obj.load_drafter, state_dict, version)
+
+    def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
+        return self._everywhere(self.obj.evaluate, snapshot)
+
+
+class SpmdScorer(Spmd[Scorer]):
+    """A scorer replica's ranks, as `ReplayScorerActor` uses them."""
+
+    @property
+    def draft_version(self) -> int:
+        return self.obj.draft_version
+
+    def __call__(self, batch: AnchorBatch) -> ScoredItem:
+        return self._everywhere(self.obj.__call__, batch)
+
+    def load_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self._everywhere(self.obj.load_drafter, state_dict, version)
+
+
+class SpmdEvaluator(Spmd[Evaluator]):
+    """The evaluator's ranks, as `EvaluatorActor` uses them."""
+
+    def __call__(self, snapshot: WeightSnapshot) -> EvalResult:
+        return self._everywhere(self.obj.__call__, snapshot)
+
+    def checkpoints(self, drafters: list[Checkpoint]) -> list[list[EvalRow]]:
+        return self._everywhere(self.obj.checkpoints, drafters)
+
+    def draw_samples(self, path: str) -> None:
+        self._everywhere(self.obj.draw_samples, path)
+
+    def suite(self, drafters: dict[str, str], out: str) -> SuiteResult:
+        return self._everywhere(self.obj.suite, drafters, out)

@@ -11,7 +11,7 @@ import ray
 
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from actors.replica import Spmd, join, rollout_worker
+from actors.replica import SpmdRollout, join, rollout_worker
 from opd.eval.acceptance import AcceptanceStats
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import EvalResult
@@ -29,7 +29,7 @@ class RolloutActor:
         `followers` (actors/replica.py)."""
         self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
                                                                    ledger, out)
-        self.worker = Spmd(rollout_worker(self.spec, join(self.spec, shard)), followers or [])
+        self.worker = SpmdRollout(rollout_worker(self.spec, join(self.spec, shard)), followers or [])
         self.metrics = Metrics()
 
     def ready(self) -> None:
@@ -58,6 +58,7 @@ class RolloutActor:
 
     def draft_state(self) -> tuple[int, dict]:
         """The weights this actor drafts with (tests compare them with the learner's bit for bit)."""
+        assert self.worker.decoder is not None  # asked of drafting replicas only
         return self.worker.draft_version, self.worker.decoder.drafter.state_dict()
 
     def _stopped(self) -> bool:

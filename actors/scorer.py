@@ -14,7 +14,7 @@ import ray
 from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
-from actors.replica import Spmd, join, scorer
+from actors.replica import SpmdScorer, join, scorer
 from opd.spec import ExperimentSpec
 from opd.train.ledger import VersionGate
 from opd.train.messages import AnchorBatch, WeightSnapshot
@@ -32,7 +32,7 @@ class ReplayScorerActor:
         `followers` (actors/replica.py)."""
         self.spec, self.name = ExperimentSpec.model_validate(spec), name
         self.store, self.ledger, self.inbox, self.out = store, ledger, inbox, out
-        self.scorer = Spmd(scorer(self.spec, join(self.spec, shard)), followers or [])
+        self.scorer = SpmdScorer(scorer(self.spec, join(self.spec, shard)), followers or [])
         self.waiting = VersionGate(partial(required_version, spec=self.spec))
         self.metrics = Metrics()
 

@@ -1,9 +1,10 @@
 """Tensors that pickle as numpy arrays, so Ray's object store moves them zero-copy.
 
-Ray pickles with protocol 5 and hands numpy arrays' buffers to the object store out of band: a `get` on the same
-node maps them instead of copying (4-8 GB/s measured). A torch tensor instead goes through torch's storage
-pickling, measured at 0.12-0.24 GB/s on these machines: 1.4 GB of scored replay took ~10 s per hop. Dataclasses
-that cross the object store inherit `ZeroCopy`; tensors must be on the CPU (they are made contiguous here).
+Ray pickles with protocol 5 and hands numpy arrays' buffers to the object store out of band: a `get` on the same node
+maps them instead of copying. A torch tensor instead goes through torch's storage pickling, which is slower
+(bench/results/scale.md's object-store runs and scale.json's `once`: a scored batch and a drafter publish, zero-copy
+against torch pickling). Dataclasses that cross the object store inherit `ZeroCopy`; tensors must be on the CPU (they
+are made contiguous here).
 
 Numpy has no bfloat16, so such tensors travel as a same-width integer view and are viewed back on arrival. The
 arrays a `get` returns are read-only views of the object store: consumers copy (e.g. `.to(device)`,

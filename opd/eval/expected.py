@@ -42,7 +42,8 @@ def slot_acceptance(drafts: torch.Tensor, logits: torch.Tensor, sampling: Sampli
         return (drafts == logits.argmax(-1)).to(torch.float32)
     if 0 < sampling.top_k < logits.shape[-1]:
         # Top-k gives every other token probability 0, so the top-k logits decide p_T(d): no [slots, V] softmax
-        # and sort for top-p (1.2 GB and most of the time at Qwen3's vocabulary for 256 slots; bench/scale.py).
+        # and sort for top-p, which held most of the diagnostic's memory and time at Qwen3's vocabulary for 256 slots
+        # (measured with bench/scale.py in commit f0b86f8; bench/results/scale.md holds only the shortcut's figures).
         top, ids = logits.topk(sampling.top_k, dim=-1)
         probs = target_probs(top, Sampling(sampling.temperature, 0, sampling.top_p))
         return (probs * (ids == drafts.unsqueeze(-1))).sum(-1)

@@ -41,8 +41,9 @@ from opd.spec import SamplingSpec
 
 CACHE_BYTES = 4 * 1024**3  # the target views kept in memory per process; older ones are dropped first
 # Sequences walked at once: each walk step is one drafter call for every live row, so wider batches amortise the
-# per-step overhead (tiny CPU, 64 prompts x 2 settings: 3.0 s at 8, 2.1 s at 64, flat beyond); memory is the
-# batch's features and drafter context cache, ~5 GB at Qwen3-4B shapes, 2048 tokens, bf16.
+# per-step overhead (on the tiny CPU models 64 beat 8, and wider did not help; measured once, commit 8f27d6f, and held
+# in no file of bench/results); memory is the batch's features and drafter context cache, ~5 GB at Qwen3-4B shapes, 2048
+# tokens, bf16.
 BATCH = 64
 
 

@@ -1,10 +1,11 @@
 """What made a stored target sample, so a reader can refuse one that another target, tokenizer, rendering or length
 cap made.
 
-A sample file outlives the run that drew it and is shared across runs, arms and seeds, so nothing else ties a
-row to the model and settings it came from. A row drawn at `max_new_tokens` 16 and trained on by a run at 128
-teaches truncated responses; one from another target makes offline τ meaningless (1.07 measured against 1.00
-decoded). Every row therefore carries its `Provenance`, and every reader compares it with its own, field by field.
+A sample file outlives the run that drew it and is shared across runs, arms and seeds, so nothing else ties a row to the
+model and settings it came from. A row drawn at `max_new_tokens` 16 and trained on by a run at 128 teaches truncated
+responses; one from another target makes offline τ meaningless (it was once measured off from the decoded τ that way; no
+file in bench/results holds the figures). Every row therefore carries its `Provenance`, and every reader compares it
+with its own, field by field.
 
 The target and tokenizer are named by a digest of the files that decide their outputs, cheap at any size: the bytes
 of the config and tokenizer files, and each weight file's name, size and first and last MiB (a retrained or

@@ -12,12 +12,12 @@ of the whole text (decoder only, no [T, V] logits); the drafter's context cache 
 drafts one block per sequence per step, seeing only cached positions before its anchor, exactly as in decoding.
 The alternative, drafting at every response position in parallel (`forward_blocks`) and walking afterwards,
 needs no sequential steps but drafts L(K−1) slots per sequence instead of the walk's M(K−1), through the LM head.
-Measured (commit ea8ae34, shipped tiny models, one CPU thread, 48 sequences x 128 tokens, batches of 8, target
-features 1.0 s in both): drafting everywhere took 3.4 s of drafter time, the walk 1.5 s with the warm drafter
-(τ≈4) and 5.7 s with a random one (τ=1). At Qwen3-4B shapes (bench/rollout.py: 151,936-token head, 2048 tokens,
-τ 6) drafting everywhere is 23.9 TFLOP of LM head per sequence against the walk's 4.0, more than the target's own
-forward over the text, while the walk's ~341 steps are small batched drafter calls. Trained drafters are what
-Draft-OPD rebuilds with, so the walk is what is kept.
+On the shipped tiny models the walk took less drafter time than drafting everywhere with the warm drafter and more with
+a random one (τ = 1); that was measured once, on one CPU thread (commit 636178a's message), and no file in bench/results
+holds it. At Qwen3-4B shapes (bench/rollout.py: 151,936-token head, 2048 tokens, τ 6) drafting everywhere works out to
+23.9 TFLOP of LM head per sequence against the walk's 4.0, more than the target's own forward over the text, while the
+walk's ~341 steps are small batched drafter calls. Trained drafters are what Draft-OPD rebuilds with, so the walk is
+what is kept.
 
 The final block follows one rule, `SequenceRecord.clip_to_response`, which the speculative decoder applies to its
 own records: a block is drafted at anchor a exactly when a < n − 1 (n = response length; the decoder stops once

@@ -4,7 +4,8 @@ responses with.
 Any sampler whose output is distributed as the target's own sampling will do, because the scorer rebuilds the
 blocks from the text (opd/sources/rebuild.py). Three are offered, chosen by `rollout.sampler`:
 - `speculative`: this project's speculative decoder with the warm drafter, never updated. Lossless whatever the
-  drafter, and on a CPU the fastest (0.61 s against 0.98 s per tiny batch of 8).
+  drafter, and on a CPU the fastest (bench/results/rollout.json: `cpu`, the rollout seconds per batch of its
+  `target (...)` rows).
 - `autoregressive`: plain batched decoding with a KV cache, the simplest reference.
 - `vllm`: vLLM's sampling on a GPU, unpatched, in vLLM's own environment (`resources.vllm_python`).
 

@@ -1,8 +1,9 @@
 """Procedurally generated grade-school math word problems with worked, step-by-step solutions.
 
-Why this exists: the tiny target model (`opd/tiny/build.py`) is trained for about 90 minutes on 2 CPU cores
-and must still behave like a real target: rarely loop, be confident where text is predictable and uncertain
-at real choice points. A few-million-parameter model can master a narrow, clean domain, so we generate one.
+Why this exists: the tiny target model (`opd/tiny/build.py`) is trained on 2 CPU cores (its model card,
+opd/assets/tiny/target/README.md, says for how long) and must still behave like a real target: rarely loop, be confident
+where text is predictable and uncertain at real choice points. A few-million-parameter model can master a narrow, clean
+domain, so we generate one.
 
 In every problem the arithmetic and the structure of the solution follow from the numbers, so most tokens
 are predictable. Names, objects, numbers and the wording of the question and of each step are drawn at

@@ -18,10 +18,10 @@ at the phrase level, driven by a separate RNG (`random.Random(f"reworded-{seed}"
 No rule adds, drops or reorders a number, the "Question: ...\\nAnswer:\\n" frame is kept exactly (the tiny
 target knows only that frame), and the reference is the generator's worked response, unchanged.
 
-The shift is real for the tiny target too: on the first 96 draws of seed 11 its greedy final answers are right
-62% of the time as generated, 42% with only the question sentence reworded and 30% as shipped (no loops, every
-response ends in eos). So τ here measures the drafter on a target that is itself partly off its training
-distribution, not the drafter alone.
+The shift is real for the tiny target too: on the first draws of seed 11 its greedy final answers are right less often
+with only the question sentence reworded than as generated, and least often as shipped, with no loops and every response
+ending in eos (measured when the family was added; no file in bench/results holds it). So τ here measures the drafter on
+a target that is itself partly off its training distribution, not the drafter alone.
 
 Regenerate the shipped file (200 prompts, ids `reworded-<seed>-<i>`, same jsonl schema as heldout.jsonl):
 

@@ -108,9 +108,10 @@ def checksum(state: dict[str, torch.Tensor]) -> str:
     """CRC-32 over names, shapes, dtypes and bytes, in name order.
 
     A snapshot carries its version and this checksum, so a rollout actor verifies it received the complete weights of
-    the version it expects before it swaps them in: a half-loaded or corrupted drafter must never produce rollouts.
-    A Qwen3-4B drafter is ~1 GB in bf16 and is published every `broadcast_every` steps, so it is CRC-32 (zlib, ~3 GB/s
-    on one core, against 0.2-0.7 GB/s for blake2b) over the tensors' own memory without a copy, computed once at
+    the version it expects before it swaps them in: a half-loaded or corrupted drafter must never produce rollouts. A
+    Qwen3-4B drafter is ~1 GB in bf16 and is published every `broadcast_every` steps, so it is CRC-32 (zlib, faster than
+    blake2b on one core; bench/results/scale.md times the whole publish, CRC-32 and zero-copy against blake2b and torch
+    pickling, and no file there times the hashes alone) over the tensors' own memory without a copy, computed once at
     publish and once where the bytes land. It guards against corruption and truncation, not tampering."""
     crc = 0
     for name in sorted(state):

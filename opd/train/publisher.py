@@ -1,11 +1,12 @@
 """The learner's weight publisher: it finishes each `WeightSnapshot` (CPU copy, checksum) and hands it on off the
 step's critical path.
 
-A Qwen3-4B drafter is ~1 GB in bf16: copying it to the CPU and CRC-32-ing it takes 0.3-0.8 s, and the Ray engine
-then puts it in the object store and tells the weight store, at every publication. The step only takes a copy the
-next optimizer step cannot change: a clone on the weights' own device (on a GPU a millisecond of memory
-bandwidth; on the CPU it is the CPU copy itself). One background thread does the rest, in version order, then
-calls `sink` (the Ray engine's weight store; none in the local engine, whose rollout reads `latest`).
+A Qwen3-4B drafter is ~1 GB in bf16: copying it to the CPU and CRC-32-ing it is too slow to sit in the step
+(bench/results/scale.md times the whole publish), and the Ray engine then puts it in the object store and tells the
+weight store, at every publication. The step only takes a copy the next optimizer step cannot change: a clone on the
+weights' own device (on a GPU a millisecond of memory bandwidth; on the CPU it is the CPU copy itself). One background
+thread does the rest, in version order, then calls `sink` (the Ray engine's weight store; none in the local engine,
+whose rollout reads `latest`).
 
 At most one publication is pending: the next `submit` waits for it, which bounds the extra memory to one copy of
 the weights and is where the loop waits when publishing takes longer than the steps between two publications.
