@@ -111,7 +111,7 @@ gpu-wheels: $(VENV_STAMP)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 	  --platform manylinux_2_17_x86_64 --platform any -d $(GPU_WHEELS) -c $(LOCK) \
-	  transformers tokenizers huggingface-hub safetensors pydantic pydantic-core typing-inspection annotated-types \
+	  transformers safetensors pydantic pydantic-core typing-inspection annotated-types typing-extensions \
 	  pyyaml rich markdown-it-py mdurl pygments
 	@du -sh $(GPU_WHEELS)
 
