@@ -42,7 +42,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     if (warm := m.warm_path) is not None:
         check_drafter(warm, target, m.drafter)
     else:
-        from opd.models.families import family
+        from opd.models.registry import family
 
         family(m.drafter.kind).check_random(m.drafter, tokenizer, target)
     if spec.rollout.source == "target" and spec.rollout.sampler == "vllm":
@@ -97,7 +97,7 @@ def check_layer_kinds_of(path: str) -> None:
 def check_drafter(path: str, target: SimpleNamespace, section: DrafterSection) -> None:
     """The warm drafter fits the target: config, tensor names and shapes, read from the header only, as its
     family lays them out (told apart by its config.json)."""
-    from opd.models.families import detect
+    from opd.models.registry import detect
 
     directory = ModelDir.read(path, "drafter")
     expected, borrowed = detect(directory).expected_shapes(directory, target, section)

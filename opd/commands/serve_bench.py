@@ -22,7 +22,7 @@ from opd.data.prompts import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.model_dir import ModelDir
-from opd.models.families import detect
+from opd.models.registry import detect
 from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar
 from opd.serving.engine import check_vllm, engine_args, sampling_dict, speculative_config, vllm_worker

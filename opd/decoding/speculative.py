@@ -42,8 +42,8 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, next_token, sample_chained_draft, sample_draft, verify, verify_sampled
 from opd.errors import OpdError
 from opd.models.drafter_cache import DrafterCache
-from opd.models.family import Drafter, chains
 from opd.models.layer_kind import TargetKinds
+from opd.models.protocol import Drafter, chains
 from opd.models.target import ReadyBlock, Target
 
 CAPACITY_STEP = 256  # a compiled decoder's cache capacities are multiples of this, so batches share compiled code

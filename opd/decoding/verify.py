@@ -21,7 +21,7 @@ import torch
 
 from opd.decoding.sampling import Sampling, keyed_uniform, sample_from, target_probs
 from opd.models.drafter_cache import DrafterCache
-from opd.models.family import ChainedDrafter
+from opd.models.protocol import ChainedDrafter
 
 # Keyed random streams (see sampling.py): accept/reject coins, the token the target emits at a position, and the
 # token a sampled draft proposes for it.

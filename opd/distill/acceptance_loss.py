@@ -39,8 +39,8 @@ from torch import nn
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, prob_of
 from opd.distill.losses import LossTerms, StepNorm, _valid_positions, processed_logprobs, slot_weights
-from opd.models.family import Drafter, chains
 from opd.models.lm_head import apply_head, chunked_loss
+from opd.models.protocol import Drafter, chains
 from opd.spec import LossSpec
 
 _TINY = 1e-30  # α below this is a slot whose q misses p̃'s support: -log α is then -log of it, without gradient

@@ -21,8 +21,8 @@ from dataclasses import replace
 import torch
 
 from opd.decoding.record import SequenceRecord
-from opd.models.family import Drafter
 from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
+from opd.models.protocol import Drafter
 from opd.models.target import Target
 
 

@@ -26,7 +26,7 @@ from torch.nn.functional import binary_cross_entropy_with_logits
 
 from opd.distill.losses import _compute_dtype, _valid_positions, position_sets
 from opd.errors import OpdError
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
 
 
 class _Confident(Protocol):

@@ -26,8 +26,8 @@ from opd.decoding.sampling import Sampling
 from opd.distill.confidence_loss import confidence_bce, confidence_logits, opd_confidence_loss
 from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
 from opd.distill.losses import _compute_dtype, _teacher_logprobs, sft_slot_weights
-from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunked_loss
+from opd.models.protocol import Drafter
 
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # the paper's weights, the published trainers' defaults
 

@@ -19,7 +19,7 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.distill.losses import StepNorm
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
 from opd.spec import LossSpec
 
 

@@ -38,9 +38,9 @@ import torch
 from opd.decoding.record import SequenceRecord
 from opd.distill.losses import TopKTeacher, topk_teacher
 from opd.distill.scored_batch import ScoredBatch
-from opd.models.family import Drafter
 from opd.models.lm_head import teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, PackedRow, PackedRows
+from opd.models.protocol import Drafter
 from opd.models.target import KVPrefix, Target
 
 

@@ -35,8 +35,8 @@ from opd.decoding.sampling import Sampling
 from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
 from opd.distill.losses import StepNorm, _kl, _teacher_logprobs, _valid_positions, slot_weights
 from opd.models.dflash2 import CandidateSelector, DFlash2Drafter
-from opd.models.family import Drafter
 from opd.models.lm_head import apply_head, chunks
+from opd.models.protocol import Drafter
 from opd.spec import LossSpec
 
 

@@ -11,7 +11,7 @@ top-level `is_causal`, and the scalars `input_embedding_scale`, `output_multipli
 like z-lab's `_draft_value`, a DFlash value is read from `dflash_config` first, then the top level. RoPE is read as
 transformers 5 configs carry it (`rope_parameters`, or the older `rope_scaling` and `rope_theta`): any type whose
 frequencies are fixed when the model is built (default, linear, YaRN, llama3, proportional), flat or per layer type,
-and the drafter takes its tables from transformers' own RoPE initialisation (opd/models/drafter.py). Anything else
+and the drafter takes its tables from transformers' own RoPE initialisation (opd/models/dflash.py). Anything else
 (other `dflash_config` keys, DFlash 2's among them, RoPE that rescales with the sequence length) is refused with a
 one-line OpdError naming the field: loading it would draft wrongly, silently. The variants with a format of their
 own build on this one: DFlash 2 (opd/formats/dflash2.py) and DSpark (opd/formats/dspark.py).

@@ -1,5 +1,5 @@
 """Builders: turn a validated spec into loaded models (torchtune-style functions; the drafter's family does its
-own part, opd/models/families.py)."""
+own part, opd/models/registry.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from opd.data.prompts import load_tokenizer
 from opd.errors import OpdError
 from opd.model_dir import ModelDir
-from opd.models.families import detect, family
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
+from opd.models.registry import detect, family
 from opd.models.shared_head import SharedHead, load_shared_head
 from opd.models.target import Target, load_target
 from opd.spec import ExperimentSpec, ModelsSpec

@@ -3,7 +3,7 @@ block and a candidate selector that chains the block's drafts.
 
 Why a subclass of `DFlashDrafter` rather than a third family: DFlash 2 keeps DFlash's context injection, block
 layout, cache, checkpoint format and training call (`block_hidden`) unchanged, and adds two things inside them. So
-it plugs into the one family interface (opd/models/family.py) as a DFlash drafter whose layers are
+it plugs into the one family interface (opd/models/protocol.py) as a DFlash drafter whose layers are
 `DFlash2DecoderLayer` and whose `choose` is the selector's path; nothing of DFlash's model code is repeated.
 
 * Convolutions (`BlockConvolution`). Each layer convolves its normed input before attention and before the MLP,
@@ -40,9 +40,9 @@ from torch import nn
 
 from opd.formats.dflash import DFlashConfig, DFlashSpec, TargetShape
 from opd.formats.dflash2 import DFlash2Config, DFlash2Spec, check_dflash2_fields
-from opd.models.drafter import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
+from opd.models.dflash import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
 from opd.models.drafter_cache import DrafterCache
-from opd.models.drafter_family import drafter_family
+from opd.models.family import drafter_family
 from opd.models.packed_attention import BlockChunks
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target

@@ -3,7 +3,7 @@ head chains the block's drafts, and a confidence head.
 
 Why a subclass of `DFlashDrafter`: DSpark keeps DFlash's context injection, layers, cache and block attention, and
 adds two heads after them (as DFlash 2 adds its selector). So it plugs into the one family interface
-(opd/models/family.py) as a DFlash drafter whose block and head differ:
+(opd/models/protocol.py) as a DFlash drafter whose block and head differ:
 
 * Block. The anchor's own slot drafts (DeepSpec's `sample_from_anchor`): the block [anchor, MASK x (K-2)] at
   positions anchor..anchor+K-2 runs K-1 tokens through the layers, and slot j's hidden gives draft j+1.
@@ -37,9 +37,9 @@ from opd.errors import OpdError
 from opd.formats.dflash import DFlashConfig, DFlashSpec, write_layout
 from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
-from opd.models.drafter import DFlashDrafter, DFlashFamily
+from opd.models.dflash import DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
-from opd.models.drafter_family import drafter_family
+from opd.models.family import drafter_family
 from opd.models.packed_attention import CHUNK_ROWS
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target

@@ -50,9 +50,9 @@ from opd.formats.eagle3 import (
 )
 from opd.formats.speculators import is_speculators, speculators_tensor_names
 from opd.model_dir import ModelDir
-from opd.models.drafter import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 from opd.models.drafter_cache import DrafterCache
-from opd.models.drafter_family import DrafterFamily, Shapes, drafter_family
+from opd.models.family import DrafterFamily, Shapes, drafter_family
+from opd.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.shared_head import SharedHead
@@ -92,7 +92,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
         self.self_attn = Eagle3Attention(config)
-        self.mlp = DFlashMLP(config)
+        self.mlp = GatedMLP(config)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,9 +1,9 @@
 """What a drafter family does besides drafting: build a random drafter, load and check a checkpoint, serve it.
 
-Decoding, replay, the rebuild and the losses only ever call the `Drafter` protocol (opd/models/family.py). Everything
+Decoding, replay, the rebuild and the losses only ever call the `Drafter` protocol (opd/models/protocol.py). Everything
 that depends on which family a checkpoint or a spec is (a random initialisation's config, the tensors a checkpoint
 must hold, the serving engine's speculative config, what a fresh drafter learns from SFT data) is a method of its
-`DrafterFamily`, looked up by `kind` in opd/models/families.py. The builders, the preflight, SFT and serving ask
+`DrafterFamily`, looked up by `kind` in opd/models/registry.py. The builders, the preflight, SFT and serving ask
 the family; none of them tests `kind ==` or the drafter's class. The family's spec section and checkpoint format
 live beneath, in opd/formats/.
 """
@@ -18,7 +18,7 @@ from opd.errors import OpdError
 from opd.formats.dflash import TargetShape
 from opd.formats.section import DrafterSection
 from opd.model_dir import ModelDir
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 
@@ -27,7 +27,7 @@ Shapes = tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]  # (tensor sha
 
 class DrafterFamily:
     """One drafter family; a subclass registers itself with `@drafter_family` under its section's `kind`
-    (opd/models/families.py finds it)."""
+    (opd/models/registry.py finds it)."""
 
     section: ClassVar[type[DrafterSection]]  # its spec section (opd/formats/)
 
@@ -76,7 +76,7 @@ _REGISTERED: dict[str, DrafterFamily] = {}
 
 
 def drafter_family(cls: type[DrafterFamily]) -> type[DrafterFamily]:
-    """Class decorator: the family of its section's `kind`, found by opd/models/families.py (no list names it)."""
+    """Class decorator: the family of its section's `kind`, found by opd/models/registry.py (no list names it)."""
     family = cls()
     _REGISTERED[family.kind] = family
     return cls

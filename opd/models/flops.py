@@ -47,7 +47,7 @@ from opd.models.layer_kind import layer_kinds
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from opd.models.family import Drafter
+    from opd.models.protocol import Drafter
 
 
 def _numel(modules: list[nn.Module]) -> int:

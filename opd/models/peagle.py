@@ -45,8 +45,8 @@ from opd.formats.peagle import (
 )
 from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache
-from opd.models.drafter_family import DrafterFamily, Shapes, drafter_family
 from opd.models.eagle3 import Eagle3Drafter, _chain_attention, _check_fused_layers, draft_vocab_size
+from opd.models.family import DrafterFamily, Shapes, drafter_family
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target

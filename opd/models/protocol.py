@@ -1,12 +1,12 @@
 """The drafter interface: what decoding, the rebuild, replay, the learner and SFT call on any drafter.
 
-Every registered family implements it (opd/models/families.py), in one file of its own: DFlash's block of K-1
-drafts in one forward (opd/models/drafter.py) and its chained variants (DFlash 2's selector, DSpark's Markov head),
+Every registered family implements it (opd/models/registry.py), in one file of its own: DFlash's block of K-1
+drafts in one forward (opd/models/dflash.py) and its chained variants (DFlash 2's selector, DSpark's Markov head),
 EAGLE-3's chain of argmax steps and P-EAGLE's parallel one. All draft point masses, so the rebuild
 (opd/sources/rebuild.py) and replay hold for each. A drafter whose q at a slot depends on the draft before it
 (`chains_q`) is a `ChainedDrafter` too: its sampled drafts and the law they are sampled from come through that
 protocol, asked with `chains`, never by family. What differs by family outside drafting (building, checkpoints,
-serving) is its `DrafterFamily` (opd/models/drafter_family.py), and what it adds to training its `FamilyTerms`
+serving) is its `DrafterFamily` (opd/models/family.py), and what it adds to training its `FamilyTerms`
 (opd/distill/family_terms.py), both looked up by kind.
 """
 

@@ -1,4 +1,4 @@
-"""The drafter families, by `kind`: each registers itself (`@drafter_family`, opd/models/drafter_family.py) in
+"""The drafter families, by `kind`: each registers itself (`@drafter_family`, opd/models/family.py) in
 its own module, and its spec section in its format module (opd/formats/), so a new family is listed nowhere."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 from opd.errors import OpdError
 from opd.formats import KINDS, detect_section
 from opd.model_dir import ModelDir
-from opd.models.drafter_family import DrafterFamily, registered_families
-from opd.models.family import Drafter
+from opd.models.family import DrafterFamily, registered_families
+from opd.models.protocol import Drafter
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from opd.decoding.sampling import Sampling
 from opd.model_dir import ModelDir
-from opd.models.families import detect
+from opd.models.registry import detect
 from opd.serving.vllm_env import check_gpus, check_vllm_env
 from opd.serving.vllm_worker import VllmWorker
 from opd.spec import ExperimentSpec

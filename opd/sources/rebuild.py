@@ -35,7 +35,7 @@ import torch
 from opd.decoding.batch import right_pad
 from opd.decoding.record import SequenceRecord
 from opd.errors import OpdError
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
 from opd.models.target import Target
 
 

@@ -24,8 +24,8 @@ import torch
 from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
-from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, sample_flops
+from opd.models.protocol import Drafter
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
 

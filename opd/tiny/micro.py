@@ -10,7 +10,7 @@ import torch
 
 from opd.formats.dflash import default_target_layer_ids
 from opd.formats.eagle3 import Eagle3Config, draft_vocab
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
 from opd.models.lm_head import teacher_head
 from opd.models.shared_head import embedding_scale

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from opd.errors import OpdError
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
 from opd.outputs import atomic_dir
 from opd.spec import ExperimentSpec, field_default, flatten
 

@@ -13,7 +13,7 @@ import torch
 from opd.distill.replay import student_hidden
 from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
 from opd.spec import ExperimentSpec, OptimSpec
 from opd.train.distributed import Group, ensure_group
 

@@ -21,8 +21,8 @@ from opd.distill.micro_batches import learner_plan, merge
 from opd.distill.replay import student_hidden
 from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
-from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter
+from opd.models.protocol import Drafter
 from opd.spec import ExperimentSpec, LossSpec, OptimSpec
 from opd.train.deepspeed import deepspeed_engine, zero_keeps_masters
 from opd.train.distributed import Group, gather, reduce_gradients, reduce_sum

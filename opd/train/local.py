@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from opd.data.prompts import train_prompts
 from opd.models.build import LearnerModels, Models, build_models
-from opd.models.family import clone_drafter
+from opd.models.protocol import clone_drafter
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import Evaluator, InlineEvaluations
 from opd.train.ledger import undisturbed

@@ -20,8 +20,8 @@ from opd.decoding.record import UNDRAFTED, SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.anchors import redraft_at_random_anchors
-from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, drafted_text_flops
+from opd.models.protocol import Drafter
 from opd.models.target import Target
 from opd.sources.samplers import build_sampler
 from opd.sources.store import GEN_CHUNK, SampleStore, Wanted, rollout_draw, wanted

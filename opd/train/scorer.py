@@ -25,9 +25,9 @@ from opd.distill.micro_batches import replay_groups
 from opd.distill.replay import CommittedView, pack, replay_mode, score
 from opd.distill.scored_batch import ScoredBatch
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
-from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, TargetParams, rebuild_flops
 from opd.models.lm_head import teacher_head
+from opd.models.protocol import Drafter
 from opd.sources.rebuild import rebuild_records
 from opd.spec import ExperimentSpec
 from opd.train.messages import AnchorBatch, ScoredItem

@@ -25,8 +25,8 @@ from opd.eval.acceptance import AcceptanceStats
 from opd.eval.expected import ExpectedAcceptance
 from opd.eval.row import EvalRow
 from opd.models.build import LearnerModels, build_learner_models
-from opd.models.family import Drafter
 from opd.models.flops import FlopCounter
+from opd.models.protocol import Drafter
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 from opd.spec import ExperimentSpec

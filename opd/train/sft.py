@@ -32,9 +32,9 @@ from opd.distill.micro_batches import group_by_budget
 from opd.errors import OpdError
 from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.build import Models, build_drafter, build_models
-from opd.models.families import family
-from opd.models.family import Drafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
+from opd.models.protocol import Drafter
+from opd.models.registry import family
 from opd.models.target import Target
 from opd.outputs import atomic_dir, check_output_dir
 from opd.progress import progress_bar
