@@ -1,4 +1,5 @@
-"""The rollout section: how the training data is decoded, or where its target samples come from."""
+"""The rollout section: how the training data is decoded, or where its target samples come from. The section is a
+sampling setting itself (its temperature, top_p and top_k), the first of the settings its batches take in turn."""
 
 from __future__ import annotations
 
@@ -6,20 +7,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from opd.formats.section import Section, spec_issues
-from opd.spec.sampling import RolloutSampling, Temperature, TopK, TopP
+from opd.formats.section import spec_issues
+from opd.spec.sampling import RolloutSampling, TargetSampling
 
 
-class RolloutSpec(Section):
+class RolloutSpec(TargetSampling):
     """Target-assisted speculative decoding that produces the training data."""
 
     mode: Literal["draft_opd", "naive"] = Field("draft_opd", description=(
         "naive = train on committed tokens only (ablation)"))
     batch_size: int = Field(8, ge=1, description="prompts per rollout batch")
     max_new_tokens: int = Field(2048, ge=1)
-    temperature: Temperature = 0.0
-    top_p: TopP = 1.0
-    top_k: TopK = 0
     static_cache: bool = Field(False, description=(
         "Fixed-shape decoding (HF StaticCache, preallocated drafter cache, finished rows kept, each row's kept "
         "slots packed in place): the shapes a compiled decoding step needs (`SpeculativeDecoder(compiled=True)`, "

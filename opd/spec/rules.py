@@ -13,7 +13,7 @@ from typing import Protocol
 from opd.spec.inputs import DataSpec, ModelsSpec
 from opd.spec.resources import ResourcesSpec
 from opd.spec.rollout import RolloutSpec
-from opd.spec.sampling import ServingSpec
+from opd.spec.sampling import ServingSpec, TargetSampling
 from opd.spec.training import LossSpec, OptimSpec, ReplaySpec, SftSpec
 
 
@@ -154,7 +154,7 @@ def _rollout_takes_the_serving_setting(rollout: RolloutSpec, serving: ServingSpe
     """Rollouts decode in the serving setting: rollout.temperature/top_p/top_k follow it, and one set otherwise
     is refused rather than silently replaced."""
     issues = []
-    for name in ("temperature", "top_p", "top_k"):
+    for name in TargetSampling.model_fields:
         mine, served = getattr(rollout, name), getattr(serving, name)
         if name in rollout.model_fields_set and mine != served:
             issues.append(f"rollout.{name}: {mine:g} differs from serving.{name} {served:g} (expected it unset: "
