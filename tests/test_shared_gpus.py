@@ -1,6 +1,6 @@
 """Layouts for targets whose every copy takes a node (Qwen3.5-397B-A17B in bf16 on two 8xH200 nodes): held-out
 evaluation on rollout-0's target (`resources.evaluate_on: rollout`, actors/replica.py `RolloutReplica`) and learner
-ranks sharing the scorer ranks' GPUs (`resources.colocate_learner`, opd/spec/schema.py `ResourcesSpec.learner_bundles`).
+ranks sharing the scorer ranks' GPUs (`resources.colocate_learner`, opd/spec/placement.py `learner_group_bundles`).
 
 Fast here: the evaluation a rollout replica serves equals the evaluator's and leaves its drafting weights alone;
 the placement bundles; the spec's one-line refusals (tests/test_sharded_spec.py holds the others). `slow`: `opd run`

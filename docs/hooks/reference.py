@@ -2,7 +2,7 @@
 
 - `reference/cli.md`: every `opd` command's help, from the argparse parser (`opd.cli.build_parser`).
 - `reference/spec.md`: every experiment-spec field, from the pydantic models (`opd.spec.ExperimentSpec`): its type,
-  default and bounds from the model, its note from the field's `description` (opd/spec/schema.py, opd/formats/).
+  default and bounds from the model, its note from the field's `description` (opd/spec/, opd/formats/).
 - `results/bench/...`: the measured runs in `bench/results/` (reports, plots and their JSON), mounted as they are,
   so the results pages link to them without a copy in `docs/`, and `results/bench/index.md`, a list of the reports.
 - `changelog.md`: the repository's `CHANGELOG.md`.
@@ -184,12 +184,12 @@ def _cell(text: str) -> str:
 
 
 def spec_page() -> str:
-    import opd.spec.schema as spec_module
+    from opd.spec import ExperimentSpec
 
     out = [
         "# Experiment spec",
         "",
-        "Generated at every docs build from the pydantic models in `opd/spec/schema.py` and the drafter families'",
+        "Generated at every docs build from the pydantic models in `opd/spec/` and the drafter families'",
         "sections in `opd/formats/`: each field's type, default, bounds and note (its `description`) come from the",
         "model. Cross-field rules",
         "(the validators) are not listed here: `opd validate CONFIG` applies them all and prints the resolved spec.",
@@ -198,7 +198,7 @@ def spec_page() -> str:
     ]
     # (dotted path, model, its default instance when the section has one); each section is followed by its own
     # subsections, in field order
-    sections: list[tuple[str, type[BaseModel], BaseModel | None]] = [("", spec_module.ExperimentSpec, None)]
+    sections: list[tuple[str, type[BaseModel], BaseModel | None]] = [("", ExperimentSpec, None)]
     while sections:
         path, model, instance = sections.pop(0)
         title = f"`{path}`" if path else "Top level"

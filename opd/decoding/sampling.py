@@ -9,9 +9,12 @@ are reproducible and can be compared with per-sequence decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:  # the type only, so importing the decoder loads neither pydantic nor the spec
+    from opd.spec import TargetSampling
 
 _MASK32 = 0xFFFFFFFF
 
@@ -26,8 +29,8 @@ class Sampling:
     sample_drafts: bool = False  # drafts sampled from the drafter's q (same processing) instead of its argmax
 
     @classmethod
-    def of(cls, setting, *, sample_drafts: bool = False) -> Sampling:
-        """From a spec's temperature / top_k / top_p fields (`SamplingSpec`, `RolloutSpec`, `RolloutSampling`)."""
+    def of(cls, setting: TargetSampling, *, sample_drafts: bool = False) -> Sampling:
+        """From a spec's sampling setting: rollout's, an eval setting or the serving mode (`opd.spec.sampling`)."""
         return cls(setting.temperature, setting.top_k, setting.top_p, sample_drafts)
 
     @property

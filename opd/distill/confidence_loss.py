@@ -36,7 +36,7 @@ class _Confident(Protocol):
 
 def confidence_logits(drafter: Drafter) -> nn.Module:
     """The drafter's confidence head on training rows (-> logits); one line naming the field when it has none
-    (the spec refuses the objectives that need one for other families, opd/spec/schema.py)."""
+    (the spec refuses the objectives that need one for other families, opd/spec/rules.py)."""
     if not hasattr(drafter, "confidence_logits"):
         raise OpdError(f"models.drafter.kind: {type(drafter).__name__} has no confidence head (expected dspark)")
     return cast(_Confident, drafter).confidence_logits

@@ -120,6 +120,7 @@ def teacher_processing(replay: ReplaySpec, serving: ServingSpec | None) -> Sampl
     """How the losses process the target's logits: at `replay.teacher_temperature`, or as the server verifies
     (`replay.teacher: served`; the spec refuses it without a serving section)."""
     if replay.teacher == "served":
+        assert serving is not None  # the spec refuses a served teacher without a serving section
         return Sampling.of(serving)
     return Sampling(replay.teacher_temperature)
 

@@ -9,7 +9,7 @@ longest first by the learner, so padding stays small; in record order by the sco
 A sequence over the budget alone is cut at block boundaries. That is exact for both models: a DFlash block sees
 only the text before its anchor and itself (the teacher's packed row likewise sees the prefix up to its anchor),
 never another block, and the step's loss coefficients are fixed by `StepNorm` before any forward. What cannot be
-cut is one sequence's text plus one block; the spec refuses a budget below that (opd/spec/schema.py), before any compute.
+cut is one sequence's text plus one block; the spec refuses a budget below that (opd/spec/rules.py), before any compute.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class DrafterSection(Section):
     target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description=(
         "None = the family's default for the target"))
 
-    # What the experiment's rules ask (opd/spec/schema.py): whether its drafts have a realized q to sample at T>0
+    # What the experiment's rules ask (opd/spec/rules.py): whether its drafts have a realized q to sample at T>0
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has
     # a candidate selector with a loss term of its own (`loss.selector_weight`), and whether it has a confidence head
     # to train (`sft.objective: dspark`, `loss.confidence_weight`).

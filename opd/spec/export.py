@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from opd.spec.schema import ExperimentSpec
+from opd.spec.experiment import ExperimentSpec
 
 
 def field_default(dotted: str) -> str | None:

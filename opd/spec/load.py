@@ -24,8 +24,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from opd.errors import OpdError
+from opd.spec.experiment import ExperimentSpec
 from opd.spec.resolve import SpecFiles, file_facts, path_problems, shard_degree_issues, warm_drafter_issues
-from opd.spec.schema import ExperimentSpec, SpecError
+
+
+class SpecError(OpdError):
+    """A spec that cannot be used; carries one line per problem so the CLI can print them all at once."""
+
+    def __init__(self, messages: Sequence[str]):
+        self.messages = list(messages)
+        super().__init__("\n".join(self.messages))
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -1,7 +1,7 @@
 """Resolving a spec: the one place that reads the files it names, once, in the driver.
 
-The schema (opd/spec/schema.py) validates a mapping without reading a file, so every actor can validate the spec
-it is handed, and a validator never waits on a slow shared filesystem. What only the files can say is filled in or
+The schema (`opd.spec.experiment` and its sections) validates a mapping without reading a file, so every actor can
+validate the spec it is handed, and a validator never waits on a slow shared filesystem. What only the files can say is filled in or
 checked here, before the schema's rules run: the target's depth (which the drafter's layer ids are checked
 against), the prompt pool's size (which a run length in epochs counts), whether a warm drafter is the drafter the
 spec describes, and whether every path exists.
@@ -17,7 +17,8 @@ from typing import Any
 
 from opd.formats import DRAFTER_SECTIONS, detect_section
 from opd.model_dir import ModelDir
-from opd.spec.schema import ExperimentSpec, ResourcesSpec
+from opd.spec.experiment import ExperimentSpec
+from opd.spec.resources import ResourcesSpec
 
 KINDS = [section.model_fields["kind"].default for section in DRAFTER_SECTIONS]
 

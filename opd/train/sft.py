@@ -129,6 +129,7 @@ class SftAcceptance:
     def of(cls, spec: ExperimentSpec) -> SftAcceptance | None:
         if not spec.sft.acceptance_weight:
             return None
+        assert spec.serving is not None  # the spec refuses sft.acceptance_weight without a serving section
         return cls(spec.sft.acceptance_weight, spec.loss, Sampling.of(spec.serving),
                    teacher_processing(spec.replay, spec.serving))
 
