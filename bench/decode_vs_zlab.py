@@ -33,8 +33,8 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.models.build import build_models
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.families import load_drafter
 from opd.models.packed_attention import as_shipped
+from opd.models.registry import load_drafter
 from opd.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -43,8 +43,8 @@ from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig, default_target_layer_ids
 from opd.formats.dflash2 import DFlash2Config
 from opd.models.build import build_models
+from opd.models.dflash import DFlashDrafter
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.drafter import DFlashDrafter
 from opd.models.drafter_cache import DrafterCache
 from opd.models.flops import DrafterParams
 from opd.spec import load_spec

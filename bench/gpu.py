@@ -53,10 +53,10 @@ from opd.distill.replay import score, student_hidden
 from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import default_target_layer_ids
 from opd.formats.eagle3 import Eagle3Config
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.models.eagle3 import Eagle3Drafter
-from opd.models.families import FAMILIES
-from opd.models.family import Drafter
+from opd.models.protocol import Drafter
+from opd.models.registry import FAMILIES
 from opd.models.target import Target
 from opd.spec import validate_spec
 from opd.train.learner import Learner

@@ -61,8 +61,8 @@ from opd.decoding.sampling import Sampling  # noqa: E402
 from opd.decoding.speculative import SpeculativeDecoder  # noqa: E402
 from opd.distill.replay import score, student_hidden  # noqa: E402
 from opd.memory import peak_cpu_bytes  # noqa: E402
-from opd.models.protocol import Drafter  # noqa: E402
 from opd.models.lm_head import teacher_head  # noqa: E402
+from opd.models.protocol import Drafter  # noqa: E402
 from opd.models.target import Target  # noqa: E402
 from opd.spec import ExperimentSpec, validate_spec  # noqa: E402
 from opd.tiny.micro import micro_drafter, micro_target  # noqa: E402

@@ -39,7 +39,7 @@ from opd.distill.losses import teacher_distribution
 from opd.distill.replay import score, student_hidden
 from opd.formats.dflash import default_target_layer_ids
 from opd.models.build import DTYPES, build_models, random_drafter
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.spec import load_spec
 

@@ -35,7 +35,7 @@ from rich.table import Table
 
 from opd.decoding.record import SequenceRecord
 from opd.distill.replay import pack
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams, decode_flops, rebuild_flops
 from opd.models.target import Target
 from opd.spec import load_spec

@@ -67,7 +67,7 @@ from opd.distill.losses import acceptance_aware_loss, sft_loss, teacher_distribu
 from opd.distill.replay import pack, packed_inputs, replay_mode, score, student_hidden
 from opd.eval.expected import point_mass_settings, record_drafts, teacher_acceptance
 from opd.memory import peak_cpu_bytes
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.models.linear_replay import GROUP_BYTES, SEGMENT
 from opd.models.packed_attention import BlockChunks
 from opd.models.target import Target

@@ -74,7 +74,7 @@ def _write_prompts(path: Path, problems) -> None:
 
 def _write_micro_models(root: Path, tokenizer) -> None:
     """A float32 micro Qwen3 target sized to `tokenizer` (saved with it) and a random drafter, under `root`."""
-    from opd.models.drafter import DFlashConfig, DFlashDrafter
+    from opd.models.dflash import DFlashConfig, DFlashDrafter
     from opd.tiny.micro import micro_target
 
     target = micro_target(seed=0, vocab_size=len(tokenizer), num_layers=4, dtype=torch.float32, layer_ids=[1, 2])

@@ -20,9 +20,9 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import CommittedView, score
 from opd.models.build import Models
-from opd.models.families import load_drafter
 from opd.models.lm_head import teacher_head
 from opd.models.packed_attention import PackedRow, PackedRows
+from opd.models.registry import load_drafter
 from opd.models.sharding import join_group, load_sharded_target, own_rank
 from opd.models.target import Target
 from opd.sources.rebuild import rebuild_records

@@ -24,7 +24,7 @@ from opd.distill.acceptance_loss import acceptance_objective, block_slots, reali
 from opd.distill.losses import StepNorm, acceptance_aware_loss, processed_logprobs, slot_weights
 from opd.distill.replay import score, student_hidden
 from opd.models.dflash2 import CandidateSelector, DFlash2Drafter
-from opd.models.family import chains
+from opd.models.protocol import chains
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.dflash2 import dflash2_drafter

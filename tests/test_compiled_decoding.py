@@ -74,7 +74,7 @@ def test_compiled_needs_the_static_cache(target):
 def inductor_matches_eager(device: str) -> None:
     """The shipped tiny target with each shipped drafter, greedy, batch 1 and batched: inductor's compiled step
     writes the eager decoder's responses and blocks."""
-    from opd.models.families import load_drafter
+    from opd.models.registry import load_drafter
 
     torch._dynamo.reset()
     target, prompts = tiny_target_and_prompts(4)

@@ -28,8 +28,8 @@ from opd.errors import OpdError
 from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash2 import DFlash2Config
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.families import load_drafter
 from opd.models.flops import DrafterParams
+from opd.models.registry import load_drafter
 from opd.sources.rebuild import rebuild_records
 from opd.spec import LossSpec
 from opd.tiny.micro import micro_drafter, micro_target

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from opd.errors import OpdError
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.drafter_math import _rms, _rope
 

@@ -22,7 +22,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
 from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.models.flops import DrafterParams
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records

@@ -27,9 +27,9 @@ from opd.formats.dflash import DFlashConfig
 from opd.formats.dspark import DSparkConfig
 from opd.model_dir import ModelDir
 from opd.models.build import build_models
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
-from opd.models.families import detect, family, load_drafter
+from opd.models.registry import detect, family, load_drafter
 from opd.models.target import load_target
 from opd.sources.rebuild import rebuild_records
 from opd.spec import SpecError, load_spec

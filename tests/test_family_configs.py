@@ -24,7 +24,7 @@ from opd.cli import main
 from opd.commands.preflight import check_layer_kinds_of
 from opd.errors import OpdError
 from opd.formats.dflash import FULL, SLIDING, DFlashConfig
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.models.lm_head import teacher_head
 from opd.models.shared_head import embedding_scale, load_shared_head
 from opd.tiny.micro import micro_drafter, micro_target

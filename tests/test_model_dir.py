@@ -1,5 +1,5 @@
 """A model directory is read once (`ModelDir`), its problems are one line naming the file or field, and a drafter
-directory's family comes from its config.json through the one registry (`opd.models.families`)."""
+directory's family comes from its config.json through the one registry (`opd.models.registry`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from opd.errors import OpdError
 from opd.formats import DRAFTER_SECTIONS, detect_section
 from opd.model_dir import ModelDir
-from opd.models.families import FAMILIES, detect, family
+from opd.models.registry import FAMILIES, detect, family
 from opd.models.target import load_target
 from opd.spec import validate_spec
 

@@ -26,8 +26,8 @@ from opd.eval.online import evaluate
 from opd.formats.peagle import PEagleConfig
 from opd.model_dir import ModelDir
 from opd.models.build import Models
-from opd.models.families import detect, family, load_drafter
 from opd.models.peagle import PEagleDrafter
+from opd.models.registry import detect, family, load_drafter
 from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_target
 from tests.helpers.decoding import EOS, MASK

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from opd.cli import main
 from opd.formats.peagle import PEagleSpec
-from opd.models.families import family, load_drafter
 from opd.models.peagle import PEagleDrafter
+from opd.models.registry import family, load_drafter
 from opd.models.target import load_target
 from tests.helpers.local_runs import assert_every_source_trains_alike
 from tests.helpers.specs import validate_errors

@@ -15,7 +15,7 @@ from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.models.target import load_target
 from opd.sources.rebuild import matching_prefix, rebuild_records
 from opd.tiny.micro import micro_drafter, micro_target

@@ -39,7 +39,7 @@ def test_a_bf16_decode_is_the_same_with_the_batched_products(monkeypatch):
 
     calls = []
     original = row_product.per_row
-    monkeypatch.setattr("opd.models.drafter.per_row", lambda f, x: calls.append(x.dtype) or original(f, x))
+    monkeypatch.setattr("opd.models.dflash.per_row", lambda f, x: calls.append(x.dtype) or original(f, x))
     ours = {batch: decode(batch) for batch in (1, 3)}
     assert torch.bfloat16 in calls
     monkeypatch.setattr(row_product, "SLOW_BATCHED", ())

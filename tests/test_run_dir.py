@@ -74,7 +74,7 @@ def test_a_second_reproduction_in_the_same_out_dir_is_refused(micro_spec_file, t
 
 def test_a_checkpoint_is_written_under_a_temporary_name_of_its_own(micro_assets, tmp_path, monkeypatch):
     """Two writers of one step once shared `step-N.tmp` and deleted each other's half-written checkpoint."""
-    from opd.models.drafter import DFlashDrafter
+    from opd.models.dflash import DFlashDrafter
     from opd.train.checkpoint import latest_checkpoint, save_checkpoint
 
     written = []
@@ -132,7 +132,7 @@ def test_a_sqlite_store_written_from_two_hosts_is_refused(micro_spec_file, monke
 
 
 def _fake_saves(monkeypatch):
-    from opd.models.drafter import DFlashDrafter
+    from opd.models.dflash import DFlashDrafter
 
     monkeypatch.setattr(DFlashDrafter, "save_pretrained", lambda self, d: d.mkdir(parents=True))
     return DFlashDrafter.__new__(DFlashDrafter)

@@ -15,7 +15,7 @@ import opd.decoding.speculative as speculative
 from opd.decoding.sampling import Sampling, keyed_uniform, sample_from, target_probs
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.decoding.verify import STREAM_TOKEN, Verdict, verify_sampled
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.tiny.micro import micro_drafter, micro_target
 from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, PROMPT
 from tests.helpers.lossless import cases, chi_square, exact_joint

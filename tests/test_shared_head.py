@@ -15,7 +15,7 @@ import torch
 
 from opd.distill.replay import student_hidden
 from opd.errors import OpdError
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.models.shared_head import load_shared_head
 from opd.models.target import load_target
 from opd.spec import load_spec

@@ -34,11 +34,11 @@ from opd.formats.dflash2 import DFlash2Config
 from opd.formats.dspark import DSparkConfig
 from opd.formats.eagle3 import Eagle3Spec, draft_vocab
 from opd.model_dir import ModelDir
+from opd.models.dflash import DFlashDrafter
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.drafter import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
-from opd.models.families import detect, family, load_drafter
 from opd.models.lm_head import teacher_head
+from opd.models.registry import detect, family, load_drafter
 from opd.models.target import load_target
 
 # speculators' package __init__ imports its training data pipeline (openai, datasets, hs_connectors) through

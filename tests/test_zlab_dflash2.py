@@ -17,9 +17,9 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
+from opd.models.dflash import DFlashDrafter
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.drafter import DFlashDrafter
-from opd.models.families import load_drafter
+from opd.models.registry import load_drafter
 from tests.helpers.dflash2 import dflash2_drafter
 from tests.helpers.tiny_assets import tiny_target_and_prompts
 

@@ -18,7 +18,7 @@ import torch
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.formats.dflash import DFlashConfig
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from tests.helpers.drafter_variants import FULL, SLIDING, VARIANTS, with_change
 from tests.helpers.tiny_assets import DRAFTER, tiny_target_and_prompts
 

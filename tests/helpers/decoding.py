@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.models.drafter import DFlashDrafter
+from opd.models.dflash import DFlashDrafter
 from opd.tiny.micro import micro_drafter, micro_target
 
 EOS, MASK = 6, 7

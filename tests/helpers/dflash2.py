@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from opd.formats.dflash2 import DFlash2Config
+from opd.models.dflash import DFlashDrafter
 from opd.models.dflash2 import DFlash2Drafter
-from opd.models.drafter import DFlashDrafter
 from opd.models.lm_head import teacher_head
 from opd.models.target import load_target
 from opd.tiny.micro import micro_drafter

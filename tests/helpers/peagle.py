@@ -7,8 +7,8 @@ import torch
 
 from opd.formats.eagle3 import draft_vocab
 from opd.formats.peagle import PEagleSpec
-from opd.models.families import family
 from opd.models.peagle import PEagleDrafter
+from opd.models.registry import family
 from tests.helpers.decoding import MASK
 
 

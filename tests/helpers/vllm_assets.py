@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from opd.models.drafter import DFlashConfig, DFlashDrafter
+from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.tiny.micro import micro_target
 
 LAYERS = [1, 2]  # the target layers the drafter reads
