@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from opd.formats import DrafterSpec
+from opd.formats import KINDS, DrafterSpec
 from opd.formats.dflash import DFlashSpec
 from opd.formats.section import Section, spec_issues
 
@@ -29,8 +29,7 @@ class ModelsSpec(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "auto: the GPU Ray gave this actor, else the CPU"))
     drafter: DrafterSpec = Field(default_factory=DFlashSpec, description=(
-        "The drafter's family (`kind`: dflash, dflash2, dspark, eagle3, peagle; unset: the warm drafter's, else dflash) and "
-        "its options"))
+        f"The drafter's family (`kind`: {', '.join(KINDS)}; unset: the warm drafter's, else dflash) and its options"))
 
     @property
     def tokenizer(self) -> str:
