@@ -23,11 +23,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from opd.errors import OpdError
+from opd.formats.checkpoint import CONFIG_FILE, TargetShape, int_field, load_weights, write_layout
 from opd.formats.layer_attention import LayerAttention
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import dflash_public, dflash_speculators, is_speculators, model_type
@@ -36,8 +37,6 @@ from opd.model_dir import ModelDir
 if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors, so validating
     import torch  # a spec (which reads the sections here) stays light
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Tensors a checkpoint may carry but that we always take from the target.
@@ -45,16 +44,6 @@ SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
 # DFlash 2's codebooks as z-lab's `save_pretrained` names them (its nn.Embedding's) -> as published and saved here
 CODEBOOK_NAMES = {f"candidate_selector.{book}_codebook.weight": f"candidate_selector.{book}_codebook"
                   for book in ("predecessor", "successor")}
-
-
-class TargetShape(Protocol):
-    """The target facts a drafter checkpoint is checked against: a loaded `Target`, the learner's `SharedHead`
-    (opd/models/shared_head.py) or the preflight's reading of config.json all have them."""
-
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-    layer_ids: list[int]
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -382,28 +371,6 @@ def check_vllm_capturable(config: DFlashConfig) -> None:
                        f"layer, which vLLM's DFlash path cannot capture (expected ids below {last})")
 
 
-def int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
-    value = d.get(name)
-    if value is None:
-        raise OpdError(f"config field '{prefix}{name}' is missing")
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise OpdError(f"config field '{prefix}{name}' must be an integer, got {value!r}")
-    return value
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """RoPE base from either config generation, for a drafter that implements plain (unscaled) RoPE only
-    (EAGLE-3's)."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise OpdError(f"config field 'rope_parameters.rope_type' is {rope_type!r}; only 'default' is supported")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    if theta is None:
-        raise OpdError("config field 'rope_theta' is missing")
-    return float(theta)
-
-
 # RoPE types whose frequencies transformers fixes when the model is built; `dynamic` and `longrope` rescale them
 # with the sequence length in the rotary forward, which a drafter drafting one block at a time does not reproduce.
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
@@ -486,19 +453,6 @@ def write_speculators(directory: str | Path, config: DFlashConfig, tensors: dict
     write_layout(directory, config.to_speculators_dict(verifier, verifier_architectures), tensors, dtype)
 
 
-def write_layout(directory: str | Path, hf: dict[str, Any], tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype) -> None:
-    """Write config.json `hf` (with `dtype`) and the state dict `tensors` as model.safetensors."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    hf["dtype"] = str(dtype).removeprefix("torch.")
-    (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
-    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
 def read_config(directory: ModelDir, target: TargetShape, config_class: type[DFlashConfig] = DFlashConfig
                 ) -> DFlashConfig:
     """Parse a drafter directory's config.json (as `config_class`, a DFlash family's) and check it describes a
@@ -532,19 +486,6 @@ def read_config(directory: ModelDir, target: TargetShape, config_class: type[DFl
     if not 0 <= config.mask_token_id < config.vocab_size:
         raise OpdError(f"{path}: dflash_config.mask_token_id {config.mask_token_id} is outside the vocabulary")
     return config
-
-
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A drafter's model.safetensors, or a one-line OpdError when it is missing or unreadable."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise OpdError(f"{path}: drafter weights not found")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        raise OpdError(f"{path}: unreadable safetensors file ({exc})") from exc
 
 
 def read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,8 +18,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from opd.errors import OpdError
+from opd.formats.checkpoint import int_field
 from opd.formats.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
-from opd.formats.dflash import DFLASH_HOME, DFlashConfig, DFlashSpec, draft_value, int_field
+from opd.formats.dflash import DFLASH_HOME, DFlashConfig, DFlashSpec, draft_value
 from opd.formats.section import drafter_section
 from opd.formats.speculators import backbone_public, dflash_speculators, is_speculators, model_type
 

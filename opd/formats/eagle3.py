@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from opd.errors import OpdError
-from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE, TargetShape, _rope_theta, int_field, load_weights
+from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, TargetShape, int_field, load_weights
 from opd.formats.section import DrafterSection, drafter_section, spec_issues
 from opd.formats.speculators import (
     eagle3_public,
@@ -380,3 +380,16 @@ def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     t2d = torch.zeros(counts.numel(), dtype=torch.bool)
     t2d[ids] = True
     return ids - torch.arange(size), t2d
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """RoPE base from either config generation, for a drafter that implements plain (unscaled) RoPE only
+    (EAGLE-3's)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise OpdError(f"config field 'rope_parameters.rope_type' is {rope_type!r}; only 'default' is supported")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise OpdError("config field 'rope_theta' is missing")
+    return float(theta)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from opd.errors import OpdError
-from opd.formats.dflash import CONFIG_FILE, TargetShape, load_weights
+from opd.formats.checkpoint import CONFIG_FILE, TargetShape, load_weights
 from opd.formats.eagle3 import (
     SHARED_EMBEDDING,
     Eagle3Config,

@@ -33,12 +33,11 @@ from torch import nn
 
 from opd.data.prompts import mask_token_id
 from opd.errors import OpdError
+from opd.formats.checkpoint import WEIGHTS_FILE, TargetShape
 from opd.formats.dflash import (
     SHARED_TENSOR_SUFFIXES,
-    WEIGHTS_FILE,
     DFlashConfig,
     DFlashSpec,
-    TargetShape,
     check_vllm_capturable,
     read_config,
     read_tensors,

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opd.formats.dflash import DFlashConfig, DFlashSpec, TargetShape
+from opd.formats.checkpoint import TargetShape
+from opd.formats.dflash import DFlashConfig, DFlashSpec
 from opd.formats.dflash2 import DFlash2Config, DFlash2Spec, check_dflash2_fields
 from opd.models.dflash import DFlashDecoderLayer, DFlashDrafter, DFlashFamily, NewContext
 from opd.models.drafter_cache import DrafterCache

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
-from opd.formats.dflash import DFlashConfig, DFlashSpec, write_layout
+from opd.formats.checkpoint import write_layout
+from opd.formats.dflash import DFlashConfig, DFlashSpec
 from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
 from opd.models.dflash import DFlashDrafter, DFlashFamily

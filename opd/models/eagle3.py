@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from opd.errors import OpdError
-from opd.formats.dflash import TargetShape
+from opd.formats.checkpoint import TargetShape
 from opd.formats.eagle3 import (
     SHARED_EMBEDDING,
     WEIGHTS_FILE,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from opd.errors import OpdError
-from opd.formats.dflash import TargetShape
+from opd.formats.checkpoint import TargetShape
 from opd.formats.section import DrafterSection
 from opd.model_dir import ModelDir
 from opd.models.protocol import Drafter

@@ -32,7 +32,7 @@ from torch import nn
 
 from opd.data.prompts import mask_token_id
 from opd.errors import OpdError
-from opd.formats.dflash import WEIGHTS_FILE, TargetShape
+from opd.formats.checkpoint import WEIGHTS_FILE, TargetShape
 from opd.formats.eagle3 import SHARED_EMBEDDING, Eagle3Config, check_distinct_layers, draft_vocab
 from opd.formats.peagle import (
     OWN_EMBEDDING,

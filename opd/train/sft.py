@@ -30,7 +30,7 @@ from opd.distill.family_terms import SftSlots, terms_of
 from opd.distill.losses import sft_log_weight_sum, sft_loss, teacher_processing
 from opd.distill.micro_batches import group_by_budget
 from opd.errors import OpdError
-from opd.formats.dflash import CONFIG_FILE, WEIGHTS_FILE
+from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from opd.models.build import Models, build_drafter, build_models
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.protocol import Drafter

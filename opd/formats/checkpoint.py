@@ -1,0 +1,63 @@
+"""What every drafter family's checkpoint directory shares: its two files, the target facts a checkpoint is
+checked against, writing a config.json with its weights, reading the weights back, and an integer field of a
+config.json read with a one-line error. The families' formats (opd/formats/dflash.py, eagle3.py, ...) build on
+these; none of them imports another's private helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from opd.errors import OpdError
+from opd.model_dir import CONFIG_FILE, WEIGHTS_FILE
+
+if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors
+    import torch
+
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
+
+
+class TargetShape(Protocol):
+    """The target facts a drafter checkpoint is checked against: a loaded `Target`, the learner's `SharedHead`
+    (opd/models/shared_head.py) or the preflight's reading of config.json all have them."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layer_ids: list[int]
+
+
+def int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
+    value = d.get(name)
+    if value is None:
+        raise OpdError(f"config field '{prefix}{name}' is missing")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OpdError(f"config field '{prefix}{name}' must be an integer, got {value!r}")
+    return value
+
+
+def write_layout(directory: str | Path, hf: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype) -> None:
+    """Write config.json `hf` (with `dtype`) and the state dict `tensors` as model.safetensors."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A drafter's model.safetensors, or a one-line OpdError when it is missing or unreadable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise OpdError(f"{path}: drafter weights not found")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise OpdError(f"{path}: unreadable safetensors file ({exc})") from exc
