@@ -28,12 +28,13 @@ from opd.errors import OpdError
 from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, TargetShape, int_field, load_weights
 from opd.formats.section import DrafterSection, drafter_section, spec_issues
 from opd.formats.speculators import (
-    eagle3_public,
-    eagle3_speculators,
-    eagle3_tensor_name,
+    MODEL_TYPE,
+    VERSION,
     is_speculators,
+    layer_fields,
     model_type,
-    speculators_tensor_names,
+    proposed_tokens,
+    speculators_config,
 )
 from opd.model_dir import ModelDir
 
@@ -103,8 +104,9 @@ class Eagle3Spec(DrafterSection):
         return []
 
     def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
-        return {"block_size": (self.block_size, config.get("block_size")),
-                "draft_vocab_size": (self.draft_vocab_size, config.get("draft_vocab_size"))}
+        public = eagle3_public(config) if is_speculators(config) else config
+        return {"block_size": (self.block_size, public.get("block_size")),
+                "draft_vocab_size": (self.draft_vocab_size, public.get("draft_vocab_size"))}
 
 
 @dataclass
@@ -309,11 +311,11 @@ def read_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
             raise OpdError(f"{path}: tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
-    _check_mapping(path, tensors["d2t"], tensors["t2d"], config.vocab_size)
+    check_mapping(path, tensors["d2t"], tensors["t2d"], config.vocab_size)
     return tensors
 
 
-def _check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
+def check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
     """d2t and t2d must describe the same ascending set of target ids, as SpecForge and the engines assume."""
     import torch
 
@@ -332,7 +334,7 @@ def _check_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor, vocab_size:
 def write_checkpoint(directory: str | Path, config: Eagle3Config, state: dict[str, torch.Tensor],
                      dtype: torch.dtype) -> None:
     """Write config.json + model.safetensors; weights in `dtype`, d2t int64 and t2d bool, any embedding left out."""
-    _write(directory, config.to_hf_dict(), _checked(config, state), dtype)
+    write_layout_of(directory, config.to_hf_dict(), _checked(config, state), dtype)
 
 
 def write_speculators(directory: str | Path, config: Eagle3Config, state: dict[str, torch.Tensor],
@@ -340,7 +342,7 @@ def write_speculators(directory: str | Path, config: Eagle3Config, state: dict[s
     """Write the checkpoint in vLLM's `speculators` layout (opd/formats/speculators.py), naming `verifier`:
     speculators' converter drops EAGLE 3.1's norm tensors, so a drafter with them is exported this way."""
     hf = eagle3_speculators(config.to_hf_dict(), verifier, verifier_architectures)
-    _write(directory, hf, speculators_tensor_names(_checked(config, state)), dtype)
+    write_layout_of(directory, hf, speculators_tensor_names(_checked(config, state)), dtype)
 
 
 def _checked(config: Eagle3Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -353,7 +355,7 @@ def _checked(config: Eagle3Config, state: dict[str, torch.Tensor]) -> dict[str, 
     return state
 
 
-def _write(directory: str | Path, hf: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def write_layout_of(directory: str | Path, hf: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """config.json `hf` (with `dtype`) and `state` as model.safetensors: weights in `dtype`, d2t int64, t2d bool."""
     import torch
     from safetensors.torch import save_file
@@ -393,3 +395,54 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     if theta is None:
         raise OpdError("config field 'rope_theta' is missing")
     return float(theta)
+
+
+# EAGLE-3 options of speculators' layout, carried to the top level where the EAGLE-3 reader refuses the ones it does
+# not implement
+EAGLE3_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def eagle3_public(hf: dict[str, Any]) -> dict[str, Any]:
+    """SpecForge's EAGLE-3 config.json (less `architectures`, which the reader names) of a speculators one."""
+    if model_type(hf) != "eagle3":
+        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected 'eagle3')")
+    layer = layer_fields(hf.get("transformer_layer_config"))
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    if isinstance(ids, list) and ids[:1] == [1]:  # the public layout reads a first id of 1 as SpecForge's
+        raise OpdError(f"config field 'eagle_aux_hidden_state_layer_ids' is {ids}: an entering id of 1 cannot be "
+                       "told from SpecForge's output-of-layer ids in the public layout (expected a first id >= 2)")
+    tokens = proposed_tokens(hf)  # the chain's length, which our export writes there (K - 1)
+    chain = {"block_size": tokens + 1} if isinstance(tokens, int) and not isinstance(tokens, bool) else {}
+    return ({k: v for k, v in layer.items() if k not in ("architectures", "dtype")}
+            | {"draft_vocab_size": hf.get("draft_vocab_size"), "target_hidden_size": hf.get("target_hidden_size"),
+               "eagle_config": {} if ids is None else {"eagle_aux_hidden_state_layer_ids": ids}}
+            | {name: hf[name] for name in EAGLE3_OPTIONS if name in hf} | chain)
+
+
+def eagle3_tensor_name(name: str) -> str:
+    """SpecForge's name of a speculators EAGLE-3 tensor (its one layer is `layers.0`, SpecForge's `midlayer`)."""
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def eagle3_speculators(public: dict[str, Any], verifier: str | None,
+                       verifier_architectures: list[str]) -> dict[str, Any]:
+    """speculators' EAGLE-3 config.json for SpecForge's (as `Eagle3Config.to_hf_dict` writes it): what speculators'
+    converter writes, with the layer ids, EAGLE 3.1's flags and the chain's length carried over."""
+    eagle = public.get("eagle_config", {})
+    skip = ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "block_size", "dtype",
+            "torch_dtype", *EAGLE3_OPTIONS)
+    layer = {k: v for k, v in public.items() if k not in skip} | {"model_type": "llama"}
+    return {MODEL_TYPE: "eagle3", "speculators_version": VERSION, "architectures": ["Eagle3DraftModel"],
+            "transformer_layer_config": layer, "draft_vocab_size": public["draft_vocab_size"],
+            "target_hidden_size": public.get("target_hidden_size"),
+            "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+            **{name: bool(public.get(name, False)) for name in EAGLE3_OPTIONS},
+            "embed_requires_grad": False, "tie_word_embeddings": False,
+            "speculators_config": speculators_config("eagle3", public["block_size"] - 1, verifier,
+                                                     verifier_architectures)}
+
+
+def speculators_tensor_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE-3 state dict under speculators' names (SpecForge's `midlayer` is its `layers.0`)."""
+    return {("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): t
+            for name, t in tensors.items()}

@@ -28,20 +28,16 @@ from opd.formats.eagle3 import (
     SHARED_EMBEDDING,
     Eagle3Config,
     Eagle3Spec,
-    _check_mapping,
-    _write,
     check_fits_target,
+    check_mapping,
+    eagle3_speculators,
+    eagle3_tensor_name,
+    speculators_tensor_names,
+    write_layout_of,
 )
 from opd.formats.eagle3 import expected_shapes as eagle3_shapes
 from opd.formats.section import drafter_section
-from opd.formats.speculators import (
-    MODEL_TYPE,
-    eagle3_speculators,
-    eagle3_tensor_name,
-    model_type,
-    speculators_config,
-    speculators_tensor_names,
-)
+from opd.formats.speculators import MODEL_TYPE, model_type, proposed_tokens, speculators_config
 from opd.model_dir import ModelDir
 
 if TYPE_CHECKING:
@@ -120,10 +116,7 @@ class PEagleConfig(Eagle3Config):
 
 def _speculative_tokens(hf: dict[str, Any]) -> int:
     """The chain's length a speculators config proposes (its first proposal's `speculative_tokens`)."""
-    wrapper = hf.get("speculators_config")
-    proposals = wrapper.get("proposal_methods") if isinstance(wrapper, dict) else None
-    first = proposals[0] if isinstance(proposals, list) and proposals else None
-    count = first.get("speculative_tokens") if isinstance(first, dict) else None
+    count = proposed_tokens(hf)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise OpdError(f"config field 'speculators_config.proposal_methods[0].speculative_tokens' is {count!r} "
                        "(expected a positive integer: the tokens P-EAGLE drafts per pass)")
@@ -187,7 +180,7 @@ def read_tensors(path: Path, config: PEagleConfig) -> dict[str, torch.Tensor]:
         if tuple(tensor.shape) != shapes[name]:
             shown = SHARED_EMBEDDING if name == OWN_EMBEDDING else name
             raise OpdError(f"{path}: tensor {shown} has shape {list(tensor.shape)}, expected {list(shapes[name])}")
-    _check_mapping(path, tensors["d2t"], tensors["t2d"], config.vocab_size)
+    check_mapping(path, tensors["d2t"], tensors["t2d"], config.vocab_size)
     return tensors
 
 
@@ -202,5 +195,5 @@ def write_checkpoint(directory: str | Path, config: PEagleConfig, state: dict[st
         raise ValueError(f"state does not match the P-EAGLE layout: {bad or sorted(shapes.keys() ^ state.keys())}")
     named = {(SHARED_EMBEDDING if name == OWN_EMBEDDING else name): t for name, t in state.items()
              if name not in _absent_maps(config)}
-    _write(directory, config.to_speculators_dict(verifier, verifier_architectures), speculators_tensor_names(named),
+    write_layout_of(directory, config.to_speculators_dict(verifier, verifier_architectures), speculators_tensor_names(named),
            dtype)

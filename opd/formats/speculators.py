@@ -41,6 +41,15 @@ def model_type(config: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def proposed_tokens(hf: dict[str, Any]) -> Any:
+    """The tokens a speculators config's first proposal drafts per step (`speculative_tokens`), as written (None
+    when absent): the chain's or block's length, which the layout records nowhere else."""
+    wrapper = hf.get("speculators_config")
+    proposals = wrapper.get("proposal_methods") if isinstance(wrapper, dict) else None
+    first = proposals[0] if isinstance(proposals, list) and proposals else None
+    return first.get("speculative_tokens") if isinstance(first, dict) else None
+
+
 def layer_fields(layer: Any) -> dict[str, Any]:
     """`transformer_layer_config` with the defaults of its transformers config class filled in, as speculators
     builds it (it writes only the fields that differ from them)."""
@@ -125,52 +134,3 @@ def dflash_speculators(public: dict[str, Any], verifier: str | None, verifier_ar
             "sample_from_anchor": False,
             "speculators_config": speculators_config(kind, block - 1, verifier, verifier_architectures),
             "tie_word_embeddings": False}
-
-
-# EAGLE-3 options of speculators' layout, carried to the top level where the EAGLE-3 reader refuses the ones it does
-# not implement
-EAGLE3_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-
-
-def eagle3_public(hf: dict[str, Any]) -> dict[str, Any]:
-    """SpecForge's EAGLE-3 config.json (less `architectures`, which the reader names) of a speculators one."""
-    if model_type(hf) != "eagle3":
-        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected 'eagle3')")
-    layer = layer_fields(hf.get("transformer_layer_config"))
-    ids = hf.get("eagle_aux_hidden_state_layer_ids")
-    if isinstance(ids, list) and ids[:1] == [1]:  # the public layout reads a first id of 1 as SpecForge's
-        raise OpdError(f"config field 'eagle_aux_hidden_state_layer_ids' is {ids}: an entering id of 1 cannot be "
-                       "told from SpecForge's output-of-layer ids in the public layout (expected a first id >= 2)")
-    return ({k: v for k, v in layer.items() if k not in ("architectures", "dtype")}
-            | {"draft_vocab_size": hf.get("draft_vocab_size"), "target_hidden_size": hf.get("target_hidden_size"),
-               "eagle_config": {} if ids is None else {"eagle_aux_hidden_state_layer_ids": ids}}
-            | {name: hf[name] for name in EAGLE3_OPTIONS if name in hf})
-
-
-def eagle3_tensor_name(name: str) -> str:
-    """SpecForge's name of a speculators EAGLE-3 tensor (its one layer is `layers.0`, SpecForge's `midlayer`)."""
-    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
-
-
-def eagle3_speculators(public: dict[str, Any], verifier: str | None,
-                       verifier_architectures: list[str]) -> dict[str, Any]:
-    """speculators' EAGLE-3 config.json for SpecForge's (as `Eagle3Config.to_hf_dict` writes it): what speculators'
-    converter writes, with the layer ids, EAGLE 3.1's flags and the chain's length carried over."""
-    eagle = public.get("eagle_config", {})
-    skip = ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "block_size", "dtype",
-            "torch_dtype", *EAGLE3_OPTIONS)
-    layer = {k: v for k, v in public.items() if k not in skip} | {"model_type": "llama"}
-    return {MODEL_TYPE: "eagle3", "speculators_version": VERSION, "architectures": ["Eagle3DraftModel"],
-            "transformer_layer_config": layer, "draft_vocab_size": public["draft_vocab_size"],
-            "target_hidden_size": public.get("target_hidden_size"),
-            "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
-            **{name: bool(public.get(name, False)) for name in EAGLE3_OPTIONS},
-            "embed_requires_grad": False, "tie_word_embeddings": False,
-            "speculators_config": speculators_config("eagle3", public["block_size"] - 1, verifier,
-                                                     verifier_architectures)}
-
-
-def speculators_tensor_names(tensors: dict[str, Any]) -> dict[str, Any]:
-    """An EAGLE-3 state dict under speculators' names (SpecForge's `midlayer` is its `layers.0`)."""
-    return {("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): t
-            for name, t in tensors.items()}

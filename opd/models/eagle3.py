@@ -45,10 +45,11 @@ from opd.formats.eagle3 import (
     expected_shapes,
     read_config,
     read_tensors,
+    speculators_tensor_names,
     write_checkpoint,
     write_speculators,
 )
-from opd.formats.speculators import is_speculators, speculators_tensor_names
+from opd.formats.speculators import is_speculators
 from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import DrafterFamily, Shapes, drafter_family
