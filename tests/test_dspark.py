@@ -1,10 +1,10 @@
 """DSpark (opd/models/dspark.py): a DFlash backbone over K-1 drafting slots whose Markov head chains the drafts.
 
-Micro models in float64, as tests/test_dflash2.py: greedy decoding is the target's argmax path, point-mass and
-sampled drafts are lossless by the chi-square test of tests/test_decoding.py (joint law of the first three emitted
-tokens, 10k sequences, 0.1% critical value), the rebuild and offline τ equal decoding, and the packed training
-forward gives each block the logits its own draft gives it. The Markov head is scaled up so that its bias changes
-the drafts.
+Micro models in float64, as tests/test_dflash2.py: greedy drafts are the Markov head's argmax path, the packed
+training forward gives each block the logits its own draft gives it, its checkpoint is speculators' layout, and its
+training, `sft.init_from` and refusals go through the CLI. The Markov head is scaled up so that its bias changes
+the drafts. What every family keeps (lossless decoding, replay, the rebuild, the checkpoint round trip, a learner
+step) is tests/test_family_contract.py's.
 """
 
 from __future__ import annotations
@@ -18,28 +18,19 @@ import torch
 from safetensors.torch import load_file
 
 from opd.cli import main
-from opd.decoding.autoregressive import generate_autoregressive
-from opd.decoding.sampling import Sampling
-from opd.decoding.speculative import SpeculativeDecoder
 from opd.errors import OpdError
-from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig
 from opd.formats.dspark import DSparkConfig
 from opd.model_dir import ModelDir
 from opd.models.build import build_models
 from opd.models.dflash import DFlashDrafter
 from opd.models.dspark import DSparkDrafter
-from opd.models.registry import detect, family, load_drafter
+from opd.models.registry import family
 from opd.models.target import load_target
-from opd.sources.rebuild import rebuild_records
 from opd.spec import SpecError, load_spec
 from opd.tiny.micro import micro_target
 from opd.train.sft import init_from
-from tests.helpers.decoding import EOS
 from tests.helpers.dspark import dspark_drafter
-from tests.helpers.lossless import assert_lossless
-
-PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5]]
 
 
 @pytest.fixture(scope="module")
@@ -88,36 +79,9 @@ def test_training_layout_gives_each_block_its_drafted_logits(target, drafter):
         torch.testing.assert_close(drafter.student_head(hidden[:, m]), logits, rtol=1e-12, atol=1e-12)
 
 
-def test_greedy_decoding_is_the_targets_argmax(target, drafter):
-    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=10)
-    greedy = generate_autoregressive(target, PROMPTS, Sampling(), max_new_tokens=10, eos_id=EOS)
-    assert [r.response_ids for r in records] == greedy
-
-
-# Drafts served as a point mass are verified as every family's are (accepted with p(d), else the residual of p):
-# that chi-square is the decoder's (test_decoding.py), so make test runs this family's q-sampled cases only.
-@pytest.mark.parametrize("sampling", [pytest.param(Sampling(temperature=1.0), marks=pytest.mark.slow),
-                                      Sampling(temperature=1.0, sample_drafts=True),
-                                      Sampling(temperature=0.7, top_k=3, top_p=0.9, sample_drafts=True)],
-                         ids=["T1-point-mass", "T1-sampled", "T0.7-topk3-topp0.9-sampled"])
-def test_decoding_is_lossless(target, drafter, sampling):
-    """The joint law of the first three emitted tokens equals the target's own, drafts served as the Markov path
-    or sampled slot by slot from the realized q."""
-    n = 10_000
-    assert_lossless(target, drafter, sampling, n)
-
-
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)], ids=["greedy", "T1"])
-def test_the_rebuild_and_offline_tau_equal_decoding(target, drafter, sampling):
-    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS * 3, sampling, max_new_tokens=16,
-                                                                       seed=5)
-    rebuilt = rebuild_records(target, drafter, decoded, batch_size=4)
-    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
-    assert any(a > 0 for r in decoded for a in r.accepted)
-    assert AcceptanceStats.from_records(rebuilt, 4).tau == AcceptanceStats.from_records(decoded, 4).tau
-
-
-def test_save_load_round_trip_in_speculators_layout(target, drafter, tmp_path):
+def test_its_checkpoint_is_speculators_layout_served_as_dspark(drafter, tmp_path):
+    """`save_pretrained` writes speculators' DSpark layout (its block of K-1 drafting slots, the slot at the anchor
+    drafting, the Markov and confidence heads), which vLLM serves with its `dspark` method."""
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["speculators_model_type"], config["block_size"], config["sample_from_anchor"]) == (
@@ -125,10 +89,6 @@ def test_save_load_round_trip_in_speculators_layout(target, drafter, tmp_path):
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafter.block_size - 1
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
             "confidence_head.proj.bias"} <= set(load_file(str(tmp_path / "model.safetensors")))
-    assert detect(ModelDir.read(tmp_path, "drafter")).kind == "dspark"
-    loaded = load_drafter(tmp_path, target)
-    assert type(loaded) is DSparkDrafter and loaded.config == drafter.config
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
     assert family("dspark").vllm_config(ModelDir.read(tmp_path, "drafter"), drafter.block_size) == {
         "method": "dspark", "model": str(tmp_path), "num_speculative_tokens": drafter.block_size - 1}
 

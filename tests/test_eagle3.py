@@ -1,5 +1,6 @@
-"""The EAGLE-3 drafter through every path DFlash takes: lossless decoding, the training forward equal to what
-decoding drafted, the rebuild, replay and the loss over its draft vocabulary, SFT, and its checkpoints.
+"""What only the EAGLE-3 drafter does: the target states it fuses, drafts and logits on its draft vocabulary, the
+loss and SFT over that vocabulary, and its own head trained beside the shared embedding. What every family keeps
+(lossless decoding, replay, the rebuild, checkpoints, a learner step) is tests/test_family_contract.py's.
 
 Micro models in float64 (no argmax ties), as tests/test_decoding.py.
 """
@@ -9,17 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.decoding.autoregressive import generate_autoregressive
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.losses import sft_loss
 from opd.distill.replay import score, student_hidden
-from opd.models.eagle3 import Eagle3Drafter
-from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_eagle3, micro_target
 from tests.helpers.decoding import EOS
 from tests.helpers.eagle3 import trained_like
-from tests.helpers.lossless import LOSSLESS_CASES, assert_lossless
 
 PROMPTS = [[1, 2, 3], [4, 5], [1, 1, 1, 1, 2], [3], [2, 2], [0, 1, 2, 3, 4, 5], [5, 4], [1]]
 
@@ -41,29 +38,6 @@ def test_captured_features_are_the_states_entering_the_engines_layers(target):
     assert torch.equal(features, torch.cat([hf[i] for i in drafter.config.aux_layer_ids], dim=-1))
 
 
-def test_greedy_equals_autoregressive(target):
-    drafter = trained_like(target)
-    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, Sampling(), max_new_tokens=24)
-    reference = generate_autoregressive(target, PROMPTS, Sampling(), max_new_tokens=24, eos_id=EOS, seed=0,
-                                        keys=list(range(len(PROMPTS))))
-    assert [r.response_ids for r in records] == reference
-    assert sum(sum(r.accepted) for r in records) >= 5, "the test drafter should get some drafts accepted"
-
-
-@pytest.mark.parametrize("static_cache", [False, True])
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)], ids=["greedy", "T1"])
-def test_training_forward_equals_what_decoding_drafted(target, sampling, static_cache):
-    """Replay's student (`block_hidden` over the committed text, fed each block's drafts) gives every block the
-    hidden states decoding had: the same argmax chain, slot for slot, through the cache or not."""
-    drafter = trained_like(target)
-    decoder = SpeculativeDecoder(target, drafter, eos_id=EOS, static_cache=static_cache)
-    records = decoder.generate(PROMPTS, sampling, max_new_tokens=24, seed=3)
-    batch = score(target, records, block_size=4, mode="draft_opd")
-    drafts = drafter.to_target_ids(drafter.logits(student_hidden(drafter, batch)).argmax(-1))
-    assert torch.equal(drafts, torch.tensor([d for r in records for d in r.drafts]))
-    assert sum(r.num_steps for r in records) > len(records)
-
-
 def test_draft_logits_live_on_the_draft_vocabulary(target):
     drafter = trained_like(target, draft_vocab_size=5)
     cache = drafter.new_cache(1)
@@ -75,27 +49,6 @@ def test_draft_logits_live_on_the_draft_vocabulary(target):
     outside = ~drafter.t2d
     assert torch.isinf(logits[..., outside]).all() and torch.isfinite(logits[..., drafter.t2d]).all()
     assert drafter.t2d[drafts].all()
-
-
-@pytest.mark.parametrize("case", ["T1-random-drafter", "T1-topp0.8-mostly-right"])
-def test_sampling_is_lossless(target, case):
-    """The joint law of the first three emitted tokens equals the target's own (chi-square, 10k samples)."""
-    sampling, _ = LOSSLESS_CASES[case]
-    n = 10_000
-    assert_lossless(target, trained_like(target), sampling, n)
-
-
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=3)],
-                         ids=["greedy", "T1", "T0.8-top3"])
-def test_rebuild_recovers_every_block(target, sampling):
-    """EAGLE-3 chains are argmax steps given the committed text, so the rebuild of opd/sources/rebuild.py holds."""
-    drafter = trained_like(target)
-    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS, sampling, max_new_tokens=24, seed=5)
-    samples = [type(r).from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
-    rebuilt = rebuild_records(target, drafter, samples, batch_size=3)
-    for got, want in zip(rebuilt, decoded):
-        assert (got.anchors, got.accepted) == (want.anchors, want.accepted)
-        assert got.drafts == want.drafts
 
 
 def test_sft_soft_targets_live_on_the_draft_vocabulary(target):
@@ -144,12 +97,3 @@ def test_the_own_head_is_trained_the_embedding_is_not(target):
                                   batch.accepted, LossSpec(), batch.position_mask)
     whole.loss.backward()
     assert torch.allclose(drafter.lm_head.weight.grad, grads["lm_head.weight"], atol=1e-12)
-
-
-def test_checkpoint_round_trip(target, tmp_path):
-    drafter = trained_like(target, draft_vocab_size=5)
-    drafter.save_pretrained(tmp_path)
-    loaded = Eagle3Drafter.from_pretrained(tmp_path, target)
-    assert loaded.block_size == 4 and loaded.config == drafter.config
-    for name, tensor in drafter.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name

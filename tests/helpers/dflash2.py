@@ -26,14 +26,20 @@ def dflash2_drafter(target, seed: int = 1, block_size: int = 4, base: DFlashDraf
         torch.manual_seed(seed)
         drafter = DFlash2Drafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
         drafter.load_state_dict(base.state_dict(), strict=False)
-        with torch.no_grad():
-            for layer in drafter.layers:
-                for conv in (layer.attention_conv, layer.mlp_conv):
-                    conv.base_kernel.add_(kernel_noise * torch.randn_like(conv.base_kernel))
-            selector = drafter.candidate_selector
-            selector.predecessor_codebook.mul_(codebook_scale)
-            selector.successor_codebook.mul_(codebook_scale)
+        sharpen(drafter, codebook_scale, kernel_noise)
     return drafter
+
+
+@torch.no_grad()
+def sharpen(drafter: DFlash2Drafter, codebook_scale: float = 40.0, kernel_noise: float = 0.3) -> None:
+    """Random base kernels around the identity (noise from the global RNG) and codebooks scaled up, so that the
+    convolutions and the selector's interaction change the drafts (a random selector barely moves the logits)."""
+    for layer in drafter.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel.add_(kernel_noise * torch.randn_like(conv.base_kernel))
+    selector = drafter.candidate_selector
+    selector.predecessor_codebook.mul_(codebook_scale)
+    selector.successor_codebook.mul_(codebook_scale)
 
 
 @pytest.fixture

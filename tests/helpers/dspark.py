@@ -22,7 +22,12 @@ def dspark_drafter(target, seed: int = 1, block_size: int = 4, rank: int = 4) ->
         torch.manual_seed(seed)
         drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head, teacher_head(target))
         drafter.load_state_dict(base.state_dict(), strict=False)
-        with torch.no_grad():
-            drafter.markov_head.markov_w1.weight.mul_(30.0)
-            drafter.markov_head.markov_w2.weight.mul_(15.0)
+        sharpen(drafter)
     return drafter
+
+
+@torch.no_grad()
+def sharpen(drafter: DSparkDrafter) -> None:
+    """The Markov head scaled up, so that its bias changes the drafts (a random one barely moves the logits)."""
+    drafter.markov_head.markov_w1.weight.mul_(30.0)
+    drafter.markov_head.markov_w2.weight.mul_(15.0)

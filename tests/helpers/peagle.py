@@ -10,6 +10,7 @@ from opd.formats.peagle import PEagleSpec
 from opd.models.peagle import PEagleDrafter
 from opd.models.registry import family
 from tests.helpers.decoding import MASK
+from tests.helpers.eagle3 import head_reads_target_rows
 
 
 def trained_like(target, seed: int = 1, block_size: int = 4, draft_vocab_size: int = 6) -> PEagleDrafter:
@@ -21,6 +22,5 @@ def trained_like(target, seed: int = 1, block_size: int = 4, draft_vocab_size: i
         drafter = family("peagle").random(section, target, None)
         counts = torch.rand(target.vocab_size)
     drafter.set_vocab(*draft_vocab(counts, draft_vocab_size))
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(target.lm_head.weight[drafter.vocab_ids])
+    head_reads_target_rows(drafter, target)
     return drafter
