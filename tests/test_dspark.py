@@ -119,7 +119,8 @@ SERVED = ["--set", "serving={draft: sample, temperature: 1.0, top_p: 0.95, top_k
           "replay.teacher=served", "--set", "loss.objective=one_minus_alpha"]
 
 
-TRAINS_CONFIDENCE = {"run-confidence": ["--set", "loss.confidence_weight=1"], "sft-dspark": ["--set", "sft.objective=dspark"]}
+TRAINS_CONFIDENCE = {"run-confidence": ["--set", "models.drafter.confidence_weight=1"],
+                     "sft-dspark": ["--set", "models.drafter.sft_objective=dspark"]}
 
 
 # make test runs each command once (the plain `run` and `sft` under make test-all)
@@ -128,7 +129,7 @@ TRAINS_CONFIDENCE = {"run-confidence": ["--set", "loss.confidence_weight=1"], "s
 def test_training_commands_train_a_dspark_drafter(micro_spec_file, micro_dspark, command, tmp_path, capsys):
     """`opd run` (Draft-OPD's loss on DSpark's q, the Markov bias included; or, with drafts sampled from q at the
     serving setting, the acceptance objective on that q) and `opd sft` (cross-entropy on it) train the backbone and
-    the Markov head and save speculators' layout; the confidence head trains under `loss.confidence_weight` and
+    the Markov head and save speculators' layout; the confidence head trains under `models.drafter.confidence_weight` and
     DSpark's published SFT objective, and is left as it is otherwise. The published objective's run starts a fresh
     drafter from the warm one's tensors (`sft.init_from`), which the command must carry in before training."""
     run_dir = tmp_path / "run"

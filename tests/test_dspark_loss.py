@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opd.distill.confidence_loss import opd_confidence_loss, realized_acceptance
+from opd.formats.dspark import DSparkSpec
 from opd.spec import SpecError, load_spec
 from opd.tiny.micro import micro_target
 from opd.train.sft import sft_batch_loss, sft_micro_batches
@@ -15,6 +16,8 @@ from tests.helpers.dspark import dspark_drafter
 from tests.helpers.records import EXAMPLES
 
 GAMMA = 2.0
+
+PUBLISHED = DSparkSpec(sft_objective="dspark")  # the section that asks SFT for DSpark's published objective
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def test_the_objective_equals_its_per_slot_definition(target, drafter):
     _dense_dspark_loss(target, drafter, batch).backward()
     want = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
     drafter.zero_grad(set_to_none=True)
-    loss = sft_batch_loss(target, drafter, batch, gamma=GAMMA, chunk_size=3, objective="dspark")
+    loss = sft_batch_loss(target, drafter, batch, gamma=GAMMA, chunk_size=3, section=PUBLISHED)
     loss.backward()
     got = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
     assert {"confidence_head.proj.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
@@ -98,7 +101,7 @@ def test_the_confidence_head_learns_the_acceptance(target, drafter):
     optimizer = torch.optim.Adam(drafter.confidence_head.parameters(), lr=0.05)
     for _ in range(40):
         optimizer.zero_grad(set_to_none=True)
-        sft_batch_loss(target, drafter, batch, gamma=GAMMA, chunk_size=64, objective="dspark").backward()
+        sft_batch_loss(target, drafter, batch, gamma=GAMMA, chunk_size=64, section=PUBLISHED).backward()
         optimizer.step()
     after = _calibration_error(target, drafter, batch)
     assert before > 0.3 and after < before / 3, (before, after)
@@ -128,9 +131,12 @@ def test_the_draft_opd_term_is_the_mean_bce_and_trains_the_head(target, drafter)
 
 
 @pytest.mark.parametrize(("experiment", "change", "message"), [
-    ("configs/tiny.yaml", "sft.objective=dspark", "sft.objective: dspark with a dflash drafter"),
-    ("configs/tiny-dflash2.yaml", "loss.confidence_weight=1", "loss.confidence_weight: 1 with a dflash2 drafter"),
+    ("configs/tiny.yaml", "models.drafter.sft_objective=dspark",
+     r"models.drafter.sft_objective: unknown key \(an option of kind dspark; expected kind: dspark"),
+    ("configs/tiny-dflash2.yaml", "models.drafter.confidence_weight=1",
+     r"models.drafter.confidence_weight: unknown key \(an option of kind dspark; expected kind: dspark"),
 ])
 def test_a_family_without_a_confidence_head_is_refused_in_one_line(experiment, change, message):
+    """The confidence head's options are DSpark's section's own, so another family's section refuses them."""
     with pytest.raises(SpecError, match=message):
         load_spec(experiment, [change])

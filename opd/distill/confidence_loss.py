@@ -6,7 +6,7 @@ verify. Two labels teach it that:
 
 - SFT (DSpark's published objective, opd/distill/dspark_loss.py): the analytical acceptance α_k = Σ_v min(p_k(v),
   q_k(v)) = 1 - ||p_k - q_k||_1 / 2 of a draft sampled from q at a teacher-forced slot, a soft label, detached;
-- Draft-OPD (`loss.confidence_weight`, `opd_confidence_loss`): the rollout's realized acceptance, 1 at the slots
+- Draft-OPD (`models.drafter.confidence_weight`, `opd_confidence_loss`): the rollout's realized acceptance, 1 at the slots
   the target accepted and 0 at the first rejected one. The slots after it were never verified, so they carry no
   label (a conditional acceptance given a rejected prefix does not exist). Drafted as the server drafts them, the
   label is a draw whose mean is the acceptance the head should predict, so the expected loss is the BCE against it.

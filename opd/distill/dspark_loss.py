@@ -1,4 +1,4 @@
-"""DSpark's published SFT objective (arXiv 2607.05147, eq. 10), `sft.objective: dspark`.
+"""DSpark's published SFT objective (arXiv 2607.05147, eq. 10), `models.drafter.sft_objective: dspark`.
 
 At each drafted slot k (teacher-forced: its Markov predecessor is the data token before it), with q_k the drafter's
 distribution (its logits with the Markov bias) and p_k the target's at the same position (T = 1):
@@ -26,6 +26,8 @@ from opd.decoding.sampling import Sampling
 from opd.distill.confidence_loss import confidence_bce, confidence_logits, opd_confidence_loss
 from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
 from opd.distill.losses import _compute_dtype, _teacher_logprobs, sft_slot_weights
+from opd.formats.dspark import DSparkSpec
+from opd.formats.section import DrafterSection
 from opd.models.lm_head import apply_head, chunked_loss
 from opd.models.protocol import Drafter
 
@@ -61,22 +63,28 @@ def dspark_sft_loss(drafter: Drafter, student: torch.Tensor, teacher: torch.Tens
 
 @terms_for("dspark")
 class DSparkTerms(FamilyTerms):
-    """DSpark's terms: its confidence head learns the realized acceptance under Draft-OPD (`loss.confidence_weight`,
-    opd/distill/confidence_loss.py), and SFT may take DSpark's published objective (`sft.objective: dspark`)."""
+    """DSpark's terms: its confidence head learns the realized acceptance under Draft-OPD
+    (`models.drafter.confidence_weight`, opd/distill/confidence_loss.py), and SFT may take DSpark's published
+    objective (`models.drafter.sft_objective: dspark`)."""
 
     def opd(self, drafter: Drafter, slots: OpdSlots, trains: bool) -> torch.Tensor | float:
-        weight = slots.loss.confidence_weight
+        weight = _dspark(slots.section).confidence_weight
         if not weight:
             return 0.0
         return weight * opd_confidence_loss(drafter, slots.hidden, slots.accepted, slots.position_mask,
                                             slots.norm.num_verified)
 
-    def sft_objective(self, drafter: Drafter, slots: SftSlots, objective: str) -> torch.Tensor | None:
-        if objective != "dspark":
+    def sft_objective(self, drafter: Drafter, slots: SftSlots, section: DrafterSection | None) -> torch.Tensor | None:
+        if not self.sft_reads_target(section):
             return None
         return dspark_sft_loss(drafter, slots.hidden, slots.view(), slots.labels, gamma=slots.gamma,
                                position_mask=slots.position_mask, chunk_size=slots.chunk_size,
                                log_weight_sum=slots.log_weight_sum)
 
-    def sft_reads_target(self, objective: str) -> bool:
-        return objective == "dspark"
+    def sft_reads_target(self, section: DrafterSection | None) -> bool:
+        return section is not None and _dspark(section).sft_objective == "dspark"
+
+
+def _dspark(section: DrafterSection) -> DSparkSpec:
+    assert isinstance(section, DSparkSpec)  # the section of DSpark drafters, whose terms these are
+    return section

@@ -19,6 +19,7 @@ import torch
 
 from opd.decoding.sampling import Sampling
 from opd.distill.losses import StepNorm
+from opd.formats.section import DrafterSection
 from opd.models.protocol import Drafter
 from opd.spec import LossSpec
 
@@ -36,6 +37,7 @@ class OpdSlots:
     norm: StepNorm
     teacher_processing: Sampling
     chunk_size: int
+    section: DrafterSection  # models.drafter: where a family's own options live
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,8 @@ class FamilyTerms:
         """This micro-batch's share of the family's Draft-OPD terms, weighted (`trains`: what `prepare` said)."""
         return 0.0
 
-    def sft_objective(self, drafter: Drafter, slots: SftSlots, objective: str) -> torch.Tensor | None:
-        """The family's own SFT objective in place of the cross-entropy, when `sft.objective` names it (else
+    def sft_objective(self, drafter: Drafter, slots: SftSlots, section: DrafterSection | None) -> torch.Tensor | None:
+        """The family's own SFT objective in place of the cross-entropy, when its `section` asks for it (else
         None)."""
         return None
 
@@ -74,9 +76,9 @@ class FamilyTerms:
         """This micro-batch's share of the family's SFT terms, weighted."""
         return 0.0
 
-    def sft_reads_target(self, objective: str) -> bool:
-        """Whether the family's SFT objective `sft.objective` reads the target's distribution (its LM head's FLOPs
-        count)."""
+    def sft_reads_target(self, section: DrafterSection | None) -> bool:
+        """Whether the family's SFT objective, as its `section` chooses it, reads the target's distribution (its LM
+        head's FLOPs count)."""
         return False
 
 

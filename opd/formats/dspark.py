@@ -44,11 +44,19 @@ class DSparkSpec(DFlashSpec):
 
     kind: Literal["dspark"] = "dspark"  # type: ignore[assignment]  # the union's tag: each family its own
     markov_rank: int | None = Field(None, ge=1)  # None = speculators' 256 for a random drafter
+    confidence_weight: float = Field(0.0, ge=0, description=(
+        "Draft-OPD: weight of its confidence head's binary cross-entropy against the rollout's realized acceptance "
+        "(1 at the accepted slots, 0 at the first rejected one; later slots were never verified), a mean over the "
+        "step's verified slots (opd/distill/confidence_loss.py). 0 = off, the head left as it is."))
+    sft_objective: Literal["ce", "dspark"] = Field("ce", description=(
+        "What SFT's slots train towards. ce: the cross-entropy every DFlash drafter takes (sft.gamma's weights). "
+        "dspark: DSpark's published objective (arXiv 2607.05147, opd/distill/dspark_loss.py), on the same weights: "
+        "0.1 x cross-entropy + 0.9 x ||p - q||_1 to the target's distribution + the confidence head's binary "
+        "cross-entropy against the slot's acceptance 1 - ||p - q||_1 / 2."))
 
     # Random-anchor blocks are drafted slot by slot independently (opd/distill/anchors.py), which a Markov chain
     # is not.
     random_anchors: ClassVar[bool] = False
-    has_confidence_head: ClassVar[bool] = True
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:

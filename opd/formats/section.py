@@ -40,13 +40,12 @@ class DrafterSection(Section):
 
     # What the experiment's rules ask (opd/spec/rules.py): whether its drafts have a realized q to sample at T>0
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has
-    # a candidate selector with a loss term of its own (`loss.selector_weight`), and whether it has a confidence head
-    # to train (`sft.objective: dspark`, `loss.confidence_weight`).
+    # a candidate selector with a loss term of its own (`loss.selector_weight`). Options only one family has are
+    # fields of its own section (DSpark's confidence_weight and sft_objective), refused on another by pydantic.
     samples_from_q: ClassVar[bool] = True
     random_anchors: ClassVar[bool] = True
     topk_teacher: ClassVar[bool] = True
     has_selector: ClassVar[bool] = False
-    has_confidence_head: ClassVar[bool] = False
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ adds two heads after them (as DFlash 2 adds its selector). So it plugs into the 
   mass per block given (context, anchor) when greedy, which the rebuild and offline τ rely on.
 * Confidence head. sigmoid(proj([h_j; markov_w1[x_j]])), the slot's predicted acceptance, for variable-length
   verification; it is loaded, saved, computed (`confidence`) and trained (`confidence_logits`, read by
-  opd/distill/confidence_loss.py: SFT's published objective and Draft-OPD's `loss.confidence_weight`), but
+  opd/distill/confidence_loss.py: SFT's published objective and Draft-OPD's `models.drafter.confidence_weight`), but
   decoding verifies whole blocks: no variable-length verification is built.
 
 Training: `block_hidden` returns each slot's hidden with its Markov embedding appended ([h_j; markov_w1[x_j]], x_j

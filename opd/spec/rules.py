@@ -50,7 +50,7 @@ def experiment_issues(spec: Experiment) -> list[str]:
     if not issues:
         issues += _fill_steps_from_the_run_length(spec)
     return (issues + _anchors_the_drafter_cannot_train_at(spec) + _selector_term_without_the_full_teacher(spec)
-            + _confidence_terms_without_a_head(spec) + _fresh_start_over_a_warm_drafter(spec)
+            + _fresh_start_over_a_warm_drafter(spec)
             + _topk_teacher_the_drafter_cannot_read(spec) + _evaluation_on_a_rollout_without_a_target(spec)
             + _random_anchors_with_a_rebuilt_source(spec))
 
@@ -207,17 +207,6 @@ def _selector_term_without_the_full_teacher(spec: Experiment) -> list[str]:
     return [f"loss.selector_weight: {weight:g} with {_a(drafter.kind)} drafter and replay.teacher_topk {topk} (the "
             "selector's term reads the full teacher at its candidates; expected replay.teacher_topk: null, or "
             "loss.selector_weight: 0)"] * (drafter.has_selector and weight > 0 and topk is not None)
-
-
-def _confidence_terms_without_a_head(spec: Experiment) -> list[str]:
-    """The confidence head's terms (SFT's dspark objective, loss.confidence_weight) need a drafter with one."""
-    drafter, sft, loss = spec.models.drafter, spec.sft, spec.loss
-    if drafter.has_confidence_head:
-        return []
-    return ([f"sft.objective: dspark with {_a(drafter.kind)} drafter (its confidence head's term has no head to "
-             "train; expected ce, or models.drafter.kind: dspark)"] * (sft.objective == "dspark") +
-            [f"loss.confidence_weight: {loss.confidence_weight:g} with {_a(drafter.kind)} drafter (it has no "
-             "confidence head; expected 0)"] * bool(loss.confidence_weight))
 
 
 def _fresh_start_over_a_warm_drafter(spec: Experiment) -> list[str]:

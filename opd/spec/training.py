@@ -55,10 +55,6 @@ class LossSpec(Section):
         "|| q) + (1 - λ)(1 - α) with λ = exp(-lk_eta sg[α]); expected_length, the block's 1 + Σ_k Π_{j<=k} α_j, per "
         "block."))
     lk_eta: float = Field(3.0, ge=0)
-    confidence_weight: float = Field(0.0, ge=0, description=(
-        "DSpark only: weight of its confidence head's binary cross-entropy against the rollout's realized acceptance "
-        "(1 at the accepted slots, 0 at the first rejected one; later slots were never verified), a mean over the "
-        "step's verified slots (opd/distill/confidence_loss.py). 0 = off, the head left as it is."))
     prefix_gradient: Literal["pathwise", "score"] = Field("pathwise", description=(
         "How the gradient treats the drafts sampled before a slot, which depend on the drafter too. pathwise: as "
         "data (the gradient flows through each slot's q only). score: plus the score-function term of the sampled "
@@ -105,12 +101,6 @@ class SftSpec(Section):
         "Regenerated responses are sampled from the target at this temperature (None: the rollout's sampling). "
         "Sampled regeneration covers T>0 decoding but teaches the drafter the target's marginals, not its mode."))
     max_flops: float | None = Field(None, gt=0, description="matched-compute continued-SFT budget")
-    objective: Literal["ce", "dspark"] = Field("ce", description=(
-        "What SFT's slots train towards. ce: cross-entropy at the data token weighted exp(-(k-1)/gamma) (DFlash's "
-        "recipe; EAGLE-3's soft cross-entropy). dspark: DSpark's published objective (arXiv 2607.05147, "
-        "opd/distill/dspark_loss.py), on the same weights: 0.1 x cross-entropy + 0.9 x ||p - q||_1 to the target's "
-        "distribution + the confidence head's binary cross-entropy against the slot's acceptance 1 - ||p - q||_1 / 2; "
-        "for a drafter with a confidence head (kind dspark)."))
     init_from: str | None = Field(None, description=(
         "A drafter checkpoint (of any family) whose tensors a fresh drafter (models.drafter_path empty) starts from, "
         "each copied into the tensor of the same name and shape, the rest left at its random initialisation: how a "

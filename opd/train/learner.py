@@ -184,7 +184,7 @@ class Learner:
     def _slots(self, hidden: torch.Tensor, batch: ScoredBatch, norm: StepNorm) -> OpdSlots:
         """This micro-batch as the family's own terms read it (opd/distill/family_terms.py)."""
         return OpdSlots(hidden, batch.teacher, batch.block_ids[batch.block_valid], batch.accepted, batch.position_mask,
-                        self.spec.loss, norm, self._teacher, self.spec.optim.loss_chunk_size)
+                        self.spec.loss, norm, self._teacher, self.spec.optim.loss_chunk_size, self.spec.models.drafter)
 
     def _plan(self, micro_batches: list[ScoredBatch]) -> list[list[ScoredBatch]]:
         """What each forward runs: the scorer's micro-batches as they came, or with `optim.micro_batch_tokens` this

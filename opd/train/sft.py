@@ -31,6 +31,7 @@ from opd.distill.losses import sft_log_weight_sum, sft_loss, teacher_processing
 from opd.distill.micro_batches import group_by_budget
 from opd.errors import OpdError
 from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from opd.formats.section import DrafterSection
 from opd.models.build import Models, build_drafter, build_models
 from opd.models.flops import DrafterParams, FlopCounter, TargetParams
 from opd.models.protocol import Drafter
@@ -136,14 +137,14 @@ class SftAcceptance:
 
 def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: float, chunk_size: int,
                    log_weight_sum: float | None = None, selector_weight: float = 0.0,
-                   acceptance: SftAcceptance | None = None, objective: str = "ce") -> torch.Tensor:
+                   acceptance: SftAcceptance | None = None, section: DrafterSection | None = None) -> torch.Tensor:
     """This micro-batch's share of the SFT loss (the step's mean when `log_weight_sum` is the step's).
 
     Features come from the target's decoder alone (no [B, T, V] logits) and the drafter's logits are formed
     `chunk_size` slots at a time, so memory is set by the micro-batch and the chunk, not the vocabulary. A chain
     drafter is fed the data tokens (training-time test). DFlash learns the data tokens; EAGLE-3 the target's
-    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it; `objective`
-    is a family's own objective when it names one (opd/distill/family_terms.py: DSpark's published objective). The family's
+    distribution over its draft vocabulary at the same slots (soft cross-entropy), as SpecForge trains it; its family's
+    own objective when its `section` (models.drafter) names one (opd/distill/family_terms.py: DSpark's). The family's
     own terms add to it (DFlash 2's selector: `selector_weight` x its term), and `acceptance` its weight x the serving
     mode's acceptance at the teacher-forced slots (the target's view of the data prefix)."""
     batch = batch.to(target.device)
@@ -163,7 +164,7 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
     family_slots = SftSlots(slots, lambda: hidden_t[rows, batch.input_pos][batch.block_valid],
                             batch.labels[batch.block_valid], batch.inputs[batch.block_valid], mask, gamma,
                             log_weight_sum, chunk_size)
-    loss = terms.sft_objective(drafter, family_slots, objective)
+    loss = terms.sft_objective(drafter, family_slots, section)
     if loss is None:
         loss = sft_loss(slots, batch.labels[batch.block_valid], gamma=gamma, position_mask=mask,
                         head=drafter.student_head, chunk_size=chunk_size, log_weight_sum=log_weight_sum,
@@ -179,7 +180,7 @@ def sft_batch_loss(target: Target, drafter: Drafter, batch: SftBatch, *, gamma: 
 
 def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], sft: SftSpec, *,
                  chunk_size: int, generator: torch.Generator, selector_weight: float = 0.0,
-                 acceptance: SftAcceptance | None = None) -> SftStep:
+                 acceptance: SftAcceptance | None = None, section: DrafterSection | None = None) -> SftStep:
     """Accumulate one SFT step's gradient micro-batch by micro-batch: each backward is that micro-batch's exact
     share of the step's weighted mean, so `sft.micro_batch_size` never changes the gradient."""
     micro = sft_micro_batches(examples, anchors_per_seq=sft.anchors_per_seq, max_length=sft.max_length,
@@ -192,11 +193,11 @@ def sft_backward(target: Target, drafter: Drafter, examples: list[SftExample], s
     loss = 0.0
     for batch in micro:
         part = sft_batch_loss(target, drafter, batch, gamma=sft.gamma, chunk_size=chunk_size, log_weight_sum=log_norm,
-                              selector_weight=selector_weight, acceptance=acceptance, objective=sft.objective)
+                              selector_weight=selector_weight, acceptance=acceptance, section=section)
         part.backward()
         loss += part.item()
     slots = sum(int(b.label_ok.sum()) for b in micro)
-    reads_target = (drafter.sft_target == "target" or terms_of(drafter).sft_reads_target(sft.objective)
+    reads_target = (drafter.sft_target == "target" or terms_of(drafter).sft_reads_target(section)
                     or acceptance is not None)
     return SftStep(loss, tokens=sum(int(b.valid.sum()) for b in micro),
                    blocks=sum(int(b.block_valid.sum()) for b in micro), slots=slots,
@@ -314,7 +315,7 @@ def train_sft(spec: ExperimentSpec, models: Models, examples: list[SftExample], 
             optimizer.zero_grad(set_to_none=True)
             done = sft_backward(models.target, models.drafter, batch, s, chunk_size=spec.optim.loss_chunk_size,
                                 generator=generator, selector_weight=spec.loss.selector_weight if selects else 0.0,
-                                acceptance=acceptance)
+                                acceptance=acceptance, section=spec.models.drafter)
             torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), spec.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
