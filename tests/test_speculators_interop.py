@@ -192,8 +192,9 @@ def test_what_speculators_saves_loads_here_as_the_same_drafter(drafters, target,
 
 def test_speculators_layout_names_what_it_cannot_say(drafters):
     from opd.errors import OpdError
+    from opd.formats.dflash import dflash_public
     from opd.formats.eagle3 import eagle3_public
-    from opd.formats.speculators import dflash_public, dflash_speculators
+    from opd.formats.speculators import dflash_speculators
 
     public = drafters["dflash"].config.to_hf_dict()
     layout = dflash_speculators(public, TARGET, ["Qwen3ForCausalLM"], "dflash")

@@ -31,13 +31,14 @@ from opd.errors import OpdError
 from opd.formats.checkpoint import CONFIG_FILE, TargetShape, int_field, load_weights, write_layout
 from opd.formats.layer_attention import LayerAttention
 from opd.formats.section import DrafterSection, drafter_section
-from opd.formats.speculators import dflash_public, dflash_speculators, is_speculators, model_type
+from opd.formats.speculators import MODEL_TYPE, backbone_public, dflash_speculators, is_speculators, model_type
 from opd.model_dir import ModelDir
 
 if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors, so validating
     import torch  # a spec (which reads the sections here) stays light
 
 ARCHITECTURE = "DFlashDraftModel"
+KIND = "dflash"
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Tensors a checkpoint may carry but that we always take from the target.
 SHARED_TENSOR_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
@@ -74,7 +75,7 @@ class DFlashSpec(DrafterSection):
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:
         return ("DFlash" in " ".join(config.get("architectures") or []) or "dflash_config" in config
-                or model_type(config) == "dflash")
+                or model_type(config) == KIND)
 
     def default_layer_ids(self, target_num_layers: int) -> list[int]:
         return default_target_layer_ids(target_num_layers, self.num_layers)
@@ -281,7 +282,7 @@ class DFlashConfig:
 
     def to_speculators_dict(self, verifier: str | None, verifier_architectures: list[str]) -> dict[str, Any]:
         """speculators' DFlash config.json (opd/formats/speculators.py), naming the verifier."""
-        return dflash_speculators(self.to_hf_dict(), verifier, verifier_architectures, "dflash")
+        return dflash_speculators(self.to_hf_dict(), verifier, verifier_architectures, KIND)
 
 
 # `dflash_config` keys z-lab's DFlashDraftModel and DFlash2DraftModel read (and `causal`, which they ignore:
@@ -507,3 +508,14 @@ def read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, tor
                 f"{path}: tensor {name} has shape {list(tensors[name].shape)}, expected {list(want.shape)}"
             )
     return {name: t.to(dtype=expected[name].dtype) for name, t in tensors.items()}
+
+
+def dflash_public(hf: dict[str, Any], num_target_layers: int | None) -> dict[str, Any]:
+    """The public DFlash config.json of a speculators DFlash checkpoint (`num_target_layers` is the target's depth,
+    which speculators does not record; None leaves it out)."""
+    if model_type(hf) != KIND:
+        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected '{KIND}')")
+    if hf.get("sample_from_anchor"):
+        raise OpdError("config field 'sample_from_anchor' is true, an anchor slot that drafts (expected false: the "
+                       "anchor is the bonus token, as in z-lab's DFlash)")
+    return backbone_public(hf, hf.get("block_size"), num_target_layers)

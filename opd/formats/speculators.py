@@ -10,8 +10,8 @@ converter maps them; it does not record the target's depth, so reading one needs
 
 Reading translates a speculators config.json into the public layout the family's reader takes (z-lab's for DFlash,
 SpecForge's for EAGLE-3, whose `layers.0.*` tensors are SpecForge's `midlayer.*`), so every check of that reader
-holds; writing goes the other way. Each family's own translation lives in its format module (DFlash 2's, DSpark's,
-P-EAGLE's), on the DFlash backbone's here where it has one. What the layout cannot say (a reduced draft vocabulary,
+holds; writing goes the other way. Each family's own translation lives in its format module, on the DFlash
+backbone's here where it has one. What the layout cannot say (a reduced draft vocabulary,
 an anchor slot that drafts, z-lab's logit scalars, causal full-attention layers) is a one-line OpdError naming the
 field.
 """
@@ -24,7 +24,6 @@ from opd.errors import OpdError
 
 MODEL_TYPE = "speculators_model_type"
 VERSION = "0.9.0"
-DFLASH = "dflash"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's, the public layout's
 # what a public DFlash config.json holds beside the drafter's own Qwen3 fields
 PUBLIC_ONLY = ("architectures", "block_size", "dflash_config", "num_target_layers", "is_causal", "dtype")
@@ -59,17 +58,6 @@ def layer_fields(layer: Any) -> dict[str, Any]:
         raise OpdError(f"config field 'transformer_layer_config' must be an object, got {layer!r}")
     fields = {k: v for k, v in layer.items() if k != "model_type"}
     return AutoConfig.for_model(layer.get("model_type", "qwen3"), **fields).to_dict()
-
-
-def dflash_public(hf: dict[str, Any], num_target_layers: int | None) -> dict[str, Any]:
-    """The public DFlash config.json of a speculators DFlash checkpoint (`num_target_layers` is the target's depth,
-    which speculators does not record; None leaves it out)."""
-    if model_type(hf) != DFLASH:
-        raise OpdError(f"config field '{MODEL_TYPE}' is {model_type(hf)!r} (expected '{DFLASH}')")
-    if hf.get("sample_from_anchor"):
-        raise OpdError("config field 'sample_from_anchor' is true, an anchor slot that drafts (expected false: the "
-                       "anchor is the bonus token, as in z-lab's DFlash)")
-    return backbone_public(hf, hf.get("block_size"), num_target_layers)
 
 
 def backbone_public(hf: dict[str, Any], block_size: Any, num_target_layers: int | None,
