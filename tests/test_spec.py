@@ -299,3 +299,18 @@ def test_flatten_gives_mlflow_params() -> None:
     assert params["eval.sampling.1.top_k"] == "20" and params["optim.betas"] == "[0.9, 0.95]"
     assert all(isinstance(v, str) for v in params.values())
     assert all(re.fullmatch(r"[\w.\- /]+", key) for key in params)  # MLflow's allowed key characters
+
+
+@pytest.mark.parametrize(("change", "hint"), [
+    ("sft.objective=dspark", "did you mean models.drafter.sft_objective (kind dspark)?"),  # a family's option
+    ("loss.confidence_weight=1", "did you mean models.drafter.confidence_weight (kind dspark)?"),
+    ("models.drafter.path=x", "did you mean models.drafter_path?"),  # one level up
+    ("optim.vllm_python=x", "did you mean resources.vllm_python?"),  # another section's
+    ("loss.block_size=4", "did you mean models.drafter.block_size?"),  # every family has it: no kind named
+    ("rollout.lr=1e-3", "did you mean sft.lr or optim.lr?"),
+    ("loss.gammma=0.5", "did you mean 'gamma'?"),  # a typo within the section
+])
+def test_a_misplaced_key_is_pointed_to_where_it_lives(change, hint):
+    with pytest.raises(SpecError) as info:
+        load_spec("configs/tiny.yaml", [change])
+    assert str(info.value) == f"{change.split('=')[0]}: unknown key ({hint})"

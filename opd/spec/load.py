@@ -238,6 +238,29 @@ def _other_family(loc: tuple[int | str, ...]) -> str | None:
     return owners[0] if len(members) > 1 and owners else None
 
 
+def _homes(key: str, parent: str) -> list[str]:
+    """Where else in the spec a misplaced `parent.key` lives: a field named `<parent's name>_<key>` (what an option
+    is called one level up or in a family's section: `models.drafter_path` for `models.drafter.path`,
+    `models.drafter.sft_objective` for `sft.objective`), else a field `key` of another section; a field of one
+    drafter family only names its kind."""
+    prefixed = f"{parent.rsplit('.', 1)[-1]}_{key}"
+    found: dict[str, list[str | None]] = {}
+
+    def walk(model: type[BaseModel], prefix: str, kind: str | None) -> None:
+        for name, field in model.model_fields.items():
+            path = f"{prefix}{name}"
+            if name in (key, prefixed) and path != f"{parent}.{key}":
+                found.setdefault(path, []).append(kind)
+            members = _sections(field.annotation)
+            for member in members:
+                tagged = len(members) > 1 and "kind" in member.model_fields
+                walk(member, f"{path}.", str(member.model_fields["kind"].default) if tagged else kind)
+
+    walk(ExperimentSpec, "", None)
+    named = [(path, kinds) for path, kinds in found.items() if path.endswith(prefixed)] or list(found.items())
+    return [path + (f" (kind {kinds[0]})" if len(kinds) == 1 and kinds[0] else "") for path, kinds in named][:4]
+
+
 def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
     """Field names of the spec model at `loc`, to suggest the intended key for an unknown one."""
     model = _untagged(loc)[1]
@@ -259,7 +282,9 @@ def _format_error(err: Mapping[str, Any]) -> list[str]:
     if kind == "extra_forbidden":
         fields = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(fields)}"
+        homes = _homes(str(loc[-1]), path.rsplit(".", 1)[0]) if "." in path else []
+        hint = (f"did you mean {' or '.join(homes)}?" if homes else f"did you mean {close[0]!r}?" if close
+                else f"expected one of: {', '.join(fields)}")
         owner = _other_family(loc)
         if owner:
             hint = f"an option of kind {owner}; expected kind: {owner}, or the key removed"
