@@ -96,10 +96,12 @@ def file_digest(path: Path) -> str:
 def check_samples_file(path: str | Path | None, field: str) -> str | Path:
     """`path`, once held-out samples exist there, or one line naming the draw that writes them there; commands
     call it before loading any model and go on with the path it returns, no longer optional."""
-    if not path or not Path(path).is_file():
-        out = f" --out {path}" if path else ""
+    if not path:
+        raise OpdError(f"{field}: no held-out target samples given (expected a file; draw them with "
+                       "`opd gen-samples CONFIG --eval` and pass its --out here)")
+    if not Path(path).is_file():
         raise OpdError(f"{field}: {path} is not a file (expected held-out target samples; draw them with "
-                       f"`opd gen-samples CONFIG --eval{out}`)")
+                       f"`opd gen-samples CONFIG --eval --out {path}`)")
     return path
 
 

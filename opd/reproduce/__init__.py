@@ -12,6 +12,7 @@ Modules: `spec` (the YAML spec, one job, one result), `arms` (one arm in a worke
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -38,5 +39,5 @@ def run_reproduce(path: str, overrides: list[str] | None = None) -> int:
         report = write_report(spec, results, out, minutes)
     print(report.read_text())
     print(f"Done in {minutes:.1f} min: {report}, plots and per-arm JSON in {out}; one MLflow run per arm and "
-          f"seed: mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()}")
+          f"seed: {sys.executable} -m mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()}")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -71,9 +71,7 @@ def load_reproduce_spec(path: str | Path, overrides: list[str] | None = None) ->
     except yaml.YAMLError as exc:
         raise OpdError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise OpdError(f"{path}: {where}: {err['msg']}") from None
+        raise OpdError(f"{path}: {_reproduce_error(exc.errors()[0])}") from None
     if "heldout" in spec.families:
         raise OpdError(f"{path}: families: 'heldout' is the experiment's data.eval_prompts (expected other names)")
     missing = [f"{name}: {file}" for name, file in spec.families.items() if not Path(file).exists()]
@@ -85,6 +83,17 @@ def load_reproduce_spec(path: str | Path, overrides: list[str] | None = None) ->
         raise OpdError(f"{path}: arms: expected unique names including {BUDGET_ARM!r} (it sets the FLOP budget)")
     return spec
 
+
+
+def _reproduce_error(err: Any) -> str:
+    """One pydantic error of a reproduce spec as `field: what is expected`; a key of the experiment's own (e.g.
+    `--set optim.lr=...`) is pointed to `set:`, where the experiment's fields go."""
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(ReproduceSpec.model_fields)
+        return (f"{where}: not a field of a reproduce spec (its fields: {known}); an experiment field goes in its "
+                f"set: list, e.g. set: [{where}=VALUE] (--set set=[...] replaces the file's list)")
+    return f"{where}: {err['msg']}"
 
 
 @dataclass

@@ -1,0 +1,38 @@
+"""A new user's first commands, typed as the README and guides show them but with the slips a new user makes: each
+is refused in one `error:` line that says what to do, before any model loads, and never with a traceback. One
+parametrized test over the command surface, not a test per message: a new refusal is a new row."""
+
+from __future__ import annotations
+
+import pytest
+
+from opd.cli import main
+
+TINY = "configs/tiny.yaml"
+DRAFTER = "opd/assets/tiny/drafter"
+
+# (what the user typed, a piece of the one line they must get)
+SLIPS = {
+    "a family's option under loss": (["validate", TINY, "--set", "loss.confidence_weight=1"],
+                                     "did you mean models.drafter.confidence_weight (kind dspark)?"),
+    "the warm drafter's path as a drafter option": (["run", TINY, "--set", "models.drafter.path=x"],
+                                                    "did you mean models.drafter_path?"),
+    "another section's field": (["train", TINY, "--set", "optim.vllm_python=x"],
+                                "did you mean resources.vllm_python?"),
+    "an experiment field on a reproduce spec": (["reproduce", "configs/reproduce/tiny.yaml", "--set",
+                                                 "optim.lr=3e-4"], "an experiment field goes in its set: list"),
+    "gap without held-out samples": (["gap", TINY, "--draft", DRAFTER, "--set", "eval.samples_path=null"],
+                                     "--samples: no held-out target samples given"),
+    "vLLM without its environment": (["gen-samples", TINY, "--engine", "vllm", "--set",
+                                      "resources.vllm_python=/nonexistent/bin/python"],
+                                     "resources.vllm_python: /nonexistent/bin/python does not exist"),
+}
+
+
+@pytest.mark.parametrize("slip", list(SLIPS))
+def test_a_slip_is_one_line_that_says_what_to_do(slip, capsys):
+    argv, wanted = SLIPS[slip]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and wanted in err[0], err
+    assert "None" not in err[0] and "Traceback" not in err[0]
