@@ -36,3 +36,19 @@ def test_a_slip_is_one_line_that_says_what_to_do(slip, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and wanted in err[0], err
     assert "None" not in err[0] and "Traceback" not in err[0]
+
+
+def test_tables_keep_their_columns_on_a_pipe(monkeypatch):
+    """rich takes a pipe for 80 columns and cuts a wide table's cells ('ceili…'); ours keep theirs there."""
+    from rich.table import Table
+
+    from opd.progress import table_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr("os.isatty", lambda fd: False)
+    console = table_console()
+    table = Table(*[f"a column header of some width {i}" for i in range(4)])
+    table.add_row(*[f"a cell of its own width {i}" for i in range(4)])
+    with console.capture() as captured:
+        console.print(table)
+    assert "…" not in captured.get() and "a column header of some width 3" in captured.get()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from opd.data.prompts import eval_prompts
@@ -20,7 +19,7 @@ from opd.eval.gap import OUTCOMES, GapReport, gap_report, slot_facts
 from opd.eval.offline import OfflineEval, check_samples_file
 from opd.models.build import build_drafter, build_models
 from opd.outputs import check_output_file, write_text_atomic
-from opd.progress import progress_bar
+from opd.progress import progress_bar, table_console
 from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec
 
@@ -57,7 +56,7 @@ def as_json(reports: dict[tuple[str, str], GapReport]) -> list[dict]:
 
 
 def print_reports(reports: dict[tuple[str, str], GapReport]) -> None:
-    console = Console()
+    console = table_console()
     summary = Table(title="Gap to the ceiling (the argmax oracle) on the held-out samples: shares of live slots")
     for column in ("setting", "drafter", "τ", "ceiling", "share of τ−1", *OUTCOMES):
         summary.add_column(column, justify="right")

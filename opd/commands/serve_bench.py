@@ -24,7 +24,7 @@ from opd.errors import OpdError
 from opd.model_dir import ModelDir
 from opd.models.registry import detect
 from opd.outputs import check_output_file, write_text_atomic
-from opd.progress import progress_bar
+from opd.progress import progress_bar, table_console
 from opd.serving.engine import check_vllm, engine_args, sampling_dict, speculative_config, vllm_worker
 from opd.spec import ExperimentSpec
 
@@ -122,7 +122,7 @@ def _serve(spec: ExperimentSpec, name: str, config: dict | None, prompts: list[l
 
 
 def print_rows(rows: list[ServeRow], title: str, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     table = Table(title=title)
     for column in ("drafter", "concurrency", "requests", "output tokens", "s", "tok/s", "τ", "speedup"):
         table.add_column(column, justify="right")

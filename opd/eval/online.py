@@ -24,7 +24,7 @@ from opd.eval.expected import point_mass_settings
 from opd.eval.row import EvalRow
 from opd.models.build import Models, build_models
 from opd.outputs import check_output_file, write_text_atomic
-from opd.progress import progress_bar
+from opd.progress import progress_bar, table_console
 from opd.sources.provenance import Provenance
 from opd.spec import ExperimentSpec, SamplingSpec
 
@@ -85,7 +85,7 @@ def _evaluate_setting(models, decoder, batches, setting, max_new_tokens, seed, b
 
 
 def print_rows(rows: list[EvalRow], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     main = Table(title="Speculative decoding on held-out prompts")
     for column in ("sampling", "n", "τ (95% CI over prompts)", "τ tok-wt", "ceiling", "how", "spec tok/s",
                    "AR tok/s", "speedup", "greedy=AR"):
