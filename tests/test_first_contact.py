@@ -23,6 +23,8 @@ SLIPS = {
                                                  "optim.lr=3e-4"], "an experiment field goes in its set: list"),
     "gap without held-out samples": (["gap", TINY, "--draft", DRAFTER, "--set", "eval.samples_path=null"],
                                      "--samples: no held-out target samples given"),
+    "build-tiny over the shipped target": (["build-tiny", "--out-dir", "opd/assets/tiny", "--steps", "5"],
+                                          "--out-dir: opd/assets/tiny is the shipped tiny target"),
     "vLLM without its environment": (["gen-samples", TINY, "--engine", "vllm", "--set",
                                       "resources.vllm_python=/nonexistent/bin/python"],
                                      "resources.vllm_python: /nonexistent/bin/python does not exist"),

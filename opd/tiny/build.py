@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from opd.errors import OpdError
 from opd.tiny.math_corpus import Problem, generate
 from opd.tiny.quality import TargetQuality, measure_quality
 
@@ -30,7 +31,7 @@ CORPUS_SEED, TRAIN_PROMPT_SEED, HELDOUT_SEED = 1, 2, 3
 class BuildConfig:
     """Everything that determines the shipped target; recorded verbatim on the model card."""
 
-    out_dir: str = "opd/assets/tiny"
+    out_dir: str = "runs/tiny-target"  # a fresh directory: the shipped one (SHIPPED) only with --force
     work_dir: str = "work_tiny"
     seed: int = 0
     corpus_problems: int = 300_000
@@ -237,11 +238,23 @@ def build(cfg: BuildConfig, command: str) -> None:
                time.time() - t0, command)
 
 
+SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="opd build-tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="opd build-tiny", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, default in asdict(BuildConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    args = parser.parse_args(argv)
-    cfg = BuildConfig(**vars(args))
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                            help=name.replace("_", " "))
+    parser.add_argument("--force", action="store_true",
+                        help=f"allow --out-dir to be the shipped tiny target ({SHIPPED}), which the tests use")
+    args = vars(parser.parse_args(argv))
+    force = args.pop("force")
+    cfg = BuildConfig(**args)
+    if Path(cfg.out_dir).resolve() == SHIPPED and not force:
+        raise OpdError(f"--out-dir: {cfg.out_dir} is the shipped tiny target, which the configs and tests use "
+                       "(expected a new directory, or --force to rebuild it in place)")
     build(cfg, " ".join(["opd build-tiny", *(argv or [])]))
+    print(f"tiny target written to {Path(cfg.out_dir).resolve()} (target/, prompts/, card)")
     return 0
