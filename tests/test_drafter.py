@@ -420,3 +420,23 @@ def test_serving_refuses_the_targets_last_layer_that_vllm_cannot_capture(tmp_pat
     _hand_written_checkpoint(tmp_path / "inner", layer_ids=(0, 1, 2))
     assert drafter_block_size(str(tmp_path / "inner"), spec) == BLOCK
     assert drafter_block_size("opd/assets/tiny/drafter", spec) == 8
+
+
+def test_a_fresh_drafter_for_a_target_without_rope_takes_the_spec_s_base():
+    """Kimi Linear's MLA layers carry no rope_theta: a fresh drafter is refused naming models.drafter.rope_theta, and
+    takes that base when it is set (DFlash's families and EAGLE-3's alike)."""
+    from transformers import AutoConfig
+
+    from opd.errors import OpdError
+    from opd.formats.eagle3 import Eagle3Config
+
+    target = AutoConfig.from_pretrained("opd/assets/tiny/target")
+    target.rope_theta = None
+    target.rope_parameters = {"rope_type": "default"}
+    for build in (lambda **kw: DFlashConfig.for_target(target, num_layers=1, block_size=4, mask_token_id=3, **kw),
+                  lambda **kw: Eagle3Config.for_target(target, draft_vocab_size=64, block_size=4, **kw)):
+        with pytest.raises(OpdError, match=r"has no RoPE base .*set models\.drafter\.rope_theta"):
+            build()
+        config = build(rope_theta=12345.0)
+        assert (config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters") else config.rope_theta) \
+            == 12345.0

@@ -15,7 +15,11 @@ from opd.model_dir import CONFIG_FILE, WEIGHTS_FILE
 if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors
     import torch
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
+__all__ = ["CONFIG_FILE", "NO_ROPE_BASE", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
+
+# A fresh drafter takes its target's RoPE base; a target whose attention has none needs the spec to give one.
+NO_ROPE_BASE = ("the target's config has no RoPE base (rope_theta; its attention carries no RoPE, as Kimi Linear's "
+                "MLA layers): set models.drafter.rope_theta, the fresh drafter's (its target family's usual base)")
 
 
 class TargetShape(Protocol):

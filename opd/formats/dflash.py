@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from opd.errors import OpdError
-from opd.formats.checkpoint import CONFIG_FILE, TargetShape, int_field, load_weights, write_layout
+from opd.formats.checkpoint import CONFIG_FILE, NO_ROPE_BASE, TargetShape, int_field, load_weights, write_layout
 from opd.formats.layer_attention import LayerAttention
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import MODEL_TYPE, backbone_public, dflash_speculators, is_speculators, model_type
@@ -150,6 +150,7 @@ class DFlashConfig:
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
         input_embedding_scale: float | None = None,
+        rope_theta: float | None = None,
     ) -> DFlashConfig:
         """A drafter as wide as the target (DFlash copies the target's attention and MLP shapes), carrying what the
         public drafters of the target's family carry: the target's RoPE (its full-attention entry when the target
@@ -170,7 +171,7 @@ class DFlashConfig:
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
             rms_norm_eps=float(hf["rms_norm_eps"]),
-            rope_parameters=_target_rope(hf),
+            rope_parameters=_target_rope(hf, rope_theta),
             vocab_size=int(hf["vocab_size"]),
             max_position_embeddings=int_field(hf, "max_position_embeddings"),
             block_size=int(block_size),
@@ -414,7 +415,7 @@ def _flat_rope(params: Any, theta: Any, name: str) -> dict[str, Any]:
     return out
 
 
-def _target_rope(hf: dict[str, Any]) -> dict[str, Any]:
+def _target_rope(hf: dict[str, Any], rope_theta: float | None = None) -> dict[str, Any]:
     """The RoPE a drafter for this target takes: the target's, or its full-attention entry when the target gives
     RoPE per layer type (a drafter's layers are full attention), less what rotates only part of a head or only a
     multimodal section (z-lab's drafter rotates whole heads); a proportional RoPE keeps its factor, which shapes
@@ -425,7 +426,10 @@ def _target_rope(hf: dict[str, Any]) -> dict[str, Any]:
             raise OpdError(f"target config 'rope_parameters' gives RoPE per layer type ({', '.join(params)}) but "
                            f"none for '{FULL}', the drafter's layers")
         params = params[FULL]
-    rope = _flat_rope(params, hf.get("rope_theta"), "rope_parameters")
+    theta = hf.get("rope_theta") if hf.get("rope_theta") is not None else rope_theta
+    if theta is None and (not isinstance(params, dict) or params.get("rope_theta") is None):
+        raise OpdError(NO_ROPE_BASE)
+    rope = _flat_rope(params, theta, "rope_parameters")
     drop = MROPE_KEYS + (() if rope["rope_type"] == "proportional" else ("partial_rotary_factor",))
     return {k: v for k, v in rope.items() if k not in drop}
 

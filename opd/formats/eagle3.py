@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from opd.errors import OpdError
-from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, TargetShape, int_field, load_weights
+from opd.formats.checkpoint import CONFIG_FILE, NO_ROPE_BASE, WEIGHTS_FILE, TargetShape, int_field, load_weights
 from opd.formats.section import DrafterSection, drafter_section, spec_issues
 from opd.formats.speculators import (
     MODEL_TYPE,
@@ -139,9 +139,15 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, target_hf_config: Any, *, draft_vocab_size: int, block_size: int,
-                   aux_layer_ids: list[int] | None = None) -> Eagle3Config:
-        """A drafter as wide as the target: its layer shapes, RoPE base and norm epsilon."""
+                   aux_layer_ids: list[int] | None = None, rope_theta: float | None = None) -> Eagle3Config:
+        """A drafter as wide as the target: its layer shapes, RoPE base (`rope_theta` where the target has none)
+        and norm epsilon."""
         hf = target_hf_config.to_dict()
+        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if hf.get("rope_theta") is None and params.get("rope_theta") is None:
+            if rope_theta is None:
+                raise OpdError(NO_ROPE_BASE)
+            hf["rope_theta"] = rope_theta
         num_layers = int(hf["num_hidden_layers"])
         ids = default_aux_layer_ids(num_layers) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
         if ids[:1] == [1]:

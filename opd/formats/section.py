@@ -37,6 +37,10 @@ class DrafterSection(Section):
     block_size: int = Field(16, ge=2, description="K tokens per block, anchor included; K-1 are drafted")
     target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description=(
         "None = the family's default for the target"))
+    rope_theta: float | None = Field(None, gt=0, description=(
+        "A fresh drafter's RoPE base where the target's config carries none (an attention without RoPE, as Kimi "
+        "Linear's MLA layers); None = the target's. Public drafters use their target's (10000 for Llama 2, "
+        "1000000 for Qwen3); a warm drafter brings its own."))
 
     # What the experiment's rules ask (opd/spec/rules.py): whether its drafts have a realized q to sample at T>0
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has

@@ -526,7 +526,8 @@ class DFlashFamily(DrafterFamily):
         return DFlashConfig.for_target(base.config, num_layers=section.num_layers, block_size=section.block_size,
                                        mask_token_id=mask_token_id(tokenizer, section.mask_token_id),
                                        target_layer_ids=base.layer_ids,
-                                       input_embedding_scale=embedding_scale(base.embed_tokens))
+                                       input_embedding_scale=embedding_scale(base.embed_tokens),
+                                       rope_theta=section.rope_theta)
 
     def random(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashDrafter:
         config = self.config(section, base, tokenizer)

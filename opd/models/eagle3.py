@@ -431,6 +431,7 @@ class Eagle3Family(DrafterFamily):
     def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> Eagle3Drafter:
         """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`)."""
         config = Eagle3Config.for_target(base.config, draft_vocab_size=draft_vocab_size(section, base.vocab_size),
+                                         rope_theta=section.rope_theta,
                                          block_size=section.block_size, aux_layer_ids=[i + 1 for i in base.layer_ids])
         return Eagle3Drafter(config, base.embed_tokens, base.lm_head).to(base.device)
 

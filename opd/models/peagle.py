@@ -163,6 +163,7 @@ class PEagleFamily(DrafterFamily):
         """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`); the pard token is the spec's
         or the tokenizer's mask token."""
         eagle3 = Eagle3Config.for_target(base.config, draft_vocab_size=draft_vocab_size(section, base.vocab_size),
+                                         rope_theta=section.rope_theta,
                                          block_size=section.block_size, aux_layer_ids=[i + 1 for i in base.layer_ids])
         config = PEagleConfig.of(eagle3, mask_token_id(tokenizer, section.mask_token_id))
         return PEagleDrafter(config, base.embed_tokens, base.lm_head).to(base.device)
