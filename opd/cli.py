@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opd.errors import OpdError
@@ -65,8 +66,13 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    """`--draft` is the drafter the spec describes, in place of the config's warm one, before the spec's family
+    checks read it (a P-EAGLE --draft on a DFlash config, with models.drafter.kind set to match)."""
     from opd.eval.online import run_eval
 
+    if args.draft and args.draft != "random":  # the spec describes --draft's checkpoint, from its config.json
+        fresh = ["models.drafter={}"] if Path(args.draft, "config.json").is_file() else []
+        args.overrides = [f"models.drafter_path={args.draft}", *fresh, *(args.overrides or [])]
     return run_eval(_load(args), args.draft, args.prompts, args.json, args.samples)
 
 

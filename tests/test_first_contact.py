@@ -54,3 +54,17 @@ def test_tables_keep_their_columns_on_a_pipe(monkeypatch):
     with console.capture() as captured:
         console.print(table)
     assert "…" not in captured.get() and "a column header of some width 3" in captured.get()
+
+
+def test_eval_draft_replaces_the_configs_drafter_before_any_family_check(tmp_path, capsys):
+    """`opd eval CONFIG --draft DIR`: DIR is the drafter the spec then describes, whatever the config's family
+    (a P-EAGLE drafter on the DFlash config), its kind and the fields its checkpoint fixes taken from DIR."""
+    from opd.models.build import build_models
+    from opd.spec import load_spec
+
+    spec = load_spec("configs/tiny-eagle3.yaml", ["models.drafter_path=", "models.drafter.kind=peagle"])
+    build_models(spec, "random").drafter.save_pretrained(tmp_path / "peagle")
+    quick = ["--set", "eval.num_prompts=2", "--set", "eval.max_new_tokens=8", "--set", "eval.samples_path=null",
+             "--set", "eval.offline=false", "--set", "eval.speedup_prompts=2", "--set", "eval.diagnostic=false"]
+    assert main(["eval", TINY, "--draft", str(tmp_path / "peagle"), *quick]) == 0
+    assert "Traceback" not in capsys.readouterr().err

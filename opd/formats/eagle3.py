@@ -106,7 +106,8 @@ class Eagle3Spec(DrafterSection):
     def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
         public = eagle3_public(config) if is_speculators(config) else config
         return {"block_size": (self.block_size, public.get("block_size")),
-                "draft_vocab_size": (self.draft_vocab_size, public.get("draft_vocab_size"))}
+                "draft_vocab_size": (self.draft_vocab_size, public.get("draft_vocab_size")),
+                "target_layer_ids": (layer_ids, speculators_layer_ids(config))}
 
 
 @dataclass
@@ -452,3 +453,10 @@ def speculators_tensor_names(tensors: dict[str, Any]) -> dict[str, Any]:
     """An EAGLE-3 state dict under speculators' names (SpecForge's `midlayer` is its `layers.0`)."""
     return {("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): t
             for name, t in tensors.items()}
+
+
+def speculators_layer_ids(config: dict[str, Any]) -> list[int] | None:
+    """This project's target layer ids of a speculators EAGLE-family config (its ids enter layer i, ours are the
+    output of layer i - 1), None for SpecForge's layout, whose first id cannot be told apart (`eagle3_public`)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") if is_speculators(config) else None
+    return [i - 1 for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None

@@ -32,6 +32,7 @@ from opd.formats.eagle3 import (
     check_mapping,
     eagle3_speculators,
     eagle3_tensor_name,
+    speculators_layer_ids,
     speculators_tensor_names,
     write_layout_of,
 )
@@ -69,7 +70,8 @@ class PEagleSpec(Eagle3Spec):
     def checkpoint_fields(self, config: dict[str, Any], layer_ids: list[int] | None) -> dict[str, tuple[Any, Any]]:
         return {"block_size": (self.block_size, _speculative_tokens(config) + 1),
                 "draft_vocab_size": (self.draft_vocab_size, config.get("draft_vocab_size")),
-                "mask_token_id": (self.mask_token_id, config.get("mask_token_id"))}
+                "mask_token_id": (self.mask_token_id, config.get("mask_token_id")),
+                "target_layer_ids": (layer_ids, speculators_layer_ids(config))}
 
 
 @dataclass

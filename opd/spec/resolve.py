@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.formats import DRAFTER_SECTIONS, detect_section
+from opd.formats.section import DrafterSection
 from opd.model_dir import ModelDir
 from opd.spec.experiment import ExperimentSpec
 from opd.spec.resources import ResourcesSpec
@@ -50,13 +51,24 @@ def file_facts(data: dict[str, Any], files: SpecFiles) -> tuple[dict[str, Any], 
                           f"num_hidden_layers {{value}} in {models['target_path']}/config.json")
     if isinstance(models, dict) and isinstance(models.setdefault("drafter", {}), dict) and files.drafter is not None:
         section = detect_section(files.drafter.config)  # an unset kind is the warm drafter's family
-        if section is not None and "kind" not in models["drafter"]:
-            models["drafter"]["kind"] = section.model_fields["kind"].default
+        if section is not None and models["drafter"].setdefault("kind", section.model_fields["kind"].default) == \
+                section.model_fields["kind"].default:
+            _take_checkpoint_fields(models["drafter"], section, files.drafter.config)
     if isinstance(prompts, dict) and isinstance(prompts.get("train_prompts"), str):
         lines = count_prompts(Path(prompts["train_prompts"]))
         problems += _take(prompts, "train_pool_size", lines, "data",
                           f"the {{value}} prompts in {prompts['train_prompts']}")
     return data, problems
+
+
+def _take_checkpoint_fields(raw: dict[str, Any], section: type[DrafterSection], config: dict[str, Any]) -> None:
+    """A drafter section of the warm drafter's family describes that drafter: the fields its checkpoint fixes
+    (block size, draft vocabulary, ...) and the section leaves out are the checkpoint's, not the section's
+    defaults."""
+    found = section.model_construct(kind=section.model_fields["kind"].default).checkpoint_fields(config, None)
+    for name, (_, value) in found.items():
+        if value is not None and name not in raw and name in section.model_fields:
+            raw[name] = value
 
 
 def _take(section: dict[str, Any], name: str, value: int | None, where: str, source: str) -> list[str]:
