@@ -117,3 +117,27 @@ def test_opd_sft_trains_the_selector_through_the_acceptance_term(micro_spec_file
             safe_open(str(Path(micro_dflash2) / "model.safetensors"), "pt") as before:
         changed = {name for name in before.keys() if not torch.equal(after.get_tensor(name), before.get_tensor(name))}
     assert any(n.startswith("candidate_selector.") for n in changed), sorted(changed)
+
+
+def test_the_serving_mode_is_evaluated_beside_the_eval_settings(tmp_path):
+    """A spec with a serving section measures the mode it trains for: its exact setting, q-sampled drafts
+    included, is an eval row named `serving` unless an eval setting already is it, and the table says what each
+    row decodes with."""
+    from opd.commands.run import comparison_table
+    from opd.eval.row import EvalRow
+
+    preset = tmp_path / "q.yaml"
+    preset.write_text(f"base: [{ROOT / 'configs/tiny.yaml'}, {ROOT / 'configs/presets/sampled-q-serving.yaml'}]\n")
+    spec = load_spec(preset)
+    rows = {s.name: (s.temperature, s.top_p, s.top_k, s.draft) for s in spec.eval.sampling}
+    assert rows == {"greedy": (0.0, 1.0, 0, "argmax"), "sampled": (0.6, 0.95, 20, "argmax"),
+                    "serving": (0.6, 0.95, 20, "sample")}
+    already = ["eval.sampling=[{name: q, temperature: 0.6, top_p: 0.95, top_k: 20, draft: sample}]"]
+    assert [s.name for s in load_spec(preset, already).eval.sampling] == ["q"]  # no second copy of it
+    with pytest.raises(SpecError, match="eval.sampling: the setting named 'serving' differs from the serving"):
+        load_spec(preset, ["eval.sampling=[{name: serving, temperature: 0.0}]"])
+    assert [s.name for s in load_spec(ROOT / "configs/tiny.yaml").eval.sampling] == ["greedy", "sampled"]
+
+    row = EvalRow("serving", 4, 2.0, 2.0, [], [], None, None, None, None)
+    caption = str(comparison_table(spec, [row], [row]).caption)
+    assert caption.startswith("rows: serving = T=0.6, top-p 0.95, top-k 20, drafts sampled from q")

@@ -34,8 +34,9 @@ from opd.commands.preflight import check_inputs
 from opd.eval.row import EvalRow
 from opd.eval.suite_report import markdown, metrics, write_report
 from opd.outputs import write_text_atomic
+from opd.progress import table_console
 from opd.run_dir import RunDirLock
-from opd.spec import ExperimentSpec, LossSpec
+from opd.spec import ExperimentSpec, LossSpec, SamplingSpec
 from opd.tracking import end_run, ensure_store, run_status
 from opd.train.checkpoint import checkpoint_step, remove_partial_checkpoints
 from opd.train.evaluator import Checkpoint
@@ -119,10 +120,19 @@ def describe_recipe(spec: ExperimentSpec) -> str:
     return f"{words}; {rollouts}"
 
 
+def describe_setting(setting: SamplingSpec) -> str:
+    """What an eval row decodes with: the target's sampling and how drafts are made."""
+    target = "greedy" if setting.temperature == 0 else \
+        f"T={setting.temperature:g}" + (f", top-p {setting.top_p:g}" if setting.top_p < 1 else "") + \
+        (f", top-k {setting.top_k}" if setting.top_k else "")
+    return f"{setting.name} = {target}, {'drafts sampled from q' if setting.draft == 'sample' else 'point-mass drafts'}"
+
+
 def comparison_table(spec: ExperimentSpec, before: list[EvalRow], after: list[EvalRow]) -> Table:
     n = before[0].prompts
+    rows = "; ".join(describe_setting(s) for s in spec.eval.sampling if any(r.sampling == s.name for r in before))
     table = Table(title=f"Held-out τ (± 95% interval over {n} prompts) and speedup: warm drafter → Draft-OPD",
-                  caption=f"{spec.name}: {describe_recipe(spec)}")
+                  caption=f"rows: {rows}\n{spec.name}: {describe_recipe(spec)}")
     for column in ("sampling", "τ before", "τ after", "Δτ", "ceiling", "speedup before", "speedup after"):
         table.add_column(column, justify="right")
     for b, a in zip(before, after):
@@ -159,7 +169,7 @@ def plot_tau(history: dict[int, dict[str, float]], path: Path) -> None:
 
 
 def run_main(spec: ExperimentSpec) -> int:
-    console = Console()
+    console = table_console()
     started = time.perf_counter()
     with open_run(spec):
         console.print(f"[bold]Draft-OPD[/] on {spec.models.target_path}, engine {spec.engine}, {spec.steps} steps; "

@@ -11,9 +11,10 @@ import math
 from typing import Protocol
 
 from opd.spec.inputs import DataSpec, ModelsSpec
+from opd.spec.reporting import EvalSpec
 from opd.spec.resources import ResourcesSpec
 from opd.spec.rollout import RolloutSpec
-from opd.spec.sampling import ServingSpec, TargetSampling
+from opd.spec.sampling import SamplingSpec, ServingSpec, TargetSampling
 from opd.spec.training import LossSpec, OptimSpec, ReplaySpec, SftSpec
 
 
@@ -32,6 +33,7 @@ class Experiment(Protocol):
     sft: SftSpec
     optim: OptimSpec
     resources: ResourcesSpec
+    eval: EvalSpec
     serving: ServingSpec | None
 
     @property
@@ -46,6 +48,7 @@ def experiment_issues(spec: Experiment) -> list[str]:
         issues += _options_that_need_a_serving_section(spec)
     else:
         issues += _rollout_takes_the_serving_setting(spec.rollout, spec.serving)
+        issues += _evaluation_includes_the_serving_setting(spec.eval, spec.serving)  # the mode trained for
         issues += _training_at_odds_with_the_serving_mode(spec, spec.serving)
     if not issues:
         issues += _fill_steps_from_the_run_length(spec)
@@ -161,6 +164,23 @@ def _rollout_takes_the_serving_setting(rollout: RolloutSpec, serving: ServingSpe
                           "rollouts decode in the serving setting, rollout.mix adds others)")
         setattr(rollout, name, served)
     return issues
+
+
+SERVING_EVAL = "serving"  # the eval setting the serving mode adds when no eval setting is it
+
+
+def _evaluation_includes_the_serving_setting(evaluation: EvalSpec, serving: ServingSpec) -> list[str]:
+    """The mode a drafter trains for is measured: an eval setting equal to the serving setting (its draft mode
+    included) is added as `serving` when eval.sampling has none, beside the settings it names."""
+    fields = [*TargetSampling.model_fields, "draft"]
+    served = {name: getattr(serving, name) for name in fields}
+    if any({name: getattr(s, name) for name in fields} == served for s in evaluation.sampling):
+        return []
+    if any(s.name == SERVING_EVAL for s in evaluation.sampling):
+        return [f"eval.sampling: the setting named {SERVING_EVAL!r} differs from the serving section (expected it "
+                "equal to serving, or another name: the serving mode's own setting is evaluated under that name)"]
+    evaluation.sampling = [*evaluation.sampling, SamplingSpec(name=SERVING_EVAL, **served)]
+    return []
 
 
 def _training_at_odds_with_the_serving_mode(spec: Experiment, serving: ServingSpec) -> list[str]:
