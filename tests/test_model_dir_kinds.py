@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from opd.cli import main
+from opd.commands.preflight import check_drafter, check_target, target_shape
+from opd.errors import OpdError
 from opd.formats import KINDS
+from opd.formats.dflash import DFlashSpec
 from opd.model_dir import DirKind, ModelDir
+from opd.models.registry import load_drafter
+from opd.models.target import load_target
 
 TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
 
@@ -49,3 +57,67 @@ def test_a_target_is_a_causal_lm_with_weights_and_nothing_else_is(tmp_path: Path
         "an EAGLE-style drafter (eagle3)"
     assert str(_model_dir(tmp_path / "other", {"speculators_model_type": "mtp"}).kind) == "a speculators drafter (mtp)"
     assert str(_model_dir(tmp_path / "empty", {}).kind) == "neither a target model nor a drafter"
+
+
+# --- a directory of the wrong kind is refused in one line, before anything is read from it ----------------------
+
+DRAFTERS = {"drafter": "a DFlash-style drafter (dflash)", "dspark": "a speculators drafter (dspark)",
+            "eagle3": "an EAGLE-style drafter (eagle3)"}
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    return err[0].removeprefix("error: ")
+
+
+def as_target(name: str) -> str:
+    return (f"models.target_path: {TINY / name} is {DRAFTERS[name]}, not a target model (expected the target's "
+            "directory; a drafter goes in models.drafter_path)")
+
+
+def as_drafter(field: str, path: str) -> str:
+    return (f"{field}: {path} is a target model (Qwen3ForCausalLM), not a drafter (expected a drafter's directory; "
+            "the target goes in models.target_path)")
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_drafter_as_the_target_is_refused_in_one_line(micro_spec_file, capsys, command: str, name: str) -> None:
+    assert main([command, str(micro_spec_file), "--set", f"models.target_path={TINY / name}"]) == 2
+    assert one_error(capsys) == as_target(name)
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_the_target_as_the_drafter_is_refused_in_one_line(micro_spec_file, micro_assets, capsys, command) -> None:
+    assert main([command, str(micro_spec_file), "--set", f"models.drafter_path={micro_assets['target']}"]) == 2
+    assert one_error(capsys) == as_drafter("models.drafter_path", micro_assets["target"])
+
+
+def test_the_target_as_a_draft_flag_is_refused_in_one_line(micro_spec_file, micro_assets, capsys) -> None:
+    target = micro_assets["target"]
+    assert main(["eval", str(micro_spec_file), "--draft", target]) == 2
+    assert one_error(capsys) == as_drafter("--draft", target)
+    assert main(["gap", str(micro_spec_file), "--draft", f"mine={target}"]) == 2
+    assert one_error(capsys) == as_drafter("--draft mine", target)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_the_preflight_and_the_loaders_refuse_a_drafter_as_the_target(name: str) -> None:
+    """What reads a target outside the spec's resolution (a resolved spec handed on, an export's target) refuses
+    a drafter the same way, before transformers reads it."""
+    for read in (lambda: check_target(str(TINY / name), [1]),
+                 lambda: load_target(str(TINY / name), dtype=torch.float32, layer_ids=[1])):
+        with pytest.raises(OpdError) as refused:
+            read()
+        assert str(refused.value) == as_target(name)
+
+
+def test_the_preflight_and_the_loader_refuse_the_target_as_a_drafter(micro_assets) -> None:
+    target = micro_assets["target"]
+    with pytest.raises(OpdError) as refused:
+        check_drafter(target, target_shape(ModelDir.read(target), [1, 2]), DFlashSpec())
+    assert str(refused.value) == as_drafter("models.drafter_path", target)
+    with pytest.raises(OpdError) as refused:
+        load_drafter(target, SimpleNamespace())
+    assert str(refused.value) == as_drafter("drafter", target)

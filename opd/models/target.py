@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
-from opd.model_dir import ModelDir
+from opd.model_dir import TARGET_FIELD, ModelDir
 from opd.models.kind_masks import kind_masks
 from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
@@ -352,8 +352,10 @@ def load_target(
     attn_implementation: str | None = None,
     layer_ids: list[int],
     device: str = "cpu",
+    field: str = TARGET_FIELD,
 ) -> Target:
-    """Load a local HF causal LM directory as a frozen `Target` (no hub access) onto `device`."""
+    """Load a local HF causal LM directory as a frozen `Target` (no hub access) onto `device`; `field` names the
+    path in the refusal of a drafter's directory."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -361,7 +363,7 @@ def load_target(
 
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")
-    ModelDir.read(path, "target model")
+    ModelDir.read(path, "target model").expect("target", field)
     # transformers' default experts kernel (grouped_mm) takes no float64; its eager loop does, and a dense model
     # ignores the setting
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
