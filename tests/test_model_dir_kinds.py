@@ -5,11 +5,13 @@ never from a list of families written here."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from opd.cli import main
 from opd.commands.preflight import check_drafter, check_target, target_shape
@@ -18,7 +20,7 @@ from opd.formats import KINDS
 from opd.formats.dflash import DFlashSpec
 from opd.model_dir import DirKind, ModelDir
 from opd.models.registry import load_drafter
-from opd.models.target import load_target
+from opd.models.target import Target, load_target
 
 TINY = Path(__file__).resolve().parents[1] / "opd" / "assets" / "tiny"
 
@@ -121,3 +123,19 @@ def test_the_preflight_and_the_loader_refuse_the_target_as_a_drafter(micro_asset
     with pytest.raises(OpdError) as refused:
         load_drafter(target, SimpleNamespace())
     assert str(refused.value) == as_drafter("drafter", target)
+
+
+# --- a target whose checkpoint lacks tensors is refused before any forward ----------------------------------------
+
+
+def test_a_target_without_its_embedding_is_refused_before_compute(micro_spec_file, micro_assets, tmp_path, capsys,
+                                                                  monkeypatch) -> None:
+    broken = tmp_path / "no-embedding"
+    shutil.copytree(micro_assets["target"], broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "model.embed_tokens.weight"}, broken / "model.safetensors",
+              metadata={"format": "pt"})
+    monkeypatch.setattr(Target, "forward", lambda *a, **k: pytest.fail("the target ran with a random embedding"))
+    assert main(["eval", str(micro_spec_file), "--set", f"models.target_path={broken}"]) == 2
+    assert one_error(capsys) == (f"target model {broken}: its weights lack model.embed_tokens.weight (expected every "
+                                 "tensor of Qwen3ForCausalLM; transformers would fill them with random values)")

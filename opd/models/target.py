@@ -369,10 +369,22 @@ def load_target(
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}  # else HF's pick
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, **experts, **chosen
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, output_loading_info=True, **experts, **chosen
         )
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OpdError(f"target model {path}: {first_line}") from exc
+    _refuse_missing_weights(path, type(model).__name__, loading["missing_keys"])
     return Target(model.to(device), layer_ids)
+
+
+def _refuse_missing_weights(path: str, architecture: str, missing: list[str]) -> None:
+    """transformers fills a tensor its checkpoint lacks with random values and only logs it; a target with a random
+    embedding, head or layer would draw every sample, and score every draft, from noise. Refused here, before any
+    forward."""
+    if missing:
+        names = sorted(missing)
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise OpdError(f"target model {path}: its weights lack {', '.join(names[:3])}{more} (expected every tensor "
+                       f"of {architecture}; transformers would fill them with random values)")
