@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from opd.cli import main
 from opd.commands.preflight import check_drafter, check_target, target_shape
 from opd.errors import OpdError
-from opd.formats import KINDS
+from opd.formats import DRAFTER_SECTIONS, KINDS
 from opd.formats.dflash import DFlashSpec
 from opd.model_dir import DirKind, ModelDir
 from opd.models.registry import load_drafter
@@ -44,9 +44,11 @@ def test_each_shipped_directory_is_told_apart(name: str, kind: str) -> None:
     assert str(ModelDir.read(TINY / name).kind) == kind
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_every_registered_family_in_speculators_layout_is_a_speculators_drafter(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("section", DRAFTER_SECTIONS, ids=KINDS)
+def test_every_registered_family_is_a_drafter_and_names_its_style(tmp_path: Path, section) -> None:
+    kind = section.model_fields["kind"].default
     assert _model_dir(tmp_path, {"speculators_model_type": kind}).kind == DirKind("speculators", kind)
+    assert section.style  # how its public layout is named (opd/formats/section.py); a new family says it too
 
 
 def test_a_target_is_a_causal_lm_with_weights_and_nothing_else_is(tmp_path: Path) -> None:
