@@ -4,20 +4,53 @@ The spec's resolution, the preflight, the family detection, the builders and the
 same questions (how deep is the target, which family is this drafter, do its weight files hold what the config
 says). Each reading was once its own `json.loads`, with its own message for a missing file. Here the directory is
 read once into a value, every reader takes that value, and each check is written once.
+
+That includes what kind of directory it is (`ModelDir.kind`). A drafter named where the target belongs was once
+read as a target: a speculators drafter failed on "field 'hidden_size' missing", a z-lab drafter's depth became the
+target's, and past a few overrides it ran as a target with a random embedding and head. Each reader now asks
+`expect`, which refuses a directory of the wrong kind in one line naming its kind and the field it belongs in.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from opd.errors import OpdError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+TARGET_FIELD, DRAFTER_FIELD = "models.target_path", "models.drafter_path"
+# how transformers names a class that writes text: Qwen3ForCausalLM, Gemma4ForConditionalGeneration, GPT2LMHeadModel
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+# what says a directory holds weights, unread: safetensors files, their index, PyTorch's own files
+WEIGHT_GLOBS = ("*.safetensors", WEIGHTS_INDEX, "pytorch_model*.bin")
+Wanted = Literal["target", "drafter"]
+
+
+@dataclass(frozen=True)
+class DirKind:
+    """What a model directory is: a target model (`layout` "target", `name` its architecture), a drafter
+    (`layout` its family's style, "DFlash" or "EAGLE", or "speculators"; `name` its family), or neither."""
+
+    layout: str
+    name: str = ""
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.layout not in ("target", "neither")
+
+    def __str__(self) -> str:
+        if self.layout == "target":
+            return f"a target model ({self.name})"
+        if self.layout == "neither":
+            return "neither a target model nor a drafter"
+        style = self.layout if self.layout == "speculators" else f"{self.layout}-style"
+        return f"{'an' if style[0] in 'AEIOU' else 'a'} {style} drafter ({self.name})"
 
 
 @dataclass(frozen=True)
@@ -78,6 +111,48 @@ class ModelDir:
         if not isinstance(value, int) or isinstance(value, bool):
             raise OpdError(f"{self.role} {self.path}/{CONFIG_FILE}: field {name!r} missing or not an integer")
         return value
+
+    # -- what kind of directory ---------------------------------------------------------------------------------
+
+    @cached_property
+    def kind(self) -> DirKind:
+        """A drafter when a registered family's section recognises its config.json (or it is in speculators'
+        layout, of any family), asked first because EAGLE-3's architecture names (`Eagle3LlamaForCausalLM`) read as
+        causal LMs too; else a target when its architecture is a transformers causal LM and weights sit beside it;
+        else neither. The family registry is opd.formats, on this floor and imported here lazily, since its
+        format modules import this one."""
+        from opd.formats import detect_section
+        from opd.formats.speculators import is_speculators, model_type
+
+        section = detect_section(self.config)
+        if section is not None:
+            layout = "speculators" if is_speculators(self.config) else section.style
+            return DirKind(layout, str(section.model_fields["kind"].default))
+        if is_speculators(self.config):
+            return DirKind("speculators", model_type(self.config) or "unknown family")
+        causal = [name for name in self.architectures if name.endswith(CAUSAL_LM_SUFFIXES)]
+        if causal and any(any(self.path.glob(pattern)) for pattern in WEIGHT_GLOBS):
+            return DirKind("target", causal[0])
+        return DirKind("neither")
+
+    def misplaced(self, wanted: Wanted, field: str) -> str | None:
+        """The one line refusing a drafter given where the target belongs (`field`), or a target where a drafter
+        does; None otherwise. A directory that is neither is left to its reader, which names what it lacks."""
+        kind = self.kind
+        if wanted == "target" and kind.is_drafter:
+            return (f"{field}: {self.path} is {kind}, not a target model (expected the target's directory; a drafter "
+                    f"goes in {DRAFTER_FIELD})")
+        if wanted == "drafter" and kind.layout == "target":
+            return (f"{field}: {self.path} is {kind}, not a drafter (expected a drafter's directory; the target goes "
+                    f"in {TARGET_FIELD})")
+        return None
+
+    def expect(self, wanted: Wanted, field: str) -> ModelDir:
+        """This directory, or a one-line OpdError when it is of the other kind (`misplaced`)."""
+        problem = self.misplaced(wanted, field)
+        if problem is not None:
+            raise OpdError(problem)
+        return self
 
     # -- weight files ------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from opd.data.render import Rendering
 from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
 from opd.formats.section import DrafterSection
-from opd.model_dir import WEIGHTS_FILE, ModelDir
+from opd.model_dir import DRAFTER_FIELD, TARGET_FIELD, WEIGHTS_FILE, ModelDir
 from opd.serving.engine import check_vllm
 from opd.sources.store import SampleStore
 from opd.spec import ExperimentSpec
@@ -66,8 +66,9 @@ def check_suite(spec: ExperimentSpec, suite: Path, tokenizer) -> None:
 
 
 def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
-    """The target's shape from its config.json (what a drafter must fit), after checking its weight files."""
-    directory = ModelDir.read(path, "target model")
+    """The target's shape from its config.json (what a drafter must fit), after checking that it is a target and
+    its weight files."""
+    directory = ModelDir.read(path, "target model").expect("target", TARGET_FIELD)
     directory.tensor_shapes()
     return target_shape(directory, layer_ids)
 
@@ -99,7 +100,7 @@ def check_drafter(path: str, target: SimpleNamespace, section: DrafterSection) -
     family lays them out (told apart by its config.json)."""
     from opd.models.registry import detect
 
-    directory = ModelDir.read(path, "drafter")
+    directory = ModelDir.read(path, "drafter").expect("drafter", DRAFTER_FIELD)
     expected, borrowed = detect(directory).expected_shapes(directory, target, section)
     where = directory.path / WEIGHTS_FILE
     if not directory.weight_files():

@@ -32,7 +32,7 @@ def run_suite_build(suite: str, out: str, files: list[str]) -> int:
 
 def parse_drafts(items: list[str]) -> dict[str, str]:
     """`--draft [LABEL=]PATH` (or `random`) -> {label: path}; the label defaults to the directory's name. A
-    directory without a config.json is refused here, before the target loads."""
+    directory without a config.json, or the target's, is refused here, before the target loads."""
     drafts = {}
     for item in items:
         label, sep, path = item.partition("=")
@@ -45,7 +45,8 @@ def parse_drafts(items: list[str]) -> dict[str, str]:
         drafts[label] = path
     for label, path in drafts.items():
         if path != "random":
-            ModelDir.read(path, f"--draft {label}={path}", expected="a drafter directory or random")
+            directory = ModelDir.read(path, f"--draft {label}={path}", expected="a drafter directory or random")
+            directory.expect("drafter", f"--draft {label}")
     return drafts
 
 

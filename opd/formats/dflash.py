@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -71,6 +71,8 @@ class DFlashSpec(DrafterSection):
     kind: Literal["dflash"] = "dflash"
     num_layers: int = Field(5, ge=1, description="decoder layers (the paper's 5)")
     mask_token_id: int | None = Field(None, ge=0, description="None = the tokenizer's mask token")
+
+    style: ClassVar[str] = "DFlash"
 
     @classmethod
     def detects(cls, config: dict[str, Any]) -> bool:

@@ -71,6 +71,7 @@ class Eagle3Spec(DrafterSection):
         "Draft tree width (SGLang's --speculative-eagle-topk). Only 1, a chain, drafts point masses, which lossless "
         "rebuild and replay need."))
 
+    style: ClassVar[str] = "EAGLE"
     # Its chain is fed its argmax (no realized q to sample), and its training reads every slot's full teacher at
     # the anchors decoding chose.
     samples_from_q: ClassVar[bool] = False

@@ -46,6 +46,9 @@ class DrafterSection(Section):
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has
     # a candidate selector with a loss term of its own (`loss.selector_weight`). Options only one family has are
     # fields of its own section (DSpark's confidence_weight and sft_objective), refused on another by pydantic.
+    # How a directory of this family in its own public layout (not speculators') is named when it is given where a
+    # target belongs (`opd.model_dir.ModelDir.kind`): "DFlash" (z-lab's layout), "EAGLE" (SpecForge's).
+    style: ClassVar[str]
     samples_from_q: ClassVar[bool] = True
     random_anchors: ClassVar[bool] = True
     topk_teacher: ClassVar[bool] = True

@@ -10,7 +10,7 @@ import torch
 
 from opd.data.prompts import load_tokenizer
 from opd.errors import OpdError
-from opd.model_dir import ModelDir
+from opd.model_dir import DRAFTER_FIELD, ModelDir
 from opd.models.protocol import Drafter
 from opd.models.registry import detect, family
 from opd.models.shared_head import SharedHead, load_shared_head
@@ -94,7 +94,7 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
                        f"{base.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
         return random_drafter(m, base, tokenizer, spec.seed if seed is None else seed)
-    directory = ModelDir.read(path, "drafter")
+    directory = ModelDir.read(path, "drafter").expect("drafter", "drafter" if drafter_path else DRAFTER_FIELD)
     found = detect(directory)  # a checkpoint named apart from the spec's (`opd eval --draft`) is of its own family
     section = (m.drafter if found.kind == m.drafter.kind
                else found.section.model_validate({"block_size": m.drafter.block_size}))
@@ -106,10 +106,12 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
 
 
 def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
-    """Before any weights load: a named drafter directory must exist."""
+    """Before any weights load: a named drafter directory (`opd eval --draft`, else the spec's) must exist and be
+    a drafter's."""
     path = drafter_path or spec.models.drafter_path
     if path not in (None, "random"):
-        ModelDir.read(path, "drafter", expected="a drafter directory or 'random'")
+        directory = ModelDir.read(path, "drafter", expected="a drafter directory or 'random'")
+        directory.expect("drafter", "--draft" if drafter_path else DRAFTER_FIELD)
 
 
 def random_drafter(m: ModelsSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:

@@ -33,10 +33,10 @@ def detect(directory: ModelDir) -> DrafterFamily:
     return family(str(section.model_fields["kind"].default))
 
 
-def load_drafter(path: str | Path, base: Target | SharedHead) -> Drafter:
+def load_drafter(path: str | Path, base: Target | SharedHead, *, field: str = "drafter") -> Drafter:
     """A drafter directory of any family, for `base`, with its family's default options where the checkpoint
-    leaves one to the spec (EAGLE-3's block size)."""
-    directory = ModelDir.read(path, "drafter")
+    leaves one to the spec (EAGLE-3's block size); `field` names the path in the refusal of a target's directory."""
+    directory = ModelDir.read(path, "drafter").expect("drafter", field)
     found = detect(directory)
     return found.load(directory, base, found.section.model_validate({}))
 

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from opd.errors import OpdError
-from opd.model_dir import WEIGHTS_FILE, WEIGHTS_INDEX, ModelDir
+from opd.model_dir import TARGET_FIELD, WEIGHTS_FILE, WEIGHTS_INDEX, ModelDir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -95,10 +95,11 @@ def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
 
 
 def target_config(path: str) -> Any:
-    """The target's transformers config, from its config.json alone (a one-line OpdError when unreadable)."""
+    """The target's transformers config, from its config.json alone (a one-line OpdError when unreadable, or when
+    the directory is a drafter's)."""
     from transformers import AutoConfig
 
-    ModelDir.read(path, "target model")
+    ModelDir.read(path, "target model").expect("target", TARGET_FIELD)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
-from opd.model_dir import ModelDir
+from opd.model_dir import TARGET_FIELD, ModelDir
 from opd.models.kind_masks import kind_masks
 from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
@@ -352,8 +352,10 @@ def load_target(
     attn_implementation: str | None = None,
     layer_ids: list[int],
     device: str = "cpu",
+    field: str = TARGET_FIELD,
 ) -> Target:
-    """Load a local HF causal LM directory as a frozen `Target` (no hub access) onto `device`."""
+    """Load a local HF causal LM directory as a frozen `Target` (no hub access) onto `device`; `field` names the
+    path in the refusal of a drafter's directory."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -361,16 +363,28 @@ def load_target(
 
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")
-    ModelDir.read(path, "target model")
+    ModelDir.read(path, "target model").expect("target", field)
     # transformers' default experts kernel (grouped_mm) takes no float64; its eager loop does, and a dense model
     # ignores the setting
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}  # else HF's pick
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, **experts, **chosen
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, output_loading_info=True, **experts, **chosen
         )
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OpdError(f"target model {path}: {first_line}") from exc
+    _refuse_missing_weights(path, type(model).__name__, loading["missing_keys"])
     return Target(model.to(device), layer_ids)
+
+
+def _refuse_missing_weights(path: str, architecture: str, missing: list[str]) -> None:
+    """transformers fills a tensor its checkpoint lacks with random values and only logs it; a target with a random
+    embedding, head or layer would draw every sample, and score every draft, from noise. Refused here, before any
+    forward."""
+    if missing:
+        names = sorted(missing)
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise OpdError(f"target model {path}: its weights lack {', '.join(names[:3])}{more} (expected every tensor "
+                       f"of {architecture}; transformers would fill them with random values)")

@@ -300,8 +300,11 @@ def _format_error(err: Mapping[str, Any]) -> list[str]:
 def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> ExperimentSpec:
     """A raw mapping as a resolved ExperimentSpec, or a SpecError listing every problem: the fields the files
     fix (the target's depth, the prompt pool's size) are filled from them or checked against them first, so the
-    schema's cross-field rules see the true values."""
+    schema's cross-field rules see the true values. A model directory of the wrong kind (a drafter as the target)
+    is refused alone, before them: every fact read from it would be wrong."""
     files = SpecFiles.read(data)
+    if misplaced := files.misplaced():
+        raise SpecError(misplaced)
     data, problems = file_facts(data, files)
     try:
         spec = ExperimentSpec.model_validate(data)

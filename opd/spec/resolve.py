@@ -17,7 +17,7 @@ from typing import Any
 
 from opd.formats import DRAFTER_SECTIONS, detect_section
 from opd.formats.section import DrafterSection
-from opd.model_dir import ModelDir
+from opd.model_dir import DRAFTER_FIELD, TARGET_FIELD, ModelDir, Wanted
 from opd.spec.experiment import ExperimentSpec
 from opd.spec.resources import ResourcesSpec
 
@@ -38,6 +38,14 @@ class SpecFiles:
         models = models if isinstance(models, dict) else {}
         paths = [p if isinstance(p, str) else None for p in (models.get("target_path"), models.get("drafter_path"))]
         return cls(ModelDir.find(paths[0], "target model"), ModelDir.find(paths[1], "drafter"))
+
+    def misplaced(self) -> list[str]:
+        """A drafter named as the target or the target as the drafter, one line each: checked before anything is
+        read from either, since a drafter's depth taken for the target's would only lead to layer-id errors."""
+        named: tuple[tuple[ModelDir | None, Wanted, str], ...] = ((self.target, "target", TARGET_FIELD),
+                                                                  (self.drafter, "drafter", DRAFTER_FIELD))
+        return [line for directory, wanted, field in named
+                if directory is not None and (line := directory.misplaced(wanted, field))]
 
 
 def file_facts(data: dict[str, Any], files: SpecFiles) -> tuple[dict[str, Any], list[str]]:
