@@ -65,14 +65,26 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
                         "target samples (opd gen-samples --eval) instead of decoding (default: eval.samples_path)")
 
 
+def _is_drafter(path: str) -> bool:
+    """Whether `path` holds a drafter of a registered family (anything else is left to the command's own checks,
+    which name --draft)."""
+    import json
+
+    from opd.formats import detect_section
+
+    try:
+        return detect_section(json.loads(Path(path, "config.json").read_text())) is not None
+    except (OSError, ValueError):
+        return False
+
+
 def _eval(args: argparse.Namespace) -> int:
     """`--draft` is the drafter the spec describes, in place of the config's warm one, before the spec's family
     checks read it (a P-EAGLE --draft on a DFlash config, with models.drafter.kind set to match)."""
     from opd.eval.online import run_eval
 
-    if args.draft and args.draft != "random":  # the spec describes --draft's checkpoint, from its config.json
-        fresh = ["models.drafter={}"] if Path(args.draft, "config.json").is_file() else []
-        args.overrides = [f"models.drafter_path={args.draft}", *fresh, *(args.overrides or [])]
+    if args.draft and _is_drafter(args.draft):  # the spec then describes --draft's checkpoint
+        args.overrides = [f"models.drafter_path={args.draft}", "models.drafter={}", *(args.overrides or [])]
     return run_eval(_load(args), args.draft, args.prompts, args.json, args.samples)
 
 

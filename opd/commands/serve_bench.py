@@ -57,7 +57,11 @@ def parse_concurrency(text: str) -> list[int]:
 def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
     """Check an exported drafter directory of any family up front (a one-line error beats a vLLM traceback minutes
     into loading) and return its block size."""
-    directory = ModelDir.read(path, f"--draft {path}").expect("drafter", "--draft")
+    try:
+        directory = ModelDir.read(path, "drafter")
+    except OpdError as exc:
+        raise OpdError(f"--draft {path}: {exc}") from None
+    directory.expect("drafter", "--draft")  # the target given as a drafter: its own line, naming the flag
     try:
         found = detect(directory)
         target_dir = ModelDir.find(spec.models.target_path, "target model")

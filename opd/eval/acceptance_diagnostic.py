@@ -38,24 +38,27 @@ class Diagnosis:
         for name, a in teacher_acceptance(drafts, batch.teacher, teacher_head(target), point_mass).items():
             self.acceptance[name].append(a)
         for name, sampling in self.settings.items():
-            if sampling.sample_drafts:
-                alpha, survival = self._sampled(batch, drafts, sampling)
-                self.acceptance[name].append(alpha)
-                self.survival[name].append(survival)
+            if sampling.sample_drafts and (sampled := self._sampled(batch, drafts, sampling)) is not None:
+                self.acceptance[name].append(sampled[0])
+                self.survival[name].append(sampled[1])
         self.rooms += [rec.rooms for rec in records]
 
     @torch.no_grad()
     def _sampled(self, batch: ScoredBatch, drafts: torch.Tensor, sampling: Sampling
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """α_k and P(accepted >= k) of drafts sampled from the drafter's q, SLOTS_PER_CHUNK slots at a time."""
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """α_k and P(accepted >= k) of drafts sampled from the drafter's q, SLOTS_PER_CHUNK slots at a time; None
+        for a drafter whose q lives on a draft vocabulary of its own (EAGLE-3's), which this exact expectation
+        does not map onto the target's: its sampled τ is decoding's, measured."""
         drafter, head = self.models.drafter, teacher_head(self.models.target)
         assert isinstance(batch.teacher, torch.Tensor)  # `add` scores without teacher_topk: final-norm hidden states
         hidden, predecessors = student_hidden(drafter, batch), batch.block_ids[batch.block_valid]
         out = []
         for part in chunks(len(drafts), max(1, SLOTS_PER_CHUNK // max(1, drafts.shape[1]))):
             logits = apply_head(drafter.student_head, hidden[part])
-            q = realized_q(drafter, hidden[part], logits, predecessors[part], sampling)
             p_log = processed_logprobs(apply_head(head, batch.teacher[part]), sampling)
+            if logits.shape[-1] != p_log.shape[-1]:
+                return None
+            q = realized_q(drafter, hidden[part], logits, predecessors[part], sampling)
             out.append(sampled_acceptance(drafts[part].to(p_log.device), p_log, q))
         return torch.cat([a for a, _ in out]).float().cpu(), torch.cat([s for _, s in out]).float().cpu()
 
