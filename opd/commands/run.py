@@ -18,9 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shlex
-import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -31,6 +28,7 @@ from rich.table import Table
 
 from opd.commands import launch
 from opd.commands.preflight import check_inputs
+from opd.commands.shell import shell_line
 from opd.eval.row import EvalRow
 from opd.eval.suite_report import markdown, metrics, write_report
 from opd.outputs import write_text_atomic
@@ -71,20 +69,9 @@ def _print_faults(result: TrainResult) -> None:
         print(line)
 
 
-def command(name: str) -> str:
-    """How to call this environment's console script `name` from here: bare when the shell finds this very one,
-    else its path (`make run` does not activate the venv)."""
-    path = Path(sys.executable).with_name(name)
-    if not path.exists() or shutil.which(name) == str(path):
-        return name
-    with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd()))
-    return str(path)
-
-
 def mlflow_ui(spec: ExperimentSpec) -> str:
     """The command that opens this run's MLflow store, printed on one line (never wrapped: it is copied)."""
-    return f"{command('mlflow')} ui --backend-store-uri {shlex.quote(spec.tracking_uri)}"
+    return shell_line("mlflow", "ui", "--backend-store-uri", spec.tracking_uri)
 
 
 def describe_recipe(spec: ExperimentSpec) -> str:
