@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.commands import launch
+from opd.commands.export import export_command
 from opd.commands.preflight import check_inputs
 from opd.commands.shell import shell_line
 from opd.eval.row import EvalRow
@@ -59,6 +60,8 @@ def run_train(spec: ExperimentSpec) -> int:
         result = launch.train(launch.held_out_samples(spec))
     print(f"trained to step {result.steps}; checkpoint: {result.checkpoint}")
     print(f"MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    if result.checkpoint is not None:
+        print(f"to serve it in vLLM: {export_line(spec, result.checkpoint)}")
     _print_faults(result)
     return 0
 
@@ -72,6 +75,11 @@ def _print_faults(result: TrainResult) -> None:
 def mlflow_ui(spec: ExperimentSpec) -> str:
     """The command that opens this run's MLflow store, printed on one line (never wrapped: it is copied)."""
     return shell_line("mlflow", "ui", "--backend-store-uri", spec.tracking_uri)
+
+
+def export_line(spec: ExperimentSpec, checkpoint: str) -> str:
+    """The `opd export` command that writes the trained checkpoint as vLLM serves it, under RUN_DIR/export/."""
+    return export_command(checkpoint, spec.models.drafter.kind, spec.run_dir / "export" / Path(checkpoint).name)
 
 
 def describe_recipe(spec: ExperimentSpec) -> str:
@@ -165,6 +173,8 @@ def run_main(spec: ExperimentSpec) -> int:
           f"  τ plot: {spec.run_dir / 'tau_over_steps.png'}\n"
           f"{suite}"
           f"  MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    if result.checkpoint is not None:
+        print(f"  to serve it in vLLM: {export_line(spec, result.checkpoint)}")
     _print_faults(result)
     return 0
 
