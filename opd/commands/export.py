@@ -27,7 +27,8 @@ from opd.models.protocol import Drafter
 from opd.models.registry import detect, family
 from opd.models.shared_head import SharedHead, load_shared_head, target_config
 from opd.outputs import atomic_dir, check_output_dir
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, load_spec
+from opd.train.checkpoint import STATE_FILE, recorded_fields
 
 LAYOUT_NAMES = {"zlab": "z-lab's", "specforge": "SpecForge's", "speculators": "vLLM's speculators"}
 CLIENTS = {"zlab": "z-lab's dflash package", "specforge": "speculators' EAGLE-3 converter and model class",
@@ -84,8 +85,6 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
 
 
 def _spec(config: str | None) -> ExperimentSpec | None:
-    from opd.spec import load_spec
-
     return None if config is None else load_spec(config, [], check_paths=False)
 
 
@@ -93,8 +92,6 @@ def _target_path(checkpoint: str, target: str | None, spec: ExperimentSpec | Non
     """The target's directory as an absolute path (what a speculators export names as its verifier): `--target`,
     else the spec's, else the one the checkpoint's run recorded; a one-line OpdError when none is, or when the one
     named is not a model directory."""
-    from opd.train.checkpoint import STATE_FILE, recorded_fields
-
     if target is not None:
         path, origin = target, "--target"
     elif spec is not None:
