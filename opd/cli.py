@@ -235,6 +235,24 @@ def _serve_bench(args: argparse.Namespace) -> int:
     return run_serve_bench(_load(args), args.draft, args.concurrency, args.json, baseline=not args.no_baseline)
 
 
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="a drafter directory of any family: a run's "
+                        "checkpoints/step-N, an opd sft output or an exported drafter")
+    parser.add_argument("--to", required=True, choices=("zlab", "speculators"),
+                        help="zlab: the family's public layout (z-lab's for DFlash and DFlash 2, SpecForge's for "
+                             "EAGLE-3); speculators: vLLM's speculators layout (every family)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory to write it to")
+    parser.add_argument("--target", metavar="PATH", help="the target model's directory (default: the spec's "
+                        "models.target_path, else the one the checkpoint's run recorded)")
+    parser.add_argument("--config", metavar="SPEC", help="a spec to take the target and models.drafter from")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from opd.commands.export import run_export
+
+    return run_export(args.checkpoint, args.to, args.out, args.target, args.config)
+
+
 def _suite_arguments(parser: argparse.ArgumentParser) -> None:
     """`opd suite build` and `opd suite eval`, as subcommands of their own."""
     sub = parser.add_subparsers(dest="suite_command", required=True, metavar="SUBCOMMAND")
@@ -292,6 +310,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                     "prompts) or --sft (the SFT data)", _gen_samples_arguments, _gen_samples),
     "gap": ("where each drafter loses to the ceiling (the argmax oracle), slot by slot, on stored held-out samples",
             _gap_arguments, _gap),
+    "export": ("write a drafter in the layout vLLM serves (z-lab's or speculators'), print the speculative_config "
+               "to serve it with and the command that checks it in the client's code", _export_arguments, _export),
     "serve-bench": ("serve the target with each exported drafter in vLLM: tokens/s, τ and speedup per concurrency",
                     _serve_bench_arguments, _serve_bench),
     "suite": ("benchmark suites: build the prompt files (GSM8K, MATH-500, AIME, MBPP, HumanEval, MT-Bench), then "

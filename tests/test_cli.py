@@ -202,7 +202,7 @@ def test_getting_started_says_to_activate_the_venv_before_its_opd_commands() -> 
 
 
 def test_printed_commands_name_the_venv_when_it_is_not_active(monkeypatch) -> None:
-    from opd.commands.run import command
+    from opd.commands.shell import command
 
     venv_mlflow = Path(sys.executable).with_name("mlflow")
     monkeypatch.setattr("shutil.which", lambda name: str(venv_mlflow))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from functools import cache
 
 import pytest
 import torch
@@ -35,13 +34,11 @@ from opd.models.family import DrafterFamily
 from opd.models.protocol import chains, clone_drafter
 from opd.models.registry import FAMILIES, detect, family, load_drafter
 from opd.sources.rebuild import rebuild_records
-from opd.spec.load import validate_spec
 from opd.tiny.micro import micro_target
 from opd.train.learner import Learner
 from tests.helpers.decoding import EOS, MIXED_PROMPTS
 from tests.helpers.lossless import assert_lossless
-from tests.helpers.specs import MINIMAL
-from tests.helpers.tiny_families import HERE, TINY, tiny
+from tests.helpers.tiny_families import HERE, TINY, draw, spec_of, tiny
 
 PROMPTS = MIXED_PROMPTS
 MAX_NEW = 24
@@ -71,25 +68,6 @@ def target():
     # Six layers: EAGLE-3's fc fuses the states entering layers 2, 3, 4 (this project's ids 1, 2, 3); every family
     # reads those three.
     return micro_target(seed=0, vocab_size=8, num_layers=6, layer_ids=[1, 2, 3])
-
-
-@cache
-def spec_of(kind: str):
-    """The smallest spec whose `models.drafter` is the family's tiny section: validated as a user's would be."""
-    drafter = {"kind": kind, **tiny(kind).section}
-    return validate_spec({**MINIMAL, "models": {"target_path": "t", "drafter": drafter}}, check_paths=False)
-
-
-def draw(kind: str, target, seed: int = 1):
-    """A random drafter of `kind` as its family draws one under a seeded RNG, fitted to random token counts as
-    SFT data would fit it (`fit_to_data`: EAGLE-3's draft vocabulary), then sharpened as its tiny entry says."""
-    found = family(kind)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        drafter = found.random(spec_of(kind).models.drafter, target, None)
-        found.fit_to_data(drafter, torch.rand(target.vocab_size))
-        tiny(kind).sharpen(drafter, target)
-    return drafter
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,7 +46,13 @@ def test_main_job_local(micro_spec_file, capsys):
     args = ["run", str(micro_spec_file), *[a for s in SETS for a in ("--set", s)]]
     assert main(args) == 0
     spec = load_spec(micro_spec_file, SETS)
-    check_outputs(spec, capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    check_outputs(spec, printed)
+    # its last line takes the trained checkpoint out to vLLM, and runs as printed (the run recorded the target)
+    line = next(line for line in printed.splitlines() if "to serve it in vLLM: " in line)
+    opd, *args = shlex.split(line.split("to serve it in vLLM: ")[1])
+    assert Path(opd).name == "opd" and args[0] == "export" and main(args) == 0
+    assert "--speculative-config" in capsys.readouterr().out
     # the warm drafter drew the samples, so its offline τ is exactly its decoded τ
     from opd.data.prompts import eval_prompts
     from opd.eval.online import evaluate

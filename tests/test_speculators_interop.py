@@ -9,20 +9,15 @@ through speculators' EAGLE-3 converter (SpecForge's layout), given the layer ids
 exported in speculators' layout. The target is
 the shipped tiny one (its path is the verifier speculators reloads the embedding and LM head from); the drafters
 are the shipped tiny drafter and a DFlash 2 drafter on its weights with random convolutions and selector, so no
-weight is downloaded. speculators' blocks are its training forward's (`_backbone_forward`, the one every DFlash
-family there shares) at anchors chosen so its random anchor pick takes them all; it runs in float32 with eager
-attention (its flex attention compiles a kernel), so logits agree to float32 rounding and their argmax exactly. EAGLE-3's chain is compared step by step against
-speculators' training-time test with the text's own tokens fed to the chain (its teacher forcing). With
-transformers 5.24, speculators' EAGLE-3 `from_pretrained` keeps the randomly initialised embedding (it reloads the
-verifier's only where it is NaN), so the test reloads it as its DFlash classes do.
+weight is downloaded. speculators runs each family's training forward on the compared blocks
+(tests/helpers/speculators.py says how), in float32 with eager attention (its flex attention compiles a kernel), so
+logits agree to float32 rounding and their argmax exactly; EAGLE-3's chain is compared step by step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -40,15 +35,16 @@ from opd.models.dspark import DSparkDrafter
 from opd.models.lm_head import teacher_head
 from opd.models.registry import detect, family, load_drafter
 from opd.models.target import load_target
-
-# speculators' package __init__ imports its training data pipeline (openai, datasets, hs_connectors) through
-# EAGLE-3's data module for one type alias; the model classes need none of it.
-sys.modules.setdefault("speculators.train.data", types.SimpleNamespace(BatchType=dict))  # type: ignore[arg-type]
-speculators = pytest.importorskip("speculators", reason="speculators is not installed (pip install .[interop])")
-attention = pytest.importorskip("speculators.models.attention")
-entrypoints = pytest.importorskip("speculators.convert.entrypoints")
-eagle3_core = pytest.importorskip("speculators.models.eagle3.core")
-dspark_core = pytest.importorskip("speculators.models.dspark.core")
+from tests.helpers.speculators import (
+    dflash_blocks,
+    dspark_slots,
+    eagle3_chain,
+    entrypoints,
+    peagle_core,
+    peagle_slots,
+    speculators,
+    speculators_model,
+)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # speculators' default-layer-id notices
               pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]  # its Llama calls
@@ -111,27 +107,6 @@ def export(kind: str, drafter, directory: Path) -> Path:
     return directory / "speculators"
 
 
-def speculators_model(directory: Path):
-    """speculators' model class for a checkpoint, run eagerly in float32."""
-    model = speculators.SpeculatorModel.from_pretrained(str(directory))  # type: ignore[attr-defined]
-    model.config.transformer_layer_config._attn_implementation = "eager"
-    model._create_mask_fn = attention.create_float_mask
-    return model.float().eval()
-
-
-def speculators_blocks(model, text) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden [M,K,H], logits [M,K,V]) of speculators' blocks at ANCHORS (all K slots, the anchor's included)."""
-    ids, last, features = text
-    loss_mask = torch.zeros(1, LENGTH)
-    loss_mask[0, ANCHORS] = 1  # exactly len(ANCHORS) valid anchors, so its random pick takes them all
-    with torch.no_grad():
-        hidden, logits, *_ = model._backbone_forward(features, ids, loss_mask, last,
-                                                     torch.zeros(1, LENGTH, dtype=torch.long),
-                                                     max_anchors=len(ANCHORS))
-    block = model.block_size
-    return hidden.view(len(ANCHORS), block, -1), logits.view(len(ANCHORS), block, -1)
-
-
 def our_blocks(drafter, text) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden [M,K,H], logits [M,K,V]) of our drafter's blocks at ANCHORS."""
     ids, _, features = text
@@ -161,7 +136,7 @@ def test_speculators_loads_our_export_whole_and_computes_the_same_logits(drafter
     assert saved == set(model.state_dict()) - ignored  # no tensor missing, none unexpected
     assert model.config.aux_hidden_state_layer_ids == [i + 1 for i in drafter.config.target_layer_ids]
     assert (model.block_size, model.mask_token_id) == (drafter.block_size, drafter.mask_token_id)
-    ours, theirs = our_blocks(drafter, text), speculators_blocks(model, text)
+    ours, theirs = our_blocks(drafter, text), dflash_blocks(model, text, ANCHORS)
     assert_close(ours[1], theirs[1])
     if kind == "dflash2":  # the selector's scores of each slot's top-k after the text's own previous token
         ids = text[0][0]
@@ -250,13 +225,10 @@ def eagle3_export(drafter, directory: Path):
         entrypoints.convert_model(str(directory / "public"), TARGET, "eagle3",
                                   output_path=str(directory / "converted"),
                                   eagle_aux_hidden_state_layer_ids=drafter.config.aux_layer_ids)
-    model = speculators_model(directory / "converted")
-    model._attn_impl = "eager"
-    model._load_verifier_weights(overwrite_embed_tokens=True)
-    return model, directory / "converted"
+    return speculators_model(directory / "converted"), directory / "converted"
 
 
-def test_speculators_loads_our_eagle3_export_whole_and_computes_the_same_chain(eagle3, tmp_path, monkeypatch):
+def test_speculators_loads_our_eagle3_export_whole_and_computes_the_same_chain(eagle3, tmp_path):
     target, drafter = eagle3
     model, directory = eagle3_export(drafter, tmp_path)
     assert type(model).__name__ == "Eagle3DraftModel"
@@ -266,18 +238,12 @@ def test_speculators_loads_our_eagle3_export_whole_and_computes_the_same_chain(e
     assert model.config.eagle_aux_hidden_state_layer_ids == drafter.config.aux_layer_ids
     ids = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     last, features = target.hidden_states(ids)
-    steps = []
-    monkeypatch.setattr(eagle3_core, "compute_metrics", lambda logits, *a, **k: (steps.append(logits),
-                                                                                  (torch.zeros(()), {}))[1])
-    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # a column pairs position p with the token after it
+    anchors = [5, 12, 20]
+    theirs = eagle3_chain(model, (ids, last, features), anchors, drafter.block_size - 1)
     with torch.no_grad():
-        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
-              position_ids=torch.arange(30)[None], verifier_last_hidden_states=last, ttt_steps=drafter.block_size - 1)
-        anchors = torch.tensor([[5, 12, 20]])
-        inputs = torch.stack([ids[0, a:a + drafter.block_size] for a in anchors[0]])[None]
-        ours = drafter.logits(drafter.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool), anchors,
-                                                   inputs))[0]
-    theirs = torch.stack([step[0, anchors[0] - 1] for step in steps], dim=1)  # chain step s of anchor a: row a-1
+        inputs = torch.stack([ids[0, a:a + drafter.block_size] for a in anchors])[None]
+        ours = drafter.logits(drafter.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool),
+                                                   torch.tensor([anchors]), inputs))[0]
     assert_close(ours, theirs)
 
 
@@ -323,30 +289,22 @@ def dspark(target):
     return drafter
 
 
-def test_speculators_loads_our_dspark_export_whole_and_computes_the_same_logits(dspark, text, tmp_path,
-                                                                                monkeypatch):
+def test_speculators_loads_our_dspark_export_whole_and_computes_the_same_logits(dspark, text, tmp_path):
     family("dspark").save_speculators(dspark, tmp_path, TARGET)
     model = speculators_model(tmp_path)
     assert type(model).__name__ == "DSparkDraftModel" and model.block_size == dspark.block_size - 1
     saved = set(load_file(str(tmp_path / "model.safetensors")))
     assert saved == set(model.state_dict()) - set(model._keys_to_ignore_on_load_missing)
     ids, last, features = text
-    seen = {}
-    monkeypatch.setattr(dspark_core, "compute_metrics",
-                        lambda logits, targets, confidence, *a, **k: (seen.update(logits=logits, confidence=confidence),
-                                                                      (torch.zeros(()), {}))[1])
-    loss_mask = torch.zeros(1, LENGTH)
-    loss_mask[0, ANCHORS] = 1
+    theirs, their_confidence = dspark_slots(model, text, ANCHORS)
     with torch.no_grad():
-        model(features, ids, loss_mask, last, torch.zeros(1, LENGTH, dtype=torch.long), max_anchors=len(ANCHORS))
         inputs = torch.stack([ids[0, a:a + model.block_size] for a in ANCHORS])[None]  # the text fed as the drafts
         rows = dspark.block_hidden(features, ids, torch.ones(1, LENGTH, dtype=torch.bool), torch.tensor([ANCHORS]),
                                    inputs)[0]
         ours = dspark.student_head(rows)
         confidence = dspark.confidence(rows[..., :dspark.config.hidden_size], inputs[0])
-    assert_close(ours, seen["logits"].view_as(ours))
-    torch.testing.assert_close(confidence, torch.sigmoid(seen["confidence"]).view_as(confidence), rtol=1e-5,
-                               atol=1e-6)
+    assert_close(ours, theirs)
+    torch.testing.assert_close(confidence, torch.sigmoid(their_confidence), rtol=1e-5, atol=1e-6)
 
 
 def test_what_speculators_saves_for_dspark_loads_here_as_the_same_drafter(dspark, target, tmp_path):
@@ -360,8 +318,6 @@ def test_what_speculators_saves_for_dspark_loads_here_as_the_same_drafter(dspark
 # --- P-EAGLE --------------------------------------------------------------------------------------------------------
 # Our export in speculators' layout loads into its `PEagleDraftModel`, which gives the same logits at column a-1 and
 # at every mask slot of its training forward, with its random COD sampling replaced by the blocks compared here.
-
-peagle_core = pytest.importorskip("speculators.models.peagle.core")
 
 
 @pytest.fixture(scope="module", params=[512, 2048], ids=["draft-vocab", "whole-vocab"])
@@ -383,8 +339,7 @@ def peagle(request, eagle3_target):
     return drafter
 
 
-def test_speculators_loads_our_peagle_export_whole_and_computes_the_same_logits(peagle, eagle3_target, tmp_path,
-                                                                                monkeypatch):
+def test_speculators_loads_our_peagle_export_whole_and_computes_the_same_logits(peagle, eagle3_target, tmp_path):
     family("peagle").save_speculators(peagle, tmp_path, TARGET)
     model = speculators_model(tmp_path)
     assert type(model).__name__ == "PEagleDraftModel" and model.mask_token_id == peagle.config.mask_token_id
@@ -393,23 +348,12 @@ def test_speculators_loads_our_peagle_export_whole_and_computes_the_same_logits(
     assert all(torch.equal(model.state_dict()[name], tensor.float()) for name, tensor in saved.items())
     ids = torch.randint(0, eagle3_target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     last, features = eagle3_target.hidden_states(ids)
-    anchors, slots = [5, 12, 20], peagle.block_size - 2
-    depth0 = torch.arange(30)  # its depth-0 rows are the columns; depth s >= 1 the mask slots of anchor column a-1
-    layout = (torch.cat([depth0, torch.tensor([a - 1 for a in anchors] * slots)]),
-              torch.cat([depth0 * 0, torch.arange(1, slots + 1).repeat_interleave(len(anchors))]))
-    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda *a, **k: layout)
-    seen = {}
-    monkeypatch.setattr(peagle_core, "compute_metrics",
-                        lambda logits, *a, **k: (seen.update(logits=logits[0]), (torch.zeros(()), {}))[1])
-    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # a column pairs position p with the token after it
+    anchors = [5, 12, 20]
+    theirs = peagle_slots(model, (ids, last, features), anchors, peagle.block_size)
     with torch.no_grad():
-        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
-              verifier_last_hidden_states=last, num_depths=peagle.block_size - 1)
         inputs = torch.stack([ids[0, a:a + peagle.block_size - 1] for a in anchors])[None]
         ours = peagle.logits(peagle.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool),
                                                  torch.tensor([anchors]), inputs))[0]
-    theirs = torch.cat([seen["logits"][[a - 1 for a in anchors]][:, None],
-                        seen["logits"][30:].view(slots, len(anchors), -1).transpose(0, 1)], dim=1)
     assert_close(ours, theirs)
 
 
@@ -430,7 +374,7 @@ def test_what_speculators_saves_for_peagle_loads_here_and_serves_as_vllm_reads_i
     assert written["mask_token_id"] == peagle.config.mask_token_id
 
 
-def test_a_peagle_drafter_speculators_made_loads_here_with_the_same_logits(eagle3_target, tmp_path, monkeypatch):
+def test_a_peagle_drafter_speculators_made_loads_here_with_the_same_logits(eagle3_target, tmp_path):
     """A P-EAGLE drafter built and saved by speculators alone (its own config class, random weights, the verifier's
     embedding) loads here and gives the logits its forward gives."""
     from transformers import AutoConfig
@@ -463,19 +407,9 @@ def test_a_peagle_drafter_speculators_made_loads_here_with_the_same_logits(eagle
     ids = torch.randint(0, verifier.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
     last, features = eagle3_target.hidden_states(ids)
     anchors = [7, 16]
-    layout = (torch.cat([torch.arange(30), torch.tensor([a - 1 for a in anchors] * 3)]),
-              torch.cat([torch.zeros(30, dtype=torch.long), torch.arange(1, 4).repeat_interleave(2)]))
-    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda *a, **k: layout)
-    seen = {}
-    monkeypatch.setattr(peagle_core, "compute_metrics",
-                        lambda logits, *a, **k: (seen.update(logits=logits[0]), (torch.zeros(()), {}))[1])
-    following = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    theirs = peagle_slots(model, (ids, last, features), anchors, drafter.block_size)
     with torch.no_grad():
-        model(features, following, torch.zeros(1, 30, dtype=torch.long), loss_mask=torch.ones(1, 30),
-              verifier_last_hidden_states=last, num_depths=4)
         inputs = torch.stack([ids[0, a:a + 4] for a in anchors])[None]
         ours = drafter.logits(drafter.block_hidden(features, ids, torch.ones(1, 30, dtype=torch.bool),
                                                    torch.tensor([anchors]), inputs))[0]
-    theirs = torch.cat([seen["logits"][[a - 1 for a in anchors]][:, None],
-                        seen["logits"][30:].view(3, len(anchors), -1).transpose(0, 1)], dim=1)
     assert_close(ours, theirs)

@@ -18,9 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shlex
-import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -30,7 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 from opd.commands import launch
+from opd.commands.export import export_command
 from opd.commands.preflight import check_inputs
+from opd.commands.shell import shell_line
 from opd.eval.row import EvalRow
 from opd.eval.suite_report import markdown, metrics, write_report
 from opd.outputs import write_text_atomic
@@ -62,6 +61,8 @@ def run_train(spec: ExperimentSpec) -> int:
         result = launch.train(launch.held_out_samples(spec))
     print(f"trained to step {result.steps}; checkpoint: {result.checkpoint}")
     print(f"MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    if result.checkpoint is not None:
+        print(f"to serve it in vLLM: {export_line(spec, result.checkpoint)}")
     _print_faults(result)
     return 0
 
@@ -72,20 +73,14 @@ def _print_faults(result: TrainResult) -> None:
         print(line)
 
 
-def command(name: str) -> str:
-    """How to call this environment's console script `name` from here: bare when the shell finds this very one,
-    else its path (`make run` does not activate the venv)."""
-    path = Path(sys.executable).with_name(name)
-    if not path.exists() or shutil.which(name) == str(path):
-        return name
-    with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd()))
-    return str(path)
-
-
 def mlflow_ui(spec: ExperimentSpec) -> str:
     """The command that opens this run's MLflow store, printed on one line (never wrapped: it is copied)."""
-    return f"{command('mlflow')} ui --backend-store-uri {shlex.quote(spec.tracking_uri)}"
+    return shell_line("mlflow", "ui", "--backend-store-uri", spec.tracking_uri)
+
+
+def export_line(spec: ExperimentSpec, checkpoint: str) -> str:
+    """The `opd export` command that writes the trained checkpoint as vLLM serves it, under RUN_DIR/export/."""
+    return export_command(checkpoint, spec.models.drafter.kind, spec.run_dir / "export" / Path(checkpoint).name)
 
 
 def describe_recipe(spec: ExperimentSpec) -> str:
@@ -188,6 +183,8 @@ def run_main(spec: ExperimentSpec) -> int:
           f"  τ plot: {spec.run_dir / 'tau_over_steps.png'}\n"
           f"{suite}"
           f"  MLflow run {result.run_id}: {mlflow_ui(spec)}")
+    if result.checkpoint is not None:
+        print(f"  to serve it in vLLM: {export_line(spec, result.checkpoint)}")
     _print_faults(result)
     return 0
 

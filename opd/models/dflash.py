@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from opd.formats.dflash import (
 from opd.formats.layer_attention import LayerAttention
 from opd.model_dir import ModelDir
 from opd.models.drafter_cache import DrafterCache, PendingContext
-from opd.models.family import DrafterFamily, Shapes, drafter_family
+from opd.models.family import DrafterFamily, PublicLayout, Shapes, drafter_family
 from opd.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, scaled_cos_sin
 from opd.models.lm_head import softcap, teacher_head
 from opd.models.packed_attention import CHUNK_ROWS, BlockChunks, grouped_sdpa
@@ -519,6 +519,7 @@ class DFlashFamily(DrafterFamily):
     """DFlash (z-lab's `DFlashDraftModel`): the public DFlash format, vLLM's and SGLang's `method: dflash`."""
 
     section = DFlashSpec
+    public_layout: ClassVar[PublicLayout] = "zlab"
     drafter_class: type[DFlashDrafter] = DFlashDrafter
 
     def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
@@ -535,6 +536,9 @@ class DFlashFamily(DrafterFamily):
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: DFlashSpec) -> DFlashDrafter:
         return self.drafter_class.from_pretrained(directory, base).to(base.device)
+
+    def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
+        return self.drafter_class.config_class.from_hf_dict(directory.config, num_target_layers).target_layer_ids
 
     def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
         mask_token_id(tokenizer, section.mask_token_id)

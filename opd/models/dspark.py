@@ -238,6 +238,7 @@ class DSparkFamily(DFlashFamily):
     """DSpark (speculators' `DSparkDraftModel`): vLLM's `method: dspark`."""
 
     section = DSparkSpec
+    public_layout = "speculators"
     drafter_class = DSparkDrafter
 
     def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:

@@ -427,6 +427,7 @@ class Eagle3Family(DrafterFamily):
     """EAGLE-3 (SpecForge's format; vLLM's and SGLang's `method: eagle3`): a chain over its own draft vocabulary."""
 
     section = Eagle3Spec
+    public_layout = "specforge"
 
     def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> Eagle3Drafter:
         """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`)."""
@@ -439,6 +440,11 @@ class Eagle3Family(DrafterFamily):
         drafter = Eagle3Drafter.from_pretrained(directory, base, section.block_size).to(base.device)
         _check_fused_layers(directory, drafter.config, base.layer_ids)
         return drafter
+
+    def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
+        block_size = self.section.model_validate({}).block_size  # read from the file where it has one
+        return Eagle3Config.from_hf_dict(directory.config, num_target_layers=num_target_layers,
+                                         block_size=block_size).target_layer_ids
 
     def check_random(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
         draft_vocab_size(section, target.vocab_size)

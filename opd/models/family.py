@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from opd.errors import OpdError
 from opd.formats.checkpoint import TargetShape
@@ -23,6 +23,9 @@ from opd.models.shared_head import SharedHead
 from opd.models.target import Target
 
 Shapes = tuple[dict[str, tuple[int, ...]], Callable[[str], bool]]  # (tensor shapes, which names are the target's)
+# Whose layout a family's `save_pretrained` writes: z-lab's DFlash layout, SpecForge's EAGLE-3 layout, or vLLM's
+# `speculators` layout for a family published only in that.
+PublicLayout = Literal["zlab", "specforge", "speculators"]
 
 
 class DrafterFamily:
@@ -30,6 +33,7 @@ class DrafterFamily:
     (opd/models/registry.py finds it)."""
 
     section: ClassVar[type[DrafterSection]]  # its spec section (opd/formats/)
+    public_layout: ClassVar[PublicLayout]  # whose layout `save_pretrained` writes (`opd export` names it)
 
     @property
     def kind(self) -> str:
@@ -41,6 +45,11 @@ class DrafterFamily:
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: Any) -> Drafter:
         """A checkpoint of this family for `base`; a mismatch is a one-line OpdError."""
+        raise NotImplementedError
+
+    def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
+        """The target layers a checkpoint of this family reads, from its config.json alone: what its target is
+        loaded with where no spec names them (`opd export`)."""
         raise NotImplementedError
 
     def check_random(self, section: Any, tokenizer: Any, target: TargetShape) -> None:

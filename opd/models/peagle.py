@@ -158,6 +158,7 @@ class PEagleFamily(DrafterFamily):
     chain is drafted in one pass."""
 
     section = PEagleSpec
+    public_layout = "speculators"
 
     def random(self, section: PEagleSpec, base: Target | SharedHead, tokenizer: Any) -> PEagleDrafter:
         """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`); the pard token is the spec's
@@ -172,6 +173,9 @@ class PEagleFamily(DrafterFamily):
         drafter = PEagleDrafter.from_pretrained(directory, base).to(base.device)
         _check_fused_layers(directory, drafter.config, base.layer_ids)
         return drafter
+
+    def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
+        return PEagleConfig.from_speculators(directory.config, num_target_layers).target_layer_ids
 
     def check_random(self, section: PEagleSpec, tokenizer: Any, target: TargetShape) -> None:
         draft_vocab_size(section, target.vocab_size)

@@ -82,6 +82,16 @@ def load_state(path: Path) -> dict:
     return torch.load(Path(path) / STATE_FILE, weights_only=False)
 
 
+def recorded_fields(path: str | Path) -> dict[str, str] | None:
+    """The spec fields a run's checkpoint recorded (`training_fields`), read with the rest of its state left on
+    disk (memory-mapped: the learner's state is the optimizer's size); None for a directory that is not a run's
+    checkpoint, or one that recorded none."""
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        return None
+    return torch.load(file, mmap=True, weights_only=False).get("spec")
+
+
 def training_fields(spec: ExperimentSpec) -> dict[str, str]:
     """The spec fields that shape the trained drafter (saved with every checkpoint)."""
     return {k: v for k, v in flatten(spec).items() if not k.startswith(RESUMABLE_CHANGES)}

@@ -1,4 +1,5 @@
-"""Each drafter family's tiny configuration for the contract test (tests/test_family_contract.py), keyed by kind.
+"""Each drafter family's tiny configuration for the contract test (tests/test_family_contract.py), keyed by kind,
+and a tiny drafter of it drawn as its family draws one (`draw`: the contract's and `opd export`'s tests).
 
 The contract runs over every family the registry holds (`opd.models.registry.FAMILIES`), so a new family is under
 it the moment it registers; what the contract cannot guess is how small a drafter of that family can be and what
@@ -10,13 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import pytest
+import torch
 
+from opd.models.registry import family
+from opd.spec.load import validate_spec
 from tests.helpers import dflash2, dspark
 from tests.helpers.decoding import MASK
 from tests.helpers.eagle3 import head_reads_target_rows
+from tests.helpers.specs import MINIMAL
 
 HERE = "tests/helpers/tiny_families.py"
 
@@ -56,3 +62,22 @@ def tiny(kind: str) -> Tiny:
                     "with the smallest models.drafter fields its section accepts on the 8-token micro target (and a "
                     "`sharpen` if a random drafter of it gets no drafts accepted)", pytrace=False)
     return TINY[kind]
+
+
+@cache
+def spec_of(kind: str):
+    """The smallest spec whose `models.drafter` is the family's tiny section: validated as a user's would be."""
+    drafter = {"kind": kind, **tiny(kind).section}
+    return validate_spec({**MINIMAL, "models": {"target_path": "t", "drafter": drafter}}, check_paths=False)
+
+
+def draw(kind: str, target, seed: int = 1):
+    """A random drafter of `kind` as its family draws one under a seeded RNG, fitted to random token counts as
+    SFT data would fit it (`fit_to_data`: EAGLE-3's draft vocabulary), then sharpened as its tiny entry says."""
+    found = family(kind)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = found.random(spec_of(kind).models.drafter, target, None)
+        found.fit_to_data(drafter, torch.rand(target.vocab_size))
+        tiny(kind).sharpen(drafter, target)
+    return drafter
