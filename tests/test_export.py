@@ -27,7 +27,7 @@ from opd.models.registry import FAMILIES, family
 from opd.tiny.micro import micro_target
 from opd.train.checkpoint import save_checkpoint
 from tests.helpers.specs import MINIMAL
-from tests.helpers.speculators import drafted_logits, speculators_model
+from tests.helpers.speculators import drafted_logits, quiet, speculators_model  # noqa: F401 (quiet: a fixture)
 from tests.helpers.tiny_families import TINY, draw
 
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed (pip install .[interop])")
@@ -35,16 +35,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # speculators'
               pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
 
 ANCHORS, LENGTH = [3, 10, 17], 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quiet():
-    """speculators logs every loading and conversion step through loguru."""
-    from loguru import logger
-
-    logger.disable("speculators")
-    yield
-    logger.enable("speculators")
 
 
 @pytest.fixture(scope="module")

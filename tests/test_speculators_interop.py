@@ -42,6 +42,7 @@ from tests.helpers.speculators import (
     entrypoints,
     peagle_core,
     peagle_slots,
+    quiet,  # noqa: F401 (a fixture)
     speculators,
     speculators_model,
 )
@@ -53,16 +54,6 @@ TARGET, DRAFTER = "opd/assets/tiny/target", "opd/assets/tiny/drafter"
 ANCHORS = [3, 10, 17, 25]
 LENGTH = 40
 DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quiet():
-    """speculators logs every conversion step through loguru."""
-    from loguru import logger
-
-    logger.disable("speculators")
-    yield
-    logger.enable("speculators")
 
 
 @pytest.fixture(scope="module")

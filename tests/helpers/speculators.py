@@ -131,3 +131,13 @@ def drafted_logits(model, text: Text, anchors: list[int], block_size: int) -> to
     if name == "PEagleDraftModel":
         return peagle_slots(model, text, anchors, block_size)
     pytest.fail(f"speculators' {name} has no forward here: add it to drafted_logits in {__name__}", pytrace=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet():
+    """speculators logs every loading and conversion step through loguru."""
+    from loguru import logger
+
+    logger.disable("speculators")
+    yield
+    logger.enable("speculators")
