@@ -35,7 +35,7 @@ from opd.eval.suite_report import markdown, metrics, write_report
 from opd.outputs import write_text_atomic
 from opd.progress import table_console
 from opd.run_dir import RunDirLock
-from opd.spec import ExperimentSpec, LossSpec, SamplingSpec
+from opd.spec import ExperimentSpec, LossSpec, SamplingSpec, ServingSpec
 from opd.tracking import end_run, ensure_store, run_status
 from opd.train.checkpoint import checkpoint_step, remove_partial_checkpoints
 from opd.train.evaluator import Checkpoint
@@ -110,22 +110,22 @@ def describe_recipe(spec: ExperimentSpec) -> str:
         "rollouts at " + " and ".join(f"T={t:g}" for t in temperatures)
     if spec.serving is not None:
         s = spec.serving
-        served = "greedy" if s.temperature == 0 else f"T={s.temperature:g}, top-p {s.top_p:g}, top-k {s.top_k}"
-        rollouts += f"; served {served}, drafts {'sampled from q' if s.draft == 'sample' else 'point-mass'}"
+        rollouts += f"; served {decoded_with(s)}"
     return f"{words}; {rollouts}"
 
 
-def describe_setting(setting: SamplingSpec) -> str:
-    """What an eval row decodes with: the target's sampling and how drafts are made."""
+def decoded_with(setting: ServingSpec | SamplingSpec) -> str:
+    """A setting in words: the target's sampling and how drafts are made."""
     target = "greedy" if setting.temperature == 0 else \
         f"T={setting.temperature:g}" + (f", top-p {setting.top_p:g}" if setting.top_p < 1 else "") + \
         (f", top-k {setting.top_k}" if setting.top_k else "")
-    return f"{setting.name} = {target}, {'drafts sampled from q' if setting.draft == 'sample' else 'point-mass drafts'}"
+    return f"{target}, {'drafts sampled from q' if setting.draft == 'sample' else 'point-mass drafts'}"
 
 
 def comparison_table(spec: ExperimentSpec, before: list[EvalRow], after: list[EvalRow]) -> Table:
     n = before[0].prompts
-    rows = "; ".join(describe_setting(s) for s in spec.eval.sampling if any(r.sampling == s.name for r in before))
+    rows = "; ".join(f"{s.name} = {decoded_with(s)}" for s in spec.eval.sampling
+                     if any(r.sampling == s.name for r in before))
     table = Table(title=f"Held-out τ (± 95% interval over {n} prompts) and speedup: warm drafter → Draft-OPD",
                   caption=f"rows: {rows}\n{spec.name}: {describe_recipe(spec)}")
     for column in ("sampling", "τ before", "τ after", "Δτ", "ceiling", "speedup before", "speedup after"):
