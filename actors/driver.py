@@ -102,7 +102,7 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
 
 def _on(pg, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False) -> dict:
     """`gpus_to_child`: the actor leaves its bundle's GPUs to the worker it starts (a vLLM worker in vLLM's own
-    environment, opd/serving/isolated.py), which its placement group then captures into the same group."""
+    environment, actors/isolated.py), which its placement group then captures into the same group."""
     restarts = MAX_RESTARTS if role.gpus_per_replica == 1 else 0  # a sharded replica dies with any rank
     return {"name": name, "num_cpus": role.num_cpus, "num_gpus": 0 if gpus_to_child else role.num_gpus,
             "max_restarts": restarts,

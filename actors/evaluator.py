@@ -18,6 +18,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.isolated import allow_vllm_workers
 from actors.remote import as_actor_class
 from actors.replica import ShardFollower, SpmdEvaluator, bundle_address, evaluator, join
 from opd.errors import OpdError
@@ -36,6 +37,7 @@ class EvaluatorActor:
         """`shard`: (group address, ranks) when this is rank 0 of a sharded evaluator whose other ranks are
         `followers`."""
         parsed = ExperimentSpec.model_validate(spec)
+        allow_vllm_workers()  # a vLLM suite sampler starts its worker from this actor
         self.evaluator = SpmdEvaluator(evaluator(parsed, join(parsed, shard)), followers or [])
 
     def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:

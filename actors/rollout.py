@@ -9,6 +9,7 @@ import time
 
 import ray
 
+from actors.isolated import allow_vllm_workers
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
 from actors.replica import SpmdRollout, join, rollout_worker
@@ -29,6 +30,7 @@ class RolloutActor:
         `followers` (actors/replica.py)."""
         self.spec, self.name, self.store, self.ledger, self.out = (ExperimentSpec.model_validate(spec), name, store,
                                                                    ledger, out)
+        allow_vllm_workers()  # a vLLM rollout sampler starts its worker from this actor
         self.worker = SpmdRollout(rollout_worker(self.spec, join(self.spec, shard)), followers or [])
         self.metrics = Metrics()
 

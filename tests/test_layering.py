@@ -1,6 +1,5 @@
 """The layering docs/design/architecture.md states: actors/ → opd/, never back, except the launcher edge
-opd/commands/launch.py → actors/; no Ray inside opd/ outside the launcher and the worker of another environment
-(opd/serving/isolated.py, which imports Ray but not actors/); no import cycles among opd/ and actors/;
+opd/commands/launch.py → actors/; no Ray inside opd/ outside the launcher; no import cycles among opd/ and actors/;
 and inside opd/ the floors below, where a module imports only from its own floor or one beneath it.
 
 `LAYERS` is the one place the order is written down; the architecture page prints it (see
@@ -13,7 +12,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = "opd.commands.launch"
-ISOLATED = "opd.serving.isolated"  # a worker in another Python environment (vLLM's) is a Ray actor wherever it runs
 
 # Bottom to top: the pipeline's stages in the order a prompt meets them, the ground beneath, the entry points above.
 LAYERS: list[tuple[str, ...]] = [
@@ -65,8 +63,7 @@ def test_only_the_launcher_imports_actors_or_ray():
     for path in sorted((ROOT / "opd").rglob("*.py")):
         if _module(path) == LAUNCHER:
             continue
-        banned = ("actors",) if _module(path) == ISOLATED else ("actors", "ray")
-        bad = sorted(i for i in _imports(path) if i.split(".")[0] in banned)
+        bad = sorted(i for i in _imports(path) if i.split(".")[0] in ("actors", "ray"))
         offenders += [f"{path.relative_to(ROOT)} imports {name}" for name in bad]
     assert not offenders, "\n".join(offenders)
 

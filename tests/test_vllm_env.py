@@ -16,11 +16,12 @@ import pytest
 import ray
 import torch
 
+from actors.isolated import Worker
 from opd.cli import main
 from opd.decoding.sampling import Sampling
 from opd.models.build import build_models
 from opd.serving.engine import sampling_dict
-from opd.serving.isolated import Worker, plain
+from opd.serving.plain import plain
 from opd.sources.samplers import build_sampler
 from opd.spec import load_spec
 from tests.helpers.env_sampler import AutoregressiveWorker
@@ -137,3 +138,13 @@ def test_vllm_on_a_cluster_without_gpus_is_one_line(micro_spec_file, cpu_ray, mo
     line = one_error_line(capsys)
     assert "opd gen-samples --engine vllm needs vLLM on 1 GPU(s) and this Ray cluster has no GPU" in line
     assert f"resources.vllm_python: {sys.executable}" in line
+
+
+def test_a_process_that_cannot_start_vllm_workers_says_so_in_one_line(micro_spec_file, monkeypatch):
+    """opd/ never imports Ray: a vLLM worker starts as a Ray actor only where actors/isolated.py is imported."""
+    from opd.errors import OpdError
+    from opd.serving import engine
+
+    monkeypatch.setattr(engine, "_STARTS", [])
+    with pytest.raises(OpdError, match="x: this process cannot start a vLLM worker .*import actors.isolated first"):
+        engine.vllm_worker(load_spec(micro_spec_file), {"tensor_parallel_size": 1}, "x")

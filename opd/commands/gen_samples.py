@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from opd.commands import launch
 from opd.data.prompts import load_tokenizer, spec_prompts, train_prompts
 from opd.errors import OpdError
 from opd.eval.offline import draw_eval_samples, stale_advice
@@ -67,9 +68,11 @@ def _default_path(spec: ExperimentSpec, purpose: str) -> Path:
 def _sampler(spec: ExperimentSpec, kind: str) -> tuple[object, TargetSampler]:
     """The tokenizer and the sampler `kind`; vLLM loads its own target, so no model is built here for it."""
     if kind == "vllm":
-        check_vllm(spec, "opd gen-samples --engine vllm", spec.resources.rollout.gpus_per_replica)
+        command = "opd gen-samples --engine vllm"
+        check_vllm(spec, command)
+        launch.vllm_workers()
         tokenizer = load_tokenizer(spec.models.tokenizer)
-        return tokenizer, build_sampler(spec, kind, None, None, tokenizer.eos_token_id)
+        return tokenizer, build_sampler(spec, kind, None, None, tokenizer.eos_token_id, command)
     models = build_models(spec, "random" if kind == "autoregressive" else None)  # the sampler needs no drafter
     return models.tokenizer, build_sampler(spec, kind, models.target, models.drafter, models.eos_id)
 

@@ -30,6 +30,8 @@ def train(spec: ExperimentSpec) -> TrainResult:
         return run_ray(spec)
     from opd.train.local import LocalTrainer
 
+    if spec.rollout.sampler == "vllm":
+        vllm_workers()
     trainer = LocalTrainer(spec)
     try:
         return trainer.run()
@@ -64,7 +66,17 @@ def suite_eval(spec: ExperimentSpec, suite: str, drafters: dict[str, str], out: 
         return suite_in_actor(spec, drafters, str(out))
     from opd.train.evaluator import Evaluator
 
+    if spec.rollout.sampler == "vllm":
+        vllm_workers()
     return Evaluator(spec).suite(drafters, str(out))
+
+
+def vllm_workers() -> None:
+    """Let this process start vLLM workers: Ray actors of the vLLM environment (actors/isolated.py registers
+    how with opd/serving/engine.py; Ray is imported only here, when vLLM is used)."""
+    from actors.isolated import allow_vllm_workers
+
+    allow_vllm_workers()
 
 
 def held_out_samples(spec: ExperimentSpec) -> ExperimentSpec:

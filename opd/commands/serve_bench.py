@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from opd.commands import launch
 from opd.commands.preflight import target_shape
 from opd.data.prompts import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
@@ -78,7 +79,8 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
     if json_out:
         check_output_file(json_out, "--json", "the results")
     engines: dict[str, dict | None] = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
-    check_vllm(spec, "opd serve-bench", 1)
+    check_vllm(spec, "opd serve-bench")
+    launch.vllm_workers()
     if baseline:  # the target alone: no speculative config
         engines = {BASELINE: None, **engines}
     e = spec.eval

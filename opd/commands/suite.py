@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from opd.commands import launch
 from opd.data.suite import built_suite, load_suite
 from opd.data.suite_build import build_suite, parse_files
 from opd.errors import OpdError
@@ -57,6 +58,8 @@ def run_suite_eval(spec: ExperimentSpec, suite_dir: str, drafts: list[str], out:
     out_dir = Path(out) if out else default_out(spec, suite_dir)
     check_output_dir(out_dir, "--out", "the suite's samples and report")
     card = built_suite(suite_dir)
+    if spec.rollout.sampler == "vllm":
+        launch.vllm_workers()
     result = evaluate_suite(spec, card, Path(suite_dir), parse_drafts(drafts), out_dir,
                             speedup_prompts=speedup_prompts)
     paths = write_report(result, out_dir)

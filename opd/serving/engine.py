@@ -1,25 +1,35 @@
 """The trainer's side of vLLM: what to ask a vLLM worker for, in plain data, and the worker itself.
 
-vLLM runs in an environment of its own (opd/serving/vllm_env.py), in a worker reached through Ray
-(opd/serving/isolated.py, opd/serving/vllm_worker.py). This module turns the spec and an exported drafter into
-vLLM's engine arguments and starts that worker after checking its environment, so every user error comes before
-a model loads.
+vLLM runs in an environment of its own (opd/serving/vllm_env.py), in a worker (opd/serving/vllm_worker.py) that
+actors/isolated.py starts as a Ray actor of that environment's interpreter and registers here (`starts_vllm_workers`),
+so opd/ never imports Ray. This module turns the spec and an exported drafter into vLLM's engine arguments and
+checks the environment, so every user error comes before a model loads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from opd.decoding.sampling import Sampling
+from opd.errors import OpdError
 from opd.model_dir import ModelDir
 from opd.models.registry import detect
-from opd.serving.vllm_env import check_gpus, check_vllm_env
-from opd.serving.vllm_worker import VllmWorker
+from opd.serving.vllm_env import check_vllm_env
 from opd.spec import ExperimentSpec
 
-if TYPE_CHECKING:
-    from opd.serving.isolated import Worker
+
+class EngineWorker(Protocol):
+    """A vLLM worker as its callers see it: methods called by name with plain data, and an end."""
+
+    def call(self, method: str, *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+WorkerStart = Callable[[ExperimentSpec, dict, str], EngineWorker]  # (spec, engine arguments, command)
+_STARTS: list[WorkerStart] = []
 
 
 def engine_args(spec: ExperimentSpec, *, max_tokens: int, speculative_config: dict | None = None,
@@ -56,26 +66,21 @@ def sampling_dict(sampling: Sampling) -> dict[str, Any]:
     return {k: v for k, v in asdict(sampling).items() if k != "sample_drafts"}
 
 
-def check_vllm(spec: ExperimentSpec, command: str, gpus: int | None = None) -> None:
-    """The vLLM environment, checked before anything loads: one line for each thing a worker would fail on.
-    With `gpus`, the Ray cluster (joined, or started here) must have that many too."""
+def check_vllm(spec: ExperimentSpec, command: str) -> None:
+    """The vLLM environment, checked before anything loads: one line for each thing a worker would fail on."""
     check_vllm_env(spec.resources.vllm_python, command)
-    if gpus is not None:
-        _ray_with_gpus(spec, command, gpus)
 
 
-def vllm_worker(spec: ExperimentSpec, engine: dict, command: str) -> Worker:
-    """A vLLM engine in the vLLM environment, on `engine`'s tensor-parallel GPUs of the Ray cluster; the caller
-    has checked the environment (`check_vllm`)."""
-    from opd.serving.isolated import Worker  # Ray only where a worker starts
-
-    gpus = engine["tensor_parallel_size"]
-    _ray_with_gpus(spec, command, gpus)
-    return Worker(VllmWorker, spec.resources.vllm_python, [engine], gpus=gpus, what=f"vLLM worker ({command})")
+def starts_vllm_workers(start: WorkerStart) -> WorkerStart:
+    """Register how this process starts a vLLM worker (actors/isolated.py: a Ray actor of the vLLM environment)."""
+    _STARTS[:] = [start]
+    return start
 
 
-def _ray_with_gpus(spec: ExperimentSpec, command: str, gpus: int) -> None:
-    from opd.serving.isolated import ensure_ray
-
-    ensure_ray(spec.resources.cluster.num_gpus or None)  # 0: as many as this machine has
-    check_gpus(spec.resources.vllm_python, command, gpus)
+def vllm_worker(spec: ExperimentSpec, engine: dict, command: str) -> EngineWorker:
+    """A vLLM engine in the vLLM environment, on `engine`'s tensor-parallel GPUs; the caller has checked the
+    environment (`check_vllm`)."""
+    if not _STARTS:
+        raise OpdError(f"{command}: this process cannot start a vLLM worker (it starts as a Ray actor: run the "
+                       "opd command, or import actors.isolated first)")
+    return _STARTS[0](spec, engine, command)

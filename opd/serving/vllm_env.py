@@ -2,7 +2,7 @@
 
 vLLM caps transformers below the versions the trainer is tested on, release after release, so it lives in an
 environment of its own (cluster/vllm.lock; cluster/Dockerfile builds it at the default path). What must hold
-there for a worker to start (opd/serving/isolated.py): the interpreter exists, it runs the trainer's Python
+there for a worker to start (actors/isolated.py): the interpreter exists, it runs the trainer's Python
 minor and Ray version (Ray refuses a worker of another version), vLLM imports, and the project's torch-free
 worker module imports; and the Ray cluster has the GPUs vLLM needs. Each failure is one line naming the field and
 the path, so a user learns it in seconds instead of from a worker's traceback minutes into a job.
@@ -28,9 +28,9 @@ PROBE = """
 import json, sys
 out = {"python": "%d.%d" % sys.version_info[:2]}
 try:
-    import ray
-    out["ray"] = ray.__version__
-except Exception as exc:
+    from importlib.metadata import version
+    out["ray"] = version("ray")
+except Exception:
     out["ray"] = None
 for name, module in (("vllm", "vllm"), ("worker", "opd.serving.vllm_worker")):
     try:
@@ -80,11 +80,8 @@ def check_vllm_env(python: str, command: str) -> None:
                        f"the project there without dependencies: {python} -m pip install --no-deps -e .")
 
 
-def check_gpus(python: str, command: str, needed: int) -> None:
-    """Refuse a Ray cluster without the GPUs vLLM needs (vLLM has no CPU build)."""
-    from opd.serving.isolated import cluster_gpus
-
-    have = cluster_gpus()
+def check_gpus(python: str, command: str, needed: int, have: float) -> None:
+    """Refuse a Ray cluster (with `have` GPUs) without the GPUs vLLM needs: vLLM has no CPU build."""
     if have < needed:
         where = "has no GPU" if not have else f"has {have:g} GPUs"
         raise OpdError(f"{command} needs vLLM on {needed} GPU(s) and this Ray cluster {where} ({FIELD}: {python}); "

@@ -1,7 +1,7 @@
 """What runs inside the vLLM environment: vLLM's offline engine behind a boundary of plain lists and dicts.
 
 vLLM pins its own torch and transformers, so it lives in an interpreter of its own (`resources.vllm_python`,
-cluster/vllm.lock) and is reached through a Ray actor started with that interpreter (opd/serving/isolated.py).
+cluster/vllm.lock) and is reached through a Ray actor started with that interpreter (actors/isolated.py).
 This module is the only part of the project that interpreter imports: it needs nothing but the standard library
 and vLLM, and takes and returns only token ids, sampling settings, seeds and counts. It touches vLLM's public
 offline API only (`LLM`, `SamplingParams`, the engine's `add_request`/`step` loop, `LLM.get_metrics()`), so a

@@ -30,7 +30,7 @@ from opd.models.target import Target
 from opd.spec import ExperimentSpec
 
 if TYPE_CHECKING:
-    from opd.serving.isolated import Worker
+    from opd.serving.engine import EngineWorker
 
 
 @dataclass
@@ -46,11 +46,11 @@ TargetSampler = Callable[[list[list[int]], Sampling, int, int, list[int]], Sampl
 
 
 def build_sampler(spec: ExperimentSpec, kind: str, target: Target | None, drafter: Drafter | None,
-                  eos_id: int) -> TargetSampler:
+                  eos_id: int, command: str = "rollout.sampler vllm") -> TargetSampler:
     """The sampler `kind` ("speculative", "autoregressive" or "vllm"); vLLM loads its own copy of the target on
-    the first call, so `target` may be None for it."""
+    the first call, so `target` may be None for it, and `command` names what uses it in a refusal."""
     if kind == "vllm":
-        return _VllmSampler(spec)
+        return _VllmSampler(spec, command)
     assert target is not None  # only vLLM goes without one
     if kind == "autoregressive":
         return _AutoregressiveSampler(target, eos_id)
@@ -95,9 +95,9 @@ class _VllmSampler:
     (vLLM's own ranks). Only token ids, sampling settings and seeds cross to it. FLOPs are counted here from the
     target's config as for the autoregressive sampler, but with logits only at the sampled positions."""
 
-    def __init__(self, spec: ExperimentSpec) -> None:
-        self.spec = spec
-        self.worker: Worker | None = None  # started on the first call
+    def __init__(self, spec: ExperimentSpec, command: str) -> None:
+        self.spec, self.command = spec, command
+        self.worker: EngineWorker | None = None  # started on the first call
         self.params: TargetParams | None = None  # read from the target's config on the first call
 
     def __call__(self, prompts, sampling, max_new_tokens, seed, keys) -> Samples:
@@ -106,7 +106,7 @@ class _VllmSampler:
         if self.worker is None:
             engine = engine_args(self.spec, max_tokens=max_new_tokens,
                                  tensor_parallel_size=self.spec.resources.rollout.gpus_per_replica)
-            self.worker = vllm_worker(self.spec, engine, "rollout.sampler vllm")
+            self.worker = vllm_worker(self.spec, engine, self.command)
             self.params = _params_from_config(self.spec.models.target_path)
         responses = self.worker.call("sample", prompts, sampling_dict(sampling), max_new_tokens, seed, keys)
         assert self.params is not None

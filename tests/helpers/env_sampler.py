@@ -1,4 +1,4 @@
-"""The project's autoregressive sampler as a worker of another environment (opd/serving/isolated.py), with the
+"""The project's autoregressive sampler as a worker of another environment (actors/isolated.py), with the
 vLLM worker's `sample` signature: token ids, a sampling dict, seeds and keys in; token ids out."""
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import ray
 
+from actors.isolated import allow_vllm_workers
+
 PACKAGE = Path(__file__).resolve().parent / "fake_vllm_pkg"
 # The spec settings of a run whose vLLM environment is this interpreter, with a logical GPU to place the worker.
 VLLM_SETS = [f"resources.vllm_python={sys.executable}", "resources.cluster.num_gpus=1"]
@@ -46,6 +48,7 @@ def fake_vllm_ray(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False)
+    allow_vllm_workers()  # this process starts the vLLM workers, as opd's commands do
     yield log
     ray.shutdown()
     for key, value in saved.items():

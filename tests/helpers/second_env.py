@@ -1,6 +1,6 @@
 """A second Python environment on this CPU machine, built once under build/: the vLLM environment's versions
 (cluster/vllm.lock: another transformers, the same Ray) with this machine's CPU torch instead of vLLM and its CUDA
-torch. A worker started in it (opd/serving/isolated.py) is a worker of another environment, as vLLM's is."""
+torch. A worker started in it (actors/isolated.py) is a worker of another environment, as vLLM's is."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""A worker in another Python environment: a Ray actor started with that environment's interpreter.
+"""A worker in another Python environment: a Ray actor started with that environment's interpreter (Ray's
+`runtime_env["py_executable"]`, as NeMo-RL runs a venv per worker role), and how this project starts its vLLM
+workers (registered with opd/serving/engine.py, which never imports Ray).
 
-vLLM pins its own torch and transformers, which the trainer's tested versions do not meet, so vLLM runs in an
-interpreter of its own (Ray's `runtime_env["py_executable"]`, as NeMo-RL runs a venv per worker role). Nothing but
-plain data crosses: every argument and result is checked to be lists, dicts, strings and numbers, so neither side
-ever unpickles the other's tensors or classes. This is the one module of opd/ besides the launcher that uses Ray
-(tests/test_layering.py): a worker of another environment is a process, and Ray is how this project runs one,
-from the driver (`opd gen-samples`, `opd serve-bench`), the local trainer, or a rollout actor alike.
+vLLM pins its own torch and transformers, which the trainer's tested versions do not meet, so it runs in an
+interpreter of its own. Nothing but plain data crosses (opd/serving/plain.py). `allow_vllm_workers` is what lets a
+process start them: the launcher calls it for the commands it runs, a rollout or evaluator actor for itself.
 """
 
 from __future__ import annotations
@@ -17,26 +16,11 @@ from typing import Any
 import ray
 
 from opd.errors import OpdError
-
-PLAIN = (str, int, float, bool, type(None))
-
-
-def plain(value: Any, where: str) -> Any:
-    """`value` itself when it is plain data (nested lists, tuples and dicts of str, int, float, bool, None), else
-    a TypeError naming `where`: the boundary to another environment carries nothing its pickles would need."""
-    if isinstance(value, PLAIN):
-        return value
-    if isinstance(value, list | tuple):
-        for item in value:
-            plain(item, where)
-        return value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            plain(key, where)
-            plain(item, where)
-        return value
-    raise TypeError(f"{where}: {type(value).__name__} cannot cross to another Python environment (plain lists, "
-                    f"dicts, strings and numbers only)")
+from opd.serving.engine import starts_vllm_workers
+from opd.serving.plain import plain
+from opd.serving.vllm_env import check_gpus
+from opd.serving.vllm_worker import VllmWorker
+from opd.spec import ExperimentSpec
 
 
 def ensure_ray(num_gpus: int | None = None) -> None:
@@ -48,11 +32,6 @@ def ensure_ray(num_gpus: int | None = None) -> None:
         ray.init(address=address, configure_logging=False)
     else:
         ray.init(address="local", num_gpus=num_gpus, include_dashboard=False, configure_logging=False)
-
-
-def cluster_gpus() -> float:
-    """The GPUs the Ray cluster has in all, as Ray counts them."""
-    return float(ray.cluster_resources().get("GPU", 0))
 
 
 class Worker:
@@ -84,3 +63,18 @@ def _first_line(exc: Exception) -> str:
     cause = getattr(exc, "cause", None) or exc
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     return lines[-1] if lines else type(cause).__name__
+
+
+def start_vllm_worker(spec: ExperimentSpec, engine: dict, command: str) -> Worker:
+    """A vLLM engine in the vLLM environment, on `engine`'s tensor-parallel GPUs of the Ray cluster (joined, or
+    started here with resources.cluster's GPUs, 0: as many as this machine has), refused in one line without
+    them."""
+    gpus = engine["tensor_parallel_size"]
+    ensure_ray(spec.resources.cluster.num_gpus or None)
+    check_gpus(spec.resources.vllm_python, command, gpus, float(ray.cluster_resources().get("GPU", 0)))
+    return Worker(VllmWorker, spec.resources.vllm_python, [engine], gpus=gpus, what=f"vLLM worker ({command})")
+
+
+def allow_vllm_workers() -> None:
+    """Register `start_vllm_worker` as how this process starts vLLM workers (opd/serving/engine.py)."""
+    starts_vllm_workers(start_vllm_worker)
