@@ -21,7 +21,7 @@ from opd.errors import OpdError
 
 FIELD = "resources.vllm_python"
 INSTALL = "build it with `make vllm-env VLLM_ENV=DIR` (cluster/vllm.lock) and set resources.vllm_python: DIR/bin/python"
-PROBE_TIMEOUT_S = 600.0  # importing vLLM initialises CUDA and its compiled ops: seconds to a minute
+PROBE_TIMEOUT_S = 600.0  # importing vLLM initialises CUDA and its compiled ops, which is slow: be generous
 
 # Run by the vLLM environment's interpreter: its versions, and whether the worker's imports succeed there.
 PROBE = """

@@ -26,7 +26,7 @@ def _constraints() -> str:
 
 
 def second_env() -> str:
-    """The second environment's interpreter, built (tens of seconds) unless its stamp says it is current."""
+    """The second environment's interpreter, built unless its stamp says it is current."""
     constraints = _constraints()
     stamp = hashlib.sha256((constraints + TORCH + " ".join(PACKAGES)).encode()).hexdigest()
     python, done = ENV / "bin" / "python", ENV / ".stamp"
