@@ -347,7 +347,7 @@ class RayRun:
     def _restart(self, replica: Replica, fault: Fault) -> None:
         """Kill every rank of `replica`, start them again under the same names on the same bundles, relaunch its
         loop; the ledger re-queues what the old incarnation held when the new loop registers."""
-        restart = self.budget.admit(fault)
+        restart = self._admit(fault)
         print(f"note: {fault.line}; restarting it ({len(self.budget.restarts)} restart(s) so far)", file=sys.stderr,
               flush=True)
         replica.kill()
@@ -359,7 +359,7 @@ class RayRun:
     def _restart_learner(self, fault: Fault) -> None:
         """Kill every learner rank, start them again and restore the last checkpoint (weights, optimizer, step,
         weight version, data position); the ledger is rewound to it (`Ledger.rewind`)."""
-        restart = self.budget.admit(fault)
+        restart = self._admit(fault)
         print(f"note: {fault.line}; restarting the learner from its last checkpoint", file=sys.stderr, flush=True)
         rewound = ray.get(self.ledger.account.remote())["rewound"]
         self.learners.kill()
@@ -380,11 +380,14 @@ class RayRun:
 
     def _mark_healed(self) -> None:
         """A restarted replica has healed once its new incarnation passed a batch on, the learner once it trained."""
-        progress = ray.get(self.ledger.progress.remote())
-        for restart in self.budget.healing():
-            if progress.get(restart.fault.replica, 0) > 0:
-                self.budget.healed(restart)
-                self._log_restart(restart)
+        for restart in self.budget.progressed(ray.get(self.ledger.progress.remote())):
+            self._log_restart(restart)
+
+    def _admit(self, fault: Fault) -> Restart:
+        """Count the restart (or stop the run past the bound), noting the ledger incarnation the fault ended."""
+        restart = self.budget.admit(fault)
+        restart.incarnation = ray.get(self.ledger.progress.remote()).get(fault.replica, (0, 0))[0]
+        return restart
 
     def _log_restart(self, restart: Restart) -> None:
         if self.track and self.run_id is not None:

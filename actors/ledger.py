@@ -90,7 +90,7 @@ class LedgerActor:
     def holders(self) -> dict[int, str]:
         return self.opened.holders()
 
-    def progress(self) -> dict[str, int]:
+    def progress(self) -> dict[str, tuple[int, int]]:
         return self.opened.progress()
 
 

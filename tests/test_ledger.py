@@ -201,12 +201,12 @@ def test_a_restored_learner_rewinds_the_ledger_to_its_checkpoint():
         assert led.handoff(Ticket(i, 0), learner)
     led.trained([Ticket(i, 0) for i in range(4)])  # steps 1 and 2 (the checkpoint is step 1's)
     assert led.handoff(Ticket(4, 0), s) and led.handoff(Ticket(5, 0), learner)
-    assert led.progress() == {"rollout-0": 6, "scorer-0": 0, "learner": 4}
+    assert led.progress() == {"rollout-0": (1, 6), "scorer-0": (1, 0), "learner": (1, 4)}
     led.rewind(first_index=2, restored_version=1, epoch=1)
     learner2 = led.register("learner")
     a = led.account()
     assert (a["trained"], a["rewound"], a["stale"], a["orphaned"], a["waiting"]) == (2, 2, 1, 1, 4)
-    assert reconciles(a) and led.trained_indices() == [0, 1] and led.progress()["learner"] == 0
+    assert reconciles(a) and led.trained_indices() == [0, 1] and led.progress()["learner"] == (2, 0)
     assert not led.handoff(Ticket(6, 0), s) and led.account()["dropped"] == 1  # the dead learner's v2 draft
     assert led.claim(r, version=1) is None  # with the dead learner's weights (the store's epoch before the restore)
     redo = [led.claim(r, version=1, epoch=1) for _ in range(4)]

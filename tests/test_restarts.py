@@ -29,9 +29,10 @@ def test_restarts_are_counted_per_role_and_per_run_and_the_one_past_the_bound_st
 def test_time_to_heal_runs_from_the_fault_to_the_first_progress_and_is_logged():
     budget = RestartBudget(RestartsSpec())
     restart = budget.admit(SCORER, seen_at=10.0)
-    restart.steps_lost = 0
-    assert budget.healing() == [restart]
-    budget.healed(restart, at=12.5)
+    restart.incarnation = 1  # scorer-0#1 failed
+    assert budget.progressed({"scorer-0": (1, 5)}, at=11.0) == []  # still the dead incarnation's count
+    assert budget.progressed({"scorer-0": (2, 0)}, at=11.5) == []  # restarted, nothing passed on yet
+    assert budget.progressed({"scorer-0": (2, 1)}, at=12.5) == [restart]
     assert budget.healing() == [] and budget.log() == [
         {"role": "scorer", "replica": "scorer-0", "rank": 1, "cause": SCORER.cause, "steps_lost": 0, "heal_s": 2.5}]
 

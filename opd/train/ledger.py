@@ -144,9 +144,10 @@ class Ledger:
             self._redo(index)
             self.counts.stale += 1
 
-    def progress(self) -> dict[str, int]:
-        """Batches each live incarnation passed on or trained: a restarted one has healed once its count moves."""
-        return {name: self.passed.get(f"{name}#{n}", 0) for name, n in self.incarnation.items()}
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """(incarnation, batches it passed on or trained) of each worker's live incarnation: a restarted one has
+        healed once a later incarnation's count moves."""
+        return {name: (n, self.passed.get(f"{name}#{n}", 0)) for name, n in self.incarnation.items()}
 
     def account(self) -> dict[str, int]:
         """The counts plus what is in flight and waiting; `reconciles(account)` checks the two equations."""

@@ -42,11 +42,13 @@ class Restart:
 
     fault: Fault
     seen_at: float
+    incarnation: int = 0  # the ledger's incarnation of the replica the fault ended: a later one heals it
     steps_lost: int = 0
     heal_s: float | None = None
 
     def as_dict(self) -> dict:
-        return {**asdict(self.fault), "steps_lost": self.steps_lost, "heal_s": self.heal_s}
+        return {**asdict(self.fault), "steps_lost": self.steps_lost,
+                "heal_s": None if self.heal_s is None else round(self.heal_s, 2)}
 
 
 @dataclass
@@ -74,8 +76,16 @@ class RestartBudget:
         """Restarts whose replica or learner has not made progress since."""
         return [r for r in self.restarts if r.heal_s is None]
 
-    def healed(self, restart: Restart, at: float | None = None) -> None:
-        restart.heal_s = (time.monotonic() if at is None else at) - restart.seen_at
+    def progressed(self, progress: dict[str, tuple[int, int]], at: float | None = None) -> list[Restart]:
+        """Mark healed, and return, the restarts whose replica has a later incarnation than the fault ended that
+        passed a batch on (the learner: trained one), by the ledger's `progress`."""
+        healed = []
+        for restart in self.healing():
+            incarnation, count = progress.get(restart.fault.replica, (0, 0))
+            if incarnation > restart.incarnation and count > 0:
+                restart.heal_s = (time.monotonic() if at is None else at) - restart.seen_at
+                healed.append(restart)
+        return healed
 
     def log(self) -> list[dict]:
         return [r.as_dict() for r in self.restarts]
