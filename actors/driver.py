@@ -351,6 +351,8 @@ class RayRun:
         print(f"note: {fault.line}; restarting it ({len(self.budget.restarts)} restart(s) so far)", file=sys.stderr,
               flush=True)
         replica.kill()
+        if replica.role == "scorer":
+            self._reclaim(self.anchors)
         self._start_again(replica)
         if replica.has_loop:
             replica.loop = replica.leader.run.remote()
@@ -363,6 +365,7 @@ class RayRun:
         print(f"note: {fault.line}; restarting the learner from its last checkpoint", file=sys.stderr, flush=True)
         rewound = ray.get(self.ledger.account.remote())["rewound"]
         self.learners.kill()
+        self._reclaim(self.scored)
         self._start_again(self.learners)
         try:
             self.step = ray.get(self.learner.start.remote())
@@ -370,6 +373,10 @@ class RayRun:
             raise failure("the learner", exc) from None
         restart.steps_lost = (ray.get(self.ledger.account.remote())["rewound"] - rewound) // self.spec.batches_per_step
         self._log_restart(restart)
+
+    def _reclaim(self, inbox: BatchQueue) -> None:
+        """After a consumer of `inbox` died: what it had taken out of the queue and not yet reported is lost."""
+        ray.get(self.ledger.missing.remote(inbox.name, inbox.tickets()))
 
     def _start_again(self, replica: Replica) -> None:
         replica.start()

@@ -70,6 +70,14 @@ class LedgerActor:
         self.changed.fire()
         return taken
 
+    def put(self, ticket: Ticket, worker: str, queue: str) -> None:
+        self.opened.put(ticket, worker, queue)
+
+    def missing(self, queue: str, present: list[Ticket]) -> list[int]:
+        gone = self.opened.missing(queue, present)
+        self.changed.fire()
+        return gone
+
     def lost(self, ticket: Ticket) -> None:
         self.opened.lost(ticket)
         self.changed.fire()

@@ -49,6 +49,7 @@ class RolloutActor:
                 batch = self.worker.run(ticket.index)
                 self._record(batch, time.perf_counter() - t0)
                 wait = self.out.put(batch, ticket, self._stopped)
+                ray.get(self.ledger.put.remote(ticket, worker, self.out.name))
                 self.metrics.record("opd_queue_put_wait_s", wait, queue=self.out.name)
                 produced += 1
         except Stopped:

@@ -54,6 +54,7 @@ class ReplayScorerActor:
                     continue
                 ticket, batch = taken
                 wait = self.out.put(self.scorer(batch), ticket, self._stopped)
+                ray.get(self.ledger.put.remote(ticket, worker, self.out.name))
                 self.metrics.record("opd_queue_put_wait_s", wait, queue=self.out.name)
                 self.metrics.record("opd_queue_depth", self.out.depth(), queue=self.out.name)
                 scored += 1

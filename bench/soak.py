@@ -88,7 +88,7 @@ def soak(config: str, steps: int, every: int) -> dict:
     poll = Progress(run, t0)
     poll.start()
     stopped: list[int] = []
-    faults = []
+    faults: list[dict] = []
     try:
         run.start()
         cycle = iter(FAULTS * steps)

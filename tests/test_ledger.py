@@ -219,6 +219,24 @@ def test_a_restored_learner_rewinds_the_ledger_to_its_checkpoint():
     assert "rewound 2;" in fault_line(a)
 
 
+def test_a_batch_a_dead_consumer_took_out_of_its_queue_is_lost_not_waited_for():
+    """Batches 0 and 1 were put in the anchors queue; the scorer took 0 out and died before reporting it. When it
+    restarts, 0 is not in the queue and nobody holds it: lost and produced again; 1, still queued, is kept."""
+    led = ledger()
+    r, s = led.register("rollout-0"), led.register("scorer-0")
+    tickets = [led.claim(r, version=0), led.claim(r, version=0)]
+    for t in tickets:
+        led.put(t, r, "anchors")
+    led.put(Ticket(0, 0), s, "anchors")  # not the holder's: ignored
+    assert led.missing("scored", []) == []  # another queue
+    assert led.missing("anchors", [Ticket(1, 0)]) == [0]
+    s2 = led.register("scorer-0")
+    assert led.claim(r, version=0) == Ticket(0, 1) and led.handoff(Ticket(1, 0), s2)
+    assert led.missing("anchors", []) == []  # 1 was taken: no longer queued
+    a = led.account()
+    assert (a["lost"], a["orphaned"]) == (1, 0) and reconciles(a)
+
+
 def test_the_queue_and_ledger_actors_start_without_torch():
     """They unpickle tickets and specs only, so their processes need not import torch or the models."""
     code = "import sys, actors.queues, actors.ledger; print(sorted({'torch', 'transformers'} & set(sys.modules)))"

@@ -8,7 +8,8 @@ keeps one account:
     claimed = trained + lost + orphaned + stale + rewound + in flight     (every claim is one production attempt)
     reproduced = lost + orphaned + stale + rewound - waiting              (every attempt given up is produced again)
 
-An attempt is given up when a consumer reports it `lost` (its producer died while it sat in a queue), when the
+An attempt is given up when a consumer reports it `lost` (its producer died while it sat in a queue, or its
+consumer died after taking it out of the queue, before reporting it: `missing`), when the
 incarnation holding it is replaced (`orphaned`: its actor restarted), or when the learner sends it back as
 `stale`. A copy of a given-up attempt that still turns up anywhere is `dropped`, never trained. A learner that
 restarts in the run restores its last checkpoint, and `rewind` hands back what it trained since (`rewound`: no
@@ -57,6 +58,7 @@ class Ledger:
         self.incarnation: dict[str, int] = {}  # actor name -> its live incarnation
         self.claimed_with: dict[int, int] = {}  # index -> draft version its current attempt was claimed with
         self.passed: dict[str, int] = {}  # worker id -> batches it passed on (a producer) or trained (the learner)
+        self.queued: dict[int, str] = {}  # index -> the queue its holder put it in, until a consumer takes it
         self.counts = LedgerCounts()
 
     def register(self, name: str) -> str:
@@ -107,7 +109,25 @@ class Ledger:
             return False
         self._passed(self.holder[ticket.index])
         self.holder[ticket.index] = worker
+        self.queued.pop(ticket.index, None)
         return True
+
+    def put(self, ticket: Ticket, worker: str, queue: str) -> None:
+        """`worker` put `ticket` in `queue` (unless a consumer has taken it already)."""
+        if self._current(ticket) and self.holder[ticket.index] == worker:
+            self.queued[ticket.index] = queue
+
+    def missing(self, queue: str, present: Iterable[Ticket]) -> list[int]:
+        """A consumer of `queue` died: a queue hands an item out before its consumer reports taking it, so an
+        attempt put in `queue` that is no longer there (`present`) and that nobody took was lost with that
+        consumer: give it up as `lost`. One a live consumer took but had not yet reported is given up too; its
+        report then finds it replaced and drops it (waste, never a loss)."""
+        there = set(present)
+        gone = [i for i, q in self.queued.items() if q == queue and Ticket(i, self.attempt[i]) not in there]
+        for index in gone:
+            self._redo(index)
+            self.counts.lost += 1
+        return gone
 
     def lost(self, ticket: Ticket) -> None:
         """A consumer found the payload dead (its producer died with it enqueued)."""
@@ -125,6 +145,7 @@ class Ledger:
             self.done.add(ticket.index)
             if (worker := self.holder.pop(ticket.index, None)) is not None:
                 self._passed(worker)
+            self.queued.pop(ticket.index, None)
             self.counts.trained += 1
 
     def rewind(self, first_index: int, restored_version: int, epoch: int) -> None:
@@ -172,6 +193,7 @@ class Ledger:
     def _redo(self, index: int) -> None:
         self.attempt[index] += 1
         del self.holder[index]
+        self.queued.pop(index, None)
         heapq.heappush(self.redo, index)
 
     def _current(self, ticket: Ticket) -> bool:
