@@ -313,6 +313,7 @@ class RayRun:
             except ray.exceptions.RayError as exc:
                 fault = self._fault(self.learners, exc, "the learner")
             self._restart_learner(fault)
+            _settle(pending)
 
     def _supervise(self) -> Fault | None:
         """Restart any rollout, scorer or evaluator replica with a fault; return a learner rank's fault (the
@@ -351,11 +352,15 @@ class RayRun:
         print(f"note: {fault.line}; restarting it ({len(self.budget.restarts)} restart(s) so far)", file=sys.stderr,
               flush=True)
         replica.kill()
+        if replica.loop is not None:
+            _settle(replica.loop)
         if replica.role == "scorer":
             self._reclaim(self.anchors)
         self._start_again(replica)
         if replica.has_loop:
             replica.loop = replica.leader.run.remote()
+        else:  # the evaluator passes no batches on: healed once it is up again
+            self.budget.progressed({replica.name: (restart.incarnation + 1, 1)})
         self._log_restart(restart)
 
     def _restart_learner(self, fault: Fault) -> None:
@@ -421,6 +426,12 @@ class RayRun:
                 remove_placement_group(pg)
             if self.evaluator_placement is not None:
                 self.evaluator_placement.remove()
+
+
+def _settle(ref) -> None:
+    """Take the error of a call on killed ranks, which Ray would otherwise print as unhandled when it drops it."""
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get(ref, timeout=30)
 
 
 def failure(name: str, exc: BaseException, context: str = "") -> OpdError:

@@ -59,8 +59,9 @@ class Progress(threading.Thread):
         while not self.stop.is_set():
             try:
                 self.seen = ray.get(self.ray_run.ledger.progress.remote())
-            except ray.exceptions.RayError:  # the ledger is gone: the run is shutting down
-                return
+            except ray.exceptions.RayError:  # not begun yet (the learner opens it), or gone at shutdown
+                time.sleep(0.2)
+                continue
             now = time.monotonic()
             for name, (incarnation, count) in self.seen.items():
                 if count > 0:
@@ -129,14 +130,15 @@ def soak(config: str, steps: int, every: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    rows = ["| fault | at step | heal (fault → next batch / step), s | fresh start of the role, s | "
-            "heal − fresh, s | cause the driver logged |", "|---|---|---|---|---|---|"]
+    rows = ["| fault | at step | heal: signal → next batch / step, s | of which after detection, s | fresh start "
+            "of the role, s | heal − fresh, s | steps lost | cause the driver logged |",
+            "|---|---|---|---|---|---|---|---|"]
     for fault, restart in zip(result["faults"], result["restarts"]):
         heal, fresh = fault["heal_s"], fault["fresh_start_s"]
         delta = f"{heal - fresh:+.1f}" if heal is not None and fresh is not None else "–"
         rows.append(f"| {fault['signal']} {fault['replica']} rank {fault['rank']} | {fault['at_step']} | "
-                    f"{heal if heal is None else round(heal, 1)} | {fresh if fresh is None else round(fresh, 1)} | "
-                    f"{delta} | `{restart['cause'][:90]}` |")
+                    f"{_s(heal)} | {_s(restart['heal_s'])} | {_s(fresh)} | {delta} | {restart['steps_lost']} | "
+                    f"`{restart['cause'][:100]}` |")
     ledger = result["ledger"]
     return "\n".join([
         f"# Soak: {result['config']}, {result['steps']} steps, a fault every {result['every']} steps", "",
@@ -152,6 +154,10 @@ def markdown(result: dict) -> str:
         "(the learner: restoring its checkpoint and retraining the steps since). Both scale with the target's "
         "load time: a restart reloads the target, so on a real target heal ≈ detection + load + one batch, and "
         "the learner's also + the steps since its last checkpoint.", ""])
+
+
+def _s(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds:.1f}"
 
 
 def main() -> None:
