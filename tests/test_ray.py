@@ -129,7 +129,7 @@ def test_a_run_that_lost_batches_shows_the_account(ray_cluster, micro_spec_file,
     ledger = json.loads((spec.run_dir / "summary.json").read_text())["ledger"]
     assert ledger["restarts"] == 1 and ledger["lost"] + ledger["orphaned"] >= 1 and reconciles(ledger)
     assert lines == [fault_line(ledger)]
-    assert f"lost {ledger['lost']}, orphaned {ledger['orphaned']}, stale {ledger['stale']};" in lines[0]
+    assert f"lost {ledger['lost']}, orphaned {ledger['orphaned']}, stale {ledger['stale']}, rewound 0;" in lines[0]
     client = mlflow.MlflowClient(spec.tracking_uri)
     run_id = client.search_runs([client.get_experiment_by_name(spec.tracking.experiment).experiment_id])[0].info.run_id
     metrics = client.get_run(run_id).data.metrics
