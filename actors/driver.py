@@ -199,9 +199,10 @@ def resolve_for(spec: ExperimentSpec, learner_pg, track: bool) -> ExperimentSpec
 
 
 class _Named:
-    """A named actor in constructor arguments: pickled as its name, unpickled as the live handle. A handle passed
-    to an actor with `max_restarts` is a reference Ray must keep for its restarts, which it reports as a red
-    `core_worker.cc` error line ("constructor arguments in the object store"); a name is a few inline bytes."""
+    """A named actor in constructor arguments: pickled as its name, unpickled as the live handle, so a replica the
+    driver starts again with the same arguments gets whichever actor holds the name then. A handle in constructor
+    arguments is a reference Ray keeps in the object store, which it may report as a red `core_worker.cc` error
+    line ("constructor arguments in the object store"); a name is a few inline bytes."""
 
     def __init__(self, name: str) -> None:
         self.name, self.namespace = name, ray.get_runtime_context().namespace
@@ -299,7 +300,7 @@ class RayRun:
     def train(self, until: int) -> list[dict]:
         """Advance the learner to step `until`, supervising every role while it works; the reports of the steps
         after the one it started from (a learner restarted on the way redoes steps from its checkpoint)."""
-        begun, reports = self.step, []
+        begun = self.step
         while True:
             pending = self.learner.train.remote(until)
             try:
@@ -307,7 +308,7 @@ class RayRun:
                     if (fault := self._supervise()) is not None:
                         break
                 else:
-                    reports += ray.get(pending)
+                    reports = ray.get(pending)
                     self.step = until
                     return [r for r in reports if r["step"] > begun]
             except ray.exceptions.RayError as exc:
@@ -316,8 +317,8 @@ class RayRun:
             _settle(pending)
 
     def _supervise(self) -> Fault | None:
-        """Restart any rollout, scorer or evaluator replica with a fault; return a learner rank's fault (the
-        learner's restart waits for its step to end). Also marks restarts healed."""
+        """Restart any rollout, scorer or evaluator replica with a fault and mark restarts healed; return a learner
+        rank's fault, which `train` handles (it owns the learner's pending step)."""
         stall = self.spec.resources.restarts.stall_timeout_s
         for replica in self.replicas:
             fault = replica.check(stall)
