@@ -45,6 +45,8 @@ class Replica:
     names: list[str]
     launch: Callable[[], list]
     has_loop: bool = False
+    ping_s: float = PING_S
+    probe_s: float = PROBE_S
     ranks: list = field(default_factory=list)
     loop: Any = None
     pings: list[Ping] = field(default_factory=list)
@@ -88,7 +90,7 @@ class Replica:
                     ray.get(ping.ref)
                 except ray.exceptions.RayError as exc:
                     return self.fault(rank, cause_line(exc))
-                ping.ref, ping.due, ping.answered = None, now + PING_S, True
+                ping.ref, ping.due, ping.answered = None, now + self.ping_s, True
             elif ping.answered and now - ping.sent > stall_s:
                 return self.fault(rank, f"no answer for {now - ping.sent:.0f}s: stopped or hung "
                                         f"(resources.restarts.stall_timeout_s: {stall_s:g})")
@@ -96,10 +98,10 @@ class Replica:
 
     def culprit(self, cause: str) -> Fault:
         """The fault behind rank 0's error `cause` (its loop or step raised, e.g. a collective whose peer died or
-        stopped): the first rank that is dead or does not answer within `PROBE_S`, else rank 0 itself. The cause
+        stopped): the first rank that is dead or does not answer within `probe_s`, else rank 0 itself. The cause
         stays rank 0's error, which for a collective names the operation."""
         probes = [rank.ready.remote() for rank in self.ranks[1:]]
-        ray.wait(probes, num_returns=len(probes), timeout=PROBE_S)
+        ray.wait(probes, num_returns=len(probes), timeout=self.probe_s)
         for rank, probe in enumerate(probes, start=1):
             try:
                 ray.get(probe, timeout=0)

@@ -23,6 +23,7 @@ from opd.spec import ExperimentSpec
 from opd.train.messages import WeightSnapshot
 from opd.train.ticket import Ticket
 from tests.helpers.ray_runs import ray_cluster, wait_for  # noqa: F401 (ray_cluster is a fixture)
+from tests.helpers.toy_rank import ToyRank
 
 
 @ray.remote
@@ -77,18 +78,10 @@ def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micr
         place(ExperimentSpec.model_validate({**base, **layout}), timeout_s=2)
 
 
-@ray.remote(num_cpus=0, max_concurrency=2)
-class _Rank:
-    def ready(self) -> None:
-        pass
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
 def _replica() -> Replica:
     names = ["toy-0", "toy-0-rank1"]
-    replica = Replica("scorer", names, lambda: [_Rank.options(name=n).remote() for n in names])
+    replica = Replica("scorer", names, lambda: [ToyRank.options(name=n).remote() for n in names], ping_s=0.2,
+                      probe_s=1.0)
     replica.start()
     replica.ready()
     return replica
