@@ -6,12 +6,15 @@ rollout-i ──anchors queue──► scorer-j ──scored queue──► lear
     └────────────── WeightStore (versioned snapshot) ◄─────┘
 
 Rollout actors and scorers loop on their own, producing the batch indices the ledger hands out; the driver only
-advances the learner step by step (for the progress bar) and watches the loops. A rollout or scorer actor that
-dies is restarted by Ray (`max_restarts`) and its loop relaunched here; the ledger re-queues the batches it held,
-so training continues in the same run. Only a learner failure, or an actor out of restarts, stops the run;
-restarting the driver then resumes from the learner's last checkpoint (the data cursor is the batch index, so
-the same batches are re-produced). With `resources.learner.replicas` N > 1 the learner is N data-parallel ranks
-(`learner`, `learner-1`, ...) in one torch.distributed group, packed on the learner's node.
+advances the learner step by step (for the progress bar) and supervises every replica (actors/supervisor.py). When
+a rank of a rollout, scorer or evaluator replica dies, stops answering, or rank 0's loop raises a fault, every rank
+of that replica is killed and started again in the same run; the ledger re-queues the batches it held. When a
+learner rank fails, every learner rank is started again and the learner restores its last checkpoint; the ledger
+is rewound there. A fault that is bad input (an `OpdError`, a constructor that raised) stops the run with its
+line, and so does one past `resources.restarts`; restarting the driver then resumes from the learner's last
+checkpoint (the data cursor is the batch index, so the same batches are re-produced). With
+`resources.learner.replicas` N > 1 the learner is N data-parallel ranks (`learner`, `learner-1`, ...) in one
+torch.distributed group, packed on the learner's node.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import copy
 import logging
 import os
 import sys
-import time
+from functools import partial
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -36,6 +39,7 @@ from actors.remote import as_actor_class
 from actors.replica import ShardFollower, bundle_address
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
+from actors.supervisor import Replica, cause_line
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
@@ -45,11 +49,8 @@ from opd.spec import ExperimentSpec, RoleSpec
 from opd.tracking import end_run, run_status
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
+from opd.train.restarts import RESUME, Fault, Restart, RestartBudget, log_restart
 from opd.train.result import record_ledger, run_to
-
-MAX_RESTARTS = 3  # per rollout or scorer actor; one more death stops the run
-RESTART_TIMEOUT_S = 600.0  # a restarted actor rebuilds its models (a large target takes minutes to load)
-RESUME = "; run the same command again to resume from the last checkpoint"
 
 
 def init_ray(spec: ExperimentSpec) -> None:
@@ -103,30 +104,50 @@ def place(spec: ExperimentSpec, timeout_s: float = 60.0):
 def _on(pg, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False) -> dict:
     """`gpus_to_child`: the actor leaves its bundle's GPUs to the worker it starts (a vLLM worker in vLLM's own
     environment, actors/isolated.py), which its placement group then captures into the same group."""
-    restarts = MAX_RESTARTS if role.gpus_per_replica == 1 else 0  # a sharded replica dies with any rank
     return {"name": name, "num_cpus": role.num_cpus, "num_gpus": 0 if gpus_to_child else role.num_gpus,
-            "max_restarts": restarts,
-            # so a test or the dashboard can query an actor while its loop runs, and rollout-0 take evaluations
+            # no Ray restarts: the driver restarts every rank of a replica together (actors/supervisor.py)
+            "max_restarts": 0,
+            # so the driver's liveness call, a test or the dashboard reach an actor while its loop runs, and
+            # rollout-0 take evaluations
             "max_concurrency": 3,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=gpus_to_child)}
 
 
 def replicas(actor_class: type, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args,
-             gpus_to_child: bool = False) -> tuple[list, list]:
-    """(rank 0 of each replica of `kind`, every other rank): replica i on bundles first + i·N .. first + i·N + N − 1
-    of `pg`, N = gpus_per_replica; rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers
+             gpus_to_child: bool = False) -> list[Replica]:
+    """Every replica of `kind`: replica i on bundles first + i·N .. first + i·N + N − 1 of `pg`, N =
+    gpus_per_replica; rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers
     (actors/replica.py) in its torch.distributed group. `gpus_to_child`: see `_on`."""
-    n, leaders, followers = role.gpus_per_replica, [], []
+    n, out = role.gpus_per_replica, []
     for i in range(role.replicas):
         name, base = f"{kind}-{i}", first + i * n
-        shard = (bundle_address(pg, base), n) if n > 1 else None
-        ranks = [as_actor_class(ShardFollower).options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
-            spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
-        leader = as_actor_class(actor_class).options(**_on(pg, base, role, name, gpus_to_child))
-        leaders.append(leader.remote(spec, name, *args, shard, ranks))
-        followers += ranks
-    return leaders, followers
+        out.append(Replica(kind, [name, *[f"{name}-rank{j}" for j in range(1, n)]], partial(
+            _ranks, actor_class, kind, role, pg, base, name, spec, args, gpus_to_child), has_loop=True))
+        out[-1].start()
+    return out
+
+
+def _ranks(actor_class: type, kind: str, role: RoleSpec, pg, base: int, name: str, spec: dict, args: tuple,
+           gpus_to_child: bool) -> list:
+    """One replica's ranks, started on bundles base .. base + N − 1 of `pg` in a fresh group (see `replicas`)."""
+    n = role.gpus_per_replica
+    shard = (bundle_address(pg, base), n) if n > 1 else None
+    followers = [as_actor_class(ShardFollower).options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
+        spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
+    leader = as_actor_class(actor_class).options(**_on(pg, base, role, name, gpus_to_child))
+    return [leader.remote(spec, name, *args, shard, followers), *followers]
+
+
+def _learner_ranks(spec: dict, role: RoleSpec, pg, track: bool, evaluator: str | None, *args) -> list:
+    """The learner's ranks, rank 0 first, on the first bundles of the learner's group in a fresh process group;
+    `args`: the weight store, ledger and scored queue."""
+    n = role.replicas
+    address = bundle_address(pg) if n > 1 else None
+    ranks = [as_actor_class(LearnerRankActor).options(**_on(pg, i, role, f"learner-{i}")).remote(spec, i, address)
+             for i in range(1, n)]
+    learner = as_actor_class(LearnerActor).options(**_on(pg, 0, role, "learner"))
+    return [learner.remote(spec, *args, track, address, ranks, evaluator), *ranks]
 
 
 def on_driver_node() -> NodeAffinitySchedulingStrategy:
@@ -178,9 +199,10 @@ def resolve_for(spec: ExperimentSpec, learner_pg, track: bool) -> ExperimentSpec
 
 
 class _Named:
-    """A named actor in constructor arguments: pickled as its name, unpickled as the live handle. A handle passed
-    to an actor with `max_restarts` is a reference Ray must keep for its restarts, which it reports as a red
-    `core_worker.cc` error line ("constructor arguments in the object store"); a name is a few inline bytes."""
+    """A named actor in constructor arguments: pickled as its name, unpickled as the live handle, so a replica the
+    driver starts again with the same arguments gets whichever actor holds the name then. A handle in constructor
+    arguments is a reference Ray keeps in the object store, which it may report as a red `core_worker.cc` error
+    line ("constructor arguments in the object store"); a name is a few inline bytes."""
 
     def __init__(self, name: str) -> None:
         self.name, self.namespace = name, ray.get_runtime_context().namespace
@@ -223,69 +245,181 @@ class RayRun:
         self.ledger = as_actor_class(LedgerActor).options(name="ledger", scheduling_strategy=pin).remote(as_dict)
         self.anchors = BatchQueue("anchors", r.queue_size, pin)
         self.scored = BatchQueue("scored", r.queue_size, pin)
-        n = r.learner.replicas
-        address = bundle_address(self.learner_pg) if n > 1 else None
         store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
-        learner_rank = as_actor_class(LearnerRankActor)
-        self.learner_ranks = [learner_rank.options(**_on(self.learner_pg, i, r.learner, f"learner-{i}")).remote(
-            as_dict, i, address) for i in range(1, n)]
         # held-out eval, off the learner's critical path: its own actor, or rollout-0 between batches
-        self.rollouts, rollout_ranks = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0,
-                                                as_dict, store, ledger, anchors, gpus_to_child=vllm_samples(spec))
         self.evaluator_placement = None if r.evaluate_on == "rollout" else EvaluatorPlacement(spec)
-        self.evaluator = self.evaluator_placement.start(as_dict) if self.evaluator_placement else None
-        learner = as_actor_class(LearnerActor).options(**_on(self.learner_pg, 0, r.learner, "learner"))
-        self.learner = learner.remote(
-            as_dict, store, ledger, scored, track, address, [_Named(f"learner-{i}") for i in range(1, n)],
-            _Named(EVALUATOR if self.evaluator is not None else "rollout-0"))
-        self.scorers, scorer_ranks = replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg,
-                                              r.first_scorer_bundle, as_dict, store, ledger, anchors, scored)
-        self.followers = scorer_ranks + rollout_ranks  # the other ranks of sharded replicas
-        self.loops: dict = {}  # loop ref -> (actor name, actor)
+        evaluator = None if self.evaluator_placement is None else self.evaluator_placement.replica(as_dict)
+        self.learners = Replica("learner", ["learner", *[f"learner-{i}" for i in range(1, r.learner.replicas)]],
+                                partial(_learner_ranks, as_dict, r.learner, self.learner_pg, track,
+                                        EVALUATOR if evaluator is not None else "rollout-0", store, ledger, scored))
+        self.replicas = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0, as_dict, store,
+                                 ledger, anchors, gpus_to_child=vllm_samples(spec))
+        self.replicas += [evaluator] if evaluator is not None else []
+        self.learners.start()
+        self.replicas += replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, r.first_scorer_bundle,
+                                  as_dict, store, ledger, anchors, scored)
+        self.budget = RestartBudget(r.restarts)
+        self.track = track
+        self.step = 0  # the learner's step, as last reported
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it
+
+    @property
+    def learner(self):
+        return self.learners.leader
+
+    @property
+    def rollouts(self) -> list:
+        """Rank 0 of each rollout replica (the live ones: a restart replaces them)."""
+        return [r.leader for r in self.replicas if r.role == "rollout"]
+
+    @property
+    def scorers(self) -> list:
+        return [r.leader for r in self.replicas if r.role == "scorer"]
+
+    @property
+    def evaluator(self):
+        return next((r.leader for r in self.replicas if r.role == "evaluator"), None)
+
+    @property
+    def followers(self) -> list:
+        """The other ranks of sharded replicas."""
+        return [rank for r in self.replicas for rank in r.ranks[1:]]
 
     def start(self) -> int:
         """Resume the learner (which opens the ledger at its step), then launch every rollout and scorer loop."""
         try:
-            step = ray.get(self.learner.start.remote())
+            self.step = ray.get(self.learner.start.remote())
             self.run_id = ray.get(self.learner.run_id.remote())
         except ray.exceptions.RayError as exc:
             raise failure("the learner", exc) from None
-        named = [(f"scorer-{i}", s) for i, s in enumerate(self.scorers)]
-        named += [(f"rollout-{i}", a) for i, a in enumerate(self.rollouts)]
-        self.loops = {actor.run.remote(): (name, actor) for name, actor in named}
-        return step
+        for replica in self.replicas:
+            if replica.has_loop:
+                replica.loop = replica.leader.run.remote()
+        return self.step
 
     def train(self, until: int) -> list[dict]:
-        """Advance the learner to step `until`, watching the other roles while it works."""
-        pending = self.learner.train.remote(until)
-        while not ray.wait([pending], timeout=1.0)[0]:
-            self._check_loops()
+        """Advance the learner to step `until`, supervising every role while it works; the reports of the steps
+        after the one it started from (a learner restarted on the way redoes steps from its checkpoint)."""
+        begun = self.step
+        while True:
+            pending = self.learner.train.remote(until)
+            try:
+                while not ray.wait([pending], timeout=1.0)[0]:
+                    if (fault := self._supervise()) is not None:
+                        break
+                else:
+                    reports = ray.get(pending)
+                    self.step = until
+                    return [r for r in reports if r["step"] > begun]
+            except ray.exceptions.RayError as exc:
+                fault = self._fault(self.learners, exc, "the learner")
+            self._restart_learner(fault)
+            _settle(pending)
+
+    def _supervise(self) -> Fault | None:
+        """Restart any rollout, scorer or evaluator replica with a fault and mark restarts healed; return a learner
+        rank's fault, which `train` handles (it owns the learner's pending step)."""
+        stall = self.spec.resources.restarts.stall_timeout_s
+        for replica in self.replicas:
+            fault = replica.check(stall)
+            if fault is None and replica.loop is not None and ray.wait([replica.loop], timeout=0)[0]:
+                fault = self._loop_ended(replica)
+            if fault is not None:
+                self._restart(replica, fault)
+        if self.budget.healing():
+            self._mark_healed()
+        return self.learners.check(stall)
+
+    def _loop_ended(self, replica: Replica) -> Fault:
+        """The fault behind a loop that ended (a loop ends only when the run stops or it fails)."""
         try:
-            return ray.get(pending)
+            ray.get(replica.loop)
+        except ray.exceptions.RayError as exc:
+            return self._fault(replica, exc, replica.name)
+        raise OpdError(f"{replica.name} failed (its loop returned early){RESUME}")
+
+    @staticmethod
+    def _fault(replica: Replica, exc: ray.exceptions.RayError, name: str) -> Fault:
+        """The fault behind rank 0's error `exc`, found by asking each rank (`Replica.culprit`); bad input (an
+        `OpdError`, a constructor that raised) is no fault a restart heals: it stops the run with its line."""
+        if isinstance(_root(exc), OpdError) or _init_failed(exc):
+            raise failure(name, exc) from None
+        return replica.culprit(cause_line(exc))
+
+    def _restart(self, replica: Replica, fault: Fault) -> None:
+        """Kill every rank of `replica`, start them again under the same names on the same bundles, relaunch its
+        loop; the ledger re-queues what the old incarnation held when the new loop registers."""
+        restart = self._admit(fault)
+        print(f"note: {fault.line}; restarting it ({len(self.budget.restarts)} restart(s) so far)", file=sys.stderr,
+              flush=True)
+        replica.kill()
+        if replica.loop is not None:
+            _settle(replica.loop)
+        if replica.role == "scorer":
+            self._reclaim(self.anchors)
+        self._start_again(replica)
+        if replica.has_loop:
+            replica.loop = replica.leader.run.remote()
+        else:  # the evaluator passes no batches on: healed once it is up again
+            self.budget.progressed({replica.name: (restart.incarnation + 1, 1)})
+        self._log_restart(restart)
+
+    def _restart_learner(self, fault: Fault) -> None:
+        """Kill every learner rank, start them again and restore the last checkpoint (weights, optimizer, step,
+        weight version, data position); the ledger is rewound to it (`Ledger.rewind`)."""
+        restart = self._admit(fault)
+        print(f"note: {fault.line}; restarting the learner from its last checkpoint", file=sys.stderr, flush=True)
+        rewound = ray.get(self.ledger.account.remote())["rewound"]
+        self.learners.kill()
+        self._reclaim(self.scored)
+        self._start_again(self.learners)
+        try:
+            self.step = ray.get(self.learner.start.remote())
         except ray.exceptions.RayError as exc:
             raise failure("the learner", exc) from None
+        restart.steps_lost = (ray.get(self.ledger.account.remote())["rewound"] - rewound) // self.spec.batches_per_step
+        self._log_restart(restart)
 
-    def _check_loops(self) -> None:
-        """Relaunch the loop of an actor that died and was restarted; stop the run on any other ended loop."""
-        done, _ = ray.wait(list(self.loops), timeout=0)
-        for ref in done:
-            name, actor = self.loops.pop(ref)
-            self.loops[relaunch(ref, name, actor)] = (name, actor)
+    def _reclaim(self, inbox: BatchQueue) -> None:
+        """After a consumer of `inbox` died: what it had taken out of the queue and not yet reported is lost."""
+        ray.get(self.ledger.missing.remote(inbox.name, inbox.tickets()))
+
+    def _start_again(self, replica: Replica) -> None:
+        replica.start()
+        try:
+            replica.ready()
+        except ray.exceptions.RayError as exc:
+            raise failure(replica.name, exc, "" if _init_failed(exc) else "its restart failed: ") from None
+
+    def _mark_healed(self) -> None:
+        """A restarted replica has healed once its new incarnation passed a batch on, the learner once it trained."""
+        for restart in self.budget.progressed(ray.get(self.ledger.progress.remote())):
+            self._log_restart(restart)
+
+    def _admit(self, fault: Fault) -> Restart:
+        """Count the restart (or stop the run past the bound), noting the ledger incarnation the fault ended."""
+        restart = self.budget.admit(fault)
+        restart.incarnation = ray.get(self.ledger.progress.remote()).get(fault.replica, (0, 0))[0]
+        return restart
+
+    def _log_restart(self, restart: Restart) -> None:
+        if self.track and self.run_id is not None:
+            log_restart(self.spec, self.run_id, self.budget.restarts.index(restart) + 1, restart, self.step)
 
     def shutdown(self, status: str = "FINISHED") -> None:
         """Stop the loops, end the MLflow run with `status`, release every actor and placement group (also after a
         failure). A learner that cannot close its run (dead) has it ended here, so it never stays RUNNING."""
         try:
             ray.get(self.store.request_stop.remote())
-            ray.wait(list(self.loops), num_returns=len(self.loops), timeout=120)
+            loops = [r.loop for r in self.replicas if r.loop is not None]
+            ray.wait(loops, num_returns=len(loops), timeout=120)
             ray.get(self.learner.close.remote(status))
         except ray.exceptions.RayError:  # the error that killed the learner is already raised: never mask it
             with contextlib.suppress(Exception):
                 end_run(self.spec, self.run_id, status)
         finally:
-            for actor in [self.learner, *self.learner_ranks, *self.scorers, *self.rollouts, *self.followers,
-                          *([] if self.evaluator is None else [self.evaluator]), self.store, self.ledger]:
+            for actor in [*self.learners.ranks, *[rank for r in self.replicas for rank in r.ranks], self.store,
+                          self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
                 q.shutdown()
@@ -295,38 +429,10 @@ class RayRun:
                 self.evaluator_placement.remove()
 
 
-def relaunch(ref, name: str, actor):
-    """A new loop on an actor whose loop `ref` ended, if the actor died and Ray restarted it (the ledger re-queues
-    what the dead one held). A loop that returned or raised, or an actor out of restarts or whose constructor
-    raised, stops the run with one line (`failure`) instead of hanging."""
-    try:
-        ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:  # the loop raised (even because another actor died): relaunching
-        raise failure(name, exc) from None  # would fail again
-    except ray.exceptions.RayActorError as exc:
-        if _init_failed(exc):
-            raise failure(name, exc) from None
-        try:
-            _await_restart(actor)
-            return actor.run.remote()
-        except ray.exceptions.RayError as again:
-            raise failure(name, again, "" if _init_failed(again) else "it died and was not restarted: ") from None
-    except ray.exceptions.RayError as exc:
-        raise failure(name, exc) from None
-    raise OpdError(f"{name} failed (its loop returned early){RESUME}")
-
-
-def _await_restart(actor) -> None:
-    """Return once a restarting actor has rebuilt itself; calls fail fast while it restarts, so poll. Raises
-    ActorDiedError when it will not come back (out of restarts, or killed for good), GetTimeoutError if too slow."""
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while True:
-        try:
-            return ray.get(actor.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+def _settle(ref) -> None:
+    """Take the error of a call on killed ranks, which Ray would otherwise print as unhandled when it drops it."""
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get(ref, timeout=30)
 
 
 def failure(name: str, exc: BaseException, context: str = "") -> OpdError:

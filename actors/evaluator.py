@@ -14,6 +14,8 @@ shards of the target (actors/replica.py).
 
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -21,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.isolated import allow_vllm_workers
 from actors.remote import as_actor_class
 from actors.replica import ShardFollower, SpmdEvaluator, bundle_address, evaluator, join
+from actors.supervisor import Replica
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
@@ -40,6 +43,9 @@ class EvaluatorActor:
         allow_vllm_workers()  # a vLLM suite sampler starts its worker from this actor
         self.evaluator = SpmdEvaluator(evaluator(parsed, join(parsed, shard)), followers or [])
 
+    def ready(self) -> None:
+        """Answers once the constructor has finished, and then while it evaluates: the driver's liveness call."""
+
     def evaluate(self, snapshot: WeightSnapshot) -> EvalResult:
         return self.evaluator(snapshot)
 
@@ -54,21 +60,48 @@ class EvaluatorActor:
 
 
 class ActorEvaluations:
-    """`Evaluations` over the evaluator actor: a submit sends the snapshot and returns; results are taken in
-    submission order as they finish (the actor evaluates one at a time)."""
+    """`Evaluations` over the evaluator actor named `name`: a submit sends the snapshot and returns; results are
+    taken in submission order as they finish (the actor evaluates one at a time). An evaluator that dies is
+    started again by the driver under the same name: the snapshots it had not evaluated are then sent to the new
+    one, so no evaluation is lost and no learner step waits for the restart."""
 
-    def __init__(self, actor) -> None:
-        self.actor = actor
-        self.pending: list[ray.ObjectRef] = []  # evaluations submitted, oldest first
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pending: list[tuple[WeightSnapshot, ray.ObjectRef | None]] = []  # oldest first; None: to resend
 
     def submit(self, snapshot: WeightSnapshot) -> None:
-        self.pending.append(self.actor.evaluate.remote(snapshot))
+        self.pending.append((snapshot, None))
+        self._send()
 
     def finished(self, wait: bool = False) -> list[EvalResult]:
         done = []
-        while self.pending and (wait or ray.wait(self.pending[:1], timeout=0)[0]):
-            done.append(ray.get(self.pending.pop(0)))
+        while self.pending:
+            if not self._send():
+                if not wait:
+                    break
+                time.sleep(1.0)  # the driver is starting the evaluator again
+                continue
+            ref = self.pending[0][1]
+            if not (wait or ray.wait([ref], timeout=0)[0]):
+                break
+            try:
+                done.append(ray.get(ref))
+            except ray.exceptions.RayActorError:  # it died: resend to its replacement
+                self.pending = [(snapshot, None) for snapshot, _ in self.pending]
+                continue
+            self.pending.pop(0)
         return done
+
+    def _send(self) -> bool:
+        """Send what is not sent, to the evaluator alive under `name`; False while there is none."""
+        if all(ref is not None for _, ref in self.pending):
+            return True
+        try:
+            actor = ray.get_actor(self.name)
+        except ValueError:
+            return False
+        self.pending = [(s, actor.evaluate.remote(s) if ref is None else ref) for s, ref in self.pending]
+        return True
 
 
 class EvaluatorPlacement:
@@ -98,10 +131,18 @@ class EvaluatorPlacement:
             spec, "evaluator", shard[0], j, n) for j in range(1, n)] if shard else []
         return as_actor_class(EvaluatorActor).options(**self.options(name)).remote(spec, shard, self.followers)
 
+    def replica(self, spec: dict, name: str = NAME) -> Replica:
+        """The evaluator as the driver supervises it in training (started)."""
+        names = [name, *[f"{name}-rank{j}" for j in range(1, self.role.gpus_per_replica)]]
+        replica = Replica("evaluator", names, lambda: [self.start(spec, name), *self.followers])
+        replica.start()
+        return replica
+
     def options(self, name: str = NAME, bundle: int = 0) -> dict:
+        """One rank's actor options; a second thread answers the driver's liveness call while it evaluates."""
         strategy = None if self.group is None else PlacementGroupSchedulingStrategy(self.group, bundle)
         return {"name": name, "num_cpus": self.role.num_cpus, "num_gpus": self.role.num_gpus,
-                "scheduling_strategy": strategy}
+                "max_concurrency": 2, "scheduling_strategy": strategy}
 
     def remove(self) -> None:
         for follower in self.followers:

@@ -22,7 +22,7 @@ from opd.distill.losses import StepNorm
 from opd.distill.scored_batch import ScoredBatch
 from opd.models.build import resolve_device
 from opd.spec import ExperimentSpec
-from opd.train.distributed import Group, init_group
+from opd.train.distributed import Group, collective_timeout, init_group
 from opd.train.ledger import StepBuffer
 from opd.train.messages import ScoredItem, WeightSnapshot
 from opd.train.session import LearnerRank, TrainingSession
@@ -46,15 +46,16 @@ class RankPeers:
 
 def join_group(spec: ExperimentSpec, address: str, rank: int) -> Group:
     """This rank's place in the learner process group at `address`."""
-    return init_group(address, rank, spec.resources.learner.replicas, resolve_device(spec.models.device))
+    return init_group(address, rank, spec.resources.learner.replicas, resolve_device(spec.models.device),
+                      collective_timeout(spec))
 
 
 @ray.remote
 class LearnerActor:
     def __init__(self, spec: dict, store, ledger, inbox: BatchQueue, track: bool = True, address: str | None = None,
-                 ranks: list | None = None, evaluator=None) -> None:
+                 ranks: list | None = None, evaluator: str | None = None) -> None:
         """`address` and `ranks` (the `LearnerRankActor`s 1..N-1) only with several learner ranks; `evaluator`: the
-        `EvaluatorActor` (None: no held-out evaluation)."""
+        name of the actor that evaluates (None: no held-out evaluation)."""
         self.spec = ExperimentSpec.model_validate(spec)
         self.store, self.ledger, self.inbox, self.ranks = store, ledger, inbox, ranks or []
         group = None if address is None else join_group(self.spec, address, 0)  # None: a single learner
@@ -66,14 +67,19 @@ class LearnerActor:
         self.worker = ""  # the learner's id in the ledger, once started
         self.metrics = Metrics()
 
+    def ready(self) -> None:
+        """Answers once the constructor has finished, and then while it trains: the driver's liveness call."""
+
     def start(self) -> int:
         """Start the session (resume from the last checkpoint, or hand the warm drafter to the evaluator as step 0),
         publish the current weights and open the ledger at the first batch this step needs; returns the step."""
         self.session.start()
         checkpoint = None if self.session.resumed_from is None else str(self.session.resumed_from)
         ray.get([rank.start.remote(checkpoint) for rank in self.ranks])
-        self._publish(self.session.published)
-        ray.get(self.ledger.begin.remote(self.session.step * self.spec.batches_per_step))
+        published = self.session.published
+        # a learner restarted in the run restores an older version than the store holds: a new epoch
+        epoch = ray.get(self.store.restore.remote(published.version, [ray.put(published)], published.checksum))
+        ray.get(self.ledger.begin.remote(self.session.step * self.spec.batches_per_step, published.version, epoch))
         self.worker = ray.get(self.ledger.register.remote("learner"))
         return self.session.step
 
@@ -150,6 +156,9 @@ class LearnerRankActor:
     def __init__(self, spec: dict, rank: int, address: str) -> None:
         parsed = ExperimentSpec.model_validate(spec)
         self.rank = LearnerRank(parsed, join_group(parsed, address, rank))
+
+    def ready(self) -> None:
+        """Answers once the constructor has finished, and then while it steps: the driver's liveness call."""
 
     def start(self, checkpoint: str | None) -> None:
         self.rank.start(checkpoint)

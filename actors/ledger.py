@@ -29,8 +29,15 @@ class LedgerActor:
         self.ledger: Ledger | None = None
         self.changed = Signal()
 
-    def begin(self, first_index: int) -> None:
-        self.ledger = Ledger(first_index, partial(claim_version, spec=self.spec))
+    def begin(self, first_index: int, version: int = 0, epoch: int = 0) -> None:
+        """Open the ledger at `first_index`; called again by a learner restarted in the run (restored to the
+        checkpoint whose next batch is `first_index`, its weights `version` in the weight store's `epoch`), it
+        rewinds the ledger there instead (`Ledger.rewind`)."""
+        if self.ledger is None:
+            self.ledger = Ledger(first_index, partial(claim_version, spec=self.spec))
+            self.ledger.epoch = epoch
+        else:
+            self.ledger.rewind(first_index, version, epoch)
         self.changed.fire()
 
     @property
@@ -46,8 +53,8 @@ class LedgerActor:
         self.changed.fire()
         return worker
 
-    def claim(self, worker: str, version: int) -> Ticket | None:
-        ticket = self.opened.claim(worker, version)
+    def claim(self, worker: str, version: int, epoch: int = 0) -> Ticket | None:
+        ticket = self.opened.claim(worker, version, epoch)
         if ticket is not None:  # another index is next now
             self.changed.fire()
         return ticket
@@ -62,6 +69,14 @@ class LedgerActor:
         taken = self.opened.handoff(ticket, worker)
         self.changed.fire()
         return taken
+
+    def put(self, ticket: Ticket, worker: str, queue: str) -> None:
+        self.opened.put(ticket, worker, queue)
+
+    def missing(self, queue: str, present: list[Ticket]) -> list[int]:
+        gone = self.opened.missing(queue, present)
+        self.changed.fire()
+        return gone
 
     def lost(self, ticket: Ticket) -> None:
         self.opened.lost(ticket)
@@ -82,6 +97,9 @@ class LedgerActor:
 
     def holders(self) -> dict[int, str]:
         return self.opened.holders()
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        return self.opened.progress()
 
 
 def receive(inbox: BatchQueue, ledger, worker: str, stopped=lambda: False,

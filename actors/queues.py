@@ -72,6 +72,10 @@ class BatchQueue:
             except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
                 raise Lost(ticket) from None
 
+    def tickets(self) -> list[Ticket]:
+        """The tickets of the batches in the queue now."""
+        return ray.get(self.queue.actor.__ray_call__.remote(lambda actor: [t for t, _ in list(actor.queue._queue)]))
+
     def depth(self) -> int:
         return self.queue.qsize()
 

@@ -6,8 +6,9 @@ of collectives, and what rank 0 computes (acceptance, the next block) is compute
 torch.distributed's (opd/models/sharding.py); the ranks join it in their constructors, at an address on rank 0's
 node that the driver picks before any of them exists.
 
-A rank that dies ends the replica's group, so a sharded replica's actors are not restarted: the run fails with
-the rank's error instead of hanging in a collective.
+A rank that dies ends the replica's group: its peers' next collective fails (or times out, after
+`resources.restarts.collective_timeout_s`, for a rank that stopped), and the driver restarts every rank of the
+replica together in a fresh group (actors/supervisor.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from opd.models.build import Models, build_drafter, build_models, resolve_device
 from opd.models.sharding import build_sharded_target, join_group, own_rank
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
-from opd.train.distributed import free_address
+from opd.train.distributed import collective_timeout, free_address
 from opd.train.evaluator import Checkpoint, EvalResult, Evaluator
 from opd.train.messages import AnchorBatch, ScoredItem, WeightSnapshot
 from opd.train.rollout import RolloutWorker
@@ -130,7 +131,7 @@ def join(spec: ExperimentSpec, shard: tuple[str, int] | None, rank: int = 0) -> 
     if shard is None:
         return 1
     address, world = shard
-    join_group(address, rank, world, resolve_device(spec.models.device))
+    join_group(address, rank, world, resolve_device(spec.models.device), collective_timeout(spec))
     return world
 
 
@@ -141,6 +142,9 @@ class ShardFollower:
     def __init__(self, spec: dict, role: str, address: str, rank: int, world: int) -> None:
         parsed = ExperimentSpec.model_validate(spec)
         self.obj = BUILDERS[role](parsed, join(parsed, (address, world), rank))
+
+    def ready(self) -> None:
+        """Answers once the constructor has finished, and then while it computes: the driver's liveness call."""
 
     def call(self, method: str, *args: Any) -> None:
         """Run `method` as rank 0 does; its result stays here (rank 0 ships its own)."""

@@ -33,6 +33,7 @@ class RolloutActor:
         allow_vllm_workers()  # a vLLM rollout sampler starts its worker from this actor
         self.worker = SpmdRollout(rollout_worker(self.spec, join(self.spec, shard)), followers or [])
         self.metrics = Metrics()
+        self.checksum = ""  # of the weights drafted with
 
     def ready(self) -> None:
         """Answers once the constructor has finished: the driver waits on it before relaunching a restarted loop."""
@@ -48,6 +49,7 @@ class RolloutActor:
                 batch = self.worker.run(ticket.index)
                 self._record(batch, time.perf_counter() - t0)
                 wait = self.out.put(batch, ticket, self._stopped)
+                ray.get(self.ledger.put.remote(ticket, worker, self.out.name))
                 self.metrics.record("opd_queue_put_wait_s", wait, queue=self.out.name)
                 produced += 1
         except Stopped:
@@ -72,17 +74,18 @@ class RolloutActor:
         on both actors at once until a newer version is published, the ledger has a batch this version may draft
         (one given up, to re-produce), or the run stops."""
         while True:
-            version, wrapped, _ = ray.get(self.store.latest.remote())
-            ticket = ray.get(self.ledger.claim.remote(worker, version))
+            version, wrapped, checksum, epoch = ray.get(self.store.latest.remote())
+            ticket = ray.get(self.ledger.claim.remote(worker, version, epoch))
             if ticket is not None:
                 break
             if self._stopped():
                 raise Stopped
             ray.wait([self.store.wait_newer.remote(version, WAIT_S),
                       self.ledger.wait_claimable.remote(worker, version, WAIT_S)], num_returns=1)
-        if self.worker.decoder and version != self.worker.draft_version:
+        if self.worker.decoder and (version, checksum) != (self.worker.draft_version, self.checksum):
             snapshot: WeightSnapshot = ray.get(wrapped[0])
             self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights
+            self.checksum = checksum  # by checksum too: a restored learner republishes a version with other weights
         return ticket
 
     def _record(self, batch, seconds: float) -> None:

@@ -35,6 +35,7 @@ class ReplayScorerActor:
         self.scorer = SpmdScorer(scorer(self.spec, join(self.spec, shard)), followers or [])
         self.waiting = VersionGate(partial(required_version, spec=self.spec))
         self.metrics = Metrics()
+        self.checksum = ""  # of the weights rebuilt with
 
     def ready(self) -> None:
         """Answers once the constructor has finished: the driver waits on it before relaunching a restarted loop."""
@@ -53,6 +54,7 @@ class ReplayScorerActor:
                     continue
                 ticket, batch = taken
                 wait = self.out.put(self.scorer(batch), ticket, self._stopped)
+                ray.get(self.ledger.put.remote(ticket, worker, self.out.name))
                 self.metrics.record("opd_queue_put_wait_s", wait, queue=self.out.name)
                 self.metrics.record("opd_queue_depth", self.out.depth(), queue=self.out.name)
                 scored += 1
@@ -65,11 +67,12 @@ class ReplayScorerActor:
             return None
         if not self.spec.rollout.rebuilt:
             return self.waiting.take(None)
-        version, wrapped, _ = ray.get(self.store.latest.remote())
+        version, wrapped, checksum, _ = ray.get(self.store.latest.remote())
         taken = self.waiting.take(version)
-        if taken is not None and version != self.scorer.draft_version:
+        if taken is not None and (version, checksum) != (self.scorer.draft_version, self.checksum):
             snapshot: WeightSnapshot = ray.get(wrapped[0])
             self.scorer.load_drafter(snapshot.verified(version).state, version)
+            self.checksum = checksum  # by checksum too: a restored learner republishes a version with other weights
         return taken
 
     def _stopped(self) -> bool:

@@ -181,10 +181,60 @@ def test_a_restart_that_cost_batches_is_one_line_naming_every_count():
     led.handoff(Ticket(0, 0), s)
     led.lost(Ticket(0, 0))  # found dead in a queue
     led.register("rollout-0")  # restarted: 1 and 2 died with it
-    assert fault_line(led.account()) == ("ledger: rollout batches lost 1, orphaned 2, stale 0; produced again 0, "
-                                         "still waiting 3; actor restarts 1, late copies dropped 0, trained twice 0")
+    assert fault_line(led.account()) == ("ledger: rollout batches lost 1, orphaned 2, stale 0, rewound 0; produced "
+                                         "again 0, still waiting 3; actor restarts 1, late copies dropped 0, "
+                                         "trained twice 0")
     stale_only = undisturbed(4) | {"stale": 1, "reproduced": 1, "claimed": 5}
     assert reconciles(stale_only) and fault_line(stale_only) is None  # max_policy_lag at work, not a fault
+
+
+def test_a_restored_learner_rewinds_the_ledger_to_its_checkpoint():
+    """Learner restarted from the checkpoint of step 1 (next batch 2, weights v1): batches 2 and 3, trained by the
+    dead learner, go back (rewound, no longer trained); batch 6, in flight with the dead learner's v2, goes back
+    stale and its late copy is dropped; batch 4, drafted with v1, is reused; batch 5, held by the dead learner,
+    is orphaned when the new one registers. Every batch ends trained once and the account reconciles."""
+    led = ledger(lag=2)
+    r, s, learner = led.register("rollout-0"), led.register("scorer-0"), led.register("learner")
+    for version in (0, 0, 0, 0, 1, 1, 2):  # batches 0..6, each claimed with the newest version then
+        led.claim(r, version)
+    for i in range(4):
+        assert led.handoff(Ticket(i, 0), learner)
+    led.trained([Ticket(i, 0) for i in range(4)])  # steps 1 and 2 (the checkpoint is step 1's)
+    assert led.handoff(Ticket(4, 0), s) and led.handoff(Ticket(5, 0), learner)
+    assert led.progress() == {"rollout-0": (1, 6), "scorer-0": (1, 0), "learner": (1, 4)}
+    led.rewind(first_index=2, restored_version=1, epoch=1)
+    learner2 = led.register("learner")
+    a = led.account()
+    assert (a["trained"], a["rewound"], a["stale"], a["orphaned"], a["waiting"]) == (2, 2, 1, 1, 4)
+    assert reconciles(a) and led.trained_indices() == [0, 1] and led.progress()["learner"] == (2, 0)
+    assert not led.handoff(Ticket(6, 0), s) and led.account()["dropped"] == 1  # the dead learner's v2 draft
+    assert led.claim(r, version=1) is None  # with the dead learner's weights (the store's epoch before the restore)
+    redo = [led.claim(r, version=1, epoch=1) for _ in range(4)]
+    assert redo == [Ticket(2, 1), Ticket(3, 1), Ticket(5, 1), Ticket(6, 1)]
+    for ticket in [*redo, Ticket(4, 0)]:
+        assert led.handoff(ticket, learner2)
+    led.trained([*redo, Ticket(4, 0)])
+    a = led.account()
+    assert led.trained_indices() == list(range(7)) and a["trained"] == 7 and a["duplicates"] == 0 and reconciles(a)
+    assert "rewound 2;" in fault_line(a)
+
+
+def test_a_batch_a_dead_consumer_took_out_of_its_queue_is_lost_not_waited_for():
+    """Batches 0 and 1 were put in the anchors queue; the scorer took 0 out and died before reporting it. When it
+    restarts, 0 is not in the queue and nobody holds it: lost and produced again; 1, still queued, is kept."""
+    led = ledger()
+    r, s = led.register("rollout-0"), led.register("scorer-0")
+    tickets = [led.claim(r, version=0), led.claim(r, version=0)]
+    for t in tickets:
+        led.put(t, r, "anchors")
+    led.put(Ticket(0, 0), s, "anchors")  # not the holder's: ignored
+    assert led.missing("scored", []) == []  # another queue
+    assert led.missing("anchors", [Ticket(1, 0)]) == [0]
+    s2 = led.register("scorer-0")
+    assert led.claim(r, version=0) == Ticket(0, 1) and led.handoff(Ticket(1, 0), s2)
+    assert led.missing("anchors", []) == []  # 1 was taken: no longer queued
+    a = led.account()
+    assert (a["lost"], a["orphaned"]) == (1, 0) and reconciles(a)
 
 
 def test_the_queue_and_ledger_actors_start_without_torch():

@@ -99,7 +99,7 @@ def test_a_killed_rollout_actor_restarts_and_the_run_continues(ray_cluster, micr
     run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.max_policy_lag=1", steps=3), track=False)
     try:
         full_pipeline(run)
-        ray.kill(run.rollouts[0], no_restart=False)  # batches 2 (enqueued) and 3 die with it
+        ray.kill(run.rollouts[0])  # batches 2 (enqueued) and 3 die with it; the driver restarts it
         time.sleep(1.0)  # the kill lands before anyone reads batch 2
         assert_survived(run, run.train(3), steps=3, given_up=2)
     finally:
@@ -116,7 +116,7 @@ def test_a_run_that_lost_batches_shows_the_account(ray_cluster, micro_spec_file,
     def start_then_kill(run: RayRun) -> int:
         step = start(run)
         wait_for(lambda: ray.get(run.ledger.holders.remote()).get(3) == "rollout-0#1")  # 2 enqueued, 3 in hand
-        ray.kill(run.rollouts[0], no_restart=False)
+        ray.kill(run.rollouts[0])
         time.sleep(1.0)
         return step
 
@@ -129,7 +129,7 @@ def test_a_run_that_lost_batches_shows_the_account(ray_cluster, micro_spec_file,
     ledger = json.loads((spec.run_dir / "summary.json").read_text())["ledger"]
     assert ledger["restarts"] == 1 and ledger["lost"] + ledger["orphaned"] >= 1 and reconciles(ledger)
     assert lines == [fault_line(ledger)]
-    assert f"lost {ledger['lost']}, orphaned {ledger['orphaned']}, stale {ledger['stale']};" in lines[0]
+    assert f"lost {ledger['lost']}, orphaned {ledger['orphaned']}, stale {ledger['stale']}, rewound 0;" in lines[0]
     client = mlflow.MlflowClient(spec.tracking_uri)
     run_id = client.search_runs([client.get_experiment_by_name(spec.tracking.experiment).experiment_id])[0].info.run_id
     metrics = client.get_run(run_id).data.metrics
@@ -138,17 +138,19 @@ def test_a_run_that_lost_batches_shows_the_account(ray_cluster, micro_spec_file,
 
 @fails_if_a_batch_goes_missing
 @recovery_run
-def test_a_killed_scorer_restarts_and_the_run_continues_until_it_dies_for_good(ray_cluster, micro_spec_file,
-                                                                               tmp_path):
-    run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.max_policy_lag=1", steps=3), track=False)
+def test_a_killed_scorer_restarts_and_the_run_continues_until_it_is_out_of_restarts(ray_cluster, micro_spec_file,
+                                                                                     tmp_path):
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.max_policy_lag=1", "resources.restarts.per_role=1",
+                          steps=3), track=False)
     try:
         full_pipeline(run)
-        ray.kill(run.scorers[0], no_restart=False)  # batches 0 (enqueued) and 1 die with it
+        ray.kill(run.scorers[0])  # batches 0 (enqueued) and 1 die with it
         time.sleep(1.0)  # the kill lands before the learner reads batch 0
         assert_survived(run, run.train(3), steps=3, given_up=2)
-        ray.kill(run.scorers[0], no_restart=True)  # as if out of restarts: step 5's batches can never be scored
-        with pytest.raises(OpdError, match=r"^scorer-0 failed \(it died and was not restarted: [^\n]*\); run the "
-                                           r"same command again to resume from the last checkpoint$"):
+        ray.kill(run.scorers[0])  # past resources.restarts.per_role: the run stops with one line
+        with pytest.raises(OpdError, match=r"^scorer-0 rank 0 failed \([^\n]*\); the scorer already restarted 1 "
+                                           r"time\(s\) \(resources.restarts.per_role: 1\); run the same command "
+                                           r"again to resume from the last checkpoint$"):
             run.train(5)
     finally:
         run.shutdown()
@@ -191,12 +193,12 @@ def test_a_killed_learner_resumes_to_the_uninterrupted_drafter(ray_cluster, micr
     local = LocalTrainer(load_spec(micro_spec_file, ["steps=3", "eval.every=0", f"tracking.run_dir={tmp_path / 'l'}"]),
                          track=False)
     local.run()
-    run = RayRun(ray_spec(micro_spec_file, tmp_path, steps=3), track=False)
+    run = RayRun(ray_spec(micro_spec_file, tmp_path, "resources.restarts.per_role=0", steps=3), track=False)
     try:
         run.start()
         run.train(1)
-        ray.kill(run.learner, no_restart=True)
-        with pytest.raises(OpdError, match="learner failed.*resume"):
+        ray.kill(run.learner, no_restart=True)  # with no restarts allowed (tests/test_ray_heal.py: with them)
+        with pytest.raises(OpdError, match=r"^learner rank 0 failed .*per_role: 0\); run the same command again"):
             run.train(3)
     finally:
         run.shutdown()

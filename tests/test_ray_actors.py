@@ -1,10 +1,12 @@
 """Ray's single actors and the object store on one local Ray for the whole module: the bounded queue's backpressure
-and its report of a batch whose producer died, placement groups from the spec, relaunching only a restarted
-actor's loop, and zero-copy transfers. Apart from tests/test_ray.py (whole runs) so that `make test`'s two workers
+and its report of a batch whose producer died, placement groups from the spec, the supervisor's view of a
+replica's ranks, and zero-copy transfers. Apart from tests/test_ray.py (whole runs) so that `make test`'s two workers
 (pytest-xdist, a module per worker) take them side by side, each with its own local Ray."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -12,14 +14,16 @@ import ray
 import torch
 import yaml
 
-from actors.driver import place, relaunch
+from actors.driver import RayRun, place
 from actors.queues import BatchQueue, Lost
+from actors.supervisor import Replica
 from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec
 from opd.train.messages import WeightSnapshot
 from opd.train.ticket import Ticket
 from tests.helpers.ray_runs import ray_cluster, wait_for  # noqa: F401 (ray_cluster is a fixture)
+from tests.helpers.toy_rank import ToyRank
 
 
 @ray.remote
@@ -74,30 +78,65 @@ def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micr
         place(ExperimentSpec.model_validate({**base, **layout}), timeout_s=2)
 
 
-@ray.remote(max_restarts=1)
-class _Looper:
-    def ready(self) -> None:
-        pass
-
-    def run(self, needs=None) -> None:
-        if needs is not None:
-            ray.get(needs.ready.remote())
-        time.sleep(60)
+def _replica() -> Replica:
+    names = ["toy-0", "toy-0-rank1"]
+    replica = Replica("scorer", names, lambda: [ToyRank.options(name=n).remote() for n in names], ping_s=0.2,
+                      probe_s=1.0)
+    replica.start()
+    replica.ready()
+    return replica
 
 
-def test_only_a_restarted_actor_gets_its_loop_relaunched(ray_cluster):
-    """A loop that raised (here: because an actor it calls is dead) would fail again: stop, do not relaunch."""
-    looper, dead = _Looper.remote(), _Looper.remote()
-    ray.kill(dead, no_restart=True)
-    with pytest.raises(OpdError, match=r"^looper failed \(.*ActorDiedError.*; run the same command again"):
-        relaunch(looper.run.remote(dead), "looper", looper)
-    loop = looper.run.remote()
-    ray.kill(looper, no_restart=False)
-    loop = relaunch(loop, "looper", looper)  # restarted: a fresh loop
-    assert not ray.wait([loop], timeout=1.0)[0]
-    ray.kill(looper, no_restart=True)
-    with pytest.raises(OpdError, match=r"^looper failed \(it died and was not restarted: "):
-        relaunch(loop, "looper", looper)
+def test_a_dead_or_silent_rank_is_a_fault_naming_it_and_the_replica_restarts_under_the_same_names(ray_cluster):
+    """The supervisor's liveness calls find a killed rank (dead) and a stopped one (no answer past the stall
+    timeout); the replica's ranks are then killed, stopped one included, and started again under their names."""
+    replica = _replica()
+    stopped = None
+    try:
+        wait_for(lambda: replica.check(60.0) is None and all(p.answered for p in replica.pings))
+        old = replica.ranks[1]
+        ray.kill(old)
+        fault = wait_for(lambda: replica.check(60.0))
+        assert (fault.role, fault.replica, fault.rank) == ("scorer", "toy-0", 1) and "ActorDiedError" in fault.cause
+        replica.kill()
+        replica.start()
+        replica.ready()
+        assert ray.get_actor("toy-0-rank1") == replica.ranks[1] != old
+        wait_for(lambda: replica.check(60.0) is None and all(p.answered for p in replica.pings))
+        stopped = ray.get(replica.ranks[1].pid.remote())
+        os.kill(stopped, signal.SIGSTOP)
+        fault = wait_for(lambda: replica.check(2.0), timeout=60)
+        assert fault.rank == 1 and fault.cause.startswith("no answer for") and "stall_timeout_s: 2" in fault.cause
+        assert replica.culprit("RuntimeError: Timed out waiting 15000ms for recv").rank == 1
+        replica.kill()  # a stopped process too
+        assert wait_for(lambda: not _alive(stopped), timeout=30)
+    finally:
+        if stopped is not None and _alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        for rank in replica.ranks:
+            ray.kill(rank)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a killed child not yet reaped by Ray is a zombie
+        return stat.read().split()[2] != "Z"
+
+
+def test_bad_input_stops_the_run_and_any_other_loop_error_is_a_fault_to_restart(ray_cluster):
+    replica = _replica()
+    try:
+        bad = ray.exceptions.RayTaskError("run", "Traceback ...", OpdError("data.prompts: no such file"))
+        with pytest.raises(OpdError, match=r"^data.prompts: no such file$"):
+            RayRun._fault(replica, bad, "rollout-0")
+        bug = ray.exceptions.RayTaskError("run", "Traceback ...", RuntimeError("Connection closed by peer"))
+        assert RayRun._fault(replica, bug, "toy-0").line == "toy-0 rank 0 failed (RuntimeError: Connection closed by peer)"
+    finally:
+        for rank in replica.ranks:
+            ray.kill(rank)
 
 
 def test_a_batch_whose_producer_died_is_reported_lost_with_its_ticket(ray_cluster):

@@ -45,16 +45,17 @@ class ShardGroup:
     world: int = 1
 
 
-def join_group(address: str, rank: int, world: int, device: str) -> ShardGroup:
+def join_group(address: str, rank: int, world: int, device: str, timeout: timedelta = TIMEOUT) -> ShardGroup:
     """Join the replica's process group at `address` (rank 0's host:port); blocks until all `world` ranks joined.
 
     transformers places each rank's shard on the accelerator numbered LOCAL_RANK; a Ray actor sees only its own
-    GPU, so that index is 0 wherever a rank sees one device."""
+    GPU, so that index is 0 wherever a rank sees one device. Every collective fails after `timeout`, so the peers
+    of a rank that stopped do not wait forever."""
     if world > 1 and not dist.is_initialized():
         cuda = torch.device(device).type == "cuda"
         os.environ["LOCAL_RANK"] = str(0 if not cuda or torch.cuda.device_count() == 1 else rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}", rank=rank,
-                                world_size=world, timeout=TIMEOUT)
+                                world_size=world, timeout=timeout)
     return ShardGroup(rank, world)
 
 

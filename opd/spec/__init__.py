@@ -10,12 +10,12 @@ from opd.spec.load import SpecError, load_spec, validate_spec
 from opd.spec.reporting import EvalSpec, TrackingSpec
 from opd.spec.resolve import path_problems, shard_degree_issues
 from opd.spec.resources import ResourcesSpec
-from opd.spec.roles import ClusterSpec, RoleSpec
+from opd.spec.roles import ClusterSpec, RestartsSpec, RoleSpec
 from opd.spec.rollout import RolloutSpec
 from opd.spec.sampling import RolloutSampling, SamplingSpec, ServingSpec, TargetSampling
 from opd.spec.training import LossSpec, OptimSpec, ReplaySpec, SftSpec
 
 __all__ = ["ClusterSpec", "DataSpec", "EvalSpec", "ExperimentSpec", "LossSpec", "ModelsSpec", "OptimSpec",
-           "ReplaySpec", "ResourcesSpec", "RoleSpec", "RolloutSampling", "RolloutSpec", "SamplingSpec", "ServingSpec",
+           "ReplaySpec", "ResourcesSpec", "RestartsSpec", "RoleSpec", "RolloutSampling", "RolloutSpec", "SamplingSpec", "ServingSpec",
            "SftSpec", "SpecError", "TargetSampling", "TrackingSpec", "path_problems", "shard_degree_issues",
            "field_default", "flatten", "load_spec", "validate_spec", "with_eval_samples"]

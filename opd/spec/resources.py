@@ -17,7 +17,7 @@ from opd.spec.placement import (
     ranks_that_cannot_pack,
     roles_that_do_not_fit,
 )
-from opd.spec.roles import ClusterSpec, RoleSpec
+from opd.spec.roles import ClusterSpec, RestartsSpec, RoleSpec
 
 _ROLES = ("rollout", "scorer", "learner", "evaluator")
 
@@ -36,6 +36,7 @@ class ResourcesSpec(Section):
     scorer: RoleSpec = Field(default_factory=RoleSpec)
     learner: RoleSpec = Field(default_factory=RoleSpec)
     evaluator: RoleSpec = Field(default_factory=lambda: RoleSpec(num_cpus=0))
+    restarts: RestartsSpec = Field(default_factory=RestartsSpec)
     vllm_python: str = Field("/opt/vllm/bin/python", description=(
         "The vLLM environment's interpreter. vLLM pins a torch and transformers of its own, so everything that "
         "uses it (rollout.sampler vllm, opd gen-samples --engine vllm, opd serve-bench) runs in a Ray actor started "

@@ -38,3 +38,21 @@ class RoleSpec(Section):
     def bundle(self) -> dict[str, float]:
         """One rank's Ray placement bundle."""
         return {"CPU": self.num_cpus} | ({"GPU": self.num_gpus} if self.num_gpus else {})
+
+
+class RestartsSpec(Section):
+    """How a run heals itself (actors/driver.py, opd/train/restarts.py): a replica or the learner whose rank died
+    or hung is torn down and started again in the same run, at most this often; past the bound the run stops with
+    one line and a rerun resumes from the last checkpoint."""
+
+    per_role: int = Field(3, ge=0, description=(
+        "Restarts one role (rollout, scorer, evaluator, learner) may take in one run, all its replicas together; "
+        "0 = a fault in that role stops the run"))
+    per_run: int = Field(10, ge=0, description="Restarts of all roles together in one run")
+    collective_timeout_s: float = Field(7200.0, gt=0, description=(
+        "How long a rank waits in one collective (torch.distributed's timeout, which gloo and nccl honour) before "
+        "it fails, naming the operation: a peer that stopped is then a fault, not a hang. Long on GPU clusters (a "
+        "rank waits in a collective while rank 0 evaluates or checkpoints); seconds in tests"))
+    stall_timeout_s: float = Field(600.0, gt=0, description=(
+        "How long a rank may leave the driver's liveness check unanswered (every rank answers in a thread of its "
+        "own while it computes) before it is treated as hung and its replica or the learner restarted"))

@@ -18,9 +18,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from opd.spec import ExperimentSpec
+
 T = TypeVar("T")
 
-# A learner rank waits in a collective while rank 0 evaluates or checkpoints; a dead peer still fails it sooner.
+# A learner rank waits in a collective while rank 0 evaluates or checkpoints; a dead peer still fails it sooner. A run
+# passes its own (`resources.restarts.collective_timeout_s`): a peer that stopped fails the collective after it.
 TIMEOUT = timedelta(hours=2)
 
 
@@ -44,11 +47,18 @@ def free_address(host: str = "127.0.0.1") -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-def init_group(address: str, rank: int, world: int, device: torch.device | str) -> Group:
-    """Join the learner ranks' process group at `address` (rank 0's host:port); blocks until all `world` joined."""
+def init_group(address: str, rank: int, world: int, device: torch.device | str,
+               timeout: timedelta = TIMEOUT) -> Group:
+    """Join the learner ranks' process group at `address` (rank 0's host:port); blocks until all `world` joined.
+    Every collective of the group fails after `timeout` (gloo's error names the operation)."""
     dist.init_process_group(backend(device), init_method=f"tcp://{address}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
+                            timeout=timeout)
     return Group(rank, world)
+
+
+def collective_timeout(spec: ExperimentSpec) -> timedelta:
+    """The run's limit on one collective (`resources.restarts.collective_timeout_s`)."""
+    return timedelta(seconds=spec.resources.restarts.collective_timeout_s)
 
 
 def ensure_group(device: torch.device | str) -> Group:

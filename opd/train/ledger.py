@@ -5,12 +5,16 @@ produces it, so a batch that died with its holder is simply produced again. The 
 by `actors/ledger.py`) hands out indices, knows which worker incarnation holds the current attempt of each, and
 keeps one account:
 
-    claimed = trained + lost + orphaned + stale + in flight      (every claim is one production attempt)
-    reproduced = lost + orphaned + stale - waiting               (every attempt given up is produced again)
+    claimed = trained + lost + orphaned + stale + rewound + in flight     (every claim is one production attempt)
+    reproduced = lost + orphaned + stale + rewound - waiting              (every attempt given up is produced again)
 
-An attempt is given up when a consumer reports it `lost` (its producer died while it sat in a queue), when the
+An attempt is given up when a consumer reports it `lost` (its producer died while it sat in a queue, or its
+consumer died after taking it out of the queue, before reporting it: `missing`), when the
 incarnation holding it is replaced (`orphaned`: its actor restarted), or when the learner sends it back as
-`stale`. A copy of a given-up attempt that still turns up anywhere is `dropped`, never trained.
+`stale`. A copy of a given-up attempt that still turns up anywhere is `dropped`, never trained. A learner that
+restarts in the run restores its last checkpoint, and `rewind` hands back what it trained since (`rewound`: no
+longer counted trained, produced and trained again, so the final drafter trained each batch once) and what is in
+flight with weights the restored learner never had (`stale`, by `policy_lag.survives_restore`).
 
 `StepBuffer` is the learner's side: batches arrive in any order, steps take them strictly by index.
 """
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from opd.train.policy_lag import survives_restore
 from opd.train.ticket import Ticket
 
 
@@ -35,6 +40,7 @@ class LedgerCounts:
     stale: int = 0  # attempts the learner sent back for exceeding max_policy_lag
     dropped: int = 0  # copies of given-up (or unknown) attempts that still arrived; thrown away
     duplicates: int = 0  # batches reported trained twice (a bug if ever non-zero)
+    rewound: int = 0  # batches a restarted learner trains again: trained after the checkpoint it restored
     restarts: int = 0  # loop launches that replaced an earlier incarnation of the same actor
 
 
@@ -44,11 +50,15 @@ class Ledger:
 
     def __init__(self, first_index: int, required: Callable[[int], int]) -> None:
         self.next, self.required = first_index, required
+        self.epoch = 0  # the weight store's epoch (its restores); a claim with weights of another is refused
         self.attempt: dict[int, int] = {}  # index -> its current attempt, until trained
         self.holder: dict[int, str] = {}  # index -> worker holding that attempt (absent while waiting for redo)
         self.redo: list[int] = []  # heap of given-up indices waiting to be produced again
         self.done: set[int] = set()
         self.incarnation: dict[str, int] = {}  # actor name -> its live incarnation
+        self.claimed_with: dict[int, int] = {}  # index -> draft version its current attempt was claimed with
+        self.passed: dict[str, int] = {}  # worker id -> batches it passed on (a producer) or trained (the learner)
+        self.queued: dict[int, str] = {}  # index -> the queue its holder put it in, until a consumer takes it
         self.counts = LedgerCounts()
 
     def register(self, name: str) -> str:
@@ -68,10 +78,11 @@ class Ledger:
         index = self.redo[0] if self.redo else self.next
         return self._live(worker) and self.required(index) <= version
 
-    def claim(self, worker: str, version: int) -> Ticket | None:
+    def claim(self, worker: str, version: int, epoch: int = 0) -> Ticket | None:
         """The lowest index waiting for re-production, else the next new one; None while drafting it would need
-        a newer version than `version` (or the worker is a replaced incarnation)."""
-        if not self.claimable(worker, version):
+        a newer version than `version` (or the worker is a replaced incarnation, or `version` is of another
+        `epoch` of the weight store than the learner's: weights of a learner that restarted since)."""
+        if epoch != self.epoch or not self.claimable(worker, version):
             return None
         index = self.redo[0] if self.redo else self.next
         if self.redo:
@@ -81,6 +92,7 @@ class Ledger:
             self.next += 1
             self.attempt[index] = 0
         self.holder[index] = worker
+        self.claimed_with[index] = version
         self.counts.claimed += 1
         return Ticket(index, self.attempt[index])
 
@@ -95,8 +107,27 @@ class Ledger:
             self._redo(ticket.index)
             self.counts.orphaned += 1
             return False
+        self._passed(self.holder[ticket.index])
         self.holder[ticket.index] = worker
+        self.queued.pop(ticket.index, None)
         return True
+
+    def put(self, ticket: Ticket, worker: str, queue: str) -> None:
+        """`worker` put `ticket` in `queue` (unless a consumer has taken it already)."""
+        if self._current(ticket) and self.holder[ticket.index] == worker:
+            self.queued[ticket.index] = queue
+
+    def missing(self, queue: str, present: Iterable[Ticket]) -> list[int]:
+        """A consumer of `queue` died: a queue hands an item out before its consumer reports taking it, so an
+        attempt put in `queue` that is no longer there (`present`) and that nobody took was lost with that
+        consumer: give it up as `lost`. One a live consumer took but had not yet reported is given up too; its
+        report then finds it replaced and drops it (waste, never a loss)."""
+        there = set(present)
+        gone = [i for i, q in self.queued.items() if q == queue and Ticket(i, self.attempt[i]) not in there]
+        for index in gone:
+            self._redo(index)
+            self.counts.lost += 1
+        return gone
 
     def lost(self, ticket: Ticket) -> None:
         """A consumer found the payload dead (its producer died with it enqueued)."""
@@ -112,9 +143,32 @@ class Ledger:
                 self.counts.duplicates += 1
                 continue
             self.done.add(ticket.index)
-            self.attempt.pop(ticket.index, None)
-            self.holder.pop(ticket.index, None)
+            if (worker := self.holder.pop(ticket.index, None)) is not None:
+                self._passed(worker)
+            self.queued.pop(ticket.index, None)
             self.counts.trained += 1
+
+    def rewind(self, first_index: int, restored_version: int, epoch: int) -> None:
+        """A learner restarted from the checkpoint whose next batch is `first_index` and whose published weights
+        are `restored_version`: what it trained from `first_index` on goes back for training again (`rewound`), and
+        an attempt in flight that was drafted with weights it never had goes back as `stale` (its copy, if it still
+        arrives, is dropped). What it held itself is orphaned when it registers again. From now on claims must
+        come with the weight store's `epoch` of the restore."""
+        self.epoch = epoch
+        for index in sorted(i for i in self.done if i >= first_index):
+            self.done.discard(index)
+            self.counts.trained -= 1
+            self.counts.rewound += 1
+            self.attempt[index] += 1
+            heapq.heappush(self.redo, index)
+        for index in [i for i in self.holder if not survives_restore(self.claimed_with[i], restored_version)]:
+            self._redo(index)
+            self.counts.stale += 1
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """(incarnation, batches it passed on or trained) of each worker's live incarnation: a restarted one has
+        healed once a later incarnation's count moves."""
+        return {name: (n, self.passed.get(f"{name}#{n}", 0)) for name, n in self.incarnation.items()}
 
     def account(self) -> dict[str, int]:
         """The counts plus what is in flight and waiting; `reconciles(account)` checks the two equations."""
@@ -126,6 +180,9 @@ class Ledger:
     def holders(self) -> dict[int, str]:
         return dict(self.holder)
 
+    def _passed(self, worker: str) -> None:
+        self.passed[worker] = self.passed.get(worker, 0) + 1
+
     def _give_up(self, ticket: Ticket, reason: str) -> None:
         if not self._current(ticket):
             self.counts.dropped += 1
@@ -136,6 +193,7 @@ class Ledger:
     def _redo(self, index: int) -> None:
         self.attempt[index] += 1
         del self.holder[index]
+        self.queued.pop(index, None)
         heapq.heappush(self.redo, index)
 
     def _current(self, ticket: Ticket) -> bool:
@@ -149,7 +207,7 @@ def reconciles(account: dict[str, int]) -> bool:
     """Every attempt ended exactly once (trained, given up, or still in flight), every given-up one was produced
     again or is waiting to be, and no batch was trained twice."""
     a = account
-    given_up = a["lost"] + a["orphaned"] + a["stale"]
+    given_up = a["lost"] + a["orphaned"] + a["stale"] + a["rewound"]
     return (a["claimed"] == a["trained"] + given_up + a["in_flight"]
             and a["reproduced"] == given_up - a["waiting"] and a["duplicates"] == 0)
 
@@ -170,11 +228,11 @@ def fault_line(account: dict[str, int]) -> str | None:
     for an undisturbed run. A batch lost with its producer is produced again, so the steps do not show it: only
     this line, and the account in MLflow and summary.json, do."""
     a = account
-    if not (a["lost"] or a["orphaned"] or a["restarts"]):
+    if not (a["lost"] or a["orphaned"] or a["restarts"] or a["rewound"]):
         return None
-    return (f"ledger: rollout batches lost {a['lost']}, orphaned {a['orphaned']}, stale {a['stale']}; produced "
-            f"again {a['reproduced']}, still waiting {a['waiting']}; actor restarts {a['restarts']}, late copies "
-            f"dropped {a['dropped']}, trained twice {a['duplicates']}")
+    return (f"ledger: rollout batches lost {a['lost']}, orphaned {a['orphaned']}, stale {a['stale']}, rewound "
+            f"{a['rewound']}; produced again {a['reproduced']}, still waiting {a['waiting']}; actor restarts "
+            f"{a['restarts']}, late copies dropped {a['dropped']}, trained twice {a['duplicates']}")
 
 
 def _name(worker: str) -> str:

@@ -26,3 +26,13 @@ def claim_version(index: int, spec: ExperimentSpec) -> int:
     if not spec.rollout.rebuilt:
         return required_version(index, spec)
     return required_version(max(0, index - spec.resources.queue_size), spec)
+
+
+def survives_restore(drafted_with: int, restored: int) -> bool:
+    """Whether a batch drafted with weight version `drafted_with` may still be trained after the learner restarted
+    from a checkpoint whose published weights are version `restored`. Versions up to `restored` are the weights the
+    restored learner published too (training is deterministic from the checkpoint), so such a batch is reused: the
+    restored learner's steps are no further along, so it is within max_policy_lag wherever it was. A later version
+    is the dead learner's, which the restored learner will publish again under the same number with other weights:
+    such a batch is dropped and produced again (counted stale), so no step trains on weights that no longer exist."""
+    return drafted_with <= restored
