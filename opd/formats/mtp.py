@@ -31,10 +31,12 @@ from pydantic import Field
 
 from opd.errors import OpdError
 from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from opd.model_dir import WEIGHTS_INDEX, ModelDir
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import MODEL_TYPE, VERSION, model_type, proposed_tokens, speculators_config
 
 ARCHITECTURE = "MTPDraftModel"
+HEAD_SHARD = "mtp-head.safetensors"  # sorts after model*.safetensors: an engine reading every shard in order ends here
 PARTS = ("fc", "token_norm", "hidden_norm", "final_norm")  # the head's own modules besides its decoder layer
 
 
@@ -54,6 +56,7 @@ class MTPLayout:
     hidden_first: bool = False
     shared: tuple[str, ...] = ()
     model_types: tuple[str, ...] = field(default=())
+    count_field: str = ""  # the target config's field saying how many MTP layers its checkpoint holds
 
     def prefix_for(self, num_layers: int) -> str:
         return self.prefix.format(n=num_layers)
@@ -65,13 +68,14 @@ LAYOUTS: dict[str, MTPLayout] = {layout.name: layout for layout in (
     MTPLayout("qwen3_next", "mtp.", {"fc": "fc", "token_norm": "pre_fc_norm_embedding",
                                      "hidden_norm": "pre_fc_norm_hidden", "final_norm": "norm"}, "layers.0.",
               feeds_normed=True, zero_first_embedding=False,
-              model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")),
+              model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), count_field="mtp_num_hidden_layers"),
     MTPLayout("nextn", "model.layers.{n}.", {"fc": "eh_proj", "token_norm": "enorm", "hidden_norm": "hnorm",
                                              "final_norm": "shared_head.norm"}, "",
               feeds_normed=False, zero_first_embedding=True, shared=("embed_tokens.weight", "shared_head.head.weight"),
-              model_types=("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")),
+              model_types=("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite"),
+              count_field="num_nextn_predict_layers"),
     MTPLayout("mimo", "model.mtp_layers.0.", _SPECULATORS_PARTS, "", feeds_normed=True, zero_first_embedding=True,
-              hidden_first=True, model_types=("mimo",)),
+              hidden_first=True, model_types=("mimo",), count_field="num_nextn_predict_layers"),
     MTPLayout("speculators", "mtp_layers.0.", _SPECULATORS_PARTS, "", feeds_normed=True, zero_first_embedding=False),
 )}
 SPECULATORS = "speculators"
@@ -156,15 +160,28 @@ class MTPConfig:
     @classmethod
     def from_speculators(cls, hf: dict[str, Any], default_block_size: int) -> MTPConfig:
         layer = hf.get("transformer_layer_config")
-        if not isinstance(layer, dict) or "num_hidden_layers" not in layer:
-            raise OpdError("config field 'transformer_layer_config' is missing or has no num_hidden_layers "
+        if not isinstance(layer, dict) or "model_type" not in layer:
+            raise OpdError("config field 'transformer_layer_config' is missing or has no model_type "
                            "(expected the target's text config, as speculators' MTPSpeculatorConfig writes it)")
         if hf.get("num_nextn_predict_layers", 1) != 1:
             raise OpdError(f"config field 'num_nextn_predict_layers' is {hf['num_nextn_predict_layers']} "
                            "(expected 1: the head is chained for every step, as vLLM does)")
         tokens = proposed_tokens(hf)
         block_size = default_block_size if not isinstance(tokens, int) else tokens + 1
-        return cls(block_size, str(hf.get("opd_mtp_layout", SPECULATORS)), layer)
+        return cls(block_size, str(hf.get("opd_mtp_layout", SPECULATORS)), full_layer_config(layer))
+
+
+def full_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
+    """Every field of a text config that speculators wrote as a diff against its class's defaults (transformers,
+    imported here only: the config's class owns the defaults)."""
+    from transformers import AutoConfig
+
+    fields = dict(layer)
+    try:
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (ValueError, KeyError) as exc:
+        raise OpdError(f"config field 'transformer_layer_config': {str(exc).splitlines()[0]}") from None
+    return dict(json.loads(config.to_json_string(use_diff=False)))
 
 
 def write_speculators(directory: str | Path, config: MTPConfig, state: dict[str, Any], dtype: Any,
@@ -179,6 +196,35 @@ def write_speculators(directory: str | Path, config: MTPConfig, state: dict[str,
     tensors = to_layout(state, LAYOUTS[SPECULATORS], config.num_layers)
     save_file({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()},
               str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir, directory: str | Path,
+                      dtype: Any) -> Path:
+    """A directory vLLM serves with its MTP method: the target's own layout, its files linked (a 397B target is
+    never copied), the head's tensors in a new shard (`HEAD_SHARD`) and a weight index that names it for them and
+    the target's shards for the rest; config.json says the checkpoint holds one MTP layer. Returns the directory."""
+    from safetensors.torch import save_file
+
+    if not layout.count_field:
+        raise OpdError(f"target {target.path}: vLLM serves no MTP head of model_type "
+                       f"{target.text_config.get('model_type')!r} in the target's own layout (expected a Qwen3.5, "
+                       "Qwen3-Next, DeepSeek-V3, GLM-4.5 or MiMo target; export it in speculators' layout instead)")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_layout(state, layout, int(target.int_field("num_hidden_layers")))
+    weight_map = {name: file.name for name, file in target.tensor_files().items()}
+    for entry in target.path.iterdir():
+        if entry.name not in (WEIGHTS_INDEX, CONFIG_FILE, HEAD_SHARD) and not (out / entry.name).exists():
+            (out / entry.name).symlink_to(entry.resolve())
+    save_file({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}, str(out / HEAD_SHARD),
+              metadata={"format": "pt"})
+    weight_map |= dict.fromkeys(tensors, HEAD_SHARD)
+    (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
+    config = json.loads(json.dumps(target.config))
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    text[layout.count_field] = max(1, int(text.get(layout.count_field) or 0))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 @drafter_section

@@ -40,6 +40,7 @@ from opd.formats.mtp import (
     MTPLayout,
     MTPSpec,
     fresh_layout,
+    write_into_target,
     from_layout,
     head_layout,
     write_speculators,
@@ -469,6 +470,23 @@ class MTPFamily(DrafterFamily):
         architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
         write_speculators(directory, drafter.config, drafter.state_dict(), drafter.fc.weight.dtype, verifier,
                           architectures)
+
+    def save_into_target(self, drafter: Any, target_dir: str | Path, directory: str | Path) -> Path:
+        """The head in the target's own layout, in a new directory that links the target's files (vLLM's
+        `method: mtp` serves it with `--model` that directory); the layout must run the head's own forward."""
+        target = ModelDir.read(target_dir, "target model").expect("target", "target")
+        layout = fresh_layout(str(target.text_config.get("model_type", "")))
+        if drafter.form.name in LAYOUTS and drafter.form.count_field:
+            layout = drafter.form
+        if _forward(layout) != _forward(drafter.form):
+            raise OpdError(f"target {target.path}: its MTP layout {layout.name} runs another forward than the head's "
+                           f"({drafter.form.name}; expected a head of this target's family)")
+        return write_into_target(drafter.state_dict(), layout, target, directory, drafter.fc.weight.dtype)
+
+
+def _forward(layout: MTPLayout) -> tuple[bool, bool, bool]:
+    """What a layout's forward decides: the fed state normed, position 0 zeroed, the concatenation order."""
+    return layout.feeds_normed, layout.zero_first_embedding, layout.hidden_first
 
 
 def _check_target(directory: ModelDir, config: MTPConfig, target: TargetShape) -> None:
