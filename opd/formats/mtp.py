@@ -31,9 +31,9 @@ from pydantic import Field
 
 from opd.errors import OpdError
 from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
-from opd.model_dir import WEIGHTS_INDEX, ModelDir
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import MODEL_TYPE, VERSION, model_type, proposed_tokens, speculators_config
+from opd.model_dir import WEIGHTS_INDEX, ModelDir
 
 ARCHITECTURE = "MTPDraftModel"
 HEAD_SHARD = "mtp-head.safetensors"  # sorts after model*.safetensors: an engine reading every shard in order ends here

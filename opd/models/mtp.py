@@ -40,9 +40,9 @@ from opd.formats.mtp import (
     MTPLayout,
     MTPSpec,
     fresh_layout,
-    write_into_target,
     from_layout,
     head_layout,
+    write_into_target,
     write_speculators,
 )
 from opd.model_dir import ModelDir
@@ -93,7 +93,7 @@ class MTPDrafter(nn.Module):
     chains_q = False  # sampled drafts come from the logits `draft` returns (the chain is fed its argmax)
     reads_next_ids = True  # a column pairs each position's hidden state with the token after it
 
-    def __init__(self, config: MTPConfig, embed_tokens: nn.Embedding, lm_head: nn.Module, hf_config: Any) -> None:
+    def __init__(self, config: MTPConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear, hf_config: Any) -> None:
         super().__init__()
         self.config = config
         # a tuple, not parameters, not in state_dict; with the layer's config, so a clone is built the same way
@@ -154,7 +154,7 @@ class MTPDrafter(nn.Module):
         """No work beyond its weights' (FLOP counting; an MoE layer's active share is its layer kind's)."""
         return 0, 0
 
-    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Module]:
+    def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
         """(run per context column, run per chain step, the head per drafted slot), for FLOP counting."""
         return [self.fc, self.layer], [self.fc, self.layer, self.final_norm], self._shared[1]
 
@@ -391,9 +391,10 @@ def from_target(directory: ModelDir, base: Target | SharedHead, block_size: int)
     """The target's own MTP head (the warm start that ships with it), or one line when it has none."""
     found = own_head(directory, base.num_layers)
     if found is None:
+        prefixes = ", ".join(sorted({form.prefix for form in LAYOUTS.values() if form.name != SPECULATORS}))
         raise OpdError(f"models.drafter.kind: mtp but target {directory.path} holds no MTP layers (expected "
-                       f"tensors under {', '.join(sorted({l.prefix for l in LAYOUTS.values() if l.name != SPECULATORS}))}"
-                       "; give models.drafter_path, or models.drafter.from_target: false for a fresh head)")
+                       f"tensors under {prefixes}; give models.drafter_path, or models.drafter.from_target: false "
+                       "for a fresh head)")
     layout, names = found
     config = MTPConfig(block_size, layout.name, json_config(base.config))
     head = _nextn_head(directory, layout, base)
@@ -401,7 +402,7 @@ def from_target(directory: ModelDir, base: Target | SharedHead, block_size: int)
     return _load_state(drafter, _read(directory, names), str(directory.path))
 
 
-def _nextn_head(directory: ModelDir, layout: MTPLayout, base: Target | SharedHead) -> nn.Module:
+def _nextn_head(directory: ModelDir, layout: MTPLayout, base: Target | SharedHead) -> nn.Linear:
     """The LM head the head's logits use: a nextn checkpoint's `shared_head.head` where it differs from the
     target's, else the target's."""
     name = layout.prefix_for(base.num_layers) + "shared_head.head.weight"
