@@ -11,11 +11,14 @@ the next position, fed the layer's own output. Float64; the layers' norms round 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from opd.formats.mtp import MTPSpec
 from opd.models.registry import family, load_drafter
+from opd.serving.engine import speculative_config
 from tests.helpers import mtp as helper
 from tests.helpers.speculators import speculators_model
 
@@ -80,3 +83,17 @@ def test_the_speculators_export_gives_the_projects_logits_in_mtp_draft_model(nam
         for anchor in (1, 5, 8):
             torch.testing.assert_close(our_chain(drafter, target, anchor), their_chain(model, target, anchor, K - 1),
                                        rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_serve_bench_passes_vllms_mtp_method_with_the_exports_draft_count(tmp_path):
+    """`opd serve-bench --draft` on the speculators export: vLLM's `mtp` method (which its per-model names such as
+    `deepseek_mtp` and `qwen3_next_mtp` resolve to), the head chained for the K-1 tokens speculators' config
+    proposes."""
+    directory = helper.target_dir("qwen3_5", tmp_path / "target")
+    drafter = family("mtp").random(MTPSpec(block_size=K), helper.load(directory), None)
+    family("mtp").save_speculators(drafter, tmp_path / "export", str(directory))
+    written = json.loads((tmp_path / "export" / "config.json").read_text())["speculators_config"]
+    assert written["algorithm"] == "mtp"
+    assert speculative_config(str(tmp_path / "export"), K) == {
+        "method": "mtp", "model": str(tmp_path / "export"),
+        "num_speculative_tokens": written["proposal_methods"][0]["speculative_tokens"]}

@@ -151,7 +151,8 @@ class MTPDrafter(nn.Module):
         return torch.ones(teacher.shape[:-1], dtype=torch.bool, device=teacher.device)
 
     def extra_flops(self) -> tuple[int, int]:
-        """No work beyond its weights' (FLOP counting; an MoE layer's active share is its layer kind's)."""
+        """No work beyond its weights' (FLOP counting counts every weight of the layer: an MoE head's total, not the
+        share a token runs through; bench/mtp_scale.py counts the active share)."""
         return 0, 0
 
     def modules_by_role(self) -> tuple[list[nn.Module], list[nn.Module], nn.Linear]:
