@@ -85,6 +85,11 @@ def project(name: str, precision: str, args: argparse.Namespace) -> dict[str, An
             "scored_gb_per_update": layout.SEQUENCES * (blocks * (k - 1) + p + r) * s.hidden * 2 / layout.GB}
 
 
+def placed_cell(placed: Any) -> str:
+    """A role's (ranks, knob, GB) as the table shows it, or "refused"."""
+    return f"{placed[0]}, {placed[2]:.0f}" if isinstance(placed, tuple) else "refused"
+
+
 def dflash_row(name: str, precision: str) -> dict[str, Any] | None:
     """sharded_layout's row for the same target with a 5-layer DFlash drafter, where it has one."""
     rows = json.loads((RESULTS / "sharded_layout.json").read_text())["rows"]
@@ -108,11 +113,10 @@ def main() -> None:
           f"{'learner ranks, GB':>19}{'learner s':>11}{'draft share':>13}")
     for row in rows:
         rollout, scorer = row["roles"]["rollout"], row["roles"]["scorer"]
-        cell = (lambda v: f"{v[0]}, {v[2]:.0f}" if isinstance(v, tuple) else "refused")
         learner = (f"{row['learner_ranks']}, {row['learner_gb_per_rank']:.0f}" if row["learner_ranks"]
                    else "over 15 ranks")
         print(f"{row['target'] + ' ' + row['precision']:<20}{row['head_params_b']:>9.2f} ({row['head_active_b']:.2f})"
-              f"{row['head_bf16_gb']:>9.1f}{cell(rollout):>19}{cell(scorer):>18}{learner:>19}"
+              f"{row['head_bf16_gb']:>9.1f}{placed_cell(rollout):>19}{placed_cell(scorer):>18}{learner:>19}"
               f"{row['gpu_seconds_per_update_at_mfu']['learner']:>11.1f}{row['draft_share_of_rollout_flops']:>13.1%}")
         for role, placed in row["roles"].items():
             if isinstance(placed, str):
