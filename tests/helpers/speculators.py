@@ -118,6 +118,31 @@ def peagle_slots(model, text: Text, anchors: list[int], block_size: int) -> torc
     return torch.cat([columns, seen["logits"][length:].view(slots, len(anchors), -1).transpose(0, 1)], dim=1)
 
 
+@torch.no_grad()
+def mtp_chain(model, text: Text, anchors: list[int], steps: int) -> torch.Tensor:
+    """Logits [M,steps,V] of speculators' MTP layer chained after each anchor as vLLM chains it: causal columns
+    (h_p, x_{p+1}) at positions 0..a-1, then one column per step at the next position, fed the layer's own output
+    and the text's token (h: the last target state the drafter reads, the last H of the features; in a spec, the
+    target's final hidden state). speculators' training forward keeps every step at its column's position, so its
+    layer is called here directly."""
+    ids, _, features = text
+    width = model.config.transformer_layer_config.hidden_size
+    out = []
+    for anchor in anchors:
+        hidden, rows = features[0, :anchor, -width:], []
+        for step in range(steps):
+            length = anchor + step
+            positions = torch.arange(length)[None]
+            causal = torch.full((length, length), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(1)
+            state = model.mtp_layers[0](hidden_states=hidden[None], token_embeddings=model.embed_tokens(
+                ids[:, 1:length + 1]), attention_mask=causal[None, None], position_ids=positions,
+                position_embeddings=model.rotary_emb(hidden[None], positions))[0, -1]
+            rows.append(model.lm_head(state))
+            hidden = torch.cat([hidden, state[None]])
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
 def drafted_logits(model, text: Text, anchors: list[int], block_size: int) -> torch.Tensor:
     """Logits [M,K-1,V] at the drafted slots of the blocks at `anchors`, by speculators' class of `model` (its
     draft vocabulary's for the EAGLE-3 families); each slot after the first given the text's token before it."""
@@ -130,6 +155,8 @@ def drafted_logits(model, text: Text, anchors: list[int], block_size: int) -> to
         return eagle3_chain(model, text, anchors, block_size - 1)
     if name == "PEagleDraftModel":
         return peagle_slots(model, text, anchors, block_size)
+    if name == "MTPDraftModel":
+        return mtp_chain(model, text, anchors, block_size - 1)
     pytest.fail(f"speculators' {name} has no forward here: add it to drafted_logits in {__name__}", pytrace=False)
 
 

@@ -50,6 +50,7 @@ TINY: dict[str, Tiny] = {
     "dspark": Tiny(_DFLASH | {"markov_rank": 4}, lambda drafter, target: dspark.sharpen(drafter)),
     "eagle3": Tiny(_EAGLE3, head_reads_target_rows),
     "peagle": Tiny(_EAGLE3 | {"mask_token_id": MASK}, head_reads_target_rows),
+    "mtp": Tiny({"block_size": 4, "from_target": False}),
 }
 
 

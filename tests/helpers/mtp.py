@@ -1,0 +1,80 @@
+"""Tiny targets that carry an MTP head in their own checkpoint, as the public ones do: a random HF causal LM of a
+target family (transformers' own config and model classes), saved, and a random head of the target's layer kind
+written in the family's layout into a second shard named by the weight index (`mtp.*` for Qwen3.5,
+`model.layers.{N}.*` with `enorm`, `hnorm`, `eh_proj` and `shared_head` for DeepSeek-V3 and GLM-4.5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+
+from opd.formats.mtp import MTPSpec, to_layout
+from opd.model_dir import WEIGHTS_FILE, WEIGHTS_INDEX
+from opd.models.registry import family
+from opd.models.target import Target, load_target
+from tests.helpers.target_families import family_model
+
+HIDDEN, LAYERS = 32, 3
+SHARD, HEAD_SHARD = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+_MOE = dict(vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_intermediate_size=HIDDEN // 2,
+            num_hidden_layers=LAYERS, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=512,
+            tie_word_embeddings=False, attn_implementation="sdpa", experts_implementation="eager",
+            num_nextn_predict_layers=1)
+
+
+def tiny_model(name: str, seed: int = 0):
+    """A random float64 causal LM of target family `name`: qwen3, qwen3_5 (tests/helpers/target_families.py),
+    deepseek_v3 (latent attention, MoE past layer 0) or glm4_moe (GQA, MoE past layer 0)."""
+    builders = {
+        "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+            **_MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8)),
+        "glm4_moe": lambda: Glm4MoeForCausalLM(Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=8)),
+    }
+    if name not in builders:
+        return family_model(name, seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builders[name]().to(torch.float64)
+
+
+def load(directory: Path) -> Target:
+    """The target as the project loads it (transformers drops the MTP tensors), reading its last hidden state."""
+    num_layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+    return load_target(str(directory), dtype=torch.float64, attn_implementation="sdpa", layer_ids=[num_layers - 1])
+
+
+def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0) -> Path:
+    """A target directory of family `name`; with `head`, a random MTP head of its layer kind in its family's
+    layout, in a second shard the weight index names (the first holds the rest, as public checkpoints split)."""
+    model = tiny_model(name, seed)
+    model.save_pretrained(directory)
+    if not head:
+        return directory
+    (directory / WEIGHTS_FILE).rename(directory / SHARD)
+    tensors = load_file(directory / SHARD)
+    target = Target(model, [model.config.num_hidden_layers - 1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        drafter = family("mtp").random(MTPSpec(from_target=False), target, None)
+    sharpen(drafter)
+    head_tensors = to_layout(drafter.state_dict(), drafter.form, model.config.num_hidden_layers)
+    prefix = drafter.form.prefix_for(model.config.num_hidden_layers)
+    copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+    head_tensors |= {prefix + name: tensors[copies[name]] for name in drafter.form.shared}
+    save_file({n: t.contiguous() for n, t in head_tensors.items()}, directory / HEAD_SHARD)
+    weight_map = {n: SHARD for n in tensors} | {n: HEAD_SHARD for n in head_tensors}
+    (directory / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def sharpen(drafter) -> None:
+    """Scale the head's input projection up, so a random head's drafts are decided by its inputs (some get
+    accepted on a random target) rather than by the bias of its norms."""
+    with torch.no_grad():
+        drafter.fc.weight.mul_(4.0)

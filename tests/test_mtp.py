@@ -1,0 +1,221 @@
+"""The MTP family on targets that carry their own head (tests/helpers/mtp.py): the warm start read from the target's
+checkpoint, the one-line refusal where there is none, lossless decoding (greedy equals autoregressive; chi-square)
+and exact replay and rebuild on two target families, a written-out reference of vLLM's nextn forward for the
+DeepSeek-V3 and GLM-4.5 layouts, and the export into the target's own layout, linked, loading back.
+
+What the contract (tests/test_family_contract.py) checks on the micro target holds here on hybrid (Qwen3.5: the
+head's layer is its full-attention layer) and latent-attention MoE (DeepSeek-V3) targets. Float64 throughout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.decoding.autoregressive import generate_autoregressive
+from opd.decoding.record import SequenceRecord
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.distill.replay import score, student_hidden
+from opd.errors import OpdError
+from opd.formats.mtp import HEAD_SHARD, LAYOUTS, MTPSpec, to_layout
+from opd.model_dir import WEIGHTS_INDEX, ModelDir
+from opd.models.mtp import MTPDrafter
+from opd.models.registry import family
+from opd.sources.rebuild import rebuild_records
+from tests.helpers import mtp as helper
+from tests.helpers.decoding import EOS, MIXED_PROMPTS
+from tests.helpers.lossless import assert_lossless
+
+LAYOUT_OF = {"qwen3_5": "qwen3_next", "deepseek_v3": "nextn", "glm4_moe": "nextn"}
+# These families' RMSNorms normalise in float32 whatever their input (x.float()), as vLLM's do, so two float64 paths
+# whose attention sums in another order (a cache against a full causal pass) can round apart there: agreement is to
+# float32's rounding inside a norm, not float64's.
+TOLERANCE = {"qwen3_5": 1e-6, "deepseek_v3": 1e-6, "glm4_moe": 1e-6}
+K = 4
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """name -> (directory, the loaded target), built on first use."""
+    built: dict[str, tuple] = {}
+
+    def of(name: str):
+        if name not in built:
+            directory = helper.target_dir(name, tmp_path_factory.mktemp(name))
+            built[name] = (directory, helper.load(directory))
+        return built[name]
+
+    return of
+
+
+def own_head(target) -> MTPDrafter:
+    return family("mtp").random(MTPSpec(block_size=K), target, None)
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_OF))
+def test_the_warm_start_is_the_targets_own_head(name, targets):
+    """With no drafter path, the head is read from the target's own shards (which transformers dropped), in the
+    target family's layout, every tensor as written."""
+    directory, target = targets(name)
+    drafter = own_head(target)
+    assert drafter.form.name == LAYOUT_OF[name]
+    written = load_file(directory / helper.HEAD_SHARD)
+    ours = to_layout(drafter.state_dict(), drafter.form, target.num_layers)
+    assert ours.keys() <= written.keys() and all(torch.equal(t, written[n]) for n, t in ours.items())
+    assert not any(n.startswith(drafter.form.prefix_for(target.num_layers)) for n in target.model.state_dict())
+
+
+def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
+    target = helper.load(helper.target_dir("qwen3", tmp_path, head=False))
+    with pytest.raises(OpdError, match="holds no MTP layers") as info:
+        own_head(target)
+    assert "\n" not in str(info.value) and "from_target: false" in str(info.value)
+    fresh = family("mtp").random(MTPSpec(from_target=False), target, None)
+    assert fresh.form.name == "speculators" and fresh.block_size == 4
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+def test_greedy_decoding_is_the_targets_argmax(name, targets):
+    _, target = targets(name)
+    drafter = own_head(target)
+    records = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(MIXED_PROMPTS, Sampling(), max_new_tokens=20)
+    reference = generate_autoregressive(target, MIXED_PROMPTS, Sampling(), max_new_tokens=20, eos_id=EOS, seed=0,
+                                        keys=list(range(len(MIXED_PROMPTS))))
+    assert [r.response_ids for r in records] == reference
+    assert sum(sum(r.accepted) for r in records) > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+def test_decoding_at_t1_is_lossless(name, targets):
+    """The joint law of the first three tokens equals the target's (chi-square, 4k sequences)."""
+    _, target = targets(name)
+    assert_lossless(target, own_head(target), Sampling(temperature=1.0), 4000)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+def test_replay_and_the_rebuild_give_decodings_blocks(name, targets):
+    """Replay (every block of a sequence in one forward, fed its recorded drafts) gives each block the logits its
+    draft gave it alone, and the rebuild recovers every block from the committed text alone."""
+    _, target = targets(name)
+    drafter = own_head(target)
+    decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(MIXED_PROMPTS, Sampling(temperature=1.0),
+                                                                       max_new_tokens=20, seed=3)
+    batch = score(target, decoded, block_size=K, mode="draft_opd")
+    with torch.no_grad():
+        logits = drafter.student_head(student_hidden(drafter, batch))
+        row = 0
+        for record in decoded:
+            ids = torch.tensor([record.prompt_ids + record.response_ids])
+            features = target(ids).features
+            for anchor, recorded in zip(record.anchors, record.drafts):
+                at = len(record.prompt_ids) + anchor
+                cache = drafter.new_cache(1)
+                drafter.extend_cache(cache, features[:, :at], torch.arange(at)[None], torch.ones(1, at, dtype=bool),
+                                     ids[:, 1:at + 1])
+                drafts, alone = drafter.draft(cache, ids[:, at], torch.tensor([at]))
+                assert drafts[0].tolist() == recorded
+                torch.testing.assert_close(logits[row], alone[0], rtol=TOLERANCE[name], atol=TOLERANCE[name])
+                row += 1
+    samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
+    rebuilt = rebuild_records(target, drafter, samples, batch_size=4)
+    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
+
+
+# -- vLLM's nextn forward, written out -----------------------------------------------------------------------------
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's RMSNorm (`forward_native`): normalised in float32, cast back, then scaled."""
+    wide = x.float()
+    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def nextn_chain(directory, target, ids: torch.Tensor, anchor: int, steps: int) -> torch.Tensor:
+    """Logits [steps, V] of vLLM's `DeepSeekMultiTokenPredictorLayer` chained from `anchor`, with no cache: the
+    tensors read by their nextn names; column p = eh_proj(cat(enorm(embed(x_{p+1}) zeroed at position 0),
+    hnorm(h_p))), h the target's last hidden state after its final norm; `mtp_block` is the target's decoder layer
+    class (vLLM's DeepseekV2DecoderLayer), run causally over the whole sequence; its output (residual added, not
+    normed) is fed to the next step, at the next position; logits = shared_head.head(shared_head.norm(output))."""
+    config, n = target.config, target.num_layers
+    prefix = f"model.layers.{n}."
+    weights = load_file(directory / helper.HEAD_SHARD)
+    own = {name[len(prefix):]: t for name, t in weights.items() if name.startswith(prefix)}
+    block = type(target.model.model.layers[-1])(config, n).to(torch.float64)
+    block.load_state_dict({k: v for k, v in own.items()
+                           if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))})
+    eps, embed = config.rms_norm_eps, own["embed_tokens.weight"]
+    hidden = target(ids[:, :anchor]).features[0, :, -config.hidden_size:]  # h_0 .. h_{a-1}
+    tokens = ids[0, 1:anchor + 1].tolist()  # x_1 .. x_a
+    out = []
+    for _ in range(steps):
+        positions = torch.arange(len(tokens))[None]
+        e = embed[torch.tensor(tokens)].clone()
+        e[positions[0] == 0] = 0
+        x = torch.cat([rms(e, own["enorm.weight"], eps), rms(hidden, own["hnorm.weight"], eps)], -1)
+        x = (x @ own["eh_proj.weight"].T)[None]
+        causal = torch.full((len(tokens), len(tokens)), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+        h = block(x, attention_mask=causal[None, None], position_ids=positions,
+                  position_embeddings=target.model.model.rotary_emb(x, positions))
+        h = (h[0] if isinstance(h, tuple) else h)[0, -1]
+        logits = rms(h, own["shared_head.norm.weight"], eps) @ own["shared_head.head.weight"].T
+        out.append(logits)
+        hidden = torch.cat([hidden, h[None]])
+        tokens.append(int(logits.argmax()))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_the_nextn_head_gives_vllms_nextn_forward(name, targets):
+    directory, target = targets(name)
+    drafter = own_head(target)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 2, 3, 4]])
+    features = target(ids).features
+    for anchor in (1, 4, 8):
+        cache = drafter.new_cache(1)
+        drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
+                             torch.ones(1, anchor, dtype=torch.bool), ids[:, 1:anchor + 1])
+        _, logits = drafter.draft(cache, ids[:, anchor], torch.tensor([anchor]))
+        torch.testing.assert_close(logits[0], nextn_chain(directory, target, ids, anchor, K - 1),
+                                   rtol=TOLERANCE[name], atol=TOLERANCE[name])
+
+
+# -- the export into the target's own layout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+def test_the_export_into_the_targets_layout_links_its_shards_and_loads_back(name, targets, tmp_path):
+    """A trained head goes into a new directory: the target's shards linked, the head in a new shard, the index
+    naming it; the target loaded from there is the same target, and its own head is the trained one."""
+    directory, target = targets(name)
+    drafter = own_head(target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = family("mtp").save_into_target(drafter, directory, tmp_path / "served")
+    assert (out / helper.SHARD).is_symlink() and not (out / HEAD_SHARD).is_symlink()
+    index = json.loads((out / WEIGHTS_INDEX).read_text())["weight_map"]
+    ours = to_layout(drafter.state_dict(), drafter.form, target.num_layers)
+    assert {index[n] for n in ours} == {HEAD_SHARD} and index["lm_head.weight"] == helper.SHARD
+    assert ModelDir.read(out).kind.layout == "target"
+    reloaded = helper.load(out)
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), target.state_dict().values()))
+    warm = own_head(reloaded)
+    assert all(torch.equal(warm.state_dict()[n], t) for n, t in drafter.state_dict().items())
+
+
+def test_a_target_family_vllm_serves_no_head_for_is_refused_in_one_line(tmp_path):
+    directory = helper.target_dir("qwen3", tmp_path / "t", head=False)
+    drafter = family("mtp").random(MTPSpec(from_target=False), helper.load(directory), None)
+    with pytest.raises(OpdError, match="vLLM serves no MTP head of model_type 'qwen3'") as info:
+        family("mtp").save_into_target(drafter, directory, tmp_path / "out")
+    assert "\n" not in str(info.value)
+
+
+def test_every_layout_names_each_part_once():
+    for layout in LAYOUTS.values():
+        assert len(set(layout.parts.values())) == 4 and set(layout.parts) == {"fc", "token_norm", "hidden_norm",
+                                                                              "final_norm"}
