@@ -19,7 +19,7 @@ import torch
 
 from opd.models.registry import family
 from opd.spec.load import validate_spec
-from tests.helpers import dflash2, dspark
+from tests.helpers import dflash2, dspark, xpress
 from tests.helpers.decoding import MASK
 from tests.helpers.eagle3 import head_reads_target_rows
 from tests.helpers.specs import MINIMAL
@@ -50,6 +50,7 @@ TINY: dict[str, Tiny] = {
     "dspark": Tiny(_DFLASH | {"markov_rank": 4}, lambda drafter, target: dspark.sharpen(drafter)),
     "eagle3": Tiny(_EAGLE3, head_reads_target_rows),
     "peagle": Tiny(_EAGLE3 | {"mask_token_id": MASK}, head_reads_target_rows),
+    "xpress": Tiny(_DFLASH | xpress.XPRESS, lambda drafter, target: xpress.sharpen(drafter)),
 }
 
 
