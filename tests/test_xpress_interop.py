@@ -3,13 +3,10 @@ its Jacobi passes give our drafts and logits (float32, 1e-5); what it saves load
 
 speculators resolves a block's passes in its training forward: its consistency rounds start from the backbone's
 argmax and feed each round the previous round's argmax, the recurrence of inference-time Jacobi decoding, so its
-last round's logits are the logits whose argmax a served block drafts. Its loss is stood in for to capture them
-(tests/helpers/speculators.py drives the other families the same way). The blocks' anchors are past position 1,
-where the token before the anchor is the text's for both.
-
-With transformers 5.24, speculators' `from_pretrained` leaves the refiner's non-persistent `causal_tril` buffer
-uninitialised memory (it is built in `__init__`, which runs on the meta device there, and never saved), so
-`xpress_model` builds it again as `XPressRefinerHead.__init__` does; loaded as it comes, the mixer reads garbage.
+last round's logits are the logits whose argmax a served block drafts (tests/helpers/speculators.py,
+`xpress_rounds`, captures them). The blocks' anchors are past position 1, where the token before the anchor is the
+text's for both. speculators' `from_pretrained` leaves the refiner's causal mask uninitialised memory; the helper's
+`speculators_model` builds it again (its docstring says why).
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ from opd.models.lm_head import teacher_head
 from opd.models.registry import family, load_drafter
 from opd.models.target import load_target
 from opd.models.xpress import XPressDrafter
-from tests.helpers.speculators import _anchor_mask, _captured, _zeros, quiet, speculators_model  # noqa: F401
-
-xpress_core = pytest.importorskip("speculators.models.xpress.core")
+from tests.helpers.speculators import quiet, speculators_model, xpress_rounds  # noqa: F401 (quiet: a fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -71,30 +66,9 @@ def text(target):
     return ids, last, features
 
 
-def xpress_model(directory):
-    """speculators' XPress model for a checkpoint, its causal mask rebuilt (see the module's docstring)."""
-    model = speculators_model(directory)
-    model.refiner_head.causal_tril = torch.tril(torch.ones(model.block_size, model.block_size))
-    return model
-
-
-@torch.no_grad()
-def xpress_rounds(model, text, anchors: list[int], passes: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the backbone's logits [M,K,V], each Jacobi round's refined logits [M,K,V]) of speculators' XPress blocks
-    at `anchors`, slot 0 the anchor's."""
-    ids, last, features = text
-    seen = {}
-    with _captured(xpress_core, "compute_metrics",
-                   lambda tf, rounds, base, *rest, **kw: seen.update(rounds=rounds, base=base)):
-        model(features, ids, _anchor_mask(text, anchors), last, _zeros(text), max_anchors=len(anchors),
-              consistency_weight=1.0, consistency_passes=passes, base_anchor_weight=1.0)
-    shape = (len(anchors), model.block_size, -1)
-    return seen["base"].view(shape), [r.view(shape) for r in seen["rounds"]]
-
-
 def test_speculators_runs_our_export_with_its_jacobi_passes_to_our_drafts_and_logits(xpress, text, tmp_path):
     family("xpress").save_speculators(xpress, tmp_path, TARGET)
-    model = xpress_model(tmp_path)
+    model = speculators_model(tmp_path)
     assert type(model).__name__ == "XPressDraftModel" and model.block_size == xpress.block_size
     assert json.loads((tmp_path / "config.json").read_text())["num_jacobi_passes"] == PASSES
     saved = set(load_file(str(tmp_path / "model.safetensors")))
@@ -117,7 +91,7 @@ def test_speculators_runs_our_export_with_its_jacobi_passes_to_our_drafts_and_lo
 def test_decoding_drafts_what_speculators_passes_give(xpress, target, text, tmp_path):
     """Each block drafted alone from a decoding cache of the text before it gives speculators' last round."""
     family("xpress").save_speculators(xpress, tmp_path, TARGET)
-    _, rounds = xpress_rounds(xpress_model(tmp_path), text, ANCHORS, PASSES)
+    _, rounds = xpress_rounds(speculators_model(tmp_path), text, ANCHORS, PASSES)
     ids, _, features = text
     for m, a in enumerate(ANCHORS):
         cache = xpress.new_cache(1)
