@@ -42,7 +42,7 @@ from opd.model_dir import ModelDir
 from opd.models.dflash import DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import drafter_family
-from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
+from opd.models.lm_head import SLOTS_PER_CHUNK
 from opd.models.packed_attention import CHUNK_ROWS
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
@@ -147,17 +147,37 @@ class XPressDrafter(DFlashDrafter):
         """The last pass's refiner output [..., K, r] for blocks of final hidden [..., K, H], the token before each
         anchor `before` [...] and the anchors [...]: K passes from the LM head's argmax, each fed the previous
         pass's argmax (no gradient flows between passes). `base`: the drafted slots' LM-head logits [..., K-1, V]
-        where they are at hand (decoding: formed once, each pass adds its readout); else each pass forms them a
-        chunk of slots at a time (training: no [slots, V] tensor is kept)."""
+        where they are at hand (decoding); else they are formed a chunk of blocks at a time (training: no
+        [slots, V] tensor of every block is kept), once per block as in decoding."""
         summary = self.refiner_head.summary(hidden)
-        slots = hidden[..., 1:, :]
         with torch.no_grad():
-            drafts = argmax(self._base_head[0], slots, SLOTS_PER_CHUNK) if base is None else base.argmax(-1)
-            for _ in range(self.passes - 1):
-                refined = self.refiner_head.mixed(summary, self._previous(before, anchors, drafts))[..., 1:, :]
-                drafts = (argmax(self.student_head, self._rows(slots, refined), SLOTS_PER_CHUNK) if base is None
-                          else self.biased(base, refined).argmax(-1))
+            if base is not None:
+                drafts = self._drafts_before_last(summary, before, anchors, base)
+            else:
+                drafts = self._chunked_drafts(hidden, summary, before, anchors)
         return self.refiner_head.mixed(summary, self._previous(before, anchors, drafts))
+
+    def _drafts_before_last(self, summary: torch.Tensor, before: torch.Tensor, anchors: torch.Tensor,
+                            base: torch.Tensor) -> torch.Tensor:
+        """The argmax [..., K-1] after K-1 passes: what the last pass is fed."""
+        drafts = base.argmax(-1)
+        for _ in range(self.passes - 1):
+            refined = self.refiner_head.mixed(summary, self._previous(before, anchors, drafts))
+            drafts = self.biased(base, refined[..., 1:, :]).argmax(-1)
+        return drafts
+
+    def _chunked_drafts(self, hidden: torch.Tensor, summary: torch.Tensor, before: torch.Tensor,
+                        anchors: torch.Tensor) -> torch.Tensor:
+        """`_drafts_before_last` over blocks [..., K, H] a chunk of blocks at a time, each chunk's LM-head logits
+        formed once."""
+        k, lead = self.block_size, hidden.shape[:-2]
+        hidden, summary = hidden.reshape(-1, k, hidden.shape[-1]), summary.reshape(-1, k, summary.shape[-1])
+        before, anchors = before.reshape(-1), anchors.reshape(-1)
+        step, head = max(1, SLOTS_PER_CHUNK // (k - 1)), self._base_head[0]
+        out = [self._drafts_before_last(summary[i : i + step], before[i : i + step], anchors[i : i + step],
+                                        head(hidden[i : i + step, 1:]))
+               for i in range(0, len(hidden), step)]
+        return torch.cat(out).reshape(*lead, k - 1)
 
     def biased(self, base: torch.Tensor, refined: torch.Tensor) -> torch.Tensor:
         """LM-head logits [..., V] plus the readout of the refiner's output [..., r]: what `student_head` forms."""
