@@ -72,9 +72,10 @@ def test_every_family_has_a_section_and_each_shipped_drafter_is_told_apart() -> 
     kinds = [str(section.model_fields["kind"].default) for section in DRAFTER_SECTIONS]
     assert sorted(kinds) == sorted(FAMILIES) and all(family(kind).kind == kind for kind in kinds)
     found = {name: detect(ModelDir.read(TINY / name)).kind for name in ("drafter", "dflash2", "eagle3", "dspark",
-                                                                           "peagle")}
+                                                                           "peagle", "xpress", "mtp")}
     assert found == {"drafter": "dflash", "dflash2": "dflash2", "eagle3": "eagle3", "dspark": "dspark",
-                     "peagle": "peagle"}  # a shipped tiny drafter of every family
+                     "peagle": "peagle", "xpress": "xpress",
+                     "mtp": "mtp"}  # a shipped tiny drafter of every family
     assert detect_section({"architectures": ["LlamaForCausalLM"]}) is None
     with pytest.raises(OpdError, match=r"of no drafter family here \(expected one of dflash, dflash2, dspark, eagle3"):
         detect(ModelDir(Path("/x"), {"architectures": ["LlamaForCausalLM"]}))

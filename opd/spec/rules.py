@@ -59,8 +59,8 @@ def experiment_issues(spec: Experiment) -> list[str]:
 
 
 def _a(word: str) -> str:
-    """`word` with its article: a dflash drafter, an eagle3 drafter."""
-    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+    """`word` with its article: a dflash drafter, an eagle3 drafter, an xpress drafter."""
+    return f"{'an' if word[0] in 'aeioux' else 'a'} {word}"
 
 
 def _whole_updates(updates: float) -> int:

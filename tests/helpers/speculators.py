@@ -7,9 +7,12 @@ EAGLE-3's data module for one type alias; `make test` installs speculators witho
 need none of it, so that module is stood in for. speculators' DFlash families draft a block from its training
 forward (`_backbone_forward`, the one every DFlash family there shares) at anchors chosen so its random anchor
 pick takes them all; EAGLE-3's chain is its training-time test with the text's own tokens fed to the chain (its
-teacher forcing); P-EAGLE's random COD sampling is replaced by the compared blocks. With transformers 5.24,
+teacher forcing); P-EAGLE's random COD sampling is replaced by the compared blocks; XPress's Jacobi passes are its
+consistency rounds. With transformers 5.24,
 speculators' EAGLE-3 `from_pretrained` keeps a randomly initialised embedding (it reloads the verifier's only
-where it is NaN), so `speculators_model` reloads it, as speculators' DFlash classes do.
+where it is NaN), so `speculators_model` reloads it, as speculators' DFlash classes do; and its XPress
+`from_pretrained` leaves the refiner's non-persistent `causal_tril` uninitialised memory (built in `__init__` on
+the meta device, never saved), so `speculators_model` builds it again as `XPressRefinerHead.__init__` does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ entrypoints = pytest.importorskip("speculators.convert.entrypoints")
 eagle3_core = pytest.importorskip("speculators.models.eagle3.core")
 dspark_core = pytest.importorskip("speculators.models.dspark.core")
 peagle_core = pytest.importorskip("speculators.models.peagle.core")
+xpress_core = pytest.importorskip("speculators.models.xpress.core")
 
 Text = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids [1,T], the target's final hidden [1,T,H], features
 
@@ -41,6 +45,8 @@ def speculators_model(directory: str | Path, dtype: torch.dtype = torch.float32)
     if type(model).__name__ == "Eagle3DraftModel":
         model._attn_impl = "eager"
         model._load_verifier_weights(overwrite_embed_tokens=True)
+    if type(model).__name__ == "XPressDraftModel":  # its non-persistent mask is loaded as uninitialised memory
+        model.refiner_head.causal_tril = torch.tril(torch.ones(model.block_size, model.block_size))
     return model.to(dtype).eval()
 
 
@@ -143,6 +149,20 @@ def mtp_chain(model, text: Text, anchors: list[int], steps: int) -> torch.Tensor
     return torch.stack(out)
 
 
+def xpress_rounds(model, text: Text, anchors: list[int], passes: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the backbone's logits [M,K,V], each Jacobi round's refined logits [M,K,V]) of speculators' XPress blocks
+    at `anchors`, slot 0 the anchor's: its consistency rounds start from the backbone's argmax and feed each round
+    the previous round's argmax, the recurrence of inference-time Jacobi decoding."""
+    ids, last, features = text
+    seen = {}
+    with _captured(xpress_core, "compute_metrics",
+                   lambda tf, rounds, base, *rest, **kw: seen.update(rounds=rounds, base=base)):
+        model(features, ids, _anchor_mask(text, anchors), last, _zeros(text), max_anchors=len(anchors),
+              consistency_weight=1.0, consistency_passes=passes, base_anchor_weight=1.0)
+    shape = (len(anchors), model.block_size, -1)
+    return seen["base"].view(shape), [r.view(shape) for r in seen["rounds"]]
+
+
 def drafted_logits(model, text: Text, anchors: list[int], block_size: int) -> torch.Tensor:
     """Logits [M,K-1,V] at the drafted slots of the blocks at `anchors`, by speculators' class of `model` (its
     draft vocabulary's for the EAGLE-3 families); each slot after the first given the text's token before it."""
@@ -157,6 +177,8 @@ def drafted_logits(model, text: Text, anchors: list[int], block_size: int) -> to
         return peagle_slots(model, text, anchors, block_size)
     if name == "MTPDraftModel":
         return mtp_chain(model, text, anchors, block_size - 1)
+    if name == "XPressDraftModel":  # the last of its checkpoint's passes: the logits its drafts are the argmax of
+        return xpress_rounds(model, text, anchors, model.config.num_jacobi_passes)[1][-1][:, 1:]
     pytest.fail(f"speculators' {name} has no forward here: add it to drafted_logits in {__name__}", pytrace=False)
 
 

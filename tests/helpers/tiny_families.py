@@ -19,7 +19,7 @@ import torch
 
 from opd.models.registry import family
 from opd.spec.load import validate_spec
-from tests.helpers import dflash2, dspark
+from tests.helpers import dflash2, dspark, xpress
 from tests.helpers.decoding import MASK
 from tests.helpers.eagle3 import head_reads_target_rows
 from tests.helpers.specs import MINIMAL
@@ -51,6 +51,7 @@ TINY: dict[str, Tiny] = {
     "eagle3": Tiny(_EAGLE3, head_reads_target_rows),
     "peagle": Tiny(_EAGLE3 | {"mask_token_id": MASK}, head_reads_target_rows),
     "mtp": Tiny({"block_size": 4, "from_target": False}),
+    "xpress": Tiny(_DFLASH | xpress.XPRESS, lambda drafter, target: xpress.sharpen(drafter)),
 }
 
 
