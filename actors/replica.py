@@ -26,7 +26,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
 from opd.models.build import Models, build_drafter, build_models, resolve_device
-from opd.models.sharding import build_sharded_target, join_group, own_rank
+from opd.models.sharding import build_sharded_target, in_collective, join_group, own_rank
 from opd.models.target import Target
 from opd.spec import ExperimentSpec
 from opd.train.distributed import collective_timeout, free_address
@@ -168,7 +168,10 @@ class Spmd(Generic[T]):
                 return method(*args)
             refs = [ray.put(arg) for arg in args]
             pending = [follower.call.remote(method.__name__, *refs) for follower in self.followers]
-            out = method(*args)
+            try:
+                out = method(*args)
+            except RuntimeError as exc:  # a peer died or stopped mid-collective: say where rank 0 was
+                raise in_collective(exc) from exc
             ray.get(pending)
             return out
 

@@ -9,7 +9,9 @@ MoE and sink targets)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,7 +25,7 @@ from opd.models.build import Models
 from opd.models.lm_head import teacher_head
 from opd.models.packed_attention import PackedRow, PackedRows
 from opd.models.registry import load_drafter
-from opd.models.sharding import join_group, load_sharded_target, own_rank
+from opd.models.sharding import in_collective, join_group, load_sharded_target, own_rank
 from opd.models.target import Target
 from opd.sources.rebuild import rebuild_records
 from opd.spec import load_spec
@@ -141,9 +143,32 @@ def _blocks(records: list[SequenceRecord]) -> list[tuple[list[int], list[int], l
     return [(r.response_ids, r.anchors, r.drafts, r.accepted) for r in records]
 
 
+STALL_S = 2.0  # the collective timeout of `stall`'s group
+
+
+def stall(target: Target, rank: int, out: Path) -> None:
+    """Rank 0 runs a forward that rank 1 never joins, until its collective times out; it saves the line that
+    reports it (`in_collective`). Rank 1 stays in the group meanwhile (an exit would close the connection instead
+    of stalling it), then leaves."""
+    if rank == 0:
+        try:
+            target.forward(torch.tensor([[1, 2, 3]]))
+            line = "no error"
+        except RuntimeError as exc:
+            line = str(in_collective(exc))
+        torch.save({"line": line}, out)
+        return
+    deadline = time.monotonic() + 3 * STALL_S
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def main(rank: int, world: int, port: int, out: str, mode: list[str]) -> None:
-    join_group(f"127.0.0.1:{port}", rank, world, "cpu")
+    stalls = mode[:1] == ["stall"]
+    join_group(f"127.0.0.1:{port}", rank, world, "cpu", **({"timeout": timedelta(seconds=STALL_S)} if stalls else {}))
     torch.set_num_threads(1)
+    if stalls:
+        return stall(load_model(mode[1], "sdpa", world), rank, Path(out))
     if mode[:1] == ["model"]:
         result = run_forward(load_model(mode[1], mode[2], world))
     else:

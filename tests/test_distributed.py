@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -11,9 +16,10 @@ from actors.driver import RayRun
 from opd.errors import OpdError
 from opd.models.build import build_models
 from opd.spec import ExperimentSpec, load_spec
-from opd.train.distributed import free_address, init_group, shard
+from opd.train.distributed import free_address, init_group, reduce_gradients, shard
 from opd.train.learner import Learner, step_norm
 from opd.train.local import LocalTrainer
+from tests.helpers import forked
 
 
 def test_shards_are_contiguous_balanced_and_cover_everything():
@@ -28,6 +34,35 @@ def _scored_steps(spec: ExperimentSpec) -> list[list]:
     trainer = LocalTrainer(spec, track=False)
     micro = [mb for i in range(4) for mb in trainer.scorer(trainer.rollout.run(i)).micro_batches]
     return [micro[:3], micro[3:7]]
+
+
+def _stalled_reduce(rank: int, address: str, out: str) -> None:
+    """Rank 0 reduces gradients that rank 1 never sends (a stopped learner rank) and saves the error's line; rank 1
+    stays in the group until then (an exit would close the connection instead)."""
+    group = init_group(address, rank, 2, "cpu", timeout=timedelta(seconds=1))
+    if rank == 0:
+        param = torch.nn.Parameter(torch.zeros(3))
+        param.grad = torch.ones(3)
+        try:
+            reduce_gradients([param], group)
+            line = "no error"
+        except RuntimeError as exc:
+            line = str(exc)
+        Path(out).write_text(line)
+        return
+    deadline = time.monotonic() + 30
+    while not Path(out).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_a_gradient_reduce_a_rank_never_joins_times_out_naming_it(tmp_path):
+    """A stopped learner rank (issue 63): the others' all-reduce fails after the group's timeout, and the line
+    names the collective beside gloo's transport operation."""
+    out = tmp_path / "line.txt"
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    address = free_address()
+    forked.join([forked.start(_stalled_reduce, rank, address, str(out), log=log) for rank, log in enumerate(logs)], logs)
+    assert re.search(r"[Tt]imed out.* \(in the learner's gradient all-reduce\)$", out.read_text()), out.read_text()
 
 
 def _rank_main(rank: int, spec_json: str, address: str, steps: list[list], out: str) -> None:

@@ -11,6 +11,7 @@ heads split and whose 1 is replicated."""
 
 from __future__ import annotations
 
+import re
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,15 @@ def assert_lossless(counts: dict, kv_heads: int) -> None:
     n = sharded_worker.LOSSLESS_SAMPLES
     stat, critical = chi_square(counts, exact_joint(target, PROMPT, Sampling(1.0), 3, MICRO_EOS), n)
     assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_a_collective_that_a_peer_never_joins_times_out_naming_its_module(tmp_path):
+    """A stalled peer (issue 63): rank 0's forward fails after the group's timeout instead of waiting forever, and
+    its line names the sharded module whose collective it was in, beside gloo's transport operation."""
+    micro = save_micro(tmp_path / "micro", kv_heads=2)
+    out = tmp_path / "stall.pt"
+    line = finish_sharded(start_sharded(2, out, "stall", micro), out)["line"]
+    assert re.search(r"[Tt]imed out.* \(in the collective of model\.\S+, its weight sharded on dim [01]\)$", line), line
 
 
 def test_sharding_without_its_group_is_refused():

@@ -23,6 +23,7 @@ import copy
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -85,7 +86,43 @@ def load_sharded_target(path: str, *, dtype: torch.dtype, attn_implementation: s
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OpdError(f"target model {path} over {world} ranks: {first_line}") from exc
     check_sinks(model)
+    _watch_collectives(model)
     return ShardedTarget(model, layer_ids)
+
+
+_ENTERED: list[str] = []  # the sharded module this process's target entered last (a process holds one target)
+
+
+def _watch_collectives(model: nn.Module) -> None:
+    """Record which sharded module a forward entered last, so that a collective that fails or times out (a peer
+    died or stopped) is named by where the model was, not only by the transport's operation (gloo's `recv`). The
+    hook runs before the tensor-parallel plan's own input hook, whose redistribution may be the collective."""
+    for name, module in model.named_modules():
+        if (where := _sharding(module)) is not None:
+            module.register_forward_pre_hook(partial(_enter, f"{name}, its {where}"), prepend=True)
+    model.register_forward_hook(lambda *_: _ENTERED.clear())  # a forward that finished was in no collective
+
+
+def _sharding(module: nn.Module) -> str | None:
+    """How `module`'s own weight is split over the ranks ("weight sharded on dim 1"), None when it is not."""
+    for param in module.parameters(recurse=False):
+        dims = [p.dim for p in getattr(param, "placements", ()) if hasattr(p, "dim")]
+        if dims:
+            return f"{'weight' if param is getattr(module, 'weight', None) else 'parameter'} sharded on dim {dims[0]}"
+    return None
+
+
+def _enter(where: str, module: nn.Module, args: Any) -> None:
+    _ENTERED[:] = [where]
+
+
+def in_collective(exc: BaseException) -> BaseException:
+    """`exc` with where this rank's sharded forward was when it raised (a collective's peer gone), so the line that reports a hung or dead rank names the collective's module; `exc` itself when no sharded
+    forward ran here or it is not a runtime error (what collectives raise)."""
+    if not _ENTERED or not isinstance(exc, RuntimeError):
+        return exc
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return RuntimeError(f"{first} (in the collective of {_ENTERED[0]})")
 
 
 class ShardedTarget(Target):

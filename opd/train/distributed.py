@@ -95,7 +95,11 @@ def reduce_gradients(params: Iterable[torch.nn.Parameter], group: Group) -> None
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    try:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    except RuntimeError as exc:  # a learner rank died or stopped: the line names the collective, not only gloo's op
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RuntimeError(f"{first} (in the learner's gradient all-reduce)") from exc
     for grad, g in zip(grads, flat.split([p.numel() for p in params])):
         grad.copy_(g.view_as(grad))
 
