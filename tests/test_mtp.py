@@ -21,6 +21,7 @@ from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
 from opd.errors import OpdError
+from opd.formats.experts import fuse_experts, split_experts
 from opd.formats.mtp import HEAD_SHARD, LAYOUTS, MTPSpec, to_layout
 from opd.model_dir import WEIGHTS_INDEX, ModelDir
 from opd.models.mtp import MTPDrafter
@@ -64,7 +65,7 @@ def test_the_warm_start_is_the_targets_own_head(name, targets):
     drafter = own_head(target)
     assert drafter.form.name == LAYOUT_OF[name]
     written = load_file(directory / helper.HEAD_SHARD)
-    ours = to_layout(drafter.state_dict(), drafter.form, target.num_layers)
+    ours = split_experts(to_layout(drafter.state_dict(), drafter.form, target.num_layers))
     assert ours.keys() <= written.keys() and all(torch.equal(t, written[n]) for n, t in ours.items())
     assert not any(n.startswith(drafter.form.prefix_for(target.num_layers)) for n in target.model.state_dict())
 
@@ -142,7 +143,7 @@ def nextn_chain(directory, target, ids: torch.Tensor, anchor: int, steps: int) -
     normed) is fed to the next step, at the next position; logits = shared_head.head(shared_head.norm(output))."""
     config, n = target.config, target.num_layers
     prefix = f"model.layers.{n}."
-    weights = load_file(directory / helper.HEAD_SHARD)
+    weights = fuse_experts(load_file(directory / helper.HEAD_SHARD), "head shard")  # transformers' layer's names
     own = {name[len(prefix):]: t for name, t in weights.items() if name.startswith(prefix)}
     block = type(target.model.model.layers[-1])(config, n).to(torch.float64)
     block.load_state_dict({k: v for k, v in own.items()
@@ -198,13 +199,53 @@ def test_the_export_into_the_targets_layout_links_its_shards_and_loads_back(name
     out = family("mtp").save_into_target(drafter, directory, tmp_path / "served")
     assert (out / helper.SHARD).is_symlink() and not (out / HEAD_SHARD).is_symlink()
     index = json.loads((out / WEIGHTS_INDEX).read_text())["weight_map"]
-    ours = to_layout(drafter.state_dict(), drafter.form, target.num_layers)
+    ours = split_experts(to_layout(drafter.state_dict(), drafter.form, target.num_layers))
     assert {index[n] for n in ours} == {HEAD_SHARD} and index["lm_head.weight"] == helper.SHARD
+    copies = {drafter.form.prefix_for(target.num_layers) + n for n in drafter.form.shared}  # left in their shard
+    assert set(load_file(out / HEAD_SHARD)) == set(load_file(directory / helper.HEAD_SHARD)) - copies
+    assert {index[n] for n in copies} <= {helper.HEAD_SHARD}  # the target's own naming, experts one tensor each
     assert ModelDir.read(out).kind.layout == "target"
     reloaded = helper.load(out)
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), target.state_dict().values()))
     warm = own_head(reloaded)
     assert all(torch.equal(warm.state_dict()[n], t) for n, t in drafter.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_a_head_stored_one_tensor_per_expert_is_the_fused_one(name, targets, tmp_path):
+    """The MoE head as public checkpoints store it (`experts.{N}.gate_proj.weight` ...) and as transformers' layer
+    holds it (`experts.gate_up_proj`, `experts.down_proj`) loads to the same head: the same drafts and logits."""
+    directory, target = targets(name)
+    assert any(".experts.0.gate_proj.weight" in n for n in load_file(directory / helper.HEAD_SHARD))
+    fused_dir = helper.target_dir(name, tmp_path / "fused", per_expert=False)
+    assert any(n.endswith(".experts.gate_up_proj") for n in load_file(fused_dir / helper.HEAD_SHARD))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 2, 3, 4]])
+    features = target(ids).features
+    drafts = []
+    for drafter in (own_head(target), own_head(helper.load(fused_dir))):
+        cache = drafter.new_cache(1)
+        drafter.extend_cache(cache, features[:, :6], torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool),
+                             ids[:, 1:7])
+        drafts.append(drafter.draft(cache, ids[:, 6], torch.tensor([6])))
+    assert torch.equal(drafts[0][0], drafts[1][0]) and torch.equal(drafts[0][1], drafts[1][1])
+
+
+def test_an_expert_missing_from_the_head_is_refused_in_one_line(targets, tmp_path):
+    directory, _ = targets("deepseek_v3")
+    broken = {n: t for n, t in load_file(directory / helper.HEAD_SHARD).items() if ".experts.2.up_proj." not in n}
+    with pytest.raises(OpdError, match=r"missing .*experts\.2\.up_proj\.weight") as info:
+        fuse_experts(broken, "head")
+    assert "\n" not in str(info.value)
+
+
+def test_splitting_experts_inverts_fusing():
+    state = {"l.mlp.experts.gate_up_proj": torch.randn(3, 8, 5), "l.mlp.experts.down_proj": torch.randn(3, 5, 4),
+             "l.mlp.shared_experts.gate_proj.weight": torch.randn(4, 5)}
+    split = split_experts(state)
+    assert len(split) == 10 and split["l.mlp.experts.1.up_proj.weight"].shape == (4, 5)
+    assert torch.equal(split["l.mlp.experts.1.gate_proj.weight"], state["l.mlp.experts.gate_up_proj"][1, :4])
+    again = fuse_experts(split, "state")
+    assert again.keys() == state.keys() and all(torch.equal(again[n], t) for n, t in state.items())
 
 
 def test_a_target_family_vllm_serves_no_head_for_is_refused_in_one_line(tmp_path):

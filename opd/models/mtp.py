@@ -33,6 +33,7 @@ from torch import nn
 
 from opd.errors import OpdError
 from opd.formats.checkpoint import TargetShape
+from opd.formats.experts import fuse_experts
 from opd.formats.mtp import (
     LAYOUTS,
     SPECULATORS,
@@ -374,7 +375,9 @@ def _read(directory: ModelDir, names: dict[str, str]) -> dict[str, torch.Tensor]
 
 
 def _load_state(drafter: MTPDrafter, state: dict[str, torch.Tensor], where: str) -> MTPDrafter:
-    """Load `state` (the project's names) into `drafter`, every tensor present and of its shape, or one line."""
+    """Load `state` (the project's names; MoE experts fused or one tensor per expert, as checkpoints store them)
+    into `drafter`, every tensor present and of its shape, or one line."""
+    state = fuse_experts(state, f"MTP head in {where}")
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
     got = {name: tuple(t.shape) for name, t in state.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())

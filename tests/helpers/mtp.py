@@ -1,7 +1,8 @@
 """Tiny targets that carry an MTP head in their own checkpoint, as the public ones do: a random HF causal LM of a
 target family (transformers' own config and model classes), saved, and a random head of the target's layer kind
 written in the family's layout into a second shard named by the weight index (`mtp.*` for Qwen3.5,
-`model.layers.{N}.*` with `enorm`, `hnorm`, `eh_proj` and `shared_head` for DeepSeek-V3 and GLM-4.5)."""
+`model.layers.{N}.*` with `enorm`, `hnorm`, `eh_proj` and `shared_head` for DeepSeek-V3 and GLM-4.5), its MoE
+experts one tensor per expert as the target's own shards (and public checkpoints) store them, or fused."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
 
+from opd.formats.experts import split_experts
 from opd.formats.mtp import MTPSpec, to_layout
 from opd.model_dir import WEIGHTS_FILE, WEIGHTS_INDEX
 from opd.models.registry import family
@@ -49,9 +51,10 @@ def load(directory: Path) -> Target:
     return load_target(str(directory), dtype=torch.float64, attn_implementation="sdpa", layer_ids=[num_layers - 1])
 
 
-def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0) -> Path:
+def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0, per_expert: bool = True) -> Path:
     """A target directory of family `name`; with `head`, a random MTP head of its layer kind in its family's
-    layout, in a second shard the weight index names (the first holds the rest, as public checkpoints split)."""
+    layout, in a second shard the weight index names (the first holds the rest, as public checkpoints split), its
+    experts one tensor per expert (`per_expert`) or in transformers' fused tensors."""
     model = tiny_model(name, seed)
     model.save_pretrained(directory)
     if not head:
@@ -64,6 +67,8 @@ def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0) 
         drafter = family("mtp").random(MTPSpec(from_target=False), target, None)
     sharpen(drafter)
     head_tensors = to_layout(drafter.state_dict(), drafter.form, model.config.num_hidden_layers)
+    if per_expert:
+        head_tensors = split_experts(head_tensors)
     prefix = drafter.form.prefix_for(model.config.num_hidden_layers)
     copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
     head_tensors |= {prefix + name: tensors[copies[name]] for name in drafter.form.shared}
