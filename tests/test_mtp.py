@@ -10,6 +10,7 @@ head's layer is its full-attention layer) and latent-attention MoE (DeepSeek-V3)
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
 from opd.errors import OpdError
 from opd.formats.experts import fuse_experts, split_experts
-from opd.formats.mtp import HEAD_SHARD, LAYOUTS, MTPSpec, to_layout
+from opd.formats.mtp import HEAD_SHARD, LAYOUTS, MTPSpec, to_layout, write_speculators
 from opd.model_dir import WEIGHTS_INDEX, ModelDir
 from opd.models.mtp import MTPDrafter
 from opd.models.registry import family
@@ -260,3 +261,46 @@ def test_every_layout_names_each_part_once():
     for layout in LAYOUTS.values():
         assert len(set(layout.parts.values())) == 4 and set(layout.parts) == {"fc", "token_norm", "hidden_norm",
                                                                               "final_norm"}
+
+
+# -- `opd export --to target` and `opd serve-bench` on what it writes ---------------------------------------------
+
+
+def test_opd_export_to_target_writes_the_directory_vllm_serves_and_serve_bench_takes_it(targets, tmp_path, capsys):
+    """`opd export CKPT --to target --target T --out DIR`, as a user types it: DIR links T's shards, holds the trained
+    head in T's own naming, and prints the vLLM line that serves DIR itself with `method: mtp`; `opd serve-bench
+    --draft DIR` with `kind: mtp` serves DIR as the model, and refuses it for another kind or without a head."""
+    from types import SimpleNamespace
+
+    from opd.cli import main
+    from opd.commands.serve_bench import served_config
+    from opd.formats.dflash import DFlashSpec
+
+    directory, target = targets("deepseek_v3")
+    drafter = own_head(target)
+    with torch.no_grad():
+        drafter.fc.weight.add_(0.01)
+    # in float32, which `opd export` then loads in: transformers' grouped-mm experts take no float64
+    write_speculators(tmp_path / "ckpt", drafter.config, drafter.state_dict(), torch.float32, str(directory), [])
+    out = tmp_path / "served"
+    assert main(["export", str(tmp_path / "ckpt"), "--to", "target", "--target", str(directory), "--out",
+                 str(out)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[0].endswith(f"to {out} (the target's files linked)")
+    vllm, serve, model, flag, config = shlex.split(printed[2])
+    assert (vllm, serve, model, flag) == ("vllm", "serve", str(out), "--speculative-config")
+    assert json.loads(config) == {"method": "mtp", "num_speculative_tokens": K - 1}
+    assert (out / helper.SHARD).is_symlink() and any(".experts.0.up_proj." in n for n in load_file(out / HEAD_SHARD))
+    warm = own_head(helper.load(out))
+    assert all(torch.equal(warm.state_dict()[n], t.float().double()) for n, t in drafter.state_dict().items())
+
+    spec = SimpleNamespace(models=SimpleNamespace(target_path=str(directory), drafter=MTPSpec(block_size=5)))
+    assert served_config(str(out), spec) == {"method": "mtp", "num_speculative_tokens": 4}
+    plain = helper.target_dir("deepseek_v3", tmp_path / "plain", head=False)
+    refusals = ((plain, MTPSpec(), "plain: a target model holding no MTP layers"),
+                (out, DFlashSpec(), r"served is a target model \(DeepseekV3ForCausalLM\), not a drafter"))
+    for path, drafter_spec, message in refusals:
+        spec.models.drafter = drafter_spec
+        with pytest.raises(OpdError, match=message) as info:
+            served_config(str(path), spec)
+        assert "\n" not in str(info.value)

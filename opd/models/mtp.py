@@ -461,6 +461,11 @@ class MTPFamily(DrafterFamily):
         return shapes, lambda name: False
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: MTPSpec) -> int:
+        """A head in speculators' layout: its config's K; a target directory holding its own head (`opd export --to
+        target`, or a target that ships one): the spec's K."""
+        if directory.kind.layout == "target":
+            _served_target(directory, target)
+            return section.block_size
         config = MTPConfig.from_speculators(directory.config, section.block_size)
         if target is not None:
             _check_target(directory, config, target)
@@ -468,8 +473,10 @@ class MTPFamily(DrafterFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         """vLLM's MTP method (`mtp`, which its per-model names such as `deepseek_mtp` and `qwen3_next_mtp` now
-        resolve to): the head is chained for every token past its one layer."""
-        return {"method": "mtp", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+        resolve to): the head is chained for every token past its one layer. A head in its target's own layout
+        (`opd export --to target`) is served from the model directory itself, so names no drafter model."""
+        config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": block_size - 1}
+        return config if directory.kind.layout == "target" else config | {"model": str(directory.path)}
 
     def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
         architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
@@ -487,6 +494,18 @@ class MTPFamily(DrafterFamily):
             raise OpdError(f"target {target.path}: its MTP layout {layout.name} runs another forward than the head's "
                            f"({drafter.form.name}; expected a head of this target's family)")
         return write_into_target(drafter.state_dict(), layout, target, directory, drafter.fc.weight.dtype)
+
+
+def _served_target(directory: ModelDir, target: TargetShape | None) -> None:
+    """A target directory served with its own head: it holds one, and is the spec's target's shape."""
+    num_layers = directory.int_field("num_hidden_layers")
+    if own_head(directory, num_layers) is None:
+        raise OpdError("a target model holding no MTP layers (expected a drafter's directory, "
+                       "or a target with its MTP head: opd export --to target)")
+    width = directory.int_field("hidden_size")
+    if target is not None and (num_layers, width) != (target.num_layers, target.hidden_size):
+        raise OpdError(f"a {num_layers}-layer target of width {width} but models.target_path has "
+                       f"{target.num_layers} layers of width {target.hidden_size} (expected the same target)")
 
 
 def _forward(layout: MTPLayout) -> tuple[bool, bool, bool]:
