@@ -304,3 +304,48 @@ def test_opd_export_to_target_writes_the_directory_vllm_serves_and_serve_bench_t
         with pytest.raises(OpdError, match=message) as info:
             served_config(str(path), spec)
         assert "\n" not in str(info.value)
+
+
+# -- the preflight's shape check -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3", "glm4_moe"])
+def test_the_shapes_a_head_must_have_are_the_built_heads(name, targets):
+    from opd.models.mtp import head_shapes
+
+    _, target = targets(name)
+    drafter = own_head(target)
+    assert head_shapes(drafter._shared[2]) == {n: tuple(t.shape) for n, t in drafter.state_dict().items()}
+
+
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_the_preflight_checks_a_heads_tensors_against_the_target(per_expert, targets, tmp_path):
+    """`opd run`'s preflight reads only the header: an export (experts fused, or one tensor per expert) passes; a
+    tensor of another shape, a missing one, or a head for another vocabulary is refused in one line before any
+    weights load."""
+    from safetensors.torch import save_file
+
+    from opd.commands.preflight import check_drafter, check_target
+
+    directory, target = targets("deepseek_v3")
+    drafter = own_head(target)
+    family("mtp").save_speculators(drafter, tmp_path / "ok", str(directory))
+    weights = tmp_path / "ok" / "model.safetensors"
+    if per_expert:
+        save_file(split_experts(load_file(weights)), weights)
+    shape = check_target(str(directory), [target.num_layers - 1])
+    check_drafter(str(tmp_path / "ok"), shape, MTPSpec())
+    tensors = load_file(weights)
+    expert = "mtp_layers.0.mlp.experts.1.down_proj.weight" if per_expert else "mtp_layers.0.mlp.experts.down_proj"
+    bad = {"shape": tensors | {expert: tensors[expert][..., :-1]},
+           "missing": {n: t for n, t in tensors.items() if n != expert}}
+    for what, state in bad.items():
+        (tmp_path / what).mkdir()
+        (tmp_path / what / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+        save_file({n: t.contiguous() for n, t in state.items()}, tmp_path / what / "model.safetensors")
+        with pytest.raises(OpdError, match=f"has shape|missing tensor\\(s\\) {expert}") as info:
+            check_drafter(str(tmp_path / what), shape, MTPSpec())
+        assert "\n" not in str(info.value) and expert in str(info.value)
+    shape.vocab_size += 1
+    with pytest.raises(OpdError, match="a vocabulary of 8 but the target's is 9"):
+        check_drafter(str(tmp_path / "ok"), shape, MTPSpec())
