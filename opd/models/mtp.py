@@ -87,7 +87,7 @@ def mtp_layer_index(config: Any) -> int:
     return int(config.num_hidden_layers)
 
 
-def _layer_and_norms(decoder: nn.Module, hf_config: Any) -> tuple[nn.Module, list[nn.Module]]:
+def _layer_and_norms(decoder: Any, hf_config: Any) -> tuple[Any, list[nn.Module]]:
     """The head's decoder layer (the target's own class, at `mtp_layer_index`) and its three norms (the layer's
     norm class), on the current device."""
     layer = type(decoder.layers[0])(hf_config, mtp_layer_index(hf_config))
