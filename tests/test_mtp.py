@@ -32,11 +32,11 @@ from tests.helpers import mtp as helper
 from tests.helpers.decoding import EOS, MIXED_PROMPTS
 from tests.helpers.lossless import assert_lossless
 
-LAYOUT_OF = {"qwen3_5": "qwen3_next", "deepseek_v3": "nextn", "glm4_moe": "nextn"}
+LAYOUT_OF = {"qwen3_5": "qwen3_next", "deepseek_v3": "nextn", "glm4_moe": "nextn", "qwen2": "mimo"}
 # These families' RMSNorms normalise in float32 whatever their input (x.float()), as vLLM's do, so two float64 paths
 # whose attention sums in another order (a cache against a full causal pass) can round apart there: agreement is to
 # float32's rounding inside a norm, not float64's.
-TOLERANCE = {"qwen3_5": 1e-6, "deepseek_v3": 1e-6, "glm4_moe": 1e-6}
+TOLERANCE = {"qwen3_5": 1e-6, "deepseek_v3": 1e-6, "glm4_moe": 1e-6, "qwen2": 1e-6}
 K = 4
 
 
@@ -185,10 +185,62 @@ def test_the_nextn_head_gives_vllms_nextn_forward(name, targets):
                                    rtol=TOLERANCE[name], atol=TOLERANCE[name])
 
 
+def mimo_chain(directory, target, ids: torch.Tensor, anchor: int, steps: int) -> torch.Tensor:
+    """Logits [steps, V] of vLLM's `MiMoMultiTokenPredictorLayer` chained from `anchor`, with no cache: the tensors
+    read by their names under `model.mtp_layers.0.`; column p = input_proj(cat(hidden_layernorm(h_p),
+    token_layernorm(embed(x_{p+1}) zeroed at position 0))), hidden first; the target's decoder layer class (vLLM's
+    Qwen2DecoderLayer, its checkpoint tensors directly under the prefix) run causally; its output (residual added)
+    through final_layernorm is returned, fed to the next step at the next position, and read by the target's LM
+    head."""
+    config, prefix = target.config, "model.mtp_layers.0."
+    own = {n[len(prefix):]: t for n, t in load_file(directory / helper.HEAD_SHARD).items() if n.startswith(prefix)}
+    parts = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
+    block = type(target.model.model.layers[-1])(config, target.num_layers - 1).to(torch.float64)  # full attention
+    block.load_state_dict({k: v for k, v in own.items() if not k.startswith(parts)})
+    eps = config.rms_norm_eps
+    embed, head = target.model.model.embed_tokens.weight, target.model.lm_head.weight
+    hidden = target(ids[:, :anchor]).features[0, :, -config.hidden_size:]
+    tokens = ids[0, 1:anchor + 1].tolist()
+    out = []
+    for _ in range(steps):
+        positions = torch.arange(len(tokens))[None]
+        e = embed[torch.tensor(tokens)].clone()
+        e[positions[0] == 0] = 0
+        x = torch.cat([rms(hidden, own["hidden_layernorm.weight"], eps), rms(e, own["token_layernorm.weight"], eps)],
+                      -1)
+        x = (x @ own["input_proj.weight"].T)[None]
+        causal = torch.full((len(tokens), len(tokens)), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+        h = block(x, attention_mask=causal[None, None], position_ids=positions,
+                  position_embeddings=target.model.model.rotary_emb(x, positions))
+        h = rms((h[0] if isinstance(h, tuple) else h)[0, -1], own["final_layernorm.weight"], eps)
+        logits = h @ head.T
+        out.append(logits)
+        hidden = torch.cat([hidden, h[None]])
+        tokens.append(int(logits.argmax()))
+    return torch.stack(out)
+
+
+def test_a_mimo_head_gives_vllms_mimo_mtp_forward(targets):
+    """MiMo's layout (`model.mtp_layers.0.*`) on its stand-in, a Qwen2 target (MiMo is Qwen2's architecture; there is
+    no MiMo class in transformers): the warm head read from the checkpoint drafts what vLLM's forward computes."""
+    directory, target = targets("qwen2")
+    drafter = own_head(target)
+    assert drafter.form.name == "mimo" and type(drafter.layer).__name__ == "Qwen2DecoderLayer"
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 2, 3, 4]])
+    features = target(ids).features
+    for anchor in (1, 4, 8):
+        cache = drafter.new_cache(1)
+        drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
+                             torch.ones(1, anchor, dtype=torch.bool), ids[:, 1:anchor + 1])
+        _, logits = drafter.draft(cache, ids[:, anchor], torch.tensor([anchor]))
+        torch.testing.assert_close(logits[0], mimo_chain(directory, target, ids, anchor, K - 1),
+                                   rtol=TOLERANCE["qwen2"], atol=TOLERANCE["qwen2"])
+
+
 # -- the export into the target's own layout ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3", "qwen2"])
 def test_the_export_into_the_targets_layout_links_its_shards_and_loads_back(name, targets, tmp_path):
     """A trained head goes into a new directory: the target's shards linked, the head in a new shard, the index
     naming it; the target loaded from there is the same target, and its own head is the trained one."""

@@ -11,16 +11,25 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from opd.formats.experts import split_experts
-from opd.formats.mtp import MTPSpec, to_layout
+from opd.formats.mtp import MTPConfig, MTPSpec, to_layout
 from opd.model_dir import WEIGHTS_FILE, WEIGHTS_INDEX
+from opd.models.mtp import MTPDrafter, json_config
 from opd.models.registry import family
 from opd.models.target import Target, load_target
 from tests.helpers.target_families import family_model
 
 HIDDEN, LAYERS = 32, 3
+OWN_LAYOUT = {"qwen2": "mimo"}  # a target whose model_type names no layout: the one its checkpoint is written in
 SHARD, HEAD_SHARD = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 _MOE = dict(vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_intermediate_size=HIDDEN // 2,
             num_hidden_layers=LAYERS, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -31,12 +40,18 @@ _MOE = dict(vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_
 
 def tiny_model(name: str, seed: int = 0):
     """A random float64 causal LM of target family `name`: qwen3, qwen3_5 (tests/helpers/target_families.py),
-    deepseek_v3 (latent attention, MoE past layer 0) or glm4_moe (GQA, MoE past layer 0)."""
+    deepseek_v3 (latent attention, MoE past layer 0), glm4_moe (GQA, MoE past layer 0) or qwen2 (MiMo's stand-in,
+    its head in MiMo's `model.mtp_layers.0.*` layout)."""
     builders = {
         "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
             **_MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8)),
         "glm4_moe": lambda: Glm4MoeForCausalLM(Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=8)),
+        # MiMo's stand-in: MiMo is a Qwen2 model (transformers has no MiMo class) whose head is a Qwen2 layer
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+            attn_implementation="sdpa")),
     }
     if name not in builders:
         return family_model(name, seed=seed)
@@ -65,6 +80,9 @@ def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
         drafter = family("mtp").random(MTPSpec(from_target=False), target, None)
+        if name in OWN_LAYOUT:
+            drafter = MTPDrafter(MTPConfig(drafter.block_size, OWN_LAYOUT[name], json_config(model.config)),
+                                 model.get_input_embeddings(), model.lm_head, drafter._shared[2])
     sharpen(drafter)
     head_tensors = to_layout(drafter.state_dict(), drafter.form, model.config.num_hidden_layers)
     if per_expert:
