@@ -38,23 +38,24 @@ _MOE = dict(vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_
             num_nextn_predict_layers=1)
 
 
-def tiny_model(name: str, seed: int = 0):
+def tiny_model(name: str, seed: int = 0, vocab_size: int = 8):
     """A random float64 causal LM of target family `name`: qwen3, qwen3_5 (tests/helpers/target_families.py),
     deepseek_v3 (latent attention, MoE past layer 0), glm4_moe (GQA, MoE past layer 0) or qwen2 (MiMo's stand-in,
     its head in MiMo's `model.mtp_layers.0.*` layout)."""
+    moe = _MOE | {"vocab_size": vocab_size}
     builders = {
         "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
-            **_MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            **moe, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8)),
-        "glm4_moe": lambda: Glm4MoeForCausalLM(Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=8)),
+        "glm4_moe": lambda: Glm4MoeForCausalLM(Glm4MoeConfig(**moe, num_key_value_heads=2, head_dim=8)),
         # MiMo's stand-in: MiMo is a Qwen2 model (transformers has no MiMo class) whose head is a Qwen2 layer
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+            vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
             attn_implementation="sdpa")),
     }
     if name not in builders:
-        return family_model(name, seed=seed)
+        return family_model(name, vocab_size=vocab_size, seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return builders[name]().to(torch.float64)
@@ -66,11 +67,12 @@ def load(directory: Path) -> Target:
     return load_target(str(directory), dtype=torch.float64, attn_implementation="sdpa", layer_ids=[num_layers - 1])
 
 
-def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0, per_expert: bool = True) -> Path:
+def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0, per_expert: bool = True,
+               vocab_size: int = 8) -> Path:
     """A target directory of family `name`; with `head`, a random MTP head of its layer kind in its family's
     layout, in a second shard the weight index names (the first holds the rest, as public checkpoints split), its
     experts one tensor per expert (`per_expert`) or in transformers' fused tensors."""
-    model = tiny_model(name, seed)
+    model = tiny_model(name, seed, vocab_size)
     model.save_pretrained(directory)
     if not head:
         return directory
