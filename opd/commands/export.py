@@ -3,8 +3,10 @@ the `speculative_config` vLLM takes for it and the command that loads it in that
 
 `--to zlab` writes the family's public layout (`save_pretrained`): z-lab's for DFlash and DFlash 2, SpecForge's for
 EAGLE-3, which vLLM serves as they are. `--to speculators` writes vLLM's `speculators` layout (`save_speculators`),
-the one DSpark and P-EAGLE are published in and the one speculators' own classes load without a converter. A family
-is refused a layout it has none of, in one line naming the ones it has.
+the one DSpark and P-EAGLE are published in and the one speculators' own classes load without a converter.
+`--to target` (an MTP head) writes the target's own checkpoint layout into `--out` (`save_into_target`): the
+target's shards linked, the head in a new shard, an updated index; vLLM serves that directory as the model with its
+MTP method. A family is refused a layout it has none of, in one line naming the ones it has.
 
 The drafter is loaded on the target's embedding and LM head alone (`load_shared_head`), in the dtype its checkpoint
 records, so exporting the drafter of a large target needs no GPU and writes the checkpoint's very tensors. The
@@ -30,7 +32,8 @@ from opd.outputs import atomic_dir, check_output_dir
 from opd.spec import ExperimentSpec, load_spec
 from opd.train.checkpoint import STATE_FILE, recorded_fields
 
-LAYOUT_NAMES = {"zlab": "z-lab's", "specforge": "SpecForge's", "speculators": "vLLM's speculators"}
+LAYOUT_NAMES = {"zlab": "z-lab's", "specforge": "SpecForge's", "speculators": "vLLM's speculators",
+                "target": "the target's own"}
 CLIENTS = {"zlab": "z-lab's dflash package", "specforge": "speculators' EAGLE-3 converter and model class",
            "speculators": "speculators' model class"}  # the code that checks each layout
 # speculators' package __init__ imports its training data pipeline (openai, datasets, ...) for one type alias, which
@@ -41,9 +44,11 @@ SPECULATORS_IMPORT = ('import sys, types; sys.modules.setdefault("speculators.tr
 
 def layouts(found: DrafterFamily) -> list[str]:
     """The `--to` layouts a family is written in, the one to serve it from first: its public layout where that is
-    z-lab's or SpecForge's (`zlab`), then speculators' where the family writes it."""
+    z-lab's or SpecForge's (`zlab`), then speculators' where the family writes it, then the target's own (`target`)
+    where the family is part of a target's checkpoint."""
     public = [] if found.public_layout == "speculators" else ["zlab"]
-    return public + (["speculators"] if type(found).save_speculators is not DrafterFamily.save_speculators else [])
+    public += ["speculators"] if type(found).save_speculators is not DrafterFamily.save_speculators else []
+    return public + (["target"] if type(found).save_into_target is not DrafterFamily.save_into_target else [])
 
 
 def export_command(checkpoint: str | Path, kind: str, out: str | Path) -> str:
@@ -73,6 +78,8 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
     destination = Path(out).absolute()
     with atomic_dir(destination) as tmp:
         _write(found, drafter, to, tmp, verifier)
+    if to == "target":
+        return _print_into_target(found, destination, block_size)
     exported = ModelDir.read(destination, "drafter")
     written = found.public_layout if to == "zlab" else "speculators"
     speculative = json.dumps(found.vllm_config(exported, block_size))
@@ -119,9 +126,21 @@ def _shared_head(directory: ModelDir, found: DrafterFamily, target: str) -> Shar
     return load_shared_head(target, dtype=dtype, layer_ids=layer_ids)
 
 
+def _print_into_target(found: DrafterFamily, destination: Path, block_size: int) -> int:
+    """What to run with a target-layout export: vLLM serves the directory itself as the model, the head in it."""
+    speculative = json.dumps(found.vllm_config(ModelDir.read(destination, "target"), block_size))
+    print(f"exported the {found.kind} drafter in the target's own layout to {destination} (the target's files "
+          f"linked)\nserve it with vLLM:\n"
+          f"  {shlex.join(['vllm', 'serve', str(destination), '--speculative-config', speculative])}\n"
+          f"train on from it: models.target_path: {destination} with models.drafter.kind: {found.kind}")
+    return 0
+
+
 def _write(found: DrafterFamily, drafter: Drafter, to: str, directory: Path, verifier: str) -> None:
     if to == "zlab":
         drafter.save_pretrained(directory)
+    elif to == "target":
+        found.save_into_target(drafter, verifier, directory)
     else:
         found.save_speculators(drafter, directory, verifier)
 

@@ -1,4 +1,7 @@
-"""`opd serve-bench`: the exported drafters in a real serving engine (vLLM, `method: dflash` or `eagle3`).
+"""`opd serve-bench`: the exported drafters in a real serving engine (vLLM, `method: dflash`, `eagle3`, `mtp`, ...).
+
+An MTP head exported into its target's layout (`opd export --to target`) is a target directory: with
+`models.drafter.kind: mtp` in the spec it is served as the model itself, its head drafting (vLLM's `method: mtp`).
 
 `opd eval` measures τ and speedup in this project's own decoder; what a deployment gets is decided by the
 serving engine, where batching across requests eats into the speculative speedup as concurrency grows. So each
@@ -23,10 +26,11 @@ from opd.data.prompts import eval_prompts, load_tokenizer
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
 from opd.model_dir import ModelDir
-from opd.models.registry import detect
+from opd.models.family import DrafterFamily
+from opd.models.registry import detect, family
 from opd.outputs import check_output_file, write_text_atomic
 from opd.progress import progress_bar, table_console
-from opd.serving.engine import check_vllm, engine_args, sampling_dict, speculative_config, vllm_worker
+from opd.serving.engine import check_vllm, engine_args, sampling_dict, vllm_worker
 from opd.spec import ExperimentSpec
 
 BASELINE = "target only"
@@ -55,6 +59,16 @@ def parse_concurrency(text: str) -> list[int]:
     return levels
 
 
+def draft_family(directory: ModelDir, spec: ExperimentSpec) -> DrafterFamily:
+    """The family of a `--draft` directory: its config's; for a target directory (a head exported into its target's
+    layout, `opd export --to target`), the spec's drafter kind where that family is written into a target."""
+    kind = spec.models.drafter.kind
+    if directory.kind.layout == "target" and type(family(kind)).save_into_target is not DrafterFamily.save_into_target:
+        return family(kind)
+    directory.expect("drafter", "--draft")  # the target given as a drafter: its own line, naming the flag
+    return detect(directory)
+
+
 def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
     """Check an exported drafter directory of any family up front (a one-line error beats a vLLM traceback minutes
     into loading) and return its block size."""
@@ -62,14 +76,20 @@ def drafter_block_size(path: str, spec: ExperimentSpec) -> int:
         directory = ModelDir.read(path, "drafter")
     except OpdError as exc:
         raise OpdError(f"--draft {path}: {exc}") from None
-    directory.expect("drafter", "--draft")  # the target given as a drafter: its own line, naming the flag
+    found = draft_family(directory, spec)
     try:
-        found = detect(directory)
         target_dir = ModelDir.find(spec.models.target_path, "target model")
         target = target_shape(target_dir, []) if target_dir is not None else None
         return found.served_block_size(directory, target, spec.models.drafter)
     except OpdError as exc:
         raise OpdError(f"--draft {path}: {exc}") from None
+
+
+def served_config(path: str, spec: ExperimentSpec) -> dict:
+    """vLLM's speculative config for a checked `--draft` directory (`drafter_block_size`)."""
+    block_size = drafter_block_size(path, spec)
+    directory = ModelDir.read(path, "drafter")
+    return draft_family(directory, spec).vllm_config(directory, block_size)
 
 
 def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, json_out: str | None,
@@ -78,7 +98,7 @@ def run_serve_bench(spec: ExperimentSpec, drafts: list[str], concurrency: str, j
     levels = parse_concurrency(concurrency)
     if json_out:
         check_output_file(json_out, "--json", "the results")
-    engines: dict[str, dict | None] = {d: speculative_config(d, drafter_block_size(d, spec)) for d in drafts}
+    engines: dict[str, dict | None] = {d: served_config(d, spec) for d in drafts}
     check_vllm(spec, "opd serve-bench")
     launch.vllm_workers()
     if baseline:  # the target alone: no speculative config
@@ -111,6 +131,8 @@ def _serve(spec: ExperimentSpec, name: str, config: dict | None, prompts: list[l
     memory for the next engine."""
     max_tokens = spec.eval.max_new_tokens
     engine = engine_args(spec, max_tokens=max_tokens, speculative_config=config, max_num_seqs=max(levels), stats=True)
+    if config is not None and "model" not in config:  # a head in its target's layout: that directory is served
+        engine["model"] = name
     worker = vllm_worker(spec, engine, "opd serve-bench")
     try:
         target = sampling_dict(sampling)

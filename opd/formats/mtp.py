@@ -31,6 +31,7 @@ from pydantic import Field
 
 from opd.errors import OpdError
 from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from opd.formats.experts import split_experts, stores_per_expert
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import MODEL_TYPE, VERSION, model_type, proposed_tokens, speculators_config
 from opd.model_dir import WEIGHTS_INDEX, ModelDir
@@ -202,7 +203,8 @@ def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir
                       dtype: Any) -> Path:
     """A directory vLLM serves with its MTP method: the target's own layout, its files linked (a 397B target is
     never copied), the head's tensors in a new shard (`HEAD_SHARD`) and a weight index that names it for them and
-    the target's shards for the rest; config.json says the checkpoint holds one MTP layer. Returns the directory."""
+    the target's shards for the rest; config.json says the checkpoint holds one MTP layer. MoE experts are written
+as the target's shards store them (one tensor per expert where they do). Returns the directory."""
     from safetensors.torch import save_file
 
     if not layout.count_field:
@@ -213,6 +215,8 @@ def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir
     out.mkdir(parents=True, exist_ok=True)
     tensors = to_layout(state, layout, int(target.int_field("num_hidden_layers")))
     weight_map = {name: file.name for name, file in target.tensor_files().items()}
+    if stores_per_expert(weight_map):  # the target's own MoE naming, which vLLM's loader reads
+        tensors = split_experts(tensors)
     for entry in target.path.iterdir():
         if entry.name not in (WEIGHTS_INDEX, CONFIG_FILE, HEAD_SHARD) and not (out / entry.name).exists():
             (out / entry.name).symlink_to(entry.resolve())

@@ -76,6 +76,12 @@ class DrafterFamily:
         raise OpdError(f"models.drafter.kind: {self.kind} has no speculators export here (its public layout is "
                        "what speculators' converter reads)")
 
+    def save_into_target(self, drafter: Drafter, target_dir: str | Path, directory: str | Path) -> Path:
+        """Write `drafter` into a new `directory` in the target's own checkpoint layout, linking the target's files,
+        for a family a target ships with (MTP heads); returns the directory."""
+        raise OpdError(f"models.drafter.kind: {self.kind} is not part of a target's own checkpoint (only an MTP head "
+                       "is written into its target's layout)")
+
     def fit_to_data(self, drafter: Drafter, token_counts: Any) -> None:
         """What a fresh drafter takes from its SFT data's response-token counts before training (nothing, unless
         the family says otherwise)."""

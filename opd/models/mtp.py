@@ -33,6 +33,7 @@ from torch import nn
 
 from opd.errors import OpdError
 from opd.formats.checkpoint import TargetShape
+from opd.formats.experts import fuse_experts, split_shapes, stores_per_expert
 from opd.formats.mtp import (
     LAYOUTS,
     SPECULATORS,
@@ -42,6 +43,7 @@ from opd.formats.mtp import (
     fresh_layout,
     from_layout,
     head_layout,
+    to_layout,
     write_into_target,
     write_speculators,
 )
@@ -85,6 +87,28 @@ def mtp_layer_index(config: Any) -> int:
     return int(config.num_hidden_layers)
 
 
+def _layer_and_norms(decoder: Any, hf_config: Any) -> tuple[Any, list[nn.Module]]:
+    """The head's decoder layer (the target's own class, at `mtp_layer_index`) and its three norms (the layer's
+    norm class), on the current device."""
+    layer = type(decoder.layers[0])(hf_config, mtp_layer_index(hf_config))
+    norm = type(layer.input_layernorm)
+    width, eps = int(hf_config.hidden_size), float(hf_config.rms_norm_eps)
+    return layer, [norm(width, eps=eps) for _ in range(3)]
+
+
+def head_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """The shapes of the head's tensors (the project's names) for a target of `hf_config`, built on the meta
+    device: what a checkpoint of its head must hold, known before any weights are read."""
+    model = skeleton(hf_config)
+    with torch.device("meta"):
+        layer, norms = _layer_and_norms(model.model if hasattr(model, "model") else model, hf_config)
+    width = int(hf_config.hidden_size)
+    shapes = {f"layer.{n}": tuple(t.shape) for n, t in layer.state_dict().items()} | {"fc.weight": (width, 2 * width)}
+    for part, norm in zip(("token_norm", "hidden_norm", "final_norm"), norms):
+        shapes |= {f"{part}.{n}": tuple(t.shape) for n, t in norm.state_dict().items()}
+    return shapes
+
+
 class MTPDrafter(nn.Module):
     """One MTP head on the target's embedding and LM head (by reference)."""
 
@@ -101,11 +125,9 @@ class MTPDrafter(nn.Module):
         self.hidden_size = int(hf_config.hidden_size)
         model = skeleton(hf_config)  # on the meta device: the classes and the init of the target's own code
         decoder = model.model if hasattr(model, "model") else model
-        self.layer = type(decoder.layers[0])(hf_config, mtp_layer_index(hf_config))
-        norm = type(self.layer.input_layernorm)
-        eps = float(hf_config.rms_norm_eps)
+        self.layer, norms = _layer_and_norms(decoder, hf_config)
         self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=False)
-        self.token_norm, self.hidden_norm, self.final_norm = (norm(self.hidden_size, eps=eps) for _ in range(3))
+        self.token_norm, self.hidden_norm, self.final_norm = norms
         self.rotary = type(decoder.rotary_emb)(config=hf_config)
         for module in self.modules():
             if module is not self and module is not self.rotary:
@@ -374,7 +396,9 @@ def _read(directory: ModelDir, names: dict[str, str]) -> dict[str, torch.Tensor]
 
 
 def _load_state(drafter: MTPDrafter, state: dict[str, torch.Tensor], where: str) -> MTPDrafter:
-    """Load `state` (the project's names) into `drafter`, every tensor present and of its shape, or one line."""
+    """Load `state` (the project's names; MoE experts fused or one tensor per expert, as checkpoints store them)
+    into `drafter`, every tensor present and of its shape, or one line."""
+    state = fuse_experts(state, f"MTP head in {where}")
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
     got = {name: tuple(t.shape) for name, t in state.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
@@ -451,13 +475,27 @@ class MTPFamily(DrafterFamily):
         """Nothing to check before weights: the layer is the target's own."""
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: MTPSpec) -> Shapes:
-        """The file's own tensors, in speculators' names, checked against the target's depth and width."""
+        """The head of a layer of the kind its config names, checked to be the target's width, depth and vocabulary,
+        built on the meta device (`head_shapes`) and in speculators' names; experts one tensor per expert where the
+        file stores them so. Copies of the target's embedding or head beside it are the target's."""
+        from transformers import AutoConfig
+
         config = MTPConfig.from_speculators(directory.config, section.block_size)
         _check_target(directory, config, target)
-        shapes = {name: shape for name, shape in directory.tensor_shapes().items()}
-        return shapes, lambda name: False
+        fields = dict(config.layer_config)
+        hf_config = _with_attention(AutoConfig.for_model(fields.pop("model_type"), **fields), "sdpa")
+        shapes = to_layout(head_shapes(hf_config), LAYOUTS[SPECULATORS], config.num_layers)
+        if stores_per_expert(directory.tensor_shapes()):
+            shapes = split_shapes(shapes)
+        prefix = LAYOUTS[SPECULATORS].prefix_for(config.num_layers)
+        return shapes, lambda name: not name.startswith(prefix)
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: MTPSpec) -> int:
+        """A head in speculators' layout: its config's K; a target directory holding its own head (`opd export --to
+        target`, or a target that ships one): the spec's K."""
+        if directory.kind.layout == "target":
+            _served_target(directory, target)
+            return section.block_size
         config = MTPConfig.from_speculators(directory.config, section.block_size)
         if target is not None:
             _check_target(directory, config, target)
@@ -465,8 +503,10 @@ class MTPFamily(DrafterFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         """vLLM's MTP method (`mtp`, which its per-model names such as `deepseek_mtp` and `qwen3_next_mtp` now
-        resolve to): the head is chained for every token past its one layer."""
-        return {"method": "mtp", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
+        resolve to): the head is chained for every token past its one layer. A head in its target's own layout
+        (`opd export --to target`) is served from the model directory itself, so names no drafter model."""
+        config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": block_size - 1}
+        return config if directory.kind.layout == "target" else config | {"model": str(directory.path)}
 
     def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
         architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
@@ -486,6 +526,18 @@ class MTPFamily(DrafterFamily):
         return write_into_target(drafter.state_dict(), layout, target, directory, drafter.fc.weight.dtype)
 
 
+def _served_target(directory: ModelDir, target: TargetShape | None) -> None:
+    """A target directory served with its own head: it holds one, and is the spec's target's shape."""
+    num_layers = directory.int_field("num_hidden_layers")
+    if own_head(directory, num_layers) is None:
+        raise OpdError("a target model holding no MTP layers (expected a drafter's directory, "
+                       "or a target with its MTP head: opd export --to target)")
+    width = directory.int_field("hidden_size")
+    if target is not None and (num_layers, width) != (target.num_layers, target.hidden_size):
+        raise OpdError(f"a {num_layers}-layer target of width {width} but models.target_path has "
+                       f"{target.num_layers} layers of width {target.hidden_size} (expected the same target)")
+
+
 def _forward(layout: MTPLayout) -> tuple[bool, bool, bool]:
     """What a layout's forward decides: the fed state normed, position 0 zeroed, the concatenation order."""
     return layout.feeds_normed, layout.zero_first_embedding, layout.hidden_first
@@ -493,6 +545,10 @@ def _forward(layout: MTPLayout) -> tuple[bool, bool, bool]:
 
 def _check_target(directory: ModelDir, config: MTPConfig, target: TargetShape) -> None:
     width = int(config.layer_config.get("hidden_size", -1))
+    vocab = int(config.layer_config.get("vocab_size", -1))
+    if vocab != target.vocab_size:
+        raise OpdError(f"drafter {directory.path}: an MTP head for a vocabulary of {vocab} but the target's is "
+                       f"{target.vocab_size} (expected the head of this target)")
     if width != target.hidden_size or config.num_layers != target.num_layers:
         raise OpdError(f"drafter {directory.path}: an MTP head for a {config.num_layers}-layer target of width {width} "
                        f"but the target has {target.num_layers} layers of width {target.hidden_size} (expected the "
