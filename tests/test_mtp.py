@@ -91,7 +91,8 @@ def test_greedy_decoding_is_the_targets_argmax(name, targets):
     assert sum(sum(r.accepted) for r in records) > 0
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+# Qwen3.5's chi-square takes the hybrid target's slower decode: slow, since DeepSeek-V3's runs the same MTP code
+@pytest.mark.parametrize("name", [pytest.param("qwen3_5", marks=pytest.mark.slow), "deepseek_v3"])
 def test_decoding_at_t1_is_lossless(name, targets):
     """The joint law of the first three tokens equals the target's (chi-square, 4k sequences)."""
     _, target = targets(name)
