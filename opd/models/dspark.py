@@ -38,6 +38,7 @@ from opd.formats.checkpoint import write_layout
 from opd.formats.dflash import DFlashConfig, DFlashSpec
 from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
+from opd.models.biased_logits import BiasedLogits
 from opd.models.dflash import DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import drafter_family
@@ -86,29 +87,6 @@ class ConfidenceLogits(nn.Module):
         return proj(rows[..., : self.width].to(proj.weight.dtype))[..., 0]
 
 
-class MarkovLogits(nn.Module):
-    """The student head: [h; e] (a slot's final hidden and its Markov embedding) -> lm_head(h) + markov_w2(e)."""
-
-    def __init__(self, head: nn.Module, markov_w2: nn.Linear, hidden_size: int) -> None:
-        super().__init__()
-        self._parts = (head, markov_w2)  # not submodules: the drafter owns them
-        self.hidden_size = hidden_size
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The LM head's weight (callers cast hidden rows to its dtype)."""
-        return cast(torch.Tensor, self._parts[0].weight)
-
-    def parameters(self, recurse: bool = True):  # type: ignore[override]
-        """The trainable part: markov_w2 (the LM head is the target's, frozen)."""
-        return self._parts[1].parameters(recurse)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        head, markov_w2 = self._parts
-        hidden, embedded = rows[..., : self.hidden_size], rows[..., self.hidden_size :]
-        return head(hidden) + markov_w2(embedded.to(markov_w2.weight.dtype)).to(rows.dtype)
-
-
 class DSparkDrafter(DFlashDrafter):
     """DSpark: DFlash layers over K-1 drafting slots, drafts chained by the Markov head."""
 
@@ -124,7 +102,7 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = MarkovHead(config)
         self.confidence_head = ConfidenceHead(config.confidence_width) if config.confidence_head else None
         self._base_head = self._student_head  # the LM head (with a variant's transform), before the Markov bias
-        self._student_head: tuple[nn.Module] = (MarkovLogits(self._base_head[0], self.markov_head.markov_w2,
+        self._student_head: tuple[nn.Module] = (BiasedLogits(self._base_head[0], self.markov_head.markov_w2,
                                                              config.hidden_size),)
         self._no_selector = (nn.Module(),)
         self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)

@@ -39,6 +39,7 @@ from opd.formats.checkpoint import write_layout
 from opd.formats.dflash import DFlashConfig, DFlashSpec
 from opd.formats.xpress import DEFAULTS, XPressConfig, XPressSpec
 from opd.model_dir import ModelDir
+from opd.models.biased_logits import BiasedLogits
 from opd.models.dflash import DFlashDrafter, DFlashFamily
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import drafter_family
@@ -91,29 +92,6 @@ class RefinerHead(nn.Module):
         return 2 * 2 * hidden_size * r + passes * per_pass, passes * 2 * r * self.readout.weight.shape[0]
 
 
-class RefinedLogits(nn.Module):
-    """The student head: [h; x] (a slot's final hidden and its refiner output) -> lm_head(h) + readout(x)."""
-
-    def __init__(self, head: nn.Module, readout: nn.Linear, hidden_size: int) -> None:
-        super().__init__()
-        self._parts = (head, readout)  # not submodules: the drafter owns them
-        self.hidden_size = hidden_size
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The LM head's weight (callers cast hidden rows to its dtype)."""
-        return cast(torch.Tensor, self._parts[0].weight)
-
-    def parameters(self, recurse: bool = True):  # type: ignore[override]
-        """The trainable part: the readout (the LM head is the target's, frozen)."""
-        return self._parts[1].parameters(recurse)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        head, readout = self._parts
-        hidden, refined = rows[..., : self.hidden_size], rows[..., self.hidden_size :]
-        return head(hidden) + readout(refined.to(readout.weight.dtype)).to(rows.dtype)
-
-
 class XPressDrafter(DFlashDrafter):
     """XPress: DFlash layers over the fill-in block, its drafts the argmax after K refiner passes."""
 
@@ -128,7 +106,7 @@ class XPressDrafter(DFlashDrafter):
         super().__init__(config, embed_tokens, lm_head, teacher)
         self.refiner_head = RefinerHead(cast(XPressConfig, config))
         self._base_head = self._student_head  # the LM head (with a variant's transform), before the refiner's bias
-        self._student_head: tuple[nn.Module] = (RefinedLogits(self._base_head[0], self.refiner_head.readout,
+        self._student_head: tuple[nn.Module] = (BiasedLogits(self._base_head[0], self.refiner_head.readout,
                                                               config.hidden_size),)
         self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
 
