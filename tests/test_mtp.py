@@ -175,15 +175,22 @@ def nextn_chain(directory, target, ids: torch.Tensor, anchor: int, steps: int) -
 def test_the_nextn_head_gives_vllms_nextn_forward(name, targets):
     directory, target = targets(name)
     drafter = own_head(target)
-    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 2, 3, 4]])
-    features = target(ids).features
-    for anchor in (1, 4, 8):
+    for anchor, logits in chains_from_anchors(drafter, target):
+        torch.testing.assert_close(logits, nextn_chain(directory, target, CHAIN_IDS, anchor, K - 1),
+                                   rtol=TOLERANCE[name], atol=TOLERANCE[name])
+
+
+CHAIN_IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 2, 3, 4]])
+
+
+def chains_from_anchors(drafter, target, anchors=(1, 4, 8)):
+    """(anchor, the drafter's chain logits [K-1, V]) after each anchor of CHAIN_IDS, its context cached."""
+    features = target(CHAIN_IDS).features
+    for anchor in anchors:
         cache = drafter.new_cache(1)
         drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
-                             torch.ones(1, anchor, dtype=torch.bool), ids[:, 1:anchor + 1])
-        _, logits = drafter.draft(cache, ids[:, anchor], torch.tensor([anchor]))
-        torch.testing.assert_close(logits[0], nextn_chain(directory, target, ids, anchor, K - 1),
-                                   rtol=TOLERANCE[name], atol=TOLERANCE[name])
+                             torch.ones(1, anchor, dtype=torch.bool), CHAIN_IDS[:, 1:anchor + 1])
+        yield anchor, drafter.draft(cache, CHAIN_IDS[:, anchor], torch.tensor([anchor]))[1][0]
 
 
 def mimo_chain(directory, target, ids: torch.Tensor, anchor: int, steps: int) -> torch.Tensor:
@@ -227,14 +234,8 @@ def test_a_mimo_head_gives_vllms_mimo_mtp_forward(targets):
     directory, target = targets("qwen2")
     drafter = own_head(target)
     assert drafter.form.name == "mimo" and type(drafter.layer).__name__ == "Qwen2DecoderLayer"
-    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 2, 3, 4]])
-    features = target(ids).features
-    for anchor in (1, 4, 8):
-        cache = drafter.new_cache(1)
-        drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
-                             torch.ones(1, anchor, dtype=torch.bool), ids[:, 1:anchor + 1])
-        _, logits = drafter.draft(cache, ids[:, anchor], torch.tensor([anchor]))
-        torch.testing.assert_close(logits[0], mimo_chain(directory, target, ids, anchor, K - 1),
+    for anchor, logits in chains_from_anchors(drafter, target):
+        torch.testing.assert_close(logits, mimo_chain(directory, target, CHAIN_IDS, anchor, K - 1),
                                    rtol=TOLERANCE["qwen2"], atol=TOLERANCE["qwen2"])
 
 
