@@ -41,8 +41,9 @@ def ray_spec(micro_spec_file, tmp_path, *sets: str, **overrides) -> ExperimentSp
     return load_spec(micro_spec_file, base + list(sets) + [f"{k}={v}" for k, v in overrides.items()])
 
 
-def local_losses(micro_spec_file, tmp_path, steps: int) -> list[float]:
-    spec = load_spec(micro_spec_file, [f"steps={steps}", "eval.every=0", f"tracking.run_dir={tmp_path / 'local'}"])
+def local_losses(micro_spec_file, tmp_path, steps: int, sets: list[str] | None = None) -> list[float]:
+    spec = load_spec(micro_spec_file, [*(sets or []), f"steps={steps}", "eval.every=0",
+                                       f"tracking.run_dir={tmp_path / 'local'}"])
     return LocalTrainer(spec, track=False).run().losses
 
 
