@@ -5,11 +5,7 @@ policy lag: the Ray run takes the single-process run's steps. Slow (make test-al
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import yaml
-from transformers import AutoTokenizer
 
 from actors.driver import run_ray
 from tests.helpers import mtp as helper
@@ -19,23 +15,9 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-def mtp_spec_file(name: str, micro_assets, micro_spec_file, tmp_path):
-    """The micro spec on a target of family `name` sized to the micro tokenizer, its own head the drafter."""
-    tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
-    directory = helper.target_dir(name, tmp_path / name, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(config | {"eos_token_id": tokenizer.eos_token_id}))
-    spec = yaml.safe_load(micro_spec_file.read_text())
-    spec["models"] = {"target_path": str(directory), "dtype": "float32", "drafter": {"kind": "mtp", "block_size": 4}}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
 @pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
 def test_an_mtp_run_on_ray_takes_the_local_runs_steps(name, ray_cluster, micro_assets, micro_spec_file, tmp_path):
-    path = mtp_spec_file(name, micro_assets, micro_spec_file, tmp_path)
+    path = helper.spec_file(name, "mtp", micro_assets, micro_spec_file, tmp_path)
     local = local_losses(path, tmp_path, steps=STEPS)
     result = run_ray(ray_spec(path, tmp_path, steps=STEPS), track=False)
     assert result.steps == STEPS and len(local) == STEPS

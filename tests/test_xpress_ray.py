@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from actors.driver import run_ray
+from tests.helpers import mtp as helper
 from tests.helpers.ray_runs import local_losses, ray_cluster, ray_spec  # noqa: F401 (a fixture)
-from tests.test_mtp_ray import mtp_spec_file
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -19,9 +19,7 @@ XPRESS = ["models.drafter_path=", "models.drafter.kind=xpress", "models.drafter.
 
 @pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
 def test_an_xpress_run_on_ray_takes_the_local_runs_steps(name, ray_cluster, micro_assets, micro_spec_file, tmp_path):
-    path = mtp_spec_file(name, micro_assets, micro_spec_file, tmp_path)
-    text = path.read_text().replace("kind: mtp", "kind: xpress")
-    path.write_text(text)
+    path = helper.spec_file(name, "xpress", micro_assets, micro_spec_file, tmp_path)
     local = local_losses(path, tmp_path, steps=STEPS, sets=XPRESS)
     spec = ray_spec(path, tmp_path, *XPRESS, steps=STEPS)
     assert spec.models.drafter.kind == "xpress" and not spec.models.drafter_path

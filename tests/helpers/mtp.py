@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoTokenizer,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Glm4MoeConfig,
@@ -103,3 +105,18 @@ def sharpen(drafter) -> None:
     accepted on a random target) rather than by the bias of its norms."""
     with torch.no_grad():
         drafter.fc.weight.mul_(4.0)
+
+
+def spec_file(name: str, kind: str, micro_assets, micro_spec_file, tmp_path: Path) -> Path:
+    """The micro spec on a target of family `name` sized to the micro tokenizer (its MTP head in its checkpoint),
+    with a drafter of `kind` (mtp: that head, the warm start)."""
+    tokenizer = AutoTokenizer.from_pretrained(micro_assets["target"])
+    directory = target_dir(name, tmp_path / name, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"eos_token_id": tokenizer.eos_token_id}))
+    spec = yaml.safe_load(micro_spec_file.read_text())
+    spec["models"] = {"target_path": str(directory), "dtype": "float32", "drafter": {"kind": kind, "block_size": 4}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
