@@ -48,7 +48,7 @@ def layouts(found: DrafterFamily) -> list[str]:
     where the family is part of a target's checkpoint."""
     public = [] if found.public_layout == "speculators" else ["zlab"]
     public += ["speculators"] if type(found).save_speculators is not DrafterFamily.save_speculators else []
-    return public + (["target"] if type(found).save_into_target is not DrafterFamily.save_into_target else [])
+    return public + (["target"] if found.lives_in_target else [])
 
 
 def export_command(checkpoint: str | Path, kind: str, out: str | Path) -> str:

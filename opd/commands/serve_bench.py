@@ -63,7 +63,7 @@ def draft_family(directory: ModelDir, spec: ExperimentSpec) -> DrafterFamily:
     """The family of a `--draft` directory: its config's; for a target directory (a head exported into its target's
     layout, `opd export --to target`), the spec's drafter kind where that family is written into a target."""
     kind = spec.models.drafter.kind
-    if directory.kind.layout == "target" and type(family(kind)).save_into_target is not DrafterFamily.save_into_target:
+    if directory.kind.layout == "target" and family(kind).lives_in_target:
         return family(kind)
     directory.expect("drafter", "--draft")  # the target given as a drafter: its own line, naming the flag
     return detect(directory)

@@ -79,8 +79,13 @@ class DrafterFamily:
     def save_into_target(self, drafter: Drafter, target_dir: str | Path, directory: str | Path) -> Path:
         """Write `drafter` into a new `directory` in the target's own checkpoint layout, linking the target's files,
         for a family a target ships with (MTP heads); returns the directory."""
-        raise OpdError(f"models.drafter.kind: {self.kind} is not part of a target's own checkpoint (only an MTP head "
-                       "is written into its target's layout)")
+        raise OpdError(f"models.drafter.kind: {self.kind} is not part of a target's own checkpoint, so it has no "
+                       "export into the target's layout")
+
+    @property
+    def lives_in_target(self) -> bool:
+        """Whether drafters of this family are written into their target's checkpoint (`save_into_target`)."""
+        return type(self).save_into_target is not DrafterFamily.save_into_target
 
     def fit_to_data(self, drafter: Drafter, token_counts: Any) -> None:
         """What a fresh drafter takes from its SFT data's response-token counts before training (nothing, unless
