@@ -259,6 +259,16 @@ def test_the_export_into_the_targets_layout_links_its_shards_and_loads_back(name
     copies = {drafter.form.prefix_for(target.num_layers) + n for n in drafter.form.shared}  # left in their shard
     assert set(load_file(out / HEAD_SHARD)) == set(load_file(directory / helper.HEAD_SHARD)) - copies
     assert {index[n] for n in copies} <= {helper.HEAD_SHARD}  # the target's own naming, experts one tensor each
+    # vLLM reads every tensor of every shard the index names: the old head's shard is rewritten, not linked
+    served = [(n, file) for file in set(index.values()) for n in load_file(out / file)]
+    assert sorted(n for n, _ in served) == sorted(index) and all(index[n] == file for n, file in served)
+    assert (out / helper.HEAD_SHARD).exists() == bool(copies) and not (out / helper.HEAD_SHARD).is_symlink()
+    assert set(load_file(directory / helper.HEAD_SHARD)) >= set(ours)  # the target's own file is untouched
+    (out / helper.HEAD_SHARD).unlink(missing_ok=True)  # a link an earlier export left, exported over again:
+    (out / helper.HEAD_SHARD).symlink_to(directory / helper.HEAD_SHARD)
+    family("mtp").save_into_target(drafter, directory, out)
+    assert set(load_file(directory / helper.HEAD_SHARD)) >= set(ours)  # nothing written through it
+    assert not (out / helper.HEAD_SHARD).is_symlink()
     assert ModelDir.read(out).kind.layout == "target"
     reloaded = helper.load(out)
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), target.state_dict().values()))

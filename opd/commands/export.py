@@ -5,8 +5,9 @@ the `speculative_config` vLLM takes for it and the command that loads it in that
 EAGLE-3, which vLLM serves as they are. `--to speculators` writes vLLM's `speculators` layout (`save_speculators`),
 the one DSpark and P-EAGLE are published in and the one speculators' own classes load without a converter.
 `--to target` (an MTP head) writes the target's own checkpoint layout into `--out` (`save_into_target`): the
-target's shards linked, the head in a new shard, an updated index; vLLM serves that directory as the model with its
-MTP method. A family is refused a layout it has none of, in one line naming the ones it has.
+target's shards linked (those that held its old head rewritten without it), the head in a new shard, an updated
+index; vLLM serves that directory as the model with its MTP method. A family is refused a layout it has none of, in
+one line naming the ones it has.
 
 The drafter is loaded on the target's embedding and LM head alone (`load_shared_head`), in the dtype its checkpoint
 records, so exporting the drafter of a large target needs no GPU and writes the checkpoint's very tensors. The

@@ -37,7 +37,7 @@ from opd.formats.speculators import MODEL_TYPE, VERSION, model_type, proposed_to
 from opd.model_dir import WEIGHTS_INDEX, ModelDir
 
 ARCHITECTURE = "MTPDraftModel"
-HEAD_SHARD = "mtp-head.safetensors"  # sorts after model*.safetensors: an engine reading every shard in order ends here
+HEAD_SHARD = "mtp-head.safetensors"  # the trained head, in an export into the target's own layout
 PARTS = ("fc", "token_norm", "hidden_norm", "final_norm")  # the head's own modules besides its decoder layer
 
 
@@ -204,7 +204,12 @@ def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir
     """A directory vLLM serves with its MTP method: the target's own layout, its files linked (a 397B target is
     never copied), the head's tensors in a new shard (`HEAD_SHARD`) and a weight index that names it for them and
     the target's shards for the rest; config.json says the checkpoint holds one MTP layer. MoE experts are written
-as the target's shards store them (one tensor per expert where they do). Returns the directory."""
+    as the target's shards store them (one tensor per expert where they do).
+
+    vLLM reads every tensor of every shard the index names, not only the names the index maps to it, so a linked
+    shard still holding the target's old head would load it too, and which copy wins would be file order. The
+    shards that hold a tensor the new head replaces are therefore rewritten without it (only those are copied;
+    one left empty is dropped): every name lives in exactly one file. Returns the directory."""
     from safetensors.torch import save_file
 
     if not layout.count_field:
@@ -217,8 +222,11 @@ as the target's shards store them (one tensor per expert where they do). Returns
     weight_map = {name: file.name for name, file in target.tensor_files().items()}
     if stores_per_expert(weight_map):  # the target's own MoE naming, which vLLM's loader reads
         tensors = split_experts(tensors)
+    replaced = {weight_map[n] for n in tensors if n in weight_map}
     for entry in target.path.iterdir():
-        if entry.name not in (WEIGHTS_INDEX, CONFIG_FILE, HEAD_SHARD) and not (out / entry.name).exists():
+        if entry.name in replaced:
+            _write_without(entry, out / entry.name, set(tensors))
+        elif entry.name not in (WEIGHTS_INDEX, CONFIG_FILE, HEAD_SHARD) and not (out / entry.name).exists():
             (out / entry.name).symlink_to(entry.resolve())
     save_file({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}, str(out / HEAD_SHARD),
               metadata={"format": "pt"})
@@ -229,6 +237,19 @@ as the target's shards store them (one tensor per expert where they do). Returns
     text[layout.count_field] = max(1, int(text.get(layout.count_field) or 0))
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _write_without(shard: Path, copy: Path, names: set[str]) -> None:
+    """`shard`'s tensors but `names`, written to `copy` (nothing when none are left). A link left by an earlier
+    export is removed first, so the write never goes through it into the target's own file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    copy.unlink(missing_ok=True)
+    with safe_open(str(shard), framework="pt") as f:
+        kept = {n: f.get_tensor(n) for n in f.keys() if n not in names}
+    if kept:
+        save_file(kept, str(copy), metadata={"format": "pt"})
 
 
 @drafter_section
