@@ -108,6 +108,22 @@ def test_drafts_are_the_argmax_after_k_jacobi_passes(target, passes):
         assert walked != _reference(drafter, hidden, int(TEXT[0, a - 1]), int(TEXT[0, a]), 2)[0]
 
 
+def test_the_passes_stop_at_a_fixed_point_and_draft_the_same(target):
+    """A pass fed its own output is a fixed point: the passes stop there, with every pass's drafts and logits. The
+    causal mixer settles slot k by pass k+1, so 3 drafted slots need at most 4 of the 6 passes (and the last)."""
+    drafter, calls = xpress_drafter(target, passes=6), []
+    mixed = drafter.refiner_head.mixed
+    drafter.refiner_head.mixed = lambda *args: calls.append(1) or mixed(*args)
+    features, a = target(TEXT).features, 8
+    drafts, logits = drafter.draft(_cache(drafter, features, TEXT, a), TEXT[:, a], torch.tensor([a]))
+    hidden = drafter._cached_blocks(_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
+                                    torch.tensor([a]))[0]
+    walked, reference = _reference(drafter, hidden, int(TEXT[0, a - 1]), int(TEXT[0, a]), 6)
+    assert drafts[0].tolist() == walked
+    torch.testing.assert_close(logits[0], reference, rtol=1e-12, atol=1e-12)
+    assert len(calls) <= 5
+
+
 def test_training_layout_gives_each_block_its_drafted_logits(target, drafter):
     """The packed forward (`block_hidden`, many blocks per sequence, the passes run on the committed text) through
     the student head equals, in float64, each block drafted alone with its own cache; an anchor at position 1 has

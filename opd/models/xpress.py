@@ -137,11 +137,14 @@ class XPressDrafter(DFlashDrafter):
 
     def _drafts_before_last(self, summary: torch.Tensor, before: torch.Tensor, anchors: torch.Tensor,
                             base: torch.Tensor) -> torch.Tensor:
-        """The argmax [..., K-1] after K-1 passes: what the last pass is fed."""
+        """The argmax [..., K-1] after K-1 passes: what the last pass is fed. A pass that gives back the tokens it
+        was fed is a fixed point (every later pass is fed the same tokens), so the passes stop there, exactly."""
         drafts = base.argmax(-1)
         for _ in range(self.passes - 1):
             refined = self.refiner_head.mixed(summary, self._previous(before, anchors, drafts))
-            drafts = self.biased(base, refined[..., 1:, :]).argmax(-1)
+            fed, drafts = drafts, self.biased(base, refined[..., 1:, :]).argmax(-1)
+            if torch.equal(fed, drafts):
+                break
         return drafts
 
     def _chunked_drafts(self, hidden: torch.Tensor, summary: torch.Tensor, before: torch.Tensor,
