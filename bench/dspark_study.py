@@ -1,13 +1,15 @@
-"""Issue 50's study in one command: DSpark against DFlash 2, each with Draft-OPD at T=1.0 with drafts sampled from q,
-at matched training FLOPs, on the shipped tiny target.
+"""A drafter-family study in one command: arms of `opd reproduce` at matched training FLOPs on the shipped tiny
+target, summarised per arm and seed. Issue 50's DSpark study (against DFlash 2, each with Draft-OPD at T=1.0 with
+drafts sampled from q) is the default spec; issue 62's are configs/reproduce/xpress.yaml and mtp.yaml.
 
-Runs `opd reproduce configs/reproduce/dspark.yaml` (resumable: finished arms are kept in its out_dir), copies its
-report, plots and per-arm JSON to bench/results/reproduce-dspark/, and writes there summary.json and summary.md: per arm,
-held-out and reworded τ before (its own warm drafter) and after Draft-OPD in every eval setting, with the 95% interval
-over prompts, the held-out expected acceptance per drafted slot, the steps and training FLOPs it spent, and what a
-block costs to draft (the counters of opd/models/flops.py: the layers over the block's tokens, the head and the
-Markov bias at K-1 slots, DFlash 2's convolution taps and selector). summary.md has one row per arm and seed, then
-per arm the mean over seeds, so the docs' tables are read off it, not computed by hand.
+Runs `opd reproduce SPEC` (resumable: finished arms are kept in its out_dir), copies its report, plots and per-arm
+JSON to the results directory (default bench/results/reproduce-dspark/), and writes there summary.json and
+summary.md: per arm, held-out and reworded τ before (its own warm drafter; an SFT arm shares its Draft-OPD arm's)
+and after its training in every eval setting, with the 95% interval over prompts, the held-out expected acceptance
+per drafted slot, the steps and training FLOPs it spent, and what a block costs to draft (the counters of
+opd/models/flops.py: the layers over the block's tokens, the head and the Markov bias at K-1 slots, DFlash 2's
+convolution taps and selector). summary.md has one row per arm and seed, then per arm the mean over seeds, so the
+docs' tables are read off it, not computed by hand.
 
     python bench/dspark_study.py [--spec configs/reproduce/dspark.yaml] [--set KEY=VALUE ...] [--results DIR]
 """
@@ -69,12 +71,14 @@ def _drafter_cost(experiment: str, overrides: list[str]) -> dict[str, float | in
 
 def _row(result: ArmResult, cost: dict[str, float | int | str]) -> dict:
     """τ before and after per (family, setting) with its interval over prompts, the held-out expected acceptance
-    per slot in each setting, and what the arm spent."""
+    per slot in each setting, and what the arm spent. An SFT arm has no "before": its warm drafter is the one the
+    Draft-OPD arm of the same drafter evaluated."""
     def cells(rows: dict[str, list[dict]], key: str) -> dict[str, float]:
         return {f"{family} {r['sampling']}": r[key] for family, family_rows in rows.items() for r in family_rows}
 
     def slots(rows: dict[str, list[dict]]) -> dict[str, list[float]]:
-        return {r["sampling"]: r["expected"][r["sampling"]]["slot"] for r in rows["heldout"] if r.get("expected")}
+        return {r["sampling"]: r["expected"][r["sampling"]]["slot"] for r in rows.get("heldout", [])
+                if r.get("expected")}
 
     return {"arm": result.arm, "seed": result.seed, **cost, "steps": result.steps,
             "train_flops": result.flops["total"], "before": cells(result.initial_rows, "tau"),
@@ -89,7 +93,8 @@ def _table(rows: list[dict]) -> str:
              + " | ".join(f"τ {c} before → after" for c in cells) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(cells)]
     for r in rows:
-        moves = [f"{r['before'][c]:.3f} → {r['after'][c]:.3f}" for c in cells]
+        moves = [f"{r['before'][c]:.3f} → {r['after'][c]:.3f}" if r["before"] else f"{r['after'][c]:.3f}"
+                 for c in cells]
         lines.append(f"| {r['arm']} | {r['family']} | {r['parameters']:,} | {r['block_flops'] / 1e9:.4f} GFLOP | "
                      f"{r['steps']} | {r['train_flops']:.3g} | " + " | ".join(moves) + " |")
     return "\n".join(lines) + "\n"
@@ -113,14 +118,14 @@ def _cell(runs: list[dict], when: str, cell: str) -> str:
 
 
 def _over_seeds(rows: list[dict]) -> str:
-    """Per arm, its warm drafter then after Draft-OPD: τ over seeds in every (family, setting)."""
+    """Per arm, its warm drafter then after its training: τ over seeds in every (family, setting)."""
     cells = list(rows[0]["after"])
     lines = ["| arm | when | steps | training FLOPs | " + " | ".join(cells) + " |", "|---|---|---|---|" + "---|" * len(cells)]
     for arm, runs in _by_arm(rows).items():
         steps = f"{min(r['steps'] for r in runs)}–{max(r['steps'] for r in runs)}"
         flops = f"{min(r['train_flops'] for r in runs):.3g}–{max(r['train_flops'] for r in runs):.3g}"
-        for when, spent in (("before", "0 | 0"), ("after", f"{steps} | {flops}")):
-            lines.append(f"| {arm} | {'warm' if when == 'before' else 'Draft-OPD'} | {spent} | "
+        for when, spent in (("before", "0 | 0"), ("after", f"{steps} | {flops}"))[0 if runs[0]["before"] else 1:]:
+            lines.append(f"| {arm} | {'warm' if when == 'before' else 'trained'} | {spent} | "
                          + " | ".join(_cell(runs, when, c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -132,7 +137,7 @@ def _slots(rows: list[dict]) -> str:
         for when in ("slots_before", "slots_after"):
             for setting in runs[0][when]:
                 mean = [statistics.fmean(s) for s in zip(*(r[when][setting] for r in runs))]
-                lines.append(f"| {arm} | {'warm' if when == 'slots_before' else 'Draft-OPD'} | {setting} | "
+                lines.append(f"| {arm} | {'warm' if when == 'slots_before' else 'trained'} | {setting} | "
                              + " | ".join(f"{a:.3f}" for a in mean) + " |")
     width = len(rows[0]["slots_after"][next(iter(rows[0]["slots_after"]))]) if rows[0]["slots_after"] else 0
     head = ["| arm | when | setting | " + " | ".join(str(k + 1) for k in range(width)) + " |",
