@@ -13,7 +13,14 @@ investigated further).
     python bench/xpress_cost.py [--layers 2] [--passes 6] [--context 256] [--committed 6] [--repeats 3]
                                 [--batches 1 4] [--threads 1]
 
-Writes bench/results/xpress_cost_qwen3_8b.json.
+Writes bench/results/xpress_cost_qwen3_8b.json. The passes stop at a fixed point (a pass that gives back the tokens
+it was fed), so both modes also count the passes a draft ran: a random refiner says nothing about how soon a trained
+one settles, so `--tiny` decodes held-out prompts greedily with the shipped tiny XPress drafter and the DFlash 1
+drafter it is level with, interleaved batch by batch, timing the decoder's drafting per step:
+
+    python bench/xpress_cost.py --tiny [--prompts 32] [--max-new-tokens 128] [--batch 8]
+
+Writes bench/results/xpress_cost_tiny.json.
 """
 
 from __future__ import annotations
@@ -23,18 +30,26 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from dflash2_cost import RESULTS, default_dtype
 from torch import nn
 from transformers import Qwen3Config
 
+from opd.data.prompts import eval_prompts
+from opd.decoding.sampling import Sampling
+from opd.decoding.speculative import SpeculativeDecoder
+from opd.eval.acceptance import AcceptanceStats
 from opd.formats.dflash import DFlashConfig, default_target_layer_ids
 from opd.formats.xpress import DEFAULTS, XPressConfig
+from opd.models.build import build_models
 from opd.models.dflash import DFlashDrafter
 from opd.models.drafter_cache import DrafterCache
 from opd.models.flops import DrafterParams
 from opd.models.xpress import XPressDrafter
+from opd.spec import load_spec
 
 # Qwen3-8B (the target of z-lab's Qwen3-8B-DFlash-b16 and of the XPress paper's headline): its config.json's fields
 # a drafter copies.
@@ -103,13 +118,34 @@ def draft_times(models: dict[str, DFlashDrafter], batch: int, args: argparse.Nam
     ids = torch.randint(QWEN3_8B.vocab_size, (batch, args.context + args.committed + 1), generator=generator)
     caches = {name: filled_cache(d, context, ids) for name, d in models.items()}
     seconds: dict[str, list[float]] = {name: [] for name in models}
-    for repeat in range(args.repeats + 1):
-        for name, drafter in models.items():
-            spent = timed_draft(drafter, caches[name], committed, ids)
-            if repeat:
-                seconds[name].append(spent)
-    return {name: {"best_ms": 1000 * min(t), "median_ms": 1000 * statistics.median(t), "ms": [1000 * x for x in t]}
-            for name, t in seconds.items()}
+    with counted_passes(models["XPress"]) as passes:
+        for repeat in range(args.repeats + 1):
+            for name, drafter in models.items():
+                spent = timed_draft(drafter, caches[name], committed, ids)
+                if repeat:
+                    seconds[name].append(spent)
+    times = {name: {"best_ms": 1000 * min(t), "median_ms": 1000 * statistics.median(t), "ms": [1000 * x for x in t]}
+             for name, t in seconds.items()}
+    times["XPress"]["passes_per_draft"] = passes[0] / (args.repeats + 1)
+    return times
+
+
+@contextmanager
+def counted_passes(drafter: object) -> Iterator[list[int]]:
+    """Counts the refiner passes `drafter` runs while inside (each pass calls the head's `mixed` once)."""
+    assert isinstance(drafter, XPressDrafter)
+    head, calls = drafter.refiner_head, [0]
+    mixed = head.mixed
+
+    def counting(*args: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return mixed(*args)
+
+    head.mixed = counting  # type: ignore[method-assign,assignment]
+    try:
+        yield calls
+    finally:
+        del head.mixed
 
 
 def block_flops(drafter: DFlashDrafter, committed: int) -> dict[str, int]:
@@ -140,8 +176,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ratio-depth", type=int, default=5, help="FLOP ratios at depths 1..this")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the shipped tiny XPress and DFlash 1 drafters decoding held-out prompts instead")
+    parser.add_argument("--prompts", type=int, default=32, help="--tiny: held-out prompts decoded")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="--tiny: tokens per response")
+    parser.add_argument("--batch", type=int, default=8, help="--tiny: prompts per decoded batch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tiny:
+        tiny_decoding(args)
+        return
     models = drafters(args.layers, args.passes)
     generator = torch.Generator().manual_seed(1)
     times = {batch: draft_times(models, batch, args, generator) for batch in args.batches}
@@ -163,6 +207,8 @@ def main() -> None:
         cells = "".join(f"{r[f'batch {b}']['median_ms']:>11.0f} ({r[f'batch {b}']['best_ms']:>6.0f})"
                         for b in args.batches)
         print(f"{name:<8}{r['parameters']:>15,}{r['step_flops'] / 1e9:>12.2f}{cells}")
+    print(f"XPress passes run per draft (of {args.passes}): "
+          + ", ".join(f"{two[f'batch {b}']['passes_per_draft']:.2f} at batch {b}" for b in args.batches))
     print(f"XPress / DFlash (goal <= {GOAL}x): step FLOPs {ratios['step_flops']:.3f}x; drafting wall (medians) "
           + ", ".join(f"{ratios[f'batch {b}']:.3f}x at batch {b}" for b in args.batches))
     print("step FLOP ratio by depth: " + ", ".join(f"{n} layers {r:.3f}x" for n, r in by_depth.items()))
@@ -172,6 +218,43 @@ def main() -> None:
                                "xpress_rank": DEFAULTS["xpress_rank"], "xpress_mlp_ratio": DEFAULTS["xpress_mlp_ratio"],
                                "context": args.context, "committed": args.committed, "repeats": args.repeats,
                                "dtype": "bfloat16", "threads": args.threads, "goal": GOAL}, indent=2) + "\n")
+
+
+def tiny_decoding(args: argparse.Namespace) -> None:
+    """The shipped tiny XPress and DFlash 1 drafters decoding the same held-out prompts greedily on the tiny target,
+    interleaved batch by batch: drafting ms per verification step (the decoder's own timer), the passes XPress ran
+    per step, and τ."""
+    spec = load_spec("configs/tiny-xpress.yaml", ["engine=local"])
+    base = build_models(spec)
+    prompts = [p.ids for p in eval_prompts(spec.data, base.tokenizer, args.prompts)]
+    xpress = base.drafter
+    assert isinstance(xpress, XPressDrafter)
+    models = {"DFlash 1": build_models(load_spec("configs/tiny.yaml", ["engine=local"])).drafter, "XPress": xpress}
+    decoders = {name: SpeculativeDecoder(base.target, d, eos_id=base.eos_id) for name, d in models.items()}
+    for decoder in decoders.values():  # the warm-up is not timed
+        decoder.generate(prompts[: args.batch], Sampling(), max_new_tokens=args.max_new_tokens)
+        decoder.timings.clear()
+    records: dict[str, list] = {name: [] for name in models}
+    with counted_passes(models["XPress"]) as passes:
+        for i in range(0, len(prompts), args.batch):
+            for name, decoder in decoders.items():
+                records[name] += decoder.generate(prompts[i : i + args.batch], Sampling(),
+                                                  max_new_tokens=args.max_new_tokens)
+    rows: dict[str, dict[str, float]] = {name: {"draft_ms_per_step": 1000 * decoders[name].timings["draft"] / decoders[name].timings["steps"],
+                   "steps": decoders[name].timings["steps"],
+                   "tau": AcceptanceStats.from_records(records[name], d.block_size).tau}
+            for name, d in models.items()}
+    rows["XPress"]["passes_per_step"] = passes[0] / rows["XPress"]["steps"]
+    ratio = rows["XPress"]["draft_ms_per_step"] / rows["DFlash 1"]["draft_ms_per_step"]
+    print(f"{'drafter':<10}{'draft ms/step':>15}{'steps':>7}{'greedy τ':>10}{'passes/step':>13}")
+    for name, r in rows.items():
+        print(f"{name:<10}{r['draft_ms_per_step']:>15.2f}{r['steps']:>7.0f}{r['tau']:>10.3f}"
+              f"{r.get('passes_per_step', float('nan')):>13.2f}")
+    print(f"XPress / DFlash 1 drafting wall per step: {ratio:.2f}x ({len(prompts)} prompts, batch {args.batch}, "
+          f"{xpress.passes} passes at most)")
+    (RESULTS / "xpress_cost_tiny.json").write_text(json.dumps(
+        {"drafters": rows, "draft_wall_ratio": ratio, "prompts": len(prompts), "batch": args.batch,
+         "max_new_tokens": args.max_new_tokens, "max_passes": xpress.passes}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
