@@ -207,7 +207,8 @@ def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir
     as the target's shards store them (one tensor per expert where they do).
 
     vLLM reads every tensor of every shard the index names, not only the names the index maps to it, so a linked
-    shard still holding the target's old head would load it too, and which copy wins would be file order. The
+    shard holding the target's old head and tensors the index still maps to it (nextn's embedding copy, a shard
+    shared with the body) would load the old head too, and which copy wins would be file order. The
     shards that hold a tensor the new head replaces are therefore rewritten without it (only those are copied;
     one left empty is dropped): every name lives in exactly one file. Returns the directory."""
     from safetensors.torch import save_file
