@@ -22,7 +22,6 @@ import torch
 
 from opd.commands.preflight import check_drafter
 from opd.decoding.autoregressive import generate_autoregressive
-from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import replay_mode, score, student_hidden
@@ -33,10 +32,9 @@ from opd.model_dir import ModelDir
 from opd.models.family import DrafterFamily
 from opd.models.protocol import chains, clone_drafter
 from opd.models.registry import FAMILIES, detect, family, load_drafter
-from opd.sources.rebuild import rebuild_records
 from opd.tiny.micro import micro_target
 from opd.train.learner import Learner
-from tests.helpers.decoding import EOS, MIXED_PROMPTS
+from tests.helpers.decoding import EOS, MIXED_PROMPTS, assert_rebuild_recovers, drafted_alone
 from tests.helpers.lossless import assert_lossless
 from tests.helpers.tiny_families import HERE, TINY, draw, spec_of, tiny
 
@@ -208,17 +206,6 @@ def test_decoding_is_lossless(kind, setting, target, drafters):
 # -- replay and the rebuild --------------------------------------------------------------------------------------
 
 
-def drafted_alone(drafter, features: torch.Tensor, ids: torch.Tensor, anchor: int):
-    """(drafts [K-1], logits [K-1, V]) of the block at absolute position `anchor` of the text `ids` [1, T], drafted
-    by itself from a fresh cache of the text before it, as decoding drafts a block."""
-    cache = drafter.new_cache(1)
-    next_ids = ids[:, 1:anchor + 1] if drafter.reads_next_ids else None
-    drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
-                         torch.ones(1, anchor, dtype=torch.bool), next_ids)
-    drafts, logits = drafter.draft(cache, ids[:, anchor], torch.tensor([anchor]))
-    return drafts[0], logits[0]
-
-
 def replayed_drafts(drafter, hidden: torch.Tensor, logits: torch.Tensor, predecessors: torch.Tensor,
                     vocab: torch.Tensor) -> torch.Tensor:
     """The point-mass drafts [N, K-1] that replay's rows give: the mode of the law a chaining drafter draws each
@@ -268,9 +255,7 @@ def test_the_rebuild_recovers_every_block(kind, sampling, target, drafters):
     drafter = drafters(kind)
     decoded = SpeculativeDecoder(target, drafter, eos_id=EOS).generate(PROMPTS * 3, sampling, max_new_tokens=MAX_NEW,
                                                                        seed=5)
-    samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
-    rebuilt = rebuild_records(target, drafter, samples, batch_size=4)
-    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
+    assert_rebuild_recovers(target, drafter, decoded, batch_size=4)
     assert any(a > 0 for r in decoded for a in r.accepted)
 
 

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from opd.decoding.autoregressive import generate_autoregressive
-from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
@@ -27,9 +26,8 @@ from opd.formats.mtp import HEAD_SHARD, LAYOUTS, MTPSpec, to_layout, write_specu
 from opd.model_dir import WEIGHTS_INDEX, ModelDir
 from opd.models.mtp import MTPDrafter
 from opd.models.registry import family
-from opd.sources.rebuild import rebuild_records
 from tests.helpers import mtp as helper
-from tests.helpers.decoding import EOS, MIXED_PROMPTS
+from tests.helpers.decoding import EOS, MIXED_PROMPTS, assert_rebuild_recovers, drafted_alone
 from tests.helpers.lossless import assert_lossless
 
 LAYOUT_OF = {"qwen3_5": "qwen3_next", "deepseek_v3": "nextn", "glm4_moe": "nextn", "qwen2": "mimo"}
@@ -115,17 +113,11 @@ def test_replay_and_the_rebuild_give_decodings_blocks(name, targets):
             ids = torch.tensor([record.prompt_ids + record.response_ids])
             features = target(ids).features
             for anchor, recorded in zip(record.anchors, record.drafts):
-                at = len(record.prompt_ids) + anchor
-                cache = drafter.new_cache(1)
-                drafter.extend_cache(cache, features[:, :at], torch.arange(at)[None], torch.ones(1, at, dtype=bool),
-                                     ids[:, 1:at + 1])
-                drafts, alone = drafter.draft(cache, ids[:, at], torch.tensor([at]))
-                assert drafts[0].tolist() == recorded
-                torch.testing.assert_close(logits[row], alone[0], rtol=TOLERANCE[name], atol=TOLERANCE[name])
+                drafts, alone = drafted_alone(drafter, features, ids, len(record.prompt_ids) + anchor)
+                assert drafts.tolist() == recorded
+                torch.testing.assert_close(logits[row], alone, rtol=TOLERANCE[name], atol=TOLERANCE[name])
                 row += 1
-    samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in decoded]
-    rebuilt = rebuild_records(target, drafter, samples, batch_size=4)
-    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted) for r in decoded]
+    assert_rebuild_recovers(target, drafter, decoded, batch_size=4)
 
 
 # -- vLLM's nextn forward, written out -----------------------------------------------------------------------------

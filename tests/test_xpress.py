@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 from opd.cli import main
 from opd.decoding.autoregressive import generate_autoregressive
-from opd.decoding.record import SequenceRecord
 from opd.decoding.sampling import Sampling
 from opd.decoding.speculative import SpeculativeDecoder
 from opd.distill.replay import score, student_hidden
@@ -31,10 +30,9 @@ from opd.formats.xpress import XPressConfig
 from opd.model_dir import ModelDir
 from opd.models.registry import family
 from opd.models.target import Target
-from opd.sources.rebuild import rebuild_records
 from opd.spec import SpecError, load_spec
 from opd.tiny.micro import micro_target
-from tests.helpers.decoding import EOS, MIXED_PROMPTS
+from tests.helpers.decoding import EOS, MIXED_PROMPTS, assert_rebuild_recovers, drafted_alone, fresh_cache
 from tests.helpers.lossless import assert_lossless
 from tests.helpers.target_families import LAYER_IDS, family_model
 from tests.helpers.xpress import xpress_drafter
@@ -50,14 +48,6 @@ def target():
 @pytest.fixture(scope="module")
 def drafter(target):
     return xpress_drafter(target)
-
-
-def _cache(drafter, features, ids, a):
-    """A fresh cache of the text before position a, with each entry's next token."""
-    cache = drafter.new_cache(1)
-    drafter.extend_cache(cache, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool),
-                         ids[:, 1:a + 1])
-    return cache
 
 
 def _bias(drafter, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -94,9 +84,9 @@ def test_drafts_are_the_argmax_after_k_jacobi_passes(target, passes):
     mixer has converged to the serial walk. The refiner's bias changes the drafts, and so does the pass count."""
     drafter = xpress_drafter(target, passes=passes)
     features, a = target(TEXT).features, 8
-    cache = _cache(drafter, features, TEXT, a)
+    cache = fresh_cache(drafter, features, TEXT, a)
     drafts, logits = drafter.draft(cache, TEXT[:, a], torch.tensor([a]))
-    hidden = drafter._cached_blocks(_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
+    hidden = drafter._cached_blocks(fresh_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
                                     torch.tensor([a]))[0]
     walked, reference = _reference(drafter, hidden, int(TEXT[0, a - 1]), int(TEXT[0, a]), passes)
     assert drafts[0].tolist() == walked
@@ -115,8 +105,8 @@ def test_the_passes_stop_at_a_fixed_point_and_draft_the_same(target):
     mixed = drafter.refiner_head.mixed
     drafter.refiner_head.mixed = lambda *args: calls.append(1) or mixed(*args)
     features, a = target(TEXT).features, 8
-    drafts, logits = drafter.draft(_cache(drafter, features, TEXT, a), TEXT[:, a], torch.tensor([a]))
-    hidden = drafter._cached_blocks(_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
+    drafts, logits = drafter.draft(fresh_cache(drafter, features, TEXT, a), TEXT[:, a], torch.tensor([a]))
+    hidden = drafter._cached_blocks(fresh_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
                                     torch.tensor([a]))[0]
     walked, reference = _reference(drafter, hidden, int(TEXT[0, a - 1]), int(TEXT[0, a]), 6)
     assert drafts[0].tolist() == walked
@@ -130,7 +120,7 @@ def test_training_layout_gives_each_block_its_drafted_logits(target, drafter):
     no entry before it and reads itself as the token before it, in both."""
     features = target(TEXT).features
     anchors = [1, 2, 5, 6, 9]
-    drafted = [drafter.draft(_cache(drafter, features, TEXT, a), TEXT[:, a], torch.tensor([a])) for a in anchors]
+    drafted = [drafter.draft(fresh_cache(drafter, features, TEXT, a), TEXT[:, a], torch.tensor([a])) for a in anchors]
     inputs = torch.stack([TEXT[0, a:a + drafter.block_size - 1] for a in anchors])[None]
     rows = drafter.block_hidden(features, TEXT, torch.ones_like(TEXT).bool(), torch.tensor([anchors]), inputs)
     assert rows.shape == (1, 5, drafter.block_size - 1, drafter.config.hidden_size + drafter.config.xpress_rank)
@@ -148,10 +138,10 @@ def test_the_token_before_the_anchor_is_the_committed_texts(target, drafter):
     for before in range(target.vocab_size):
         ids = TEXT.clone()
         ids[0, a - 1] = before  # only the next-token column changes: the features stay TEXT's
-        cache = _cache(drafter, features, ids, a)
+        cache = fresh_cache(drafter, features, ids, a)
         assert int(drafter.token_before(cache, TEXT[:, a], torch.tensor([a]))) == before
         drafted = drafter.draft(cache, TEXT[:, a], torch.tensor([a]))[0][0].tolist()
-        hidden = drafter._cached_blocks(_cache(drafter, features, ids, a), drafter._block(TEXT[:, a]),
+        hidden = drafter._cached_blocks(fresh_cache(drafter, features, ids, a), drafter._block(TEXT[:, a]),
                                         torch.tensor([a]))[0]
         assert drafted == _reference(drafter, hidden, before, int(TEXT[0, a]), drafter.passes)[0]
         drafts.append(drafted)
@@ -245,15 +235,11 @@ def test_replay_and_rebuild_are_exact_on_other_target_families(other, sampling):
             ids = torch.tensor([record.prompt_ids + record.response_ids])
             features = target(ids).features
             for anchor, recorded in zip(record.anchors, record.drafts):
-                a = len(record.prompt_ids) + anchor
-                drafts, alone = drafter.draft(_cache(drafter, features, ids, a), ids[:, a], torch.tensor([a]))
-                assert drafts[0].tolist() == recorded == logits[row].argmax(-1).tolist()
-                torch.testing.assert_close(logits[row], alone[0], rtol=1e-12, atol=1e-12)
+                drafts, alone = drafted_alone(drafter, features, ids, len(record.prompt_ids) + anchor)
+                assert drafts.tolist() == recorded == logits[row].argmax(-1).tolist()
+                torch.testing.assert_close(logits[row], alone, rtol=1e-12, atol=1e-12)
                 row += 1
-    samples = [SequenceRecord.from_text(r.key, r.prompt_ids, r.response_ids, EOS) for r in records]
-    rebuilt = rebuild_records(target, drafter, samples, batch_size=3)
-    assert [(r.anchors, r.drafts, r.accepted) for r in rebuilt] == [(r.anchors, r.drafts, r.accepted)
-                                                                    for r in records]
+    assert_rebuild_recovers(target, drafter, records, batch_size=3)
     assert any(a > 0 for r in records for a in r.accepted)
 
 
