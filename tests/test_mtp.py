@@ -179,10 +179,7 @@ def chains_from_anchors(drafter, target, anchors=(1, 4, 8)):
     """(anchor, the drafter's chain logits [K-1, V]) after each anchor of CHAIN_IDS, its context cached."""
     features = target(CHAIN_IDS).features
     for anchor in anchors:
-        cache = drafter.new_cache(1)
-        drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
-                             torch.ones(1, anchor, dtype=torch.bool), CHAIN_IDS[:, 1:anchor + 1])
-        yield anchor, drafter.draft(cache, CHAIN_IDS[:, anchor], torch.tensor([anchor]))[1][0]
+        yield anchor, drafted_alone(drafter, features, CHAIN_IDS, anchor)[1]
 
 
 def mimo_chain(directory, target, ids: torch.Tensor, anchor: int, steps: int) -> torch.Tensor:
@@ -280,10 +277,7 @@ def test_a_head_stored_one_tensor_per_expert_is_the_fused_one(name, targets, tmp
     features = target(ids).features
     drafts = []
     for drafter in (own_head(target), own_head(helper.load(fused_dir))):
-        cache = drafter.new_cache(1)
-        drafter.extend_cache(cache, features[:, :6], torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool),
-                             ids[:, 1:7])
-        drafts.append(drafter.draft(cache, ids[:, 6], torch.tensor([6])))
+        drafts.append(drafted_alone(drafter, features, ids, 6))
     assert torch.equal(drafts[0][0], drafts[1][0]) and torch.equal(drafts[0][1], drafts[1][1])
 
 

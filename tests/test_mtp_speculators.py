@@ -21,6 +21,7 @@ from opd.formats.mtp import MTPSpec
 from opd.models.registry import family, load_drafter
 from opd.serving.engine import speculative_config
 from tests.helpers import mtp as helper
+from tests.helpers.decoding import drafted_alone
 from tests.helpers.speculators import speculators_model
 
 converter = pytest.importorskip("speculators.convert.mtp.converter")
@@ -50,11 +51,7 @@ def their_chain(model, target, anchor: int, steps: int) -> torch.Tensor:
 
 
 def our_chain(drafter, target, anchor: int) -> torch.Tensor:
-    features = target(IDS).features
-    cache = drafter.new_cache(1)
-    drafter.extend_cache(cache, features[:, :anchor], torch.arange(anchor)[None],
-                         torch.ones(1, anchor, dtype=torch.bool), IDS[:, 1:anchor + 1])
-    return drafter.draft(cache, IDS[:, anchor], torch.tensor([anchor]))[1][0]
+    return drafted_alone(drafter, target(IDS).features, IDS, anchor)[1]
 
 
 def test_mtp_converter_extracts_the_head_the_project_reads_as_its_warm_drafter(tmp_path):

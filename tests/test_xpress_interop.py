@@ -25,6 +25,7 @@ from opd.models.registry import family, load_drafter
 from opd.models.target import load_target
 from opd.models.xpress import XPressDrafter
 from opd.serving.engine import speculative_config
+from tests.helpers.decoding import drafted_alone
 from tests.helpers.speculators import quiet, speculators_model, xpress_rounds  # noqa: F401 (quiet: a fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -94,12 +95,9 @@ def test_decoding_drafts_what_speculators_passes_give(xpress, target, text, tmp_
     _, rounds = xpress_rounds(speculators_model(tmp_path), text, ANCHORS, PASSES)
     ids, _, features = text
     for m, a in enumerate(ANCHORS):
-        cache = xpress.new_cache(1)
-        xpress.extend_cache(cache, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool),
-                            ids[:, 1:a + 1])
-        drafts, logits = xpress.draft(cache, ids[:, a], torch.tensor([a]))
-        torch.testing.assert_close(logits[0], rounds[-1][m, 1:], rtol=1e-5, atol=1e-5)
-        assert torch.equal(drafts[0], rounds[-1][m, 1:].argmax(-1))
+        drafts, logits = drafted_alone(xpress, features, ids, a)
+        torch.testing.assert_close(logits, rounds[-1][m, 1:], rtol=1e-5, atol=1e-5)
+        assert torch.equal(drafts, rounds[-1][m, 1:].argmax(-1))
 
 
 def test_what_speculators_saves_for_xpress_loads_here_as_the_same_drafter(xpress, target, tmp_path):
