@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from opd.errors import OpdError
-from opd.formats.checkpoint import write_layout
-from opd.formats.dflash import DFlashConfig, DFlashSpec
+from opd.formats.dflash import DFlashConfig, DFlashSpec, write_speculators
 from opd.formats.dspark import DEFAULT_RANK, DSparkConfig, DSparkSpec
 from opd.model_dir import ModelDir
 from opd.models.biased_logits import BiasedLogits
@@ -206,9 +205,8 @@ class DSparkDrafter(DFlashDrafter):
     def save_pretrained(self, directory: str | Path, verifier: str | None = None,
                         verifier_architectures: list[str] | None = None) -> None:
         """config.json and model.safetensors in speculators' DSpark layout (no embedding, no LM head)."""
-        config = cast(DSparkConfig, self.config)
-        write_layout(directory, config.to_speculators_dict(verifier, verifier_architectures), self.state_dict(),
-                     self.fc.weight.dtype)
+        write_speculators(directory, self.config, self.state_dict(), self.fc.weight.dtype, verifier,
+                          verifier_architectures or [])
 
 
 @drafter_family
@@ -226,8 +224,3 @@ class DSparkFamily(DFlashFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         return {"method": "dspark", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
-
-    def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
-        """Its own layout, naming the verifier."""
-        architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
-        drafter.save_pretrained(directory, verifier, architectures)

@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opd.formats.checkpoint import write_layout
-from opd.formats.dflash import DFlashConfig, DFlashSpec
+from opd.formats.dflash import DFlashConfig, DFlashSpec, write_speculators
 from opd.formats.xpress import DEFAULTS, XPressConfig, XPressSpec
 from opd.model_dir import ModelDir
 from opd.models.biased_logits import BiasedLogits
@@ -251,9 +250,8 @@ class XPressDrafter(DFlashDrafter):
     def save_pretrained(self, directory: str | Path, verifier: str | None = None,
                         verifier_architectures: list[str] | None = None) -> None:
         """config.json and model.safetensors in speculators' XPress layout (no embedding, no LM head)."""
-        config = cast(XPressConfig, self.config)
-        write_layout(directory, config.to_speculators_dict(verifier, verifier_architectures), self.state_dict(),
-                     self.fc.weight.dtype)
+        write_speculators(directory, self.config, self.state_dict(), self.fc.weight.dtype, verifier,
+                          verifier_architectures or [])
 
 
 @drafter_family
@@ -275,8 +273,3 @@ class XPressFamily(DFlashFamily):
         """The block's K - 1 drafts; the Jacobi passes are the checkpoint's `num_jacobi_passes`, which the engine
         reads with the rest of its config."""
         return {"method": "xpress", "model": str(directory.path), "num_speculative_tokens": block_size - 1}
-
-    def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
-        """Its own layout, naming the verifier."""
-        architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
-        drafter.save_pretrained(directory, verifier, architectures)
