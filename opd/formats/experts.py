@@ -65,15 +65,8 @@ def split_experts(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def split_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The shapes `split_experts` writes for tensors of `shapes`."""
-    out = {}
-    for name, shape in shapes.items():
-        match = FUSED.match(name)
-        if match is None:
-            out[name] = shape
-        elif match[2] == "down_proj":
-            out |= {f"{match[1]}.{i}.down_proj.weight": shape[1:] for i in range(shape[0])}
-        else:
-            half = (shape[1] // 2, *shape[2:])
-            out |= {f"{match[1]}.{i}.{p}.weight": half for i in range(shape[0]) for p in ("gate_proj", "up_proj")}
-    return out
+    """The shapes `split_experts` writes for tensors of `shapes` (split on the meta device: nothing allocated)."""
+    import torch
+
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    return {name: tuple(t.shape) for name, t in split_experts(meta).items()}
