@@ -30,6 +30,11 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
 # what says a directory holds weights, unread: safetensors files, their index, PyTorch's own files
 WEIGHT_GLOBS = ("*.safetensors", WEIGHTS_INDEX, "pytorch_model*.bin")
 Wanted = Literal["target", "drafter"]
+# Where a published multimodal checkpoint keeps its language model, and the names a text-only causal LM gives the
+# same tensors: Qwen3.5 and Gemma 4 (`model.language_model.*`), the Llava family's older layout
+# (`language_model.model.*`, `language_model.lm_head.*`). The text-only model is what every role loads.
+TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                 "language_model.lm_head.": "lm_head."}
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,27 @@ class ModelDir:
         """Tensor name -> the safetensors file holding it (from the same headers), for reading one tensor alone."""
         self.tensor_shapes()
         return {name: self.path / header["file"] for name, header in self._headers.items()}
+
+    # -- the language model inside a published checkpoint --------------------------------------------------------
+
+    @cached_property
+    def text_prefixes(self) -> dict[str, str]:
+        """The published prefixes (`TEXT_PREFIXES`) this checkpoint's tensors carry, each with its text-only name."""
+        names = self.tensor_shapes()
+        return {old: new for old, new in TEXT_PREFIXES.items() if any(n.startswith(old) for n in names)}
+
+    def text_key_mapping(self) -> dict[str, str]:
+        """The renaming transformers' `from_pretrained(key_mapping=...)` applies to load the text-only model."""
+        return {"^" + old.replace(".", r"\."): new for old, new in self.text_prefixes.items()}
+
+    def text_names(self) -> dict[str, str]:
+        """Text-only name -> the name the checkpoint stores it under, for every tensor (a vision tower's and an
+        MTP head's keep their own names, which no text-only module asks for)."""
+        out = {}
+        for name in self.tensor_shapes():
+            old = next((p for p in self.text_prefixes if name.startswith(p)), None)
+            out[name if old is None else self.text_prefixes[old] + name[len(old):]] = name
+        return out
 
 
 def _json(path: Path, role: str) -> dict[str, Any]:

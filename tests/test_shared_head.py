@@ -108,7 +108,8 @@ def test_a_checkpoint_without_its_lm_head_is_one_line(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["lm_head.weight"]
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(OpdError, match=r"target model .*: no LM head tensor \(expected one of lm_head\.weight\)$"):
+    with pytest.raises(OpdError, match=r"target model .*: no LM head tensor \(expected one of lm_head\.weight, or the same under a "
+                                         r"published prefix: model\.language_model\., .*\)$"):
         load_shared_head(str(path), dtype=torch.float32, layer_ids=[1])
     with pytest.raises(OpdError, match=r"layer_ids \[5\]: expected non-empty ids in \[0, 3\)"):
         load_shared_head(str(path), dtype=torch.float32, layer_ids=[5])

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from opd.errors import OpdError
-from opd.model_dir import TARGET_FIELD, WEIGHTS_FILE, WEIGHTS_INDEX, ModelDir
+from opd.model_dir import TARGET_FIELD, TEXT_PREFIXES, WEIGHTS_FILE, WEIGHTS_INDEX, ModelDir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,13 +66,14 @@ def skeleton(config: Any) -> PreTrainedModel:
 
 
 def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], device: str = "cpu") -> SharedHead:
-    """Read the embedding and LM head of the HF causal LM directory `path`, and nothing else of its weights."""
+    """Read the embedding and LM head of the HF causal LM directory `path`, and nothing else of its weights (a
+    multimodal checkpoint's language model under its published prefix; the vision tower is never read)."""
     config = target_config(path)
     _check_layer_ids(layer_ids, int(config.num_hidden_layers))  # before reading any weights
     model = skeleton(config)
     embed_names, head_names, head_bias = _parameter_names(model)
-    files = _weight_files(Path(path))
-    embed_weight = _read(files, embed_names, path, "input embedding")
+    stored = _stored_tensors(Path(path))
+    embed_weight = _read(stored, embed_names, path, "input embedding")
     embed = nn.Embedding(embed_weight.shape[0], embed_weight.shape[1], device="meta")
     embed.weight = nn.Parameter(embed_weight.to(device=device, dtype=dtype), requires_grad=False)
     scale = embedding_scale(model.get_input_embeddings())
@@ -80,11 +81,11 @@ def load_shared_head(path: str, *, dtype: torch.dtype, layer_ids: list[int], dev
         embed.scalar_embed_scale = scale  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors/modules
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head_weight = embed.weight if tied else nn.Parameter(
-        _read(files, head_names, path, "LM head").to(device=device, dtype=dtype), requires_grad=False)
+        _read(stored, head_names, path, "LM head").to(device=device, dtype=dtype), requires_grad=False)
     head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=head_bias, device="meta")
     head.weight = head_weight
     if head_bias:
-        bias = _read(files, [n.removesuffix("weight") + "bias" for n in head_names], path, "LM head bias")
+        bias = _read(stored, [n.removesuffix("weight") + "bias" for n in head_names], path, "LM head bias")
         head.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
     return SharedHead(config, embed, head, layer_ids)
 
@@ -95,13 +96,14 @@ def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
 
 
 def target_config(path: str) -> Any:
-    """The target's transformers config, from its config.json alone (a one-line OpdError when unreadable, or when
-    the directory is a drafter's)."""
+    """The target's language model's transformers config, from its config.json alone: a multimodal checkpoint's
+    `text_config`, as every role loads it (`load_target`). A one-line OpdError when unreadable, or when the
+    directory is a drafter's."""
     from transformers import AutoConfig
 
     ModelDir.read(path, "target model").expect("target", TARGET_FIELD)
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
     except (OSError, ValueError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
 
@@ -116,21 +118,24 @@ def _parameter_names(model: PreTrainedModel) -> tuple[list[str], list[str], bool
     return embed_names, head_names, getattr(head, "bias", None) is not None
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (`ModelDir`: the index's files, or the one file)."""
-    files = ModelDir.read(directory, "target model").tensor_files()
+def _stored_tensors(directory: Path) -> dict[str, tuple[Path, str]]:
+    """Text-only tensor name -> (the safetensors file holding it, the name it is stored under there)."""
+    model_dir = ModelDir.read(directory, "target model")
+    files = model_dir.tensor_files()
     if not files:
         raise OpdError(f"target model {directory}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX} found")
-    return files
+    return {name: (files[stored], stored) for name, stored in model_dir.text_names().items()}
 
 
-def _read(files: dict[str, Path], names: list[str], path: str, what: str) -> torch.Tensor:
+def _read(stored: dict[str, tuple[Path, str]], names: list[str], path: str, what: str) -> torch.Tensor:
     """The first of `names` the checkpoint holds, read alone from its file (memory-mapped, no other tensor)."""
-    name = next((n for n in names if n in files), None)
+    name = next((n for n in names if n in stored), None)
     if name is None:
-        raise OpdError(f"target model {path}: no {what} tensor (expected one of {', '.join(names)})")
-    with _open(files[name]) as f:
-        return f.get_tensor(name)
+        raise OpdError(f"target model {path}: no {what} tensor (expected one of {', '.join(names)}, or the same "
+                       f"under a published prefix: {', '.join(TEXT_PREFIXES)})")
+    file, stored_name = stored[name]
+    with _open(file) as f:
+        return f.get_tensor(stored_name)
 
 
 def _open(file: Path):

@@ -22,6 +22,7 @@ from opd.model_dir import TARGET_FIELD, ModelDir
 from opd.models.kind_masks import kind_masks
 from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
+from opd.models.quantization import Quantization, dequantized_name
 from opd.models.rope_table import RopeTable
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class Target(nn.Module):
         self._template: _BlockTemplate | None = None
         self._rope = RopeTable.of(self.decoder)
         self._register_feature_hooks()
+        self.unread: tuple[str, ...] = ()  # checkpoint tensors no module of the text model holds (`load_target`)
 
     @property
     def linear(self) -> bool:
@@ -363,20 +365,42 @@ def load_target(
 
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise OpdError("attn_implementation 'flash_attention_2' needs flash-attn: pip install -e .[gpu]")
-    ModelDir.read(path, "target model").expect("target", field)
+    model_dir = ModelDir.read(path, "target model").expect("target", field)
     # transformers' default experts kernel (grouped_mm) takes no float64; its eager loop does, and a dense model
     # ignores the setting
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}  # else HF's pick
+    quantized = Quantization.of(model_dir.config, f"{path}/config.json").load_kwargs(device, dtype)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists every vision-tower tensor left unread, as a warning
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, output_loading_info=True, **experts, **chosen
-        )
+            path, dtype=dtype, local_files_only=True, output_loading_info=True, **_language_model(model_dir),
+            **experts, **chosen, **quantized)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OpdError(f"target model {path}: {first_line}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
     _refuse_missing_weights(path, type(model).__name__, loading["missing_keys"])
-    return Target(model.to(device), layer_ids)
+    target = Target(model.to(device), layer_ids)
+    held = set(model.state_dict())
+    target.unread = tuple(sorted(n for n in model_dir.text_names() if dequantized_name(n) not in held))
+    return target
+
+
+def _language_model(model_dir: ModelDir) -> dict[str, Any]:
+    """`from_pretrained` arguments that load a multimodal checkpoint as its language model alone: the text config
+    (carrying the published quantization) and the renaming of its published prefix. transformers would build the
+    whole `...ForConditionalGeneration` for some families (Gemma 4), vision tower included."""
+    if not isinstance(model_dir.config.get("text_config"), dict):
+        return {}
+    from opd.models.shared_head import target_config
+
+    text = target_config(str(model_dir.path))
+    if "quantization_config" in model_dir.config and not hasattr(text, "quantization_config"):
+        text.quantization_config = model_dir.config["quantization_config"]
+    return {"config": text, "key_mapping": model_dir.text_key_mapping()}
 
 
 def _refuse_missing_weights(path: str, architecture: str, missing: list[str]) -> None:
