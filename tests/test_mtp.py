@@ -356,6 +356,28 @@ def test_opd_export_to_target_writes_the_directory_vllm_serves_and_serve_bench_t
         assert "\n" not in str(info.value)
 
 
+def test_a_deepseek_head_is_never_written_where_speculators_cannot_load_it(targets, tmp_path, capsys):
+    """speculators' MTPDraftModel builds no DeepSeek-V3 layer ("Unsupported MTP model type"): `--to speculators` is
+    refused in one line naming `--to target`, and the line a run ends with suggests `--to target`; a Qwen3.5 head
+    keeps speculators' layout first."""
+    from opd.cli import main
+    from opd.commands.export import export_command
+
+    directory, target = targets("deepseek_v3")
+    write_speculators(tmp_path / "ckpt", own_head(target).config, own_head(target).state_dict(), torch.float32,
+                      str(directory), [])
+    out = tmp_path / "refused"
+    assert main(["export", str(tmp_path / "ckpt"), "--to", "speculators", "--target", str(directory), "--out",
+                 str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "'deepseek_v3'" in error and error.endswith(
+        "(expected --to target, which writes this drafter as it is)")
+    assert not out.exists()
+    assert " --to target " in export_command(tmp_path / "ckpt", "mtp", tmp_path / "o", str(directory))
+    qwen, _ = targets("qwen3_5")
+    assert " --to speculators " in export_command(tmp_path / "ckpt", "mtp", tmp_path / "o", str(qwen))
+
+
 # -- the preflight's shape check -------------------------------------------------------------------------------------
 
 

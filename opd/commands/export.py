@@ -43,19 +43,21 @@ SPECULATORS_IMPORT = ('import sys, types; sys.modules.setdefault("speculators.tr
                       'types.SimpleNamespace(BatchType=dict)); from speculators import SpeculatorModel')
 
 
-def layouts(found: DrafterFamily) -> list[str]:
+def layouts(found: DrafterFamily, target: ModelDir | None = None) -> list[str]:
     """The `--to` layouts a family is written in, the one to serve it from first: its public layout where that is
     z-lab's or SpecForge's (`zlab`), then speculators' where the family writes it, then the target's own (`target`)
-    where the family is part of a target's checkpoint."""
+    where the family is part of a target's checkpoint; for a known `target`, only those its client loads."""
     public = [] if found.public_layout == "speculators" else ["zlab"]
     public += ["speculators"] if type(found).save_speculators is not DrafterFamily.save_speculators else []
-    return public + (["target"] if found.lives_in_target else [])
+    every = public + (["target"] if found.lives_in_target else [])
+    return every if target is None else [name for name in every if found.unloadable(name, target) is None]
 
 
-def export_command(checkpoint: str | Path, kind: str, out: str | Path) -> str:
+def export_command(checkpoint: str | Path, kind: str, out: str | Path, target: str | None = None) -> str:
     """The `opd export` line that takes a trained checkpoint of `kind` out to vLLM (what `opd run` and `opd train`
-    print last)."""
-    return shell_line("opd", "export", str(checkpoint), "--to", layouts(family(kind))[0], "--out", str(out))
+    print last), in the first layout whose client loads it for `target`."""
+    layout = layouts(family(kind), ModelDir.find(target, "target model"))[0]
+    return shell_line("opd", "export", str(checkpoint), "--to", layout, "--out", str(out))
 
 
 def run_export(checkpoint: str, to: str, out: str, target: str | None, config: str | None) -> int:
@@ -73,12 +75,17 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
     verifier = _target_path(checkpoint, target, spec)
     section = (spec.models.drafter if spec is not None and spec.models.drafter.kind == found.kind
                else found.section.model_validate({}))
+    if (reason := found.unloadable(to, ModelDir.read(verifier, "target model"))) is not None:
+        raise OpdError(f"--to {to}: {reason}{_instead(found, to, verifier)}")
     head = _shared_head(directory, found, verifier)
     drafter = found.load(directory, head, section)
     block_size = found.served_block_size(directory, head, section)  # refused here if vLLM cannot serve it
     destination = Path(out).absolute()
-    with atomic_dir(destination) as tmp:
-        _write(found, drafter, to, tmp, verifier)
+    try:
+        with atomic_dir(destination) as tmp:
+            _write(found, drafter, to, tmp, verifier)
+    except OpdError as exc:
+        raise OpdError(f"--to {to}: {exc}{_instead(found, to, verifier)}") from None
     if to == "target":
         return _print_into_target(found, destination, block_size)
     exported = ModelDir.read(destination, "drafter")
@@ -90,6 +97,13 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
           f"check it in {CLIENTS[written]}:\n"
           f"  {shell_line('python', '-c', check_code(exported, written, verifier))}")
     return 0
+
+
+def _instead(found: DrafterFamily, refused: str, target: str) -> str:
+    """The layouts to write a drafter in when its client cannot load it in `refused`: its family's others that
+    load for `target`."""
+    others = [name for name in layouts(found, ModelDir.read(target, "target model")) if name != refused]
+    return f" (expected --to {' or --to '.join(others)}, which writes this drafter as it is)" if others else ""
 
 
 def _spec(config: str | None) -> ExperimentSpec | None:

@@ -80,7 +80,8 @@ def mlflow_ui(spec: ExperimentSpec) -> str:
 
 def export_line(spec: ExperimentSpec, checkpoint: str) -> str:
     """The `opd export` command that writes the trained checkpoint as vLLM serves it, under RUN_DIR/export/."""
-    return export_command(checkpoint, spec.models.drafter.kind, spec.run_dir / "export" / Path(checkpoint).name)
+    return export_command(checkpoint, spec.models.drafter.kind, spec.run_dir / "export" / Path(checkpoint).name,
+                          spec.models.target_path)
 
 
 def describe_recipe(spec: ExperimentSpec) -> str:

@@ -37,6 +37,9 @@ from opd.formats.speculators import MODEL_TYPE, VERSION, model_type, proposed_to
 from opd.model_dir import WEIGHTS_INDEX, ModelDir
 
 ARCHITECTURE = "MTPDraftModel"
+# the target model types speculators' MTPDraftModel builds a layer for (0.9.0, `mtp_model_classes`); it refuses
+# any other with "Unsupported MTP model type", so those heads are served from the target's own layout
+SPECULATORS_MODEL_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 HEAD_SHARD = "mtp-head.safetensors"  # the trained head, in an export into the target's own layout
 PARTS = ("fc", "token_norm", "hidden_norm", "final_norm")  # the head's own modules besides its decoder layer
 

@@ -82,6 +82,12 @@ class DrafterFamily:
         raise OpdError(f"models.drafter.kind: {self.kind} is not part of a target's own checkpoint, so it has no "
                        "export into the target's layout")
 
+    def unloadable(self, layout: str, target: ModelDir) -> str | None:
+        """Why `layout`'s client cannot load this family's drafters for `target`, or None where it can: an export
+        is refused, and no command suggests it, where its client would fail (a family whose client covers only
+        some targets says so)."""
+        return None
+
     @property
     def lives_in_target(self) -> bool:
         """Whether drafters of this family are written into their target's checkpoint (`save_into_target`)."""

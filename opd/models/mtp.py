@@ -37,6 +37,7 @@ from opd.formats.experts import fuse_experts, split_shapes, stores_per_expert
 from opd.formats.mtp import (
     LAYOUTS,
     SPECULATORS,
+    SPECULATORS_MODEL_TYPES,
     MTPConfig,
     MTPLayout,
     MTPSpec,
@@ -507,6 +508,14 @@ class MTPFamily(DrafterFamily):
         (`opd export --to target`) is served from the model directory itself, so names no drafter model."""
         config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": block_size - 1}
         return config if directory.kind.layout == "target" else config | {"model": str(directory.path)}
+
+    def unloadable(self, layout: str, target: ModelDir) -> str | None:
+        """speculators' `MTPDraftModel` builds heads of a few target types only (`SPECULATORS_MODEL_TYPES`)."""
+        model_type = str(target.text_config.get("model_type", ""))
+        if layout != SPECULATORS or model_type in SPECULATORS_MODEL_TYPES:
+            return None
+        return (f"speculators' MTPDraftModel cannot load a head of a {model_type!r} target (it builds "
+                f"{', '.join(SPECULATORS_MODEL_TYPES)})")
 
     def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
         architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
