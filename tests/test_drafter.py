@@ -435,8 +435,31 @@ def test_a_fresh_drafter_for_a_target_without_rope_takes_the_spec_s_base():
     target.rope_parameters = {"rope_type": "default"}
     for build in (lambda **kw: DFlashConfig.for_target(target, num_layers=1, block_size=4, mask_token_id=3, **kw),
                   lambda **kw: Eagle3Config.for_target(target, draft_vocab_size=64, block_size=4, **kw)):
-        with pytest.raises(OpdError, match=r"has no RoPE base .*set models\.drafter\.rope_theta"):
+        with pytest.raises(OpdError, match=r"rope_theta.*set models\.drafter\.rope_theta"):
             build()
         config = build(rope_theta=12345.0)
         assert (config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters") else config.rope_theta) \
             == 12345.0
+
+
+def test_every_target_field_a_fresh_drafter_lacks_is_named_at_once():
+    """A target stating neither a RoPE base nor a context length (Kimi Linear): one error names both spec fields,
+    each with what to set; with both set, the drafter takes them."""
+    import re
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from opd.errors import OpdError
+
+    fields = AutoConfig.from_pretrained("opd/assets/tiny/target").to_dict()
+    fields |= {"rope_theta": None, "rope_parameters": {"rope_type": "default"}, "max_position_embeddings": None}
+    target = SimpleNamespace(to_dict=lambda: fields)  # a config as Kimi Linear's states it
+    with pytest.raises(OpdError) as info:
+        DFlashConfig.for_target(target, num_layers=1, block_size=4, mask_token_id=3)
+    assert "\n" not in str(info.value)
+    assert re.search(r"rope_theta: set models\.drafter\.rope_theta \(.*\); max_position_embeddings: set "
+                     r"models\.drafter\.max_position_embeddings \(.*131072\)$", str(info.value))
+    config = DFlashConfig.for_target(target, num_layers=1, block_size=4, mask_token_id=3, rope_theta=5e5,
+                                     max_position_embeddings=4096)
+    assert (config.rope_parameters["rope_theta"], config.max_position_embeddings) == (5e5, 4096)

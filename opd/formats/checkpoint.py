@@ -15,11 +15,23 @@ from opd.model_dir import CONFIG_FILE, WEIGHTS_FILE
 if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors
     import torch
 
-__all__ = ["CONFIG_FILE", "NO_ROPE_BASE", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
+__all__ = ["CONFIG_FILE", "FRESH_FIELDS", "NO_ROPE_BASE", "missing_fresh_fields", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
 
-# A fresh drafter takes its target's RoPE base; a target whose attention has none needs the spec to give one.
+# A fresh drafter copies these from its target's config; a target whose config lacks one (Kimi Linear's MLA layers
+# carry no RoPE and state no context length) needs the spec to give it: the field to set, and what to set it to.
+FRESH_FIELDS = {
+    "rope_theta": "its target family's usual RoPE base: 10000 for Llama 2, 1000000 for Qwen3",
+    "max_position_embeddings": "the target's context length, e.g. 131072",
+}
 NO_ROPE_BASE = ("the target's config has no RoPE base (rope_theta; its attention carries no RoPE, as Kimi Linear's "
                 "MLA layers): set models.drafter.rope_theta, the fresh drafter's (its target family's usual base)")
+
+
+def missing_fresh_fields(names: list[str]) -> OpdError:
+    """One error naming every target field a fresh drafter lacks, each with the spec field that gives it and what
+    to set there, so a user does not learn them one run at a time."""
+    wanted = "; ".join(f"{name}: set models.drafter.{name} ({FRESH_FIELDS[name]})" for name in names)
+    return OpdError(f"the target's config lacks what a fresh drafter copies from it: {wanted}")
 
 
 class TargetShape(Protocol):

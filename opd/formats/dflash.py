@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from opd.errors import OpdError
-from opd.formats.checkpoint import CONFIG_FILE, NO_ROPE_BASE, TargetShape, int_field, load_weights, write_layout
+from opd.formats.checkpoint import (
+    CONFIG_FILE,
+    NO_ROPE_BASE,
+    TargetShape,
+    int_field,
+    load_weights,
+    missing_fresh_fields,
+    write_layout,
+)
 from opd.formats.layer_attention import LayerAttention
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import MODEL_TYPE, backbone_public, dflash_speculators, is_speculators, model_type
@@ -153,6 +161,7 @@ class DFlashConfig:
         target_layer_ids: list[int] | None = None,
         input_embedding_scale: float | None = None,
         rope_theta: float | None = None,
+        max_position_embeddings: int | None = None,
     ) -> DFlashConfig:
         """A drafter as wide as the target (DFlash copies the target's attention and MLP shapes), carrying what the
         public drafters of the target's family carry: the target's RoPE (its full-attention entry when the target
@@ -162,6 +171,7 @@ class DFlashConfig:
         text = target_hf_config.get_text_config(decoder=True) if hasattr(target_hf_config, "get_text_config") \
             else target_hf_config
         hf = text.to_dict()
+        rope, positions = _fresh_fields(hf, rope_theta, max_position_embeddings)
         num_target_layers = int_field(hf, "num_hidden_layers")
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
@@ -173,9 +183,9 @@ class DFlashConfig:
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
             rms_norm_eps=float(hf["rms_norm_eps"]),
-            rope_parameters=_target_rope(hf, rope_theta),
+            rope_parameters=rope,
             vocab_size=int(hf["vocab_size"]),
-            max_position_embeddings=int_field(hf, "max_position_embeddings"),
+            max_position_embeddings=positions,
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
             target_layer_ids=[int(i) for i in target_layer_ids],
@@ -415,6 +425,25 @@ def _flat_rope(params: Any, theta: Any, name: str) -> dict[str, Any]:
                        f"config field '{name}.rope_theta' must be a number, got {out['rope_theta']!r}")
     out["rope_theta"] = float(out["rope_theta"])
     return out
+
+
+def _fresh_fields(hf: dict[str, Any], rope_theta: float | None,
+                  max_positions: int | None) -> tuple[dict[str, Any], int]:
+    """The RoPE and context length a fresh drafter takes from its target, the spec's where the target has none;
+    every one missing from both refused at once (`missing_fresh_fields`)."""
+    missing, rope = [], {}
+    try:
+        rope = _target_rope(hf, rope_theta)
+    except OpdError as exc:
+        if str(exc) != NO_ROPE_BASE:
+            raise
+        missing.append("rope_theta")
+    positions = hf.get("max_position_embeddings") or max_positions
+    if positions is None:
+        missing.append("max_position_embeddings")
+    if missing:
+        raise missing_fresh_fields(missing)
+    return rope, int(positions or 0)
 
 
 def _target_rope(hf: dict[str, Any], rope_theta: float | None = None) -> dict[str, Any]:

@@ -41,6 +41,9 @@ class DrafterSection(Section):
         "A fresh drafter's RoPE base where the target's config carries none (an attention without RoPE, as Kimi "
         "Linear's MLA layers); None = the target's. Public drafters use their target's (10000 for Llama 2, "
         "1000000 for Qwen3); a warm drafter brings its own."))
+    max_position_embeddings: int | None = Field(None, ge=1, description=(
+        "A fresh drafter's context length where the target's config states none (Kimi Linear); None = the "
+        "target's."))
 
     # What the experiment's rules ask (opd/spec/rules.py): whether its drafts have a realized q to sample at T>0
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has

@@ -528,7 +528,8 @@ class DFlashFamily(DrafterFamily):
                                        mask_token_id=mask_token_id(tokenizer, section.mask_token_id),
                                        target_layer_ids=base.layer_ids,
                                        input_embedding_scale=embedding_scale(base.embed_tokens),
-                                       rope_theta=section.rope_theta)
+                                       rope_theta=section.rope_theta,
+                                       max_position_embeddings=section.max_position_embeddings)
 
     def random(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashDrafter:
         config = self.config(section, base, tokenizer)
