@@ -22,6 +22,8 @@ __all__ = ["CONFIG_FILE", "FRESH_FIELDS", "NO_ROPE_BASE", "missing_fresh_fields"
 FRESH_FIELDS = {
     "rope_theta": "its target family's usual RoPE base: 10000 for Llama 2, 1000000 for Qwen3",
     "max_position_embeddings": "the target's context length, e.g. 131072",
+    "intermediate_size": "the drafter's MLP width; an MoE target states only its experts' (moe_intermediate_size), "
+                         "and a drafter as wide as a dense layer of its size takes e.g. 4x hidden_size",
 }
 NO_ROPE_BASE = ("the target's config has no RoPE base (rope_theta; its attention carries no RoPE, as Kimi Linear's "
                 "MLA layers): set models.drafter.rope_theta, the fresh drafter's (its target family's usual base)")

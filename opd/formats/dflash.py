@@ -162,6 +162,7 @@ class DFlashConfig:
         input_embedding_scale: float | None = None,
         rope_theta: float | None = None,
         max_position_embeddings: int | None = None,
+        intermediate_size: int | None = None,
     ) -> DFlashConfig:
         """A drafter as wide as the target (DFlash copies the target's attention and MLP shapes), carrying what the
         public drafters of the target's family carry: the target's RoPE (its full-attention entry when the target
@@ -171,13 +172,13 @@ class DFlashConfig:
         text = target_hf_config.get_text_config(decoder=True) if hasattr(target_hf_config, "get_text_config") \
             else target_hf_config
         hf = text.to_dict()
-        rope, positions = _fresh_fields(hf, rope_theta, max_position_embeddings)
+        rope, positions, width = _fresh_fields(hf, rope_theta, max_position_embeddings, intermediate_size)
         num_target_layers = int_field(hf, "num_hidden_layers")
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
         return cls(
             hidden_size=int_field(hf, "hidden_size"),
-            intermediate_size=int_field(hf, "intermediate_size"),
+            intermediate_size=width,
             num_hidden_layers=int(num_layers),
             num_attention_heads=int(hf["num_attention_heads"]),
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
@@ -427,10 +428,10 @@ def _flat_rope(params: Any, theta: Any, name: str) -> dict[str, Any]:
     return out
 
 
-def _fresh_fields(hf: dict[str, Any], rope_theta: float | None,
-                  max_positions: int | None) -> tuple[dict[str, Any], int]:
-    """The RoPE and context length a fresh drafter takes from its target, the spec's where the target has none;
-    every one missing from both refused at once (`missing_fresh_fields`)."""
+def _fresh_fields(hf: dict[str, Any], rope_theta: float | None, max_positions: int | None,
+                  width: int | None) -> tuple[dict[str, Any], int, int]:
+    """The RoPE, context length and MLP width a fresh drafter takes from its target, the spec's where the target
+    has none; every one missing from both refused at once (`missing_fresh_fields`)."""
     missing, rope = [], {}
     try:
         rope = _target_rope(hf, rope_theta)
@@ -438,12 +439,12 @@ def _fresh_fields(hf: dict[str, Any], rope_theta: float | None,
         if str(exc) != NO_ROPE_BASE:
             raise
         missing.append("rope_theta")
-    positions = hf.get("max_position_embeddings") or max_positions
-    if positions is None:
-        missing.append("max_position_embeddings")
+    found = {"max_position_embeddings": hf.get("max_position_embeddings") or max_positions,
+             "intermediate_size": hf.get("intermediate_size") or width}
+    missing += [name for name, value in found.items() if value is None]
     if missing:
         raise missing_fresh_fields(missing)
-    return rope, int(positions or 0)
+    return rope, int(found["max_position_embeddings"] or 0), int(found["intermediate_size"] or 0)
 
 
 def _target_rope(hf: dict[str, Any], rope_theta: float | None = None) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class DrafterSection(Section):
     max_position_embeddings: int | None = Field(None, ge=1, description=(
         "A fresh drafter's context length where the target's config states none (Kimi Linear); None = the "
         "target's."))
+    intermediate_size: int | None = Field(None, ge=1, description=(
+        "A fresh drafter's MLP width where the target's config states none (an MoE target such as Qwen3.5-122B, "
+        "whose experts have their own); None = the target's."))
 
     # What the experiment's rules ask (opd/spec/rules.py): whether its drafts have a realized q to sample at T>0
     # (`serving.draft: sample`), whether its training takes random anchors and a top-k teacher, and whether it has

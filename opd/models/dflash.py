@@ -529,7 +529,8 @@ class DFlashFamily(DrafterFamily):
                                        target_layer_ids=base.layer_ids,
                                        input_embedding_scale=embedding_scale(base.embed_tokens),
                                        rope_theta=section.rope_theta,
-                                       max_position_embeddings=section.max_position_embeddings)
+                                       max_position_embeddings=section.max_position_embeddings,
+                                       intermediate_size=section.intermediate_size)
 
     def random(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashDrafter:
         config = self.config(section, base, tokenizer)

@@ -97,6 +97,22 @@ class Quantization:
             return f"{self.method} kernel"
         return f"{self.method} dequantized to {str(dtype).removeprefix('torch.')}"
 
+    def check_dequantizable(self, shapes: dict[str, tuple[int, ...]], device: str, where: str) -> None:
+        """Refuse, before loading, an FP8 weight transformers (5.24) would dequantize wrongly: its `Fp8Dequantize`
+        takes a block's height as rows // scale rows, not the published block, so a weight of more than one block
+        whose rows or columns are no multiple of it (DeepSeek-V3's and Kimi K2's 576-row `kv_a_proj_with_mqa`)
+        comes out wrong or fails with a traceback. The kernel path reads the blocks as published."""
+        if self.method != FP8 or self.kernel(device):
+            return
+        rows, cols = self.block
+        for name in shapes:
+            if name.endswith(".weight_scale_inv"):
+                weight = shapes.get(name[: -len("_scale_inv")], ())
+                if len(weight) == 2 and any(d > b and d % b for d, b in zip(weight, (rows, cols), strict=True)):
+                    raise OpdError(f"{where}: FP8 weight {name[: -len('_scale_inv')]} is {weight[0]} x {weight[1]}, "
+                                   f"in partial {rows} x {cols} blocks, which transformers dequantizes wrongly "
+                                   "off the FP8 kernel (expected a GPU of compute capability 8.9 or more, e.g. an H200)")
+
     def load_kwargs(self, device: str, dtype: torch.dtype) -> dict[str, Any]:
         """The extra `from_pretrained` kwargs: none where the kernel runs (or for a float checkpoint); else the
         published config with `dequantize=True`, so the weights load in `dtype` (the parameters' dtype)."""
@@ -109,18 +125,6 @@ class Quantization:
 
 
 # -- writers (as published) ------------------------------------------------------------------------------------
-
-
-QUANTIZED_SUFFIXES = {"_blocks": "", "_scales": "", ".weight_scale_inv": ".weight"}  # stored name -> its weight's
-
-
-def dequantized_name(name: str) -> str:
-    """The parameter a stored tensor becomes once dequantized: `..._blocks`/`..._scales` -> `...`,
-    `...weight_scale_inv` -> `...weight`; any other name is its own."""
-    for suffix, base in QUANTIZED_SUFFIXES.items():
-        if name.endswith(suffix):
-            return name[: -len(suffix)] + base
-    return name
 
 
 def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from opd.model_dir import TARGET_FIELD, ModelDir
 from opd.models.kind_masks import kind_masks
 from opd.models.layer_kind import TargetKinds, layer_kinds
 from opd.models.packed_attention import PackedRows
-from opd.models.quantization import Quantization, dequantized_name
+from opd.models.quantization import Quantization
 from opd.models.rope_table import RopeTable
 
 if TYPE_CHECKING:
@@ -370,7 +371,9 @@ def load_target(
     # ignores the setting
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}  # else HF's pick
-    quantized = Quantization.of(model_dir.config, f"{path}/config.json").load_kwargs(device, dtype)
+    quantization = Quantization.of(model_dir.config, f"{path}/config.json")
+    quantization.check_dequantizable(model_dir.tensor_shapes(), device, f"target model {path}")
+    quantized = quantization.load_kwargs(device, dtype)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report lists every vision-tower tensor left unread, as a warning
     try:
@@ -384,9 +387,16 @@ def load_target(
         hf_logging.set_verbosity(verbosity)
     _refuse_missing_weights(path, type(model).__name__, loading["missing_keys"])
     target = Target(model.to(device), layer_ids)
-    held = set(model.state_dict())
-    target.unread = tuple(sorted(n for n in model_dir.text_names() if dequantized_name(n) not in held))
+    target.unread = unread_tensors(model, model_dir.text_names())
     return target
+
+
+def unread_tensors(model: nn.Module, names: Iterable[str]) -> tuple[str, ...]:
+    """The checkpoint tensors no part of the loaded text model reads (a vision tower, an MTP head), told apart by
+    their first two name parts: a tensor transformers fuses, splits or dequantizes on load (per-expert weights,
+    MXFP4 blocks) still sits under one of the model's own top modules."""
+    held = {name for name, _ in model.named_modules()} | set(model.state_dict())
+    return tuple(sorted(n for n in names if ".".join(n.split(".")[:2]) not in held))
 
 
 def _language_model(model_dir: ModelDir) -> dict[str, Any]:
