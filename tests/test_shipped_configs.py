@@ -6,8 +6,7 @@ tower beside it, MXFP4 experts, sharded safetensors with an index. Then every co
 runs on it: `opd validate`, `opd run` (the learner's shared head, rollout, scorer, evaluator), `opd eval`,
 `opd export` in every layout the family has (each loaded in its client's own classes) and `opd serve-bench`'s
 preflight. Every config validates and every published layout loads in the fast suite; the full command chain runs
-there on one config of each layout kind (`LOCAL_IN_FAST_SUITE`, `RAY_IN_FAST_SUITE`) and on every config, locally
-and on Ray, in `make test-all`.
+there on two configs (`LOCAL_IN_FAST_SUITE`) and on every config, locally and on Ray, in `make test-all`.
 """
 
 from __future__ import annotations
@@ -33,10 +32,10 @@ from opd.tiny.miniature import FIXTURES, Miniature, build, text_section
 from tests.helpers.miniatures import PUBLISHED, fitted_sets, shipped_configs, target_of
 
 CONFIGS = shipped_configs()
-# The fast suite runs every command locally on one config of each published layout (a multimodal wrapper of each
-# family, MXFP4 experts) and on Ray on the layout that broke; `make test-all` runs all.
+# The fast suite runs every command locally on a multimodal wrapper and on MXFP4 experts; `make test-all` runs every
+# config, locally and on Ray. The Ray run's own pieces are fast tests: the learner actor's shared head on every
+# published layout (below), the Ray path against the local one (tests/test_ray.py).
 LOCAL_IN_FAST_SUITE = {"gemma4-31b.yaml", "gpt-oss-20b.yaml"}
-RAY_IN_FAST_SUITE = {"qwen3.5-9b.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +129,8 @@ def test_every_command_runs_on_the_miniature(config, miniatures, tmp_path, capsy
     _run_then_every_command(config, miniatures(target_of(config)), tmp_path, "local", capsys)
 
 
-@pytest.mark.parametrize("config", [pytest.param(c, marks=[] if c.name in RAY_IN_FAST_SUITE else pytest.mark.slow)
-                                    for c in CONFIGS], ids=_ids(CONFIGS))
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids(CONFIGS))
 def test_every_command_runs_on_the_miniature_on_ray(config, miniatures, tmp_path, capsys):
     _run_then_every_command(config, miniatures(target_of(config)), tmp_path, "ray", capsys)
 
