@@ -52,17 +52,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from opd.model_dir import ModelDir
+from opd.models.quantization import MXFP4, Quantization
 from opd.spec import ResourcesSpec, RoleSpec, shard_degree_issues
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "targets"
 GB, H200_BYTES, USABLE = 1e9, 141e9, 0.9
 PEAK_FLOPS, HBM_BYTES_PER_S = 989e12, 4.8e12
 DEGREES, GPUS_PER_NODE, NODES = (1, 2, 4, 8, 16), 8, 2
-BYTES = {"bf16": 2, "fp8": 1}
-# (fixture, precision): each target in bf16, and Qwen3.5-397B-A17B also from its FP8 checkpoint
-LAYOUTS = [("gpt-oss-120b", "bf16"), ("qwen3.5-122b-a10b", "bf16"), ("qwen3.5-397b-a17b", "bf16"),
+# Bytes a parameter in each precision: (the weights the plan splits outside the attention and the vocabulary, the
+# rest). MXFP4 is gpt-oss's experts as published (4 bits and an 8-bit scale per 32 values), the rest bf16.
+BYTES = {"bf16": (2.0, 2.0), "fp8": (1.0, 1.0), "mxfp4": (Quantization(MXFP4).bytes_per_parameter, 2.0)}
+# (fixture, precision): each target in bf16 (what a dequantizing load holds), Qwen3.5-397B-A17B also from its FP8
+# checkpoint and gpt-oss-120b also as published, in MXFP4 (its kernel path)
+LAYOUTS = [("gpt-oss-120b", "bf16"), ("gpt-oss-120b", "mxfp4"), ("qwen3.5-122b-a10b", "bf16"), ("qwen3.5-397b-a17b", "bf16"),
            ("qwen3.5-397b-a17b", "fp8"), ("minimax-m2.5", "bf16"), ("glm-5.1", "fp8"), ("kimi-k2", "fp8")]
 PROJECTED_ONLY = {"fp8": "an FP8 checkpoint's sharded load is not tested here (the CPU tests load bf16 and fp32)",
+                  "mxfp4": "the MXFP4 kernel needs transformers' `kernels` package on the GPU, which the gpu extra "
+                           "does not install; without it the trainer dequantizes to bf16 (the bf16 row)",
                   "minimax_m2": "no sharded test of MiniMax M2 here",
                   "deepseek_v3": "no sharded test of DeepSeek-V3's latent attention here",
                   "glm_moe_dsa": "the project refuses GLM 5's sparse attention (not an exact layer kind yet)",
@@ -86,7 +92,7 @@ class Shape:
 
     name: str
     family: str  # config.json's model_type
-    precision: str  # bf16, or fp8: every linear weight in one byte (block scales left out), embedding and head bf16
+    precision: str  # a key of BYTES: bf16; fp8 (every linear weight one byte, scales left out); mxfp4 (the experts)
     hidden: int
     vocab: int
     kv_heads: int
@@ -109,7 +115,8 @@ class Shape:
     @property
     def weight_bytes(self) -> float:
         """All weights, in their precision."""
-        return BYTES[self.precision] * (self.total - 2 * self.vocab * self.hidden) + self.head_bytes
+        split, rest = BYTES[self.precision]
+        return split * self.split + rest * (self.total - self.split - 2 * self.vocab * self.hidden) + self.head_bytes
 
     def splits_attention(self, degree: int) -> bool:
         return self.attention_split and self.kv_heads % degree == 0
@@ -220,7 +227,8 @@ def rank_bytes(s: Shape, degree: int, tokens: float, sequences: float) -> float:
     vocab = 2 * s.vocab * s.hidden
     attention = s.attention / (degree if s.splits_attention(degree) else 1)
     whole = s.total - s.split - s.attention - vocab
-    weights = BYTES[s.precision] * (s.split / degree + attention + whole) + 2 * (s.vocab_split / degree
+    split, rest = BYTES[s.precision]
+    weights = split * s.split / degree + rest * (attention + whole) + 2 * (s.vocab_split / degree
                                                                                   + vocab - s.vocab_split)
     copies = 2 * s.vocab_split if degree > 1 else 0.0  # a whole copy of what the plan splits; the rest is shared
     kv = tokens * s.kv_bytes_per_token / (degree if s.splits_kv(degree) else 1)
