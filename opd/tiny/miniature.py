@@ -7,14 +7,15 @@ quantized experts. A miniature keeps all of that and shrinks only hidden size, l
 vocabulary, so every command can be run on it on a CPU in seconds.
 
 The published configs are JSON fixtures (`bench/fixtures/targets/*.json`, each naming its source in `_source`).
-The builder is seeded; nothing is downloaded. The tokenizer is the shipped tiny one with the family's chat tokens
-and a chat template in the family's style (not the published template verbatim), so `data.render: chat` and the
-family's switches (`enable_thinking`, `reasoning_effort`) render as a served target would.
+The builder is seeded; nothing is downloaded. The tokenizer is the shipped tiny one with the published chat template
+(`bench/fixtures/targets/templates/`, each naming its source) and every chat token it emits, so `data.render: chat`
+and the family's switches (`enable_thinking`, `reasoning_effort`) render as the published tokenizer renders them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,55 +137,61 @@ def _layer_count(text: dict[str, Any]) -> int:
 
 # -- the tokenizer ------------------------------------------------------------------------------------------------
 
+TEMPLATES = FIXTURES / "templates"
+CHAT_TOKEN = re.compile(r"<\|[^<>|\s]*\|>|<\|[^<>|\s]*>|<[^<>|\s]*\|>|</?[a-z_]+>")  # <|im_end|>, <|turn>, <think>
+
+
 @dataclass(frozen=True)
 class ChatStyle:
-    """A family's chat tokens and a template in its style: turns, end-of-turn token, its switches."""
+    """A published checkpoint's chat template (`TEMPLATES/<template>.jinja`, each naming its source) and the
+    tokens it ends a turn with and begins a text with."""
 
-    tokens: tuple[str, ...]
-    end_of_turn: str
     template: str
+    end_of_turn: str
+    bos: str | None = None
 
 
-CHATML = ChatStyle(("<|im_start|>", "<|im_end|>"), "<|im_end|>", (
-    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}"))
-LLAMA3 = ChatStyle(("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>", (
-    "{{- '<|begin_of_text|>' }}{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n'"
-    " + m.content + '<|eot_id|>' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"))
-GEMMA = ChatStyle(("<bos>", "<start_of_turn>", "<end_of_turn>"), "<end_of_turn>", (
-    "{{- '<bos>' }}{%- for m in messages %}{{- '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role)"
-    " + '\\n' + m.content + '<end_of_turn>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"))
-HARMONY = ChatStyle(("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"), "<|return|>", (
-    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort if reasoning_effort is defined and "
-    "reasoning_effort else 'medium') + '<|end|>' }}{%- for m in messages %}{{- '<|start|>' + m.role + "
-    "'<|message|>' + m.content + '<|end|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start|>assistant' }}"
-    "{%- endif %}"))
-CHAT_STYLES = {"qwen": CHATML, "llama": LLAMA3, "gemma": GEMMA, "gpt_oss": HARMONY}
+QWEN3 = ChatStyle("qwen3", "<|im_end|>")
+QWEN3_5 = ChatStyle("qwen3.5", "<|im_end|>")
+GPT_OSS = ChatStyle("gpt-oss", "<|return|>")
+CHAT_STYLES = {
+    "qwen3-4b": QWEN3, "qwen3-8b": QWEN3, "qwen3-30b-a3b": ChatStyle("qwen3-thinking-2507", "<|im_end|>"),
+    "qwen3.5-9b": QWEN3_5, "qwen3.5-122b-a10b": QWEN3_5, "qwen3.5-397b-a17b": QWEN3_5,
+    "llama3.1-8b": ChatStyle("llama3.1", "<|eot_id|>", "<|begin_of_text|>"),
+    "gemma4-31b": ChatStyle("gemma4", "<turn|>", "<bos>"), "gpt-oss-20b": GPT_OSS, "gpt-oss-120b": GPT_OSS,
+}
 
 
-def chat_style(model_type: str) -> ChatStyle:
-    """The chat style of a published `model_type` (qwen3_5_moe -> ChatML, gpt_oss -> Harmony, ...)."""
-    for prefix, style in CHAT_STYLES.items():
-        if model_type.startswith(prefix):
-            return style
-    raise KeyError(f"no chat style for model_type {model_type!r} (expected one of {', '.join(CHAT_STYLES)}*)")
+def chat_style(name: str) -> ChatStyle:
+    """The chat style of published fixture `name`."""
+    if name not in CHAT_STYLES:
+        raise KeyError(f"no chat template for {name!r} (expected one of {', '.join(sorted(CHAT_STYLES))}; add its "
+                       f"published template to {TEMPLATES})")
+    return CHAT_STYLES[name]
 
 
-def tokenizer_for(model_type: str) -> Any:
-    """The shipped tiny tokenizer with the family's chat tokens and template (think tags for Qwen)."""
+def tokenizer_for(name: str) -> Any:
+    """The shipped tiny tokenizer with the published chat template of fixture `name` and every chat token it
+    emits (Qwen's think and tool tags as added tokens, the rest special), so a prompt renders as the published
+    tokenizer renders it, in the tiny vocabulary."""
     from transformers import AutoTokenizer
 
+    style = chat_style(name)
+    template = (TEMPLATES / f"{style.template}.jinja").read_text(encoding="utf-8")
+    tokens = sorted(set(CHAT_TOKEN.findall(template)) | {style.end_of_turn} | ({style.bos} if style.bos else set()))
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
-    style = chat_style(model_type)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(style.tokens)})
-    if style is CHATML:
-        tokenizer.add_tokens(["<think>", "</think>"])  # Qwen's think tags are added, not special, tokens
-    tokenizer.chat_template = style.template
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in tokens if "|" in t or t == style.bos]})
+    tokenizer.add_tokens([t for t in tokens if "|" not in t and t != style.bos])
+    if style.bos:
+        tokenizer.bos_token = style.bos
+    tokenizer.chat_template = template
     return tokenizer
+
+
+def _generation_config(style: ChatStyle) -> dict[str, Any]:
+    """The published generation_config.json where the fixtures hold it (sampling defaults), else none."""
+    path = TEMPLATES / f"{style.template}.generation_config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 # -- the checkpoint -----------------------------------------------------------------------------------------------
@@ -196,11 +203,10 @@ def build(name: str, directory: str | Path, seed: int = 0) -> Miniature:
 
     directory = Path(directory)
     published = _with_default_towers(published_config(name))
-    model_type = str(published["model_type"])
-    tokenizer = tokenizer_for(model_type)
-    end_of_turn = tokenizer.convert_tokens_to_ids(chat_style(model_type).end_of_turn)
+    tokenizer = tokenizer_for(name)
+    end_of_turn = tokenizer.convert_tokens_to_ids(chat_style(name).end_of_turn)
     special = {"eos_token_id": end_of_turn, "pad_token_id": tokenizer.pad_token_id,
-               "bos_token_id": tokenizer.eos_token_id}
+               "bos_token_id": tokenizer.bos_token_id if chat_style(name).bos else tokenizer.eos_token_id}
     config_dict = shrunk(published, _padded(len(tokenizer)), special)
     architecture = str(config_dict["architectures"][0])
     config = transformers.AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "quantization_config"})
@@ -216,7 +222,7 @@ def build(name: str, directory: str | Path, seed: int = 0) -> Miniature:
     _quantize_as_published(directory, config_dict)
     _write_mtp_head(directory, config_dict, seed)
     tokenizer.save_pretrained(directory)
-    _write_generation_config(directory, special, tokenizer.eos_token_id)
+    _write_generation_config(directory, chat_style(name), special, tokenizer.eos_token_id)
     quantization = config_dict.get("quantization_config", {}).get("quant_method")
     return Miniature(directory, int(text_section(config_dict)["num_hidden_layers"]), _padded(len(tokenizer)),
                      int(tokenizer.mask_token_id), architecture, quantization)
@@ -242,9 +248,11 @@ def _write_config(directory: Path, config: dict[str, Any]) -> None:
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_generation_config(directory: Path, special: dict[str, int], end_of_text: int) -> None:
-    config = {"eos_token_id": [special["eos_token_id"], end_of_text], "pad_token_id": special["pad_token_id"],
-              "bos_token_id": special["bos_token_id"]}
+def _write_generation_config(directory: Path, style: ChatStyle, special: dict[str, int], end_of_text: int) -> None:
+    """The published generation_config.json (its sampling defaults) with the tiny tokenizer's token ids."""
+    config = _generation_config(style) | {"eos_token_id": [special["eos_token_id"], end_of_text],
+                                          "pad_token_id": special["pad_token_id"],
+                                          "bos_token_id": special["bos_token_id"]}
     (directory / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
