@@ -145,3 +145,15 @@ def test_a_shard_the_index_names_but_is_missing_is_one_line(miniatures, tmp_path
         with pytest.raises(OpdError, match=r"model-00002-of-00004\.safetensors: weights file not found \(expected "
                                            r"it next to config\.json, as model\.safetensors\.index\.json names it\)$"):
             load(str(copy), dtype=torch.float32, layer_ids=[0, 1])
+
+
+def test_validate_names_every_field_a_fresh_drafter_lacks_before_any_actor(miniatures, tmp_path, capsys):
+    """Qwen3.5-122B-A10B states no dense MLP width: `opd validate` refuses a fresh drafter in one line naming the
+    spec field, instead of a learner actor failing minutes in."""
+    config = CONFIGS[[c.name for c in CONFIGS].index("qwen3.5-122b-a10b.yaml")]
+    sets = fitted_sets(config, miniatures("qwen3.5-122b-a10b"), tmp_path)
+    without = [arg for pair in zip(sets[::2], sets[1::2], strict=True) if "intermediate_size" not in pair[1]
+               for arg in pair]
+    assert main(["validate", str(config), *without]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "intermediate_size: set models.drafter.intermediate_size (" in error

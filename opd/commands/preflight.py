@@ -75,8 +75,11 @@ def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
 
 def target_shape(directory: ModelDir, layer_ids: list[int]) -> SimpleNamespace:
     """What a drafter checkpoint is checked against (`TargetShape`), from the target's config.json alone."""
+    from opd.models.shared_head import target_config
+
     return SimpleNamespace(hidden_size=directory.int_field("hidden_size"), vocab_size=directory.int_field("vocab_size"),
-                           num_layers=directory.int_field("num_hidden_layers"), layer_ids=layer_ids)
+                           num_layers=directory.int_field("num_hidden_layers"), layer_ids=layer_ids,
+                           config=target_config(str(directory.path)))
 
 
 def check_layer_kinds_of(path: str) -> None:

@@ -45,6 +45,10 @@ class TargetShape(Protocol):
     num_layers: int
     layer_ids: list[int]
 
+    @property
+    def config(self) -> Any:
+        """The language model's transformers config (`get_text_config`): what a fresh drafter copies."""
+
 
 def int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
     value = d.get(name)

@@ -543,7 +543,12 @@ class DFlashFamily(DrafterFamily):
         return self.drafter_class.config_class.from_hf_dict(directory.config, num_target_layers).target_layer_ids
 
     def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
-        mask_token_id(tokenizer, section.mask_token_id)
+        """The mask token, and every target field the fresh drafter copies (named at once where missing)."""
+        mask = mask_token_id(tokenizer, section.mask_token_id)
+        DFlashConfig.for_target(target.config, num_layers=section.num_layers or 1, block_size=section.block_size,
+                                mask_token_id=mask, target_layer_ids=target.layer_ids or None,
+                                rope_theta=section.rope_theta, max_position_embeddings=section.max_position_embeddings,
+                                intermediate_size=section.intermediate_size)
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: DFlashSpec) -> Shapes:
         """A drafter built on the meta device gives the shapes without allocating them."""
