@@ -140,21 +140,23 @@ class ModelDir:
             return DirKind("target", causal[0])
         return DirKind("neither")
 
-    def misplaced(self, wanted: Wanted, field: str) -> str | None:
+    def misplaced(self, wanted: Wanted, field: str, elsewhere: str | None = None) -> str | None:
         """The one line refusing a drafter given where the target belongs (`field`), or a target where a drafter
-        does; None otherwise. A directory that is neither is left to its reader, which names what it lacks."""
+        does, naming where the other kind goes (`elsewhere`: the spec's field by default, a command's argument
+        where it has its own); None otherwise. A directory that is neither is left to its reader, which names what
+        it lacks."""
         kind = self.kind
         if wanted == "target" and kind.is_drafter:
             return (f"{field}: {self.path} is {kind}, not a target model (expected the target's directory; a drafter "
-                    f"goes in {DRAFTER_FIELD})")
+                    f"goes in {elsewhere or DRAFTER_FIELD})")
         if wanted == "drafter" and kind.layout == "target":
             return (f"{field}: {self.path} is {kind}, not a drafter (expected a drafter's directory; the target goes "
-                    f"in {TARGET_FIELD})")
+                    f"in {elsewhere or TARGET_FIELD})")
         return None
 
-    def expect(self, wanted: Wanted, field: str) -> ModelDir:
+    def expect(self, wanted: Wanted, field: str, elsewhere: str | None = None) -> ModelDir:
         """This directory, or a one-line OpdError when it is of the other kind (`misplaced`)."""
-        problem = self.misplaced(wanted, field)
+        problem = self.misplaced(wanted, field, elsewhere)
         if problem is not None:
             raise OpdError(problem)
         return self

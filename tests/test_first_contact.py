@@ -31,6 +31,16 @@ SLIPS = {
                               "--draft: opd/assets/tiny/target is a target model (Qwen3ForCausalLM), not a drafter"),
     "an export without a target": (["export", DRAFTER, "--to", "zlab", "--out", "/nonexistent-export"],
                                    "no target to export it for"),
+    "a misspelt reproduce field": (["reproduce", "configs/reproduce/tiny.yaml", "--set", "opd_stpes=3"],
+                                   "opd_stpes: not a field of a reproduce spec (did you mean opd_steps?)"),
+    "a target given to export as the drafter": (["export", "opd/assets/tiny/target", "--to", "zlab", "--out",
+                                                 "/nonexistent-export"],
+                                                "CKPT: opd/assets/tiny/target is a target model (Qwen3ForCausalLM), not "
+                                                "a drafter (expected a drafter's directory; the target goes in --target)"),
+    "a drafter given to export as --target": (["export", DRAFTER, "--to", "zlab", "--out", "/nonexistent-export",
+                                               "--target", "opd/assets/tiny/dspark"],
+                                              "--target: opd/assets/tiny/dspark is a speculators drafter (dspark), not a "
+                                              "target model (expected the target's directory; a drafter goes in CKPT)"),
     "vLLM without its environment": (["gen-samples", TINY, "--engine", "vllm", "--set",
                                       "resources.vllm_python=/nonexistent/bin/python"],
                                      "resources.vllm_python: /nonexistent/bin/python does not exist"),
@@ -74,3 +84,25 @@ def test_eval_draft_replaces_the_configs_drafter_before_any_family_check(tmp_pat
              "--set", "eval.offline=false", "--set", "eval.speedup_prompts=2", "--set", "eval.diagnostic=false"]
     assert main(["eval", TINY, "--draft", str(tmp_path / "peagle"), *quick]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_exported_weights_are_readable_as_the_umask_says(tmp_path, capsys):
+    """safetensors writes 0600; an export (and a checkpoint, through the same writer) takes the user's umask, as
+    config.json does, so a vLLM server running as another user can read it."""
+    import os
+    import stat
+
+    out = tmp_path / "export"
+    assert main(["export", DRAFTER, "--to", "zlab", "--out", str(out), "--target", "opd/assets/tiny/target"]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~mask, name
+
+
+def test_an_empty_prompts_file_is_named_not_the_pool_size_derived_from_it(tmp_path, capsys):
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    assert main(["validate", TINY, "--set", f"data.train_prompts={empty}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: data.train_prompts: {empty} holds no prompts (expected a jsonl "
+                                               "file with one prompt a line)")

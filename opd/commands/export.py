@@ -66,7 +66,8 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
     if Path(out).is_dir() and any(Path(out).iterdir()):
         raise OpdError(f"--out: {out} is not empty (expected a new or empty directory for the exported drafter)")
     directory = ModelDir.read(checkpoint, "drafter", expected="a drafter directory: a run's checkpoints/step-N, "
-                                                               "or an exported drafter")
+                                                               "or an exported drafter").expect("drafter", "CKPT",
+                                                                                                "--target")
     found = detect(directory)
     if to not in layouts(found):
         raise OpdError(f"--to {to}: a {found.kind} drafter cannot be written in {LAYOUT_NAMES[to]} layout (it can be "
@@ -123,9 +124,10 @@ def _target_path(checkpoint: str, target: str | None, spec: ExperimentSpec | Non
     else:
         raise OpdError(f"{checkpoint}: no target to export it for (it is not a run's checkpoint that records one); "
                        "pass --target PATH, the target model's directory, or --config SPEC")
-    if ModelDir.find(path) is None:
+    if (found := ModelDir.find(path)) is None:
         raise OpdError(f"{origin}: {path} is not a model directory with config.json from here (expected the "
                        "target's; pass --target PATH)")
+    found.expect("target", origin, "CKPT")
     return str(Path(path).absolute())
 
 

@@ -6,6 +6,7 @@ these; none of them imports another's private helpers."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,7 +16,7 @@ from opd.model_dir import CONFIG_FILE, WEIGHTS_FILE
 if TYPE_CHECKING:  # torch and safetensors load inside the functions that read or write tensors
     import torch
 
-__all__ = ["CONFIG_FILE", "FRESH_FIELDS", "NO_ROPE_BASE", "missing_fresh_fields", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
+__all__ = ["CONFIG_FILE", "FRESH_FIELDS", "NO_ROPE_BASE", "missing_fresh_fields", "save_weights", "WEIGHTS_FILE", "TargetShape", "int_field", "load_weights", "write_layout"]
 
 # A fresh drafter copies these from its target's config; a target whose config lacks one (Kimi Linear's MLA layers
 # carry no RoPE and state no context length) needs the spec to give it: the field to set, and what to set it to.
@@ -62,14 +63,22 @@ def int_field(d: dict[str, Any], name: str, prefix: str = "") -> int:
 def write_layout(directory: str | Path, hf: dict[str, Any], tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype) -> None:
     """Write config.json `hf` (with `dtype`) and the state dict `tensors` as model.safetensors."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf["dtype"] = str(dtype).removeprefix("torch.")
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
-    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_weights({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, directory / WEIGHTS_FILE)
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """A safetensors file readable as the user's umask says, like the config.json beside it: safetensors writes
+    mode 0600, which a vLLM server running as another user cannot read."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

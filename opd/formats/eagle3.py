@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from opd.errors import OpdError
-from opd.formats.checkpoint import CONFIG_FILE, NO_ROPE_BASE, WEIGHTS_FILE, TargetShape, int_field, load_weights
+from opd.formats.checkpoint import (
+    CONFIG_FILE,
+    NO_ROPE_BASE,
+    WEIGHTS_FILE,
+    TargetShape,
+    int_field,
+    load_weights,
+    save_weights,
+)
 from opd.formats.section import DrafterSection, drafter_section, spec_issues
 from opd.formats.speculators import (
     MODEL_TYPE,
@@ -366,15 +374,13 @@ def _checked(config: Eagle3Config, state: dict[str, torch.Tensor]) -> dict[str, 
 def write_layout_of(directory: str | Path, hf: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """config.json `hf` (with `dtype`) and `state` as model.safetensors: weights in `dtype`, d2t int64, t2d bool."""
     import torch
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     cast = {"d2t": torch.int64, "t2d": torch.bool}
     tensors = {name: t.detach().to("cpu", cast.get(name, dtype)).contiguous() for name, t in state.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_weights(tensors, directory / WEIGHTS_FILE)
 
 
 def draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

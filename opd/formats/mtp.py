@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from opd.errors import OpdError
-from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from opd.formats.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_weights
 from opd.formats.experts import split_experts, stores_per_expert
 from opd.formats.section import DrafterSection, drafter_section
 from opd.formats.speculators import MODEL_TYPE, VERSION, model_type, proposed_tokens, speculators_config
@@ -191,15 +191,12 @@ def full_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
 def write_speculators(directory: str | Path, config: MTPConfig, state: dict[str, Any], dtype: Any,
                       verifier: str | None, architectures: list[str]) -> None:
     """config.json and model.safetensors in speculators' MTP layout (the embedding and LM head are the target's)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf = config.to_speculators(verifier, architectures) | {"torch_dtype": str(dtype).removeprefix("torch.")}
     (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     tensors = to_layout(state, LAYOUTS[SPECULATORS], config.num_layers)
-    save_file({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()},
-              str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_weights({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}, directory / WEIGHTS_FILE)
 
 
 def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir, directory: str | Path,
@@ -214,8 +211,6 @@ def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir
     shared with the body) would load the old head too, and which copy wins would be file order. The
     shards that hold a tensor the new head replaces are therefore rewritten without it (only those are copied;
     one left empty is dropped): every name lives in exactly one file. Returns the directory."""
-    from safetensors.torch import save_file
-
     if not layout.count_field:
         raise OpdError(f"target {target.path}: vLLM serves no MTP head of model_type "
                        f"{target.text_config.get('model_type')!r} in the target's own layout (expected a Qwen3.5, "
@@ -232,8 +227,7 @@ def write_into_target(state: dict[str, Any], layout: MTPLayout, target: ModelDir
             _write_without(entry, out / entry.name, set(tensors))
         elif entry.name not in (WEIGHTS_INDEX, CONFIG_FILE, HEAD_SHARD) and not (out / entry.name).exists():
             (out / entry.name).symlink_to(entry.resolve())
-    save_file({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}, str(out / HEAD_SHARD),
-              metadata={"format": "pt"})
+    save_weights({n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}, out / HEAD_SHARD)
     weight_map |= dict.fromkeys(tensors, HEAD_SHARD)
     (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
     config = json.loads(json.dumps(target.config))
@@ -247,13 +241,11 @@ def _write_without(shard: Path, copy: Path, names: set[str]) -> None:
     """`shard`'s tensors but `names`, written to `copy` (nothing when none are left). A link left by an earlier
     export is removed first, so the write never goes through it into the target's own file."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
-
     copy.unlink(missing_ok=True)
     with safe_open(str(shard), framework="pt") as f:
         kept = {n: f.get_tensor(n) for n in f.keys() if n not in names}
     if kept:
-        save_file(kept, str(copy), metadata={"format": "pt"})
+        save_weights(kept, copy)
 
 
 @drafter_section

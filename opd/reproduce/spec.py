@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -89,6 +90,9 @@ def _reproduce_error(err: Any) -> str:
     """One pydantic error of a reproduce spec as `field: what is expected`; a key of the experiment's own (e.g.
     `--set optim.lr=...`) is pointed to `set:`, where the experiment's fields go."""
     where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden" and len(err["loc"]) == 1 and (
+            close := difflib.get_close_matches(where, list(ReproduceSpec.model_fields), n=1)):
+        return f"{where}: not a field of a reproduce spec (did you mean {close[0]}?)"
     if err["type"] == "extra_forbidden":
         known = ", ".join(ReproduceSpec.model_fields)
         return (f"{where}: not a field of a reproduce spec (its fields: {known}); an experiment field goes in its "

@@ -64,6 +64,9 @@ def file_facts(data: dict[str, Any], files: SpecFiles) -> tuple[dict[str, Any], 
             _take_checkpoint_fields(models["drafter"], section, files.drafter.config)
     if isinstance(prompts, dict) and isinstance(prompts.get("train_prompts"), str):
         lines = count_prompts(Path(prompts["train_prompts"]))
+        if lines == 0:  # named as the file, not as the pool size derived from it
+            return data, problems + [f"data.train_prompts: {prompts['train_prompts']} holds no prompts (expected a "
+                                     "jsonl file with one prompt a line)"]
         problems += _take(prompts, "train_pool_size", lines, "data",
                           f"the {{value}} prompts in {prompts['train_prompts']}")
     return data, problems
