@@ -85,6 +85,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.draft and _is_drafter(args.draft):  # the spec then describes --draft's checkpoint
         args.overrides = [f"models.drafter_path={args.draft}", "models.drafter={}", *(args.overrides or [])]
+    elif args.draft == "random":  # a fresh drafter of the spec's section replaces the warm one, unread
+        args.overrides = ["models.drafter_path=", *(args.overrides or [])]
     return run_eval(_load(args), args.draft, args.prompts, args.json, args.samples)
 
 

@@ -31,6 +31,14 @@ SLIPS = {
                               "--draft: opd/assets/tiny/target is a target model (Qwen3ForCausalLM), not a drafter"),
     "an export without a target": (["export", DRAFTER, "--to", "zlab", "--out", "/nonexistent-export"],
                                    "no target to export it for"),
+    "a sampler that a speculative rollout never uses": (["run", TINY, "--set", "rollout.sampler=vllm", "--set",
+                                                         "steps=2"],
+                                                        "rollout.sampler: vllm but source is speculative"),
+    "a random drafter of another family than the warm one": (["eval", TINY, "--draft", "random", "--set",
+                                                              "models.drafter.kind=dflash2"],
+                                                             "a random DFlash 2 drafter takes all of"),
+    "held-out samples of other prompts": (["eval", TINY, "--prompts", "opd/assets/tiny/prompts/reworded.jsonl"],
+                                          "or decode instead of reading samples: `--set eval.samples_path=null`"),
     "a misspelt reproduce field": (["reproduce", "configs/reproduce/tiny.yaml", "--set", "opd_stpes=3"],
                                    "opd_stpes: not a field of a reproduce spec (did you mean opd_steps?)"),
     "a target given to export as the drafter": (["export", "opd/assets/tiny/target", "--to", "zlab", "--out",
@@ -106,3 +114,12 @@ def test_an_empty_prompts_file_is_named_not_the_pool_size_derived_from_it(tmp_pa
     assert main(["validate", TINY, "--set", f"data.train_prompts={empty}"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: data.train_prompts: {empty} holds no prompts (expected a jsonl "
                                                "file with one prompt a line)")
+
+
+def test_eval_names_the_drafter_it_evaluated_and_decodes_with_offline_off(capsys):
+    """`opd eval` says which drafter (family and path) it measured; `eval.offline: false` decodes even where
+    eval.samples_path is set, as it does in a run."""
+    assert main(["eval", TINY, "--set", "eval.offline=false", "--set", "eval.num_prompts=1", "--set",
+                 "eval.max_new_tokens=4", "--set", "eval.sampling=[{name: greedy, temperature: 0}]"]) == 0
+    out = capsys.readouterr().out
+    assert f"drafter: dflash, {DRAFTER} (target opd/assets/tiny/target)" in out and " decoded " in out

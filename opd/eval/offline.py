@@ -113,7 +113,9 @@ def stale_advice(field: str) -> str | None:
     if field not in (*use, "--out"):
         return None
     then = f", then pass `{use[field]}`" if field in use else ""
-    return f"draw this run's into a new file with `opd gen-samples CONFIG --eval --out NEW.jsonl`{then}"
+    decode = ", or decode instead of reading samples: `--set eval.samples_path=null`" if field == "eval.samples_path" \
+        else ""
+    return f"draw this run's into a new file with `opd gen-samples CONFIG --eval --out NEW.jsonl`{then}{decode}"
 
 
 def check_eval_samples(spec, prompts: list[Prompt], path: str | Path, field: str, *, complete: bool = True) -> None:

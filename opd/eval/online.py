@@ -149,26 +149,30 @@ def _opt(value: float | None, fmt: str) -> str:
 
 def run_eval(spec: ExperimentSpec, draft: str | None, prompts_file: str | None, json_out: str | None,
              samples: str | None = None) -> int:
-    """`opd eval`: decode, or with stored samples (`samples`, else eval.samples_path) rebuild offline every
-    point-mass setting and decode only the others (`draft: sample`)."""
+    """`opd eval`: decode, or with stored samples (`samples`, else eval.samples_path unless eval.offline is false)
+    rebuild offline every point-mass setting and decode only the others (`draft: sample`)."""
     from opd.eval.offline import OfflineEval, check_samples_file
 
-    samples = samples or spec.eval.samples_path
+    field = "--samples" if samples else "eval.samples_path"  # the one the user set, named in a refusal
+    samples = samples or (spec.eval.samples_path if spec.eval.offline else None)  # eval.offline false: decode
     if samples:
-        check_samples_file(samples, "--samples")
+        check_samples_file(samples, field)
     if json_out:
         check_output_file(json_out, "--json", "the results")
     models = build_models(spec, draft)
     prompts = spec_prompts(spec.data, prompts_file or spec.data.eval_prompts, models.tokenizer, spec.eval.num_prompts)
     e = spec.eval
     offline = (OfflineEval(models, samples, prompts.prompts, e.sampling, Provenance.of(spec, e.max_new_tokens),
-                           field="--samples").evaluate(models.drafter, diagnose=True) if samples else [])
+                           field=field).evaluate(models.drafter, diagnose=True) if samples else [])
+    drafter = draft or spec.models.drafter_path
+    print(f"drafter: {models.drafter.kind}, "
+          f"{'a fresh one of the spec' if drafter in (None, 'random') else drafter} (target {spec.models.target_path})")
     decoded = [s for s in e.sampling if s.name not in {r.sampling for r in offline}]
     rows = offline + (evaluate(models, prompts.prompts, decoded, max_new_tokens=e.max_new_tokens,
                                batch_size=e.batch_size, seed=spec.seed, static_cache=spec.rollout.static_cache,
                                compiled=spec.rollout.compile, diagnose=True) if decoded else [])
     print_rows(rows)
     if json_out:
-        write_text_atomic(json_out, json.dumps({"draft": draft or spec.models.drafter_path,
+        write_text_atomic(json_out, json.dumps({"draft": drafter, "kind": models.drafter.kind,
                                                 "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     return 0

@@ -52,6 +52,10 @@ class RolloutSpec(TargetSampling):
         if self.compile and not self.static_cache:
             spec_issues(["compile: true without static_cache (a compiled step needs one shape per batch; expected "
                          "static_cache: true)"])
+        if self.source == "speculative" and self.sampler != "speculative":
+            spec_issues([f"sampler: {self.sampler} but source is speculative, which decodes with the drafter it "
+                         "trains and samples with nothing else (expected source: target to sample the target with "
+                         f"{self.sampler}, or no sampler)"])
         if self.source == "speculative" and self.samples_path is not None:
             spec_issues([f"samples_path: {self.samples_path} but source is speculative, which decodes its own "
                          "(expected source: samples or target, or no samples_path)"])
