@@ -154,7 +154,8 @@ def _build_tiny(args: argparse.Namespace) -> int:
 def _gen_sft_data_arguments(parser: argparse.ArgumentParser) -> None:
     _spec_arguments(parser)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="hf: batched decoding in this process; vllm: vLLM's offline engine (GPU extra)")
+                        help="hf (the default): batched decoding in this process; vllm: vLLM's offline engine (GPU "
+                             "extra)")
     parser.add_argument("--out", metavar="FILE",
                         help="jsonl to write (default: sft.samples_path, else RUN_DIR/sft_data.jsonl, where opd "
                              "sft reads)")
@@ -176,7 +177,7 @@ def _gen_samples_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("speculative", "autoregressive", "vllm"), default=None,
                         help="the target sampler (default: rollout.sampler); all are lossless")
     parser.add_argument("--samples", type=int, default=1, metavar="N",
-                        help="samples per prompt at each sampled rollout setting (greedy ones get 1)")
+                        help="samples per prompt at each sampled rollout setting (default 1; greedy ones get 1)")
     parser.add_argument("--out", metavar="FILE", help="jsonl to write or finish (default: rollout.samples_path, "
                         "else RUN_DIR/samples.jsonl; with --eval RUN_DIR/eval_samples.jsonl; with --sft "
                         "sft.samples_path, else RUN_DIR/sft_data.jsonl)")
@@ -224,7 +225,7 @@ def _prompt_pool(args: argparse.Namespace) -> int:
 def _serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _spec_arguments(parser)
     parser.add_argument("--draft", metavar="DIR", action="append", required=True,
-                        help="exported drafter directory, DFlash or EAGLE-3 (repeatable)")
+                        help="exported drafter directory, of any family (repeatable)")
     parser.add_argument("--concurrency", default="1,4,8,16,32", metavar="N,N,...",
                         help="requests in flight, one measurement per level (default: 1,4,8,16,32)")
     parser.add_argument("--no-baseline", action="store_true", help="skip serving the target alone (no speedup column)")
@@ -259,14 +260,16 @@ def _export(args: argparse.Namespace) -> int:
 def _suite_arguments(parser: argparse.ArgumentParser) -> None:
     """`opd suite build` and `opd suite eval`, as subcommands of their own."""
     sub = parser.add_subparsers(dest="suite_command", required=True, metavar="SUBCOMMAND")
-    build = sub.add_parser("build", help="write a suite's prompt files (one per benchmark) and its card")
+    build_help = "write a suite's prompt files (one per benchmark) and its card"
+    build = sub.add_parser("build", help=build_help, description=build_help)
     build.add_argument("--suite", required=True, metavar="NAME",
                        help="configs/suites/NAME.yaml (paper, tiny) or a suite YAML's path")
     build.add_argument("--out", required=True, metavar="DIR", help="writes <benchmark>.jsonl and card.json there")
     build.add_argument("--file", dest="files", action="append", default=[], metavar="BENCH=PATH",
                        help="a benchmark's source from a local jsonl/json/parquet in the source's own columns "
                             "(repeatable; default: an installed package's file, else the hub through `datasets`)")
-    evaluate = sub.add_parser("eval", help="τ of each drafter per benchmark and setting, beside the ceiling")
+    eval_help = "τ of each drafter per benchmark and setting, beside the ceiling"
+    evaluate = sub.add_parser("eval", help=eval_help, description=eval_help)
     _spec_arguments(evaluate)
     evaluate.add_argument("--suite", required=True, metavar="DIR", help="a directory `opd suite build` wrote")
     evaluate.add_argument("--draft", dest="drafts", action="append", required=True, metavar="[LABEL=]PATH",
@@ -325,7 +328,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 def build_parser() -> argparse.ArgumentParser:
     """The `opd` parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
-        prog="opd", description="Draft-OPD: on-policy distillation of DFlash speculative-decoding drafters.")
+        prog="opd", description="Draft-OPD: on-policy distillation of speculative-decoding drafters (DFlash, DFlash 2, "
+                                "DSpark, XPress, EAGLE-3, P-EAGLE, MTP heads).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, handler) in COMMANDS.items():
         forwards = add_arguments is _build_tiny_arguments

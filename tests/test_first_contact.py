@@ -123,3 +123,26 @@ def test_eval_names_the_drafter_it_evaluated_and_decodes_with_offline_off(capsys
                  "eval.max_new_tokens=4", "--set", "eval.sampling=[{name: greedy, temperature: 0}]"]) == 0
     out = capsys.readouterr().out
     assert f"drafter: dflash, {DRAFTER} (target opd/assets/tiny/target)" in out and " decoded " in out
+
+
+@pytest.mark.parametrize(("argv", "wanted"), [
+    (["--help"], "DFlash, DFlash 2, DSpark, XPress, EAGLE-3, P-EAGLE, MTP heads"),
+    (["suite", "build", "--help"], "write a suite's prompt files"),
+    (["suite", "eval", "--help"], "τ of each drafter per benchmark and setting"),
+    (["serve-bench", "--help"], "exported drafter directory, of any family"),
+    (["gen-sft-data", "--help"], "hf (the default)"),
+    (["gen-samples", "--help"], "(default 1;"),
+])
+def test_help_describes_each_command_and_its_defaults(argv, wanted, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert wanted in " ".join(capsys.readouterr().out.split())
+
+
+def test_skipped_prompt_lines_are_counted_and_named(tmp_path, capsys):
+    lines = open("opd/assets/tiny/prompts/train.jsonl").read().splitlines()[:6]
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text("\n".join([*lines[:2], "not json", *lines[2:], '{"id": "x"}']) + "\n")
+    assert main(["validate", TINY, "--set", f"data.train_prompts={bad}", "--set", "data.skip_bad_lines=true"]) == 0
+    assert (f"note: data.train_prompts: 2 line(s) skipped (data.skip_bad_lines), the first {bad}:3: not JSON"
+            in capsys.readouterr().err)

@@ -10,10 +10,11 @@ config.json alone. `opd validate`, `opd train` and `opd run` all call `check_inp
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from opd.data.prompts import Prompt, eval_prompts, load_tokenizer, train_prompts
+from opd.data.prompts import Prompt, load_tokenizer, spec_prompts
 from opd.data.render import Rendering
 from opd.data.suite import built_suite, scored_settings, suite_inputs, target_context
 from opd.errors import OpdError
@@ -47,8 +48,12 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         family(m.drafter.kind).check_random(m.drafter, tokenizer, target)
     if spec.rollout.source == "target" and spec.rollout.sampler == "vllm":
         check_vllm(spec, "rollout.sampler vllm")
-    prompts = train_prompts(spec.data, tokenizer)
-    eval_prompts(spec.data, tokenizer, spec.eval.num_prompts)
+    train = spec_prompts(spec.data, spec.data.train_prompts, tokenizer)
+    held_out = spec_prompts(spec.data, spec.data.eval_prompts, tokenizer, spec.eval.num_prompts)
+    for name, read in (("data.train_prompts", train), ("data.eval_prompts", held_out)):
+        if (note := read.skipped_note(name)) is not None:
+            print(note, file=sys.stderr)
+    prompts = train.prompts
     if spec.rollout.source == "samples":
         SampleStore.for_rollout(spec, prompts).check_budget(spec)  # prompt ids and enough samples for the step budget
     if spec.eval.suite is not None:

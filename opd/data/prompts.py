@@ -34,6 +34,13 @@ class PromptSet:
     prompts: list[Prompt]
     skipped: list[str] = field(default_factory=list)  # one "file:line: why" per skipped line
 
+    def skipped_note(self, field_name: str) -> str | None:
+        """One line saying how many lines `data.skip_bad_lines` skipped and why the first was, or None."""
+        if not self.skipped:
+            return None
+        return (f"note: {field_name}: {len(self.skipped)} line(s) skipped (data.skip_bad_lines), "
+                f"the first {self.skipped[0]}")
+
 
 def prompt_key(prompt_id: str, epoch: int = 0) -> int:
     """A stable integer per (prompt, epoch): its keyed random numbers are the same in every run, batch and actor."""
