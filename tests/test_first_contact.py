@@ -39,6 +39,10 @@ SLIPS = {
                                                              "a random DFlash 2 drafter takes all of"),
     "held-out samples of other prompts": (["eval", TINY, "--prompts", "opd/assets/tiny/prompts/reworded.jsonl"],
                                           "or decode instead of reading samples: `--set eval.samples_path=null`"),
+    "an EAGLE-3 drafter given to a DFlash spec": (["validate", TINY, "--set", "models.drafter_path=opd/assets/tiny/eagle3"],
+                                                  "is an EAGLE-style drafter (eagle3), but this spec's models.drafter "
+                                                  "(num_layers: 2, block_size: 8) was not written for it (expected a spec "
+                                                  "for eagle3 drafters, e.g. configs/tiny-eagle3.yaml)"),
     "a misspelt reproduce field": (["reproduce", "configs/reproduce/tiny.yaml", "--set", "opd_stpes=3"],
                                    "opd_stpes: not a field of a reproduce spec (did you mean opd_steps?)"),
     "a target given to export as the drafter": (["export", "opd/assets/tiny/target", "--to", "zlab", "--out",

@@ -192,7 +192,7 @@ def _edit_config(drafter, edit) -> None:
     (lambda d: _edit_config(d, lambda c: c.update(draft_vocab_size=10**6)),
      r"config\.json: config field 'draft_vocab_size' is 1000000; expected 1\.\.\d+"),
     (lambda d: _edit_config(d, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 2, 3])),
-     r"fuses target layers \[1, 1, 2\] but models\.drafter\.target_layer_ids resolves to \[1, 2, 2\]"),
+     r"fuses target layers \[1, 1, 2\] but models\.drafter\.target_layer_ids resolves to \[1, 2, 2\] \(the family"),
     (lambda d: (d / "config.json").write_text("{"), r"config\.json: not valid JSON"),
 ])
 def test_an_unusable_eagle3_warm_drafter_is_one_line_before_any_actor(eagle3_spec, capsys, no_ray, edit, message):

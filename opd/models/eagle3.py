@@ -493,4 +493,5 @@ def draft_vocab_size(section: Eagle3Spec, vocab_size: int) -> int:
 def _check_fused_layers(directory: ModelDir, config: Eagle3Config, layer_ids: list[int]) -> None:
     if config.target_layer_ids != layer_ids:
         raise OpdError(f"drafter {directory.path}: fuses target layers {config.target_layer_ids} but "
-                       f"models.drafter.target_layer_ids resolves to {layer_ids} (expected them to agree)")
+                       f"models.drafter.target_layer_ids resolves to {layer_ids} (the family's default rule where "
+                       f"unset; expected models.drafter.target_layer_ids={config.target_layer_ids}, the drafter's)")

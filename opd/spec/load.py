@@ -26,7 +26,14 @@ from pydantic import BaseModel, ValidationError
 
 from opd.errors import OpdError
 from opd.spec.experiment import ExperimentSpec
-from opd.spec.resolve import SpecFiles, file_facts, path_problems, shard_degree_issues, warm_drafter_issues
+from opd.spec.resolve import (
+    SpecFiles,
+    file_facts,
+    path_problems,
+    shard_degree_issues,
+    warm_drafter_issues,
+    written_for_another_family,
+)
 
 
 class SpecError(OpdError):
@@ -305,11 +312,14 @@ def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> Experime
     files = SpecFiles.read(data)
     if misplaced := files.misplaced():
         raise SpecError(misplaced)
+    another = written_for_another_family(data, files.drafter)
     data, problems = file_facts(data, files)
     try:
         spec = ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(problems + [line for err in exc.errors() for line in _format_error(err)]) from None
+        raise SpecError(another or problems + [line for err in exc.errors() for line in _format_error(err)]) from None
+    if another and warm_drafter_issues(spec, files.drafter):
+        raise SpecError(another)
     problems += warm_drafter_issues(spec, files.drafter) + shard_degree_issues(spec.resources, files.target)
     if check_paths:
         problems += path_problems(spec)

@@ -48,6 +48,27 @@ class SpecFiles:
                 if directory is not None and (line := directory.misplaced(wanted, field))]
 
 
+def written_for_another_family(data: dict[str, Any], drafter: ModelDir | None) -> list[str]:
+    """One line when the warm drafter is of another family than DFlash's and the spec's drafter section, naming no
+    kind, sets fields of its own: the spec was written for another drafter (configs/tiny.yaml given the tiny
+    EAGLE-3 drafter), and its field-by-field refusals would take rounds to follow."""
+    models = data.get("models")
+    raw = models.get("drafter") if isinstance(models, dict) else None
+    if drafter is None or not isinstance(raw, dict) or "kind" in raw or not raw:
+        return []
+    section = detect_section(drafter.config)
+    if section is None:
+        return []
+    kind = str(section.model_fields["kind"].default)
+    if kind == "dflash":
+        return []
+    fields = ", ".join(f"{key}: {value}" for key, value in raw.items())
+    shipped = Path(__file__).resolve().parents[2] / "configs" / f"tiny-{kind}.yaml"
+    example = f", e.g. configs/{shipped.name}" if shipped.is_file() else ""
+    return [f"{DRAFTER_FIELD}: {drafter.path} is {drafter.kind}, but this spec's models.drafter ({fields}) was not "
+            f"written for it (expected a spec for {kind} drafters{example})"]
+
+
 def file_facts(data: dict[str, Any], files: SpecFiles) -> tuple[dict[str, Any], list[str]]:
     """(a copy of the raw spec with `models.target_num_layers`, an unset `models.drafter.kind` and
     `data.train_prompts`'s size filled from the files, the lines for values that disagree with them)."""
