@@ -150,3 +150,32 @@ def test_skipped_prompt_lines_are_counted_and_named(tmp_path, capsys):
     assert main(["validate", TINY, "--set", f"data.train_prompts={bad}", "--set", "data.skip_bad_lines=true"]) == 0
     assert (f"note: data.train_prompts: 2 line(s) skipped (data.skip_bad_lines), the first {bad}:3: not JSON"
             in capsys.readouterr().err)
+
+
+def test_a_target_missing_a_tensor_is_refused_before_any_actor(tmp_path, capsys):
+    """One tensor dropped from its shard and from the index: `opd validate` names it in one line (a run refused it
+    only inside an actor, with Ray's pages around it)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree("opd/assets/tiny/target", target)
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    name = "model.layers.3.self_attn.k_norm.weight"
+    shard = target / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["validate", TINY, "--set", f"models.target_path={target}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: target model {target}: its weights lack {name} (expected every "
+                                               "tensor of Qwen3ForCausalLM; transformers would fill them with random "
+                                               "values)")
+
+
+def test_an_mtp_run_on_a_target_without_a_head_is_refused_before_any_actor(capsys):
+    assert main(["validate", TINY, "--set", "models.drafter.kind=mtp", "--set", "models.drafter.num_layers=1",
+                 "--set", "models.drafter_path="]) == 2
+    assert "holds no MTP layers" in capsys.readouterr().err

@@ -94,6 +94,7 @@ def check_layer_kinds_of(path: str) -> None:
     loads the target."""
     from opd.models.layer_kind import layer_kinds
     from opd.models.shared_head import skeleton, target_config
+    from opd.models.target import missing_tensors
 
     config = target_config(path)
     try:
@@ -101,6 +102,11 @@ def check_layer_kinds_of(path: str) -> None:
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
     layer_kinds(model)
+    missing = missing_tensors(model, ModelDir.read(path, "target model").text_names())
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise OpdError(f"target model {path}: its weights lack {missing[0]}{more} (expected every tensor of "
+                       f"{type(model).__name__}; transformers would fill them with random values)")
 
 
 def check_drafter(path: str, target: SimpleNamespace, section: DrafterSection) -> None:

@@ -373,9 +373,20 @@ def json_config(config: Any) -> dict[str, Any]:
     return json.loads(config.to_json_string(use_diff=False))
 
 
-def _target_dir(base: Target | SharedHead) -> ModelDir | None:
+def _target_dir(base: TargetShape) -> ModelDir | None:
     path = getattr(base.config, "_name_or_path", "")
     return ModelDir.find(path, "target model") if path else None
+
+
+def own_head_or_refusal(directory: ModelDir, num_layers: int) -> tuple[MTPLayout, dict[str, str]]:
+    """`own_head`, or one line when the target holds none (asked by the preflight too, before any actor)."""
+    found = own_head(directory, num_layers)
+    if found is None:
+        prefixes = ", ".join(sorted({form.prefix for form in LAYOUTS.values() if form.name != SPECULATORS}))
+        raise OpdError(f"models.drafter.kind: mtp but target {directory.path} holds no MTP layers (expected "
+                       f"tensors under {prefixes}; give models.drafter_path, or models.drafter.from_target: false "
+                       "for a fresh head)")
+    return found
 
 
 def own_head(directory: ModelDir, num_layers: int) -> tuple[MTPLayout, dict[str, str]] | None:
@@ -415,13 +426,7 @@ def _load_state(drafter: MTPDrafter, state: dict[str, torch.Tensor], where: str)
 
 def from_target(directory: ModelDir, base: Target | SharedHead, block_size: int) -> MTPDrafter:
     """The target's own MTP head (the warm start that ships with it), or one line when it has none."""
-    found = own_head(directory, base.num_layers)
-    if found is None:
-        prefixes = ", ".join(sorted({form.prefix for form in LAYOUTS.values() if form.name != SPECULATORS}))
-        raise OpdError(f"models.drafter.kind: mtp but target {directory.path} holds no MTP layers (expected "
-                       f"tensors under {prefixes}; give models.drafter_path, or models.drafter.from_target: false "
-                       "for a fresh head)")
-    layout, names = found
+    layout, names = own_head_or_refusal(directory, base.num_layers)
     config = MTPConfig(block_size, layout.name, json_config(base.config))
     head = _nextn_head(directory, layout, base)
     drafter = MTPDrafter(config, base.embed_tokens, head, _hf_config(base))
@@ -473,7 +478,10 @@ class MTPFamily(DrafterFamily):
         return [num_target_layers - 1]
 
     def check_random(self, section: MTPSpec, tokenizer: Any, target: TargetShape) -> None:
-        """Nothing to check before weights: the layer is the target's own."""
+        """A head read from the target: the target holds one (its tensor names, no weights read)."""
+        directory = _target_dir(target)
+        if section.from_target and directory is not None:
+            own_head_or_refusal(directory, target.num_layers)
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: MTPSpec) -> Shapes:
         """The head of a layer of the kind its config names, checked to be the target's width, depth and vocabulary,

@@ -391,6 +391,18 @@ def load_target(
     return target
 
 
+def missing_tensors(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The parameters of `model` (a skeleton will do) that no checkpoint tensor in `names` (text-only names) feeds:
+    neither its own name, nor (for one transformers builds on load) MXFP4's `<name>_blocks`, nor numbered children
+    of its module (per-expert weights it fuses). Tied parameters count once."""
+    present = set(names)
+    quantized = {n.rsplit("_", 1)[0] for n in present if n.endswith(("_blocks", "_scales"))}
+    split = [n.split(".") for n in present]
+    numbered = {".".join(parts[:i]) for parts in split for i, part in enumerate(parts) if part.isdigit()}
+    return [name for name, _ in model.named_parameters()
+            if name not in present and name not in quantized and name.rsplit(".", 1)[0] not in numbered]
+
+
 def unread_tensors(model: nn.Module, names: Iterable[str]) -> tuple[str, ...]:
     """The checkpoint tensors no part of the loaded text model reads (a vision tower, an MTP head), told apart by
     their first two name parts: a tensor transformers fuses, splits or dequantizes on load (per-expert weights,
