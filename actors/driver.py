@@ -44,8 +44,9 @@ from actors.weight_store import WeightStore
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
-from opd.run_dir import for_actors, lock_holder
+from opd.run_dir import for_actors, lock_holder, unseen_input
 from opd.spec import ExperimentSpec, RoleSpec
+from opd.spec.resolve import input_paths
 from opd.tracking import end_run, run_status
 from opd.train.evaluator import Checkpoint
 from opd.train.messages import StepReport, TrainResult
@@ -184,10 +185,13 @@ def resolve_for(spec: ExperimentSpec, learner_pg, track: bool) -> ExperimentSpec
     """The spec every actor gets (opd/run_dir.py `for_actors`), checked against where the roles were placed: the
     alive nodes (an autoscaler may just have added some) and the learner's node. On several nodes, the learner's
     node must see the run directory this driver locked (shared storage), else its checkpoints would be lost."""
-    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     learner_node = ray.util.placement_group_table(learner_pg)["bundles_to_node_id"][0]
     elsewhere = learner_node != ray.get_runtime_context().get_node_id()
-    spec = for_actors(spec, nodes=nodes, learner_elsewhere=elsewhere, tracked=track)
+    working_dir = bool(ray.get_runtime_context().runtime_env.get("working_dir"))
+    spec = for_actors(spec, nodes=len(alive), learner_elsewhere=elsewhere, tracked=track, working_dir=working_dir)
+    if len(alive) > 1 and not working_dir:
+        _check_inputs_seen(spec, alive)
     if elsewhere and (mine := lock_holder(spec.run_dir)) is not None:
         strategy = PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=0)
         theirs = ray.get(_lock_holder.options(scheduling_strategy=strategy).remote(str(spec.run_dir)))
@@ -196,6 +200,21 @@ def resolve_for(spec: ExperimentSpec, learner_pg, track: bool) -> ExperimentSpec
                            f"(its lock file says {theirs!r}, here {mine!r}); expected a path on storage every node "
                            f"mounts")
     return spec
+
+
+@ray.remote(num_cpus=0)
+def _unseen(paths: list[str]) -> list[str]:
+    return [path for path in paths if not os.path.exists(path)]
+
+
+def _check_inputs_seen(spec: ExperimentSpec, nodes: list[str]) -> None:
+    """Every input the driver sees is there on every node, where the actors will read it (`unseen_input`)."""
+    fields = {path: field for field, path, _ in input_paths(spec) if os.path.exists(path)}
+    refs = {node: _unseen.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+        list(fields)) for node in nodes}
+    for node, ref in refs.items():
+        if missing := ray.get(ref):
+            raise OpdError(unseen_input(fields[missing[0]], missing[0], node))
 
 
 class _Named:

@@ -20,6 +20,7 @@ from pathlib import Path
 from opd.errors import OpdError
 from opd.outputs import blocked
 from opd.spec import ExperimentSpec
+from opd.spec.resolve import absolute_inputs
 from opd.tracking import sqlite_path
 
 LOCK_FILE = ".lock"
@@ -83,12 +84,14 @@ def lock_holder(run_dir: str | Path) -> str | None:
 
 
 def for_actors(spec: ExperimentSpec, *, nodes: int = 1, learner_elsewhere: bool = False,
-               tracked: bool = True) -> ExperimentSpec:
+               tracked: bool = True, working_dir: bool = False) -> ExperimentSpec:
     """The spec the driver hands every actor: `tracking.run_dir` as the absolute path it names here, and the MLflow
     URI fixed here too (a sqlite default is a path as well). With `nodes` > 1 alive Ray nodes a relative run dir is
     refused; with the learner on another node than this driver (`learner_elsewhere`), so is a tracked run's sqlite
     store: the driver and the learner would write one sqlite file from two hosts, which its locking does not
-    survive on network storage. An MLflow server is then the one process that writes the store."""
+    survive on network storage. An MLflow server is then the one process that writes the store. On several
+    nodes every relative input path is resolved here too (`absolute_inputs`), unless the job ships a working
+    directory (`ray job submit --working-dir`), which every node's actors run in, relative paths and all."""
     if nodes > 1 and not Path(spec.tracking.run_dir).is_absolute():
         raise OpdError(f"tracking.run_dir: {spec.tracking.run_dir!r} is relative, but the Ray cluster has {nodes} "
                        f"nodes, each with its own working directory; expected an absolute path on storage every "
@@ -98,5 +101,13 @@ def for_actors(spec: ExperimentSpec, *, nodes: int = 1, learner_elsewhere: bool 
         raise OpdError(f"tracking.uri: the sqlite store {db} would be written from two hosts (this driver and the "
                        f"learner's node); expected an MLflow server URI (tracking.uri=http://HOST:5000 or "
                        f"OPD_TRACKING_URI, see cluster/mlflow.yaml)")
+    if nodes > 1 and not working_dir:
+        spec = absolute_inputs(spec)
     run_dir = str(Path(os.path.abspath(spec.run_dir))).replace("{", "{{").replace("}", "}}")
     return spec.model_copy(update={"tracking": spec.tracking.model_copy(update={"run_dir": run_dir, "uri": uri})})
+
+
+def unseen_input(field: str, path: str, node: str) -> str:
+    """The one line for an input this driver sees that node `node` does not, where its actors would read it."""
+    return (f"{field}: {path} is not there on node {node[:12]} (a relative path is resolved where `opd` runs; "
+            "expected a path on storage every node mounts, or `ray job submit --working-dir .` to ship it)")

@@ -8,6 +8,7 @@ actors live on the driver's node; a waiting rollout blocks instead of polling.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -54,6 +55,28 @@ def wait_for_cpus(expected: float, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def test_an_input_a_node_does_not_see_is_one_line_naming_it(two_nodes, micro_spec_file, tmp_path, monkeypatch):
+    """The simulated nodes share this machine's files, so the worker is made to miss one: its task answers that
+    the path is not there."""
+    from actors import driver
+
+    head, worker = two_nodes
+    spec = ray_spec(micro_spec_file)
+    prompts = spec.data.train_prompts
+
+    @ray.remote(num_cpus=0)
+    def unseen_on_the_worker(paths: list[str]) -> list[str]:
+        return [p for p in paths if p == prompts] if ray.get_runtime_context().get_node_id() == worker else []
+
+    monkeypatch.setattr(driver, "_unseen", unseen_on_the_worker)
+    with pytest.raises(OpdError) as refused:
+        RayRun(spec, track=False)
+    assert str(refused.value) == (f"data.train_prompts: {prompts} is not there on node {worker[:12]} (a relative path "
+                                  "is resolved where `opd` runs; expected a path on storage every node mounts, or "
+                                  "`ray job submit --working-dir .` to ship it)")
+    wait_for_cpus(2.0)
+
+
 def test_a_relative_run_dir_is_refused_on_two_nodes_in_one_line(two_nodes, micro_spec_file):
     with pytest.raises(OpdError) as refused:
         RayRun(ray_spec(micro_spec_file, "tracking.run_dir=runs/{name}"), track=False)
@@ -82,12 +105,15 @@ def test_the_learner_uses_the_drivers_run_dir_and_the_control_actors_sit_on_its_
     """Every actor is built from the one resolved spec; the learner is the one that writes into the run dir (the
     slow test below asks every role). The rollout and scorer actors are stopped at once to keep this fast."""
     head, worker = two_nodes
-    spec = ray_spec(micro_spec_file)
+    target = load_spec(micro_spec_file, []).models.target_path
+    spec = ray_spec(micro_spec_file, f"models.target_path={os.path.relpath(target)}")  # as typed from here
     with RunDirLock(spec.run_dir):  # as `opd train` holds it: the learner's node must see this very lock file
         run = RayRun(spec, track=False)
         try:
             for actor in [*run.scorers, *run.rollouts]:
                 ray.kill(actor)
+            # a relative input is resolved in the driver, which checked that every node sees it there
+            assert ray.get(run.learner.__ray_call__.remote(lambda self: self.spec.models.target_path)) == target
             expected = (str(tmp_path / "runs" / "micro"), f"sqlite:///{tmp_path / 'runs' / 'micro' / 'mlflow.db'}")
             assert (str(run.spec.run_dir), run.spec.tracking_uri) == expected
             assert run_dir_seen(run.learner) == expected and node_of(run.learner) == worker

@@ -163,3 +163,14 @@ def test_keep_last_never_deletes_the_checkpoint_the_run_resumed_from(tmp_path, m
         save_checkpoint(tmp_path, step, drafter, {"step": step}, keep_last=1, resumed_from=resumed)
     assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == ["step-0000003", "step-0000006"]
 
+
+
+def test_on_several_nodes_relative_inputs_are_resolved_here_unless_a_working_dir_ships(micro_spec_file, tmp_path):
+    from opd.run_dir import for_actors
+
+    target = load_spec(micro_spec_file, []).models.target_path
+    spec = load_spec(micro_spec_file, [f"models.target_path={os.path.relpath(target)}",
+                                       f"tracking.run_dir={tmp_path}/runs"])
+    assert for_actors(spec, nodes=2).models.target_path == target
+    assert for_actors(spec, nodes=2, working_dir=True).models.target_path == os.path.relpath(target)
+    assert for_actors(spec, nodes=1).models.target_path == os.path.relpath(target)

@@ -162,18 +162,34 @@ def warm_drafter_issues(spec: ExperimentSpec, directory: ModelDir | None) -> lis
             if found is not None and ours is not None and found != ours]
 
 
-def path_problems(spec: ExperimentSpec) -> list[str]:
-    """One message per required path that is missing or of the wrong kind; empty when all are usable."""
+def input_paths(spec: ExperimentSpec) -> list[tuple[str, str, str]]:
+    """(field, path, kind) of every input the spec names: models, prompts, stored samples, the suite."""
     m, d = spec.models, spec.data
     wanted = [("models.target_path", m.target_path, "model"),
               ("models.tokenizer_path", m.tokenizer_path if m.tokenizer_path != m.target_path else None, "dir"),
               ("models.drafter_path", m.drafter_path, "model"), ("sft.init_from", spec.sft.init_from, "model"),
               ("data.train_prompts", d.train_prompts, "file"), ("data.eval_prompts", d.eval_prompts, "file"),
-              ("rollout.samples_path", spec.rollout.samples_path if spec.rollout.source == "samples" else None,
-               "file"), ("eval.samples_path", spec.eval.samples_path, "file"),
-              ("eval.suite", spec.eval.suite, "suite")]
-    return [msg for field, path, kind in wanted
-            if path is not None and (msg := _path_problem(field, Path(path), kind))]
+              ("rollout.samples_path", spec.rollout.samples_path, "file"),
+              ("eval.samples_path", spec.eval.samples_path, "file"), ("eval.suite", spec.eval.suite, "suite")]
+    return [(field, str(path), kind) for field, path, kind in wanted if path not in (None, "random")]
+
+
+def path_problems(spec: ExperimentSpec) -> list[str]:
+    """One message per required path that is missing or of the wrong kind; empty when all are usable."""
+    return [msg for field, path, kind in input_paths(spec)
+            if (field != "rollout.samples_path" or spec.rollout.source == "samples")
+            and (msg := _path_problem(field, Path(path), kind))]
+
+
+def absolute_inputs(spec: ExperimentSpec) -> ExperimentSpec:
+    """`spec` with every relative input path resolved where this process runs: a cluster's other nodes run their
+    actors in other working directories, where a relative path names nothing (or something else)."""
+    for field, path, _ in input_paths(spec):
+        if not Path(path).is_absolute():
+            section, name = field.split(".")
+            part = getattr(spec, section)
+            spec = spec.model_copy(update={section: part.model_copy(update={name: os.path.abspath(path)})})
+    return spec
 
 
 def _path_problem(field: str, path: Path, kind: str) -> str | None:
