@@ -49,12 +49,13 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def _follow(line: str, config: Path, new: Path, sets: list[str]) -> list[str]:
     """Do what a refusal's advice says, as a user would: run its `opd gen-samples` command (with the same --set
-    flags the refused command had) and return the arguments it says to add to the refused command."""
+    flags the refused command had) and return the arguments it says to add to the refused command next."""
     commands = [c.replace("CONFIG", str(config)).replace("NEW.jsonl", str(new)) for c in re.findall("`([^`]+)`", line)]
     draw = [c for c in commands if c.startswith("opd gen-samples")]
     assert len(draw) == 1, line
     assert main([*shlex.split(draw[0])[1:], *sets]) == 0
-    return [arg for c in commands if c not in draw for arg in shlex.split(c)]
+    then = [c for c in commands if c not in draw][:1]  # the first way on; an "or ..." after it is another
+    return [arg for c in then for arg in shlex.split(c)]
 
 
 def _micro_eval_samples(config: Path, path: Path) -> Path:

@@ -102,8 +102,9 @@ def check_layer_kinds_of(path: str) -> None:
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
     layer_kinds(model)
-    missing = missing_tensors(model, ModelDir.read(path, "target model").text_names())
-    if missing:
+    directory = ModelDir.read(path, "target model")
+    missing = missing_tensors(model, directory.text_names()) if directory.weight_files() else []
+    if missing:  # a directory of other weight files than safetensors is left to transformers
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise OpdError(f"target model {path}: its weights lack {missing[0]}{more} (expected every tensor of "
                        f"{type(model).__name__}; transformers would fill them with random values)")

@@ -304,6 +304,13 @@ def _format_error(err: Mapping[str, Any]) -> list[str]:
     return [f"{path}: got {_short(err['input'])} ({msg[0].lower() + msg[1:]})"]
 
 
+def _drafter_lines_as(another: list[str], lines: list[str]) -> list[str]:
+    """`lines` with those about the drafter section replaced by `another` (the one line saying the section was
+    written for another family), where there is one: each of them would be a round to follow."""
+    about_drafter = [line for line in lines if line.startswith(("models.drafter.", "drafter "))]
+    return another + [line for line in lines if line not in about_drafter] if another and about_drafter else lines
+
+
 def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> ExperimentSpec:
     """A raw mapping as a resolved ExperimentSpec, or a SpecError listing every problem: the fields the files
     fix (the target's depth, the prompt pool's size) are filled from them or checked against them first, so the
@@ -317,10 +324,10 @@ def validate_spec(data: dict[str, Any], *, check_paths: bool = True) -> Experime
     try:
         spec = ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(another or problems + [line for err in exc.errors() for line in _format_error(err)]) from None
-    if another and warm_drafter_issues(spec, files.drafter):
-        raise SpecError(another)
+        lines = problems + [line for err in exc.errors() for line in _format_error(err)]
+        raise SpecError(_drafter_lines_as(another, lines)) from None
     problems += warm_drafter_issues(spec, files.drafter) + shard_degree_issues(spec.resources, files.target)
+    problems = _drafter_lines_as(another, problems)
     if check_paths:
         problems += path_problems(spec)
     if problems:
