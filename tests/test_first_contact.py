@@ -120,13 +120,19 @@ def test_an_empty_prompts_file_is_named_not_the_pool_size_derived_from_it(tmp_pa
                                                "file with one prompt a line)")
 
 
-def test_eval_names_the_drafter_it_evaluated_and_decodes_with_offline_off(capsys):
+def test_eval_names_the_drafter_it_evaluated_and_decodes_with_offline_off(capsys, tmp_path):
     """`opd eval` says which drafter (family and path) it measured; `eval.offline: false` decodes even where
     eval.samples_path is set, as it does in a run."""
+    import json
+
+    out = tmp_path / "eval.json"
     assert main(["eval", TINY, "--set", "eval.offline=false", "--set", "eval.num_prompts=1", "--set",
-                 "eval.max_new_tokens=4", "--set", "eval.sampling=[{name: greedy, temperature: 0}]"]) == 0
-    out = capsys.readouterr().out
-    assert f"drafter: dflash, {DRAFTER} (target opd/assets/tiny/target)" in out and " decoded " in out
+                 "eval.max_new_tokens=4", "--set", "eval.sampling=[{name: greedy, temperature: 0}]", "--json",
+                 str(out)]) == 0
+    assert f"drafter: dflash, {DRAFTER} (target opd/assets/tiny/target)" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert (written["draft"], written["kind"]) == (DRAFTER, "dflash")
+    assert [row["offline"] for row in written["rows"]] == [False]
 
 
 @pytest.mark.parametrize(("argv", "wanted"), [
