@@ -249,7 +249,7 @@ def test_packed_gradients_equal_the_dense_masks(target, name):
 
     got, got_grads = run(lambda c: drafter.forward_blocks(c, valid, block_ids, ANCHORS, chunk_rows=BLOCK))
     want, want_grads = run(lambda c: drafter._run_blocks(block_ids.reshape(2, -1), positions,
-                                                         drafter._context_kv(c, torch.arange(12).expand(2, -1)),
+                                                         drafter.context_keys_values(c, torch.arange(12).expand(2, -1)),
                                                          _dense_masks(hf, valid, ANCHORS)))
     assert (got - want).abs().max() < 1e-9
     assert all((got_grads[n] - want_grads[n]).abs().max() < 1e-9 for n in want_grads)

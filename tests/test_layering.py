@@ -132,3 +132,15 @@ def test_no_test_module_imports_another():
                  for name in sorted(_imports(path)) if name.split(".")[-1].startswith("test_")
                  and name.startswith(("tests.test_", "test_"))]
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_module_imports_another_modules_private_name():
+    """What one module builds on from another is a public, documented member: an underscored name imported across
+    modules is a seam nobody promised to keep."""
+    found = []
+    for path in sorted((ROOT / "opd").rglob("*.py")) + sorted((ROOT / "actors").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("opd", "actors")):
+                found += [f"{_module(path)} imports {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not found, found

@@ -33,7 +33,7 @@ def dense_student_hidden(drafter, context, context_valid, block_ids, anchors) ->
     block_positions = (anchors[:, :, None] + torch.arange(block_size)).reshape(batch, -1)
     context_positions = torch.arange(context.shape[1]).expand(batch, -1)
     hidden = drafter._run_blocks(block_ids.reshape(batch, -1), block_positions,
-                                 drafter._context_kv(context, context_positions),
+                                 drafter.context_keys_values(context, context_positions),
                                  [dense_block_mask(context_valid, anchors, block_size)] * len(drafter.layers))
     return hidden.view(batch, num_blocks, block_size, -1)
 

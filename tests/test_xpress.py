@@ -86,7 +86,7 @@ def test_drafts_are_the_argmax_after_k_jacobi_passes(target, passes):
     features, a = target(TEXT).features, 8
     cache = fresh_cache(drafter, features, TEXT, a)
     drafts, logits = drafter.draft(cache, TEXT[:, a], torch.tensor([a]))
-    hidden = drafter._cached_blocks(fresh_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
+    hidden = drafter.cached_blocks(fresh_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
                                     torch.tensor([a]))[0]
     walked, reference = _reference(drafter, hidden, int(TEXT[0, a - 1]), int(TEXT[0, a]), passes)
     assert drafts[0].tolist() == walked
@@ -106,7 +106,7 @@ def test_the_passes_stop_at_a_fixed_point_and_draft_the_same(target):
     drafter.refiner_head.mixed = lambda *args: calls.append(1) or mixed(*args)
     features, a = target(TEXT).features, 8
     drafts, logits = drafter.draft(fresh_cache(drafter, features, TEXT, a), TEXT[:, a], torch.tensor([a]))
-    hidden = drafter._cached_blocks(fresh_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
+    hidden = drafter.cached_blocks(fresh_cache(drafter, features, TEXT, a), drafter._block(TEXT[:, a]),
                                     torch.tensor([a]))[0]
     walked, reference = _reference(drafter, hidden, int(TEXT[0, a - 1]), int(TEXT[0, a]), 6)
     assert drafts[0].tolist() == walked
@@ -141,7 +141,7 @@ def test_the_token_before_the_anchor_is_the_committed_texts(target, drafter):
         cache = fresh_cache(drafter, features, ids, a)
         assert int(drafter.token_before(cache, TEXT[:, a], torch.tensor([a]))) == before
         drafted = drafter.draft(cache, TEXT[:, a], torch.tensor([a]))[0][0].tolist()
-        hidden = drafter._cached_blocks(fresh_cache(drafter, features, ids, a), drafter._block(TEXT[:, a]),
+        hidden = drafter.cached_blocks(fresh_cache(drafter, features, ids, a), drafter._block(TEXT[:, a]),
                                         torch.tensor([a]))[0]
         assert drafted == _reference(drafter, hidden, before, int(TEXT[0, a]), drafter.passes)[0]
         drafts.append(drafted)

@@ -38,7 +38,7 @@ from torch import nn
 
 from opd.decoding.sampling import Sampling
 from opd.decoding.verify import DraftQ, prob_of
-from opd.distill.losses import LossTerms, StepNorm, _valid_positions, processed_logprobs, slot_weights
+from opd.distill.losses import LossTerms, StepNorm, processed_logprobs, slot_weights, valid_positions
 from opd.models.lm_head import apply_head, chunked_loss
 from opd.models.protocol import Drafter, chains
 from opd.spec import LossSpec
@@ -113,7 +113,7 @@ def block_slots(predecessors: torch.Tensor, accepted: torch.Tensor, position_mas
     """Replayed blocks' slots: the paper's weights (`slot_weights`) for the per-slot objectives, 1 / ((K-1) x the
     step's blocks) at every valid slot for `expected_length`. predecessors [N, K-1]: each block's anchor then its
     drafts (`ScoredBatch.block_ids`)."""
-    valid = _valid_positions(predecessors.shape, position_mask, predecessors.device)
+    valid = valid_positions(predecessors.shape, position_mask, predecessors.device)
     accepted = accepted.to(predecessors.device)
     n, k1 = valid.shape
     acc_slot = torch.arange(1, k1 + 1, device=valid.device) <= accepted[:, None]

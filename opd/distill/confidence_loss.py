@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.functional import binary_cross_entropy_with_logits
 
-from opd.distill.losses import _compute_dtype, _valid_positions, position_sets
+from opd.distill.losses import compute_dtype, position_sets, valid_positions
 from opd.errors import OpdError
 from opd.models.protocol import Drafter
 
@@ -45,7 +45,7 @@ def confidence_logits(drafter: Drafter) -> nn.Module:
 def confidence_bce(head: nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """BCE(σ(head(rows_r)), labels_r) per row [R] of rows [R, W] (labels [R] in [0, 1], detached), in fp32 at least
     (fp64 for fp64 rows)."""
-    dtype = _compute_dtype(rows)
+    dtype = compute_dtype(rows)
     return binary_cross_entropy_with_logits(head(rows).to(dtype), labels.detach().to(dtype), reduction="none")
 
 
@@ -61,6 +61,6 @@ def opd_confidence_loss(drafter: Drafter, student: torch.Tensor, accepted: torch
     """This batch's part of the step's mean BCE between the confidence head at the drafted slots (student [N, K-1,
     W], `block_hidden`'s rows with grad) and the realized acceptance; `step_verified`: the step's verified slots
     (`StepNorm.num_verified`)."""
-    valid = _valid_positions(student.shape[:2], position_mask, student.device)
+    valid = valid_positions(student.shape[:2], position_mask, student.device)
     labels, verified = realized_acceptance(accepted.to(student.device), valid)
     return confidence_bce(confidence_logits(drafter), student[verified], labels[verified]).sum() / max(1, step_verified)

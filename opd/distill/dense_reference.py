@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from opd.distill.replay import _Packed
+from opd.distill.replay import PackedSequence
 from opd.models.target import Target
 
 
-def dense_teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor:
+def dense_teacher_mask(p: PackedSequence, block_size: int, length: int) -> torch.Tensor:
     """[length, length] bool: causal over the prefix; block m sees prefix <= its anchor and itself causally."""
     mask = torch.zeros(length, length, dtype=torch.bool)
     mask[: p.prefix_len, : p.prefix_len] = torch.ones(p.prefix_len, p.prefix_len, dtype=torch.bool).tril()
@@ -29,7 +29,7 @@ def dense_teacher_mask(p: _Packed, block_size: int, length: int) -> torch.Tensor
     return mask
 
 
-def dense_teacher_masks(packed: list[_Packed], block_size: int, length: int) -> torch.Tensor:
+def dense_teacher_masks(packed: list[PackedSequence], block_size: int, length: int) -> torch.Tensor:
     return torch.stack([dense_teacher_mask(p, block_size, length) for p in packed])[:, None]
 
 
@@ -45,7 +45,7 @@ def dense_block_mask(context_valid: torch.Tensor, anchors: torch.Tensor, block_s
 
 
 @torch.no_grad()
-def per_block_states(target: Target, packed: list[_Packed], block_size: int, length: int) -> torch.Tensor:
+def per_block_states(target: Target, packed: list[PackedSequence], block_size: int, length: int) -> torch.Tensor:
     """Final-norm hidden states [B, length, H] laid out as `packed`, each part from a forward of its own text:
     a row's prefix from a forward over the prefix alone, block m's rows from a forward over the prefix up to its
     anchor followed by the block's tokens (zeros at padding)."""

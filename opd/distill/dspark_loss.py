@@ -25,7 +25,7 @@ import torch
 from opd.decoding.sampling import Sampling
 from opd.distill.confidence_loss import confidence_bce, confidence_logits, opd_confidence_loss
 from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
-from opd.distill.losses import _compute_dtype, _teacher_logprobs, sft_slot_weights
+from opd.distill.losses import compute_dtype, exact_teacher_logprobs, sft_slot_weights
 from opd.formats.dspark import DSparkSpec
 from opd.formats.section import DrafterSection
 from opd.models.lm_head import apply_head, chunked_loss
@@ -47,9 +47,9 @@ def dspark_sft_loss(drafter: Drafter, student: torch.Tensor, teacher: torch.Tens
 
     def slot_loss(x: torch.Tensor, part: slice) -> torch.Tensor:
         logits = apply_head(head, x)
-        dtype = _compute_dtype(logits)
+        dtype = compute_dtype(logits)
         log_q = torch.log_softmax(logits.to(dtype), dim=-1)
-        p = _teacher_logprobs(drafter.teacher_head, views[part], Sampling(1.0)).to(dtype).exp()
+        p = exact_teacher_logprobs(drafter.teacher_head, views[part], Sampling(1.0)).to(dtype).exp()
         ce = -log_q.gather(-1, targets[part, None]).squeeze(-1)
         l1 = (p - log_q.exp()).abs().sum(-1)
         bce = confidence_bce(confidence, x, 1 - l1.detach() / 2).to(dtype)

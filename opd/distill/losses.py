@@ -73,7 +73,7 @@ class LossTerms:
     num_rej: int  # positions in I_rej (this batch)
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs (log-softmax in half precision loses the tails), fp64 for fp64."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -86,7 +86,7 @@ def teacher_distribution(teacher_logits: torch.Tensor, *, temperature: float = 1
     (with an empty tail), which lets a tiny-vocabulary run share a config with a large one.
     """
     with torch.no_grad():
-        scaled = teacher_logits.to(_compute_dtype(teacher_logits)) / temperature
+        scaled = teacher_logits.to(compute_dtype(teacher_logits)) / temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
         if topk is None:
             return logprobs
@@ -150,7 +150,7 @@ def position_sets(accepted: torch.Tensor, valid: torch.Tensor,
     return valid & (k <= r), valid & rejected
 
 
-def _valid_positions(shape: torch.Size, position_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def valid_positions(shape: torch.Size, position_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The [N, K-1] positions that count; a mask of the wrong shape is an error, not a broadcast."""
     if position_mask is None:
         return torch.ones(shape, dtype=torch.bool, device=device)
@@ -247,7 +247,7 @@ def slot_weights(accepted: torch.Tensor, position_mask: torch.Tensor, cfg: LossS
 # ------------------------------------------------------------------------------------------------ divergences
 
 
-def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+def kl_divergence(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     """KL(a || b) over the last dim from log-probs; terms with a = 0 are 0 (xlogy), with finite gradients."""
     a = log_a.exp()
     gap = torch.where(a > 0, log_a - log_b, 0.0)  # masks -inf - -inf before it can reach the product
@@ -274,14 +274,14 @@ def _slot_divergence(student_logits: torch.Tensor, teacher: torch.Tensor | TopKT
                      acceptance_weight: float = 0.0) -> torch.Tensor:
     """Per-row loss [R] between the student's logits [R, V] and the teacher's log-probs [R, V] (or top-k rows):
     KL, forward or reverse per row, plus `acceptance_weight` x the expected-acceptance term."""
-    dtype = _compute_dtype(student_logits, teacher.logprobs if isinstance(teacher, TopKTeacher) else teacher)
+    dtype = compute_dtype(student_logits, teacher.logprobs if isinstance(teacher, TopKTeacher) else teacher)
     student = torch.log_softmax(student_logits.to(dtype), dim=-1)
     if isinstance(teacher, TopKTeacher):
         student, target = _bucket_logprobs(student, teacher)
     else:
         target = teacher.detach().to(dtype)
     fwd = forward.unsqueeze(-1)
-    kl = _kl(torch.where(fwd, target, student), torch.where(fwd, student, target))
+    kl = kl_divergence(torch.where(fwd, target, student), torch.where(fwd, student, target))
     if not acceptance_weight:
         return kl
     return kl + acceptance_weight * _rejection_surprisal(student, target)
@@ -320,7 +320,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
     shape = student.shape[:2]
     if accepted.shape != shape[:1]:
         raise ValueError(f"accepted has shape {tuple(accepted.shape)}, expected ({shape[0]},)")
-    valid = _valid_positions(shape, position_mask, student.device)
+    valid = valid_positions(shape, position_mask, student.device)
     accepted = accepted.to(student.device)
     norm = norm or StepNorm.of([(accepted, valid)], cfg)
     w = slot_weights(accepted, valid, cfg, norm)
@@ -334,7 +334,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
         elif head is None:
             target = teacher.flatten(0, 1)[index]
         else:
-            target = _teacher_logprobs(teacher_head or head, teacher.flatten(0, 1)[index], teacher_processing)
+            target = exact_teacher_logprobs(teacher_head or head, teacher.flatten(0, 1)[index], teacher_processing)
         return _slot_divergence(student_logits, target, w.forward[part], cfg.acceptance_weight)
 
     loss, kl = chunked_loss(head, rows, divergence, w.coef, chunk_size or len(w.rows))
@@ -343,7 +343,7 @@ def acceptance_aware_loss(student: torch.Tensor, teacher: torch.Tensor | TopKTea
                      num_rej=w.num_rej)
 
 
-def _teacher_logprobs(head: torch.nn.Module | None, hidden: torch.Tensor, processing: Sampling) -> torch.Tensor:
+def exact_teacher_logprobs(head: torch.nn.Module | None, hidden: torch.Tensor, processing: Sampling) -> torch.Tensor:
     """Exact teacher log-probs from the target's final-norm hidden states (the same LM head the target ran),
     processed as `processing` says: a temperature (`replay.teacher_temperature`) or the serving setting. `head`
     None: the rows already are logits (`apply_head`)."""
@@ -355,7 +355,7 @@ def sft_slot_weights(student: torch.Tensor, position_mask: torch.Tensor | None, 
                      log_weight_sum: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows: the valid slots of student [N, K-1, ...] flattened, coef: each one's exp(-(k-1)/gamma) over the step's
     weight sum, `log_weight_sum` in log, default this batch's): every SFT objective weights its slots so."""
-    valid = _valid_positions(student.shape[:2], position_mask, student.device)
+    valid = valid_positions(student.shape[:2], position_mask, student.device)
     if log_weight_sum is None:
         log_weight_sum = sft_log_weight_sum(valid, gamma)
     rows = valid.flatten().nonzero().squeeze(-1)
@@ -384,10 +384,10 @@ def sft_loss(student: torch.Tensor, labels: torch.Tensor, *, gamma: float, posit
     soft = None if teacher is None else teacher.flatten(0, 1)[rows]
 
     def cross_entropy(student_logits: torch.Tensor, part: slice) -> torch.Tensor:
-        logprobs = torch.log_softmax(student_logits.to(_compute_dtype(student_logits)), dim=-1)
+        logprobs = torch.log_softmax(student_logits.to(compute_dtype(student_logits)), dim=-1)
         if soft is None:
             return -logprobs.gather(-1, targets[part, None]).squeeze(-1)
-        target = _teacher_logprobs(teacher_head, soft[part], Sampling(1.0)).to(logprobs.dtype)
+        target = exact_teacher_logprobs(teacher_head, soft[part], Sampling(1.0)).to(logprobs.dtype)
         return -(target.exp() * logprobs).sum(-1)
 
     loss, _ = chunked_loss(head, student.flatten(0, 1)[rows], cross_entropy, coef, chunk_size or len(rows))

@@ -45,7 +45,7 @@ from opd.models.target import KVPrefix, Target
 
 
 @dataclass
-class _Packed:
+class PackedSequence:
     """One sequence laid out for the teacher: ids, positions, mask, and where each slot's state is."""
 
     ids: list[int]
@@ -66,7 +66,7 @@ def replay_mode(spec) -> str:
     return "committed" if spec.loss.first_rejected_only else "draft_opd"
 
 
-def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
+def pack(record: SequenceRecord, block_size: int, mode: str) -> PackedSequence:
     """Lay out one record: committed prefix, then (draft_opd) the drafted tokens of each block but the last."""
     prompt_len, k1 = len(record.prompt_ids), block_size - 1
     committed = record.prompt_ids + record.response_ids
@@ -84,43 +84,43 @@ def pack(record: SequenceRecord, block_size: int, mode: str) -> _Packed:
         positions += [abs_anchor + 1 + j for j in range(k1 - 1)]
         slot_index.append([abs_anchor] + [start + j for j in range(k1 - 1)])
         anchors.append(abs_anchor)
-    return _Packed(ids, positions, prefix_len, slot_index, anchors, list(record.accepted), exists, len(committed))
+    return PackedSequence(ids, positions, prefix_len, slot_index, anchors, list(record.accepted), exists, len(committed))
 
 
 def _pack_committed(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int,
-                    exists: list[list[bool]]) -> _Packed:
+                    exists: list[list[bool]]) -> PackedSequence:
     """The committed text only: slot k of block m is read at absolute position anchor + k (see `replay_mode`)."""
     n = len(committed)
     anchors = [prompt_len + a for a in record.anchors]
     slot_index = [[min(a + k, n - 1) for k in range(k1)] for a in anchors]
-    return _Packed(committed, list(range(n)), n, slot_index, anchors, list(record.accepted), exists, n)
+    return PackedSequence(committed, list(range(n)), n, slot_index, anchors, list(record.accepted), exists, n)
 
 
-def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int) -> _Packed:
+def _pack_naive(record: SequenceRecord, committed: list[int], prompt_len: int, k1: int) -> PackedSequence:
     """Naive rollout: slot k of block m is the committed token at anchor + k, scored inside the prefix itself."""
     n = len(committed)
     anchors = [prompt_len + a for a in record.anchors]
     slot_index = [[min(a + k, n - 1) for k in range(k1)] for a in anchors]
     available = [min(k1, n - 1 - a) for a in anchors]
     exists = [[k < avail for k in range(k1)] for avail in available]
-    return _Packed(committed, list(range(n)), n, slot_index, anchors, available, exists, n)
+    return PackedSequence(committed, list(range(n)), n, slot_index, anchors, available, exists, n)
 
 
-def attention_layout(p: _Packed, block_size: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
+def attention_layout(p: PackedSequence, block_size: int, chunk_rows: int = CHUNK_ROWS) -> PackedRow:
     """Where each row of `p` looks: causal over the prefix; block m sees prefix <= its anchor and itself causally."""
     anchors = p.anchors if p.prefix_len < len(p.ids) else []  # naive/committed score inside the prefix: no blocks
     return PackedRow.of(p.prefix_len, anchors, block_size - 2, chunk_rows)
 
 
 def packed_inputs(records: list[SequenceRecord], block_size: int, mode: str,
-                  chunk_rows: int = CHUNK_ROWS) -> tuple[list[_Packed], torch.Tensor, torch.Tensor, PackedRows]:
+                  chunk_rows: int = CHUNK_ROWS) -> tuple[list[PackedSequence], torch.Tensor, torch.Tensor, PackedRows]:
     """The records' layouts and the padded target inputs: ids [B, L], positions [B, L] and the attention layout
     (block-sparse: no [L, L] mask is formed; `chunk_rows` block rows per attention call)."""
     packed = [pack(r, block_size, mode) for r in records]
     return (packed, *_padded_inputs(packed, block_size, chunk_rows))
 
 
-def _padded_inputs(packed: list[_Packed], block_size: int,
+def _padded_inputs(packed: list[PackedSequence], block_size: int,
                    chunk_rows: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor, PackedRows]:
     """ids and positions [B, L] of laid-out records, right-padded, and their attention layout."""
     length = max(len(p.ids) for p in packed)
@@ -170,7 +170,7 @@ class CommittedView:
         """Each text's features [T_i, n*H] (slices, not copies): what `rebuild_records` takes as `features`."""
         return [f[:n] for f, n in zip(self.features, self.mask.sum(1).tolist())]
 
-    def states(self, target: Target, packed: list[_Packed], mode: str,
+    def states(self, target: Target, packed: list[PackedSequence], mode: str,
                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, features) for records laid out as `packed`, which must be these texts. The committed and naive
         layouts read the view itself. draft_opd runs the block rows over `kv`; its hidden is [B, T + Lb, H],
@@ -198,7 +198,7 @@ class CommittedView:
         return torch.cat([self.hidden, blocks], dim=1), self.features
 
 
-def block_inputs(packed: list[_Packed], block_size: int,
+def block_inputs(packed: list[PackedSequence], block_size: int,
                  cached: int) -> tuple[torch.Tensor, torch.Tensor, PackedRows]:
     """The block rows alone of draft_opd layouts (ids, positions [B, Lb]) and their layout over `cached` text
     positions already in the target's KV cache."""
@@ -213,7 +213,7 @@ def block_inputs(packed: list[_Packed], block_size: int,
     return ids, positions, layout
 
 
-def packed_slots(slot_index: torch.Tensor, packed: list[_Packed], cached: int) -> torch.Tensor:
+def packed_slots(slot_index: torch.Tensor, packed: list[PackedSequence], cached: int) -> torch.Tensor:
     """`slot_index` (packed row positions) as indices into [text states (`cached` long); block rows]."""
     prefix = torch.tensor([p.prefix_len for p in packed])[:, None, None]
     return torch.where(slot_index < prefix, slot_index, slot_index - prefix + cached)
@@ -247,7 +247,7 @@ def score(target: Target, records: list[SequenceRecord], *, block_size: int, mod
     return ScoredBatch(features=features[:, :prefix].cpu().contiguous(), teacher=teacher, **batch)
 
 
-def _layout(packed: list[_Packed], records: list[SequenceRecord], block_size: int,
+def _layout(packed: list[PackedSequence], records: list[SequenceRecord], block_size: int,
             mode: str) -> dict[str, torch.Tensor]:
     """The small index tensors of a scored batch (CPU), and where each block's slot states are."""
     b, m, k1 = len(packed), max(len(p.anchors) for p in packed), block_size - 1

@@ -33,7 +33,7 @@ from torch import nn
 
 from opd.decoding.sampling import Sampling
 from opd.distill.family_terms import FamilyTerms, OpdSlots, SftSlots, terms_for
-from opd.distill.losses import StepNorm, _kl, _teacher_logprobs, _valid_positions, slot_weights
+from opd.distill.losses import StepNorm, exact_teacher_logprobs, kl_divergence, slot_weights, valid_positions
 from opd.models.dflash2 import CandidateSelector, DFlash2Drafter
 from opd.models.lm_head import apply_head, chunks
 from opd.models.protocol import Drafter
@@ -49,12 +49,12 @@ def selector_loss(selector: CandidateSelector, head: nn.Module, teacher_head: nn
     student [N, K-1, H]: the drafter's final hidden states (with grad); teacher [N, K-1, H]: the target's final-norm
     hidden states; predecessors [N, K-1]: the token each slot's candidates were scored after."""
     shape = student.shape[:2]
-    valid = _valid_positions(shape, position_mask, student.device)
+    valid = valid_positions(shape, position_mask, student.device)
     w = slot_weights(accepted.to(student.device), valid, cfg, norm)
     targets = teacher.flatten(0, 1)[w.rows]
 
     def restricted(part: slice, candidates: torch.Tensor) -> torch.Tensor:
-        logprobs = _teacher_logprobs(teacher_head, targets[part], teacher_processing).gather(-1, candidates)
+        logprobs = exact_teacher_logprobs(teacher_head, targets[part], teacher_processing).gather(-1, candidates)
         return torch.log_softmax(logprobs, dim=-1)
 
     return _term(selector, head, student.flatten(0, 1)[w.rows], predecessors.flatten().to(student.device)[w.rows],
@@ -66,7 +66,7 @@ def sft_selector_loss(selector: CandidateSelector, head: nn.Module, student: tor
                       log_weight_sum: float, chunk_size: int | None = None) -> torch.Tensor:
     """SFT's selector term: -log q(label) at slots whose label is a candidate, weighted exp(-(k-1)/gamma) over the
     step's `log_weight_sum` (`sft_loss`'s weights). student [N, K-1, H]; labels, predecessors [N, K-1]."""
-    valid = _valid_positions(student.shape[:2], position_mask, student.device)
+    valid = valid_positions(student.shape[:2], position_mask, student.device)
     rows = valid.flatten().nonzero().squeeze(-1)
     coef = torch.exp((rows % student.shape[1]).to(torch.float64) * (-1.0 / gamma) - log_weight_sum)
     wanted = labels.to(student.device).flatten()[rows]
@@ -93,7 +93,7 @@ def _term(selector: CandidateSelector, head: nn.Module, rows: torch.Tensor, befo
         gate = selector.hidden_projection(rows[part].to(selector.hidden_projection.weight.dtype))
         scores = selector.scores(gate, before[part], unary.to(gate.dtype), candidates)
         log_q = torch.log_softmax(scores.to(dtype), dim=-1)
-        kl = torch.where(torch.isinf(log_p).all(-1), 0.0, _kl(log_p, log_q))
+        kl = torch.where(torch.isinf(log_p).all(-1), 0.0, kl_divergence(log_p, log_q))
         total = total + (coef[part].to(dtype) * kl).sum()
     return total
 

@@ -325,8 +325,10 @@ class DFlashDrafter(nn.Module):
         """Each layer's tables, from the distinct RoPEs' (`_rope_tables`)."""
         return [tables[i] for i in self._rope_index]
 
-    def _context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's own K/V projection of the one shared context stream."""
+    def context_keys_values(self, context: torch.Tensor,
+                            positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's own K/V projection of the one shared context stream: the hook a family on DFlash's backbone
+        (DSpark, XPress) fills its drafter cache with."""
         return [layer.self_attn.project_kv(context, cos, sin)
                 for layer, (cos, sin) in zip(self._layers(), self._rope(positions))]
 
@@ -374,7 +376,7 @@ class DFlashDrafter(nn.Module):
         context_positions = torch.arange(context.shape[1], device=context.device).expand(batch, -1)
         chunks = BlockChunks.of(context_valid, anchor_positions, block_size, chunk_rows)
         hidden = self._run_blocks(block_ids.reshape(batch, -1), block_positions,
-                                  self._context_kv(context, context_positions),
+                                  self.context_keys_values(context, context_positions),
                                   [chunks.for_layer(attention) for attention in self.attention])
         return hidden.view(batch, num_blocks, block_size, hidden.shape[-1])
 
@@ -410,7 +412,7 @@ class DFlashDrafter(nn.Module):
         token after each position) is what a chain drafter pairs with the features; a DFlash block reads the
         context alone."""
         self.commit_context(cache)
-        cache.append(self._context_kv(self.project_context(target_features), positions), positions, valid)
+        cache.append(self.context_keys_values(self.project_context(target_features), positions), positions, valid)
 
     def defer_context(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
                       valid: torch.Tensor, next_ids: torch.Tensor | None = None) -> None:
@@ -425,7 +427,7 @@ class DFlashDrafter(nn.Module):
         pending = cache.take_pending()
         if pending is None:
             return
-        context_kv = self._context_kv(per_row(self.project_context, pending.features), pending.positions)
+        context_kv = self.context_keys_values(per_row(self.project_context, pending.features), pending.positions)
         for layer, (k, v) in enumerate(context_kv):
             cache.write(pending, layer, k, v)
 
@@ -451,12 +453,12 @@ class DFlashDrafter(nn.Module):
             (anchor_ids.shape[0], block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device
         )
         block_ids[:, 0] = anchor_ids
-        hidden = self._cached_blocks(cache, block_ids, anchor_positions)[:, 1:]
+        hidden = self.cached_blocks(cache, block_ids, anchor_positions)[:, 1:]
         return hidden, per_row(self.logits, hidden)
 
-    def _cached_blocks(self, cache: DrafterCache, block_ids: torch.Tensor, anchor_positions: torch.Tensor
-                       ) -> torch.Tensor:
-        """Final normed hidden [B,S,H] of one block [B,S] per row at anchor_positions.., attending to the cache;
+    def cached_blocks(self, cache: DrafterCache, block_ids: torch.Tensor, anchor_positions: torch.Tensor
+                      ) -> torch.Tensor:
+        """The hook a family on DFlash's backbone drafts through (DSpark, XPress): the final normed hidden [B,S,H] of one block [B,S] per row at anchor_positions.., attending to the cache;
         pending context is projected in the same forward (`NewContext`) and written to the cache."""
         block_positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
         pending = cache.take_pending()

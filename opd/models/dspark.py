@@ -171,7 +171,7 @@ class DSparkDrafter(DFlashDrafter):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden [B,K-1,H] and the LM head's logits [B,K-1,V] (before the Markov bias) of one block's
         drafting slots per sequence, the anchor's included."""
-        hidden = self._cached_blocks(cache, self._block(anchor_ids), anchor_positions)
+        hidden = self.cached_blocks(cache, self._block(anchor_ids), anchor_positions)
         return hidden, self._base_head[0](hidden)
 
     @torch.no_grad()

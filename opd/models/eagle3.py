@@ -51,6 +51,7 @@ from opd.formats.eagle3 import (
 )
 from opd.formats.speculators import is_speculators
 from opd.model_dir import ModelDir
+from opd.models.chain_attention import chain_attention, row_chunks
 from opd.models.drafter_cache import DrafterCache
 from opd.models.family import DrafterFamily, Shapes, drafter_family
 from opd.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
@@ -253,7 +254,7 @@ class Eagle3Drafter(nn.Module):
         new = torch.arange(positions.shape[1], device=positions.device)
         self_key = cache.positions.shape[1] + new  # the query's own column: attended even when invalid (no NaN)
         out = []
-        for part in _row_chunks(positions.shape[1], CHUNK_ROWS):
+        for part in row_chunks(positions.shape[1], CHUNK_ROWS):
             sees = key_ok[:, None, :] & (key_pos[:, None, :] <= positions[:, part, None])
             sees = sees | (torch.arange(keys.shape[2], device=keys.device) == self_key[part, None])
             out.append(grouped_sdpa(q[:, :, part], keys, values, sees[:, None], self.config.head_dim**-0.5))
@@ -335,7 +336,7 @@ class Eagle3Drafter(nn.Module):
             sq, sk, sv = self._step(block_inputs[..., s], step, anchor_positions - 1 + s)
             chain_k.append(sk)
             chain_v.append(sv)
-            attended = _chain_attention(sq, k, v, torch.stack(chain_k, 3), torch.stack(chain_v, 3), visible,
+            attended = chain_attention(sq, k, v, torch.stack(chain_k, 3), torch.stack(chain_v, 3), visible,
                                         self.config.head_dim**-0.5, chunk_rows)
             step = self._finish(step, attended)
             out.append(self._head(step))
@@ -373,16 +374,12 @@ class DraftVocabHead(nn.Module):
         return hidden @ self.weight.T
 
 
-def _row_chunks(rows: int, chunk: int) -> list[slice]:
-    return [slice(start, start + chunk) for start in range(0, max(rows, 1), chunk)]
-
-
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor, scale: float,
                       chunk_rows: int) -> torch.Tensor:
     """Causal attention of columns [B,heads,T,d] over the valid ones (`key_ok` [B,T]) and themselves, a chunk of
     queries at a time against the keys up to the chunk's end (checkpointed in training)."""
     outs = []
-    for part in _row_chunks(q.shape[2], chunk_rows):
+    for part in row_chunks(q.shape[2], chunk_rows):
         end = min(part.stop, q.shape[2])
         args = (q[:, :, part], k[:, :, :end], v[:, :, :end], key_ok[:, :end], part.start, scale)
         outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
@@ -396,30 +393,6 @@ def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: tor
     keys = torch.arange(k.shape[2], device=q.device)
     mask = (key_ok[:, None, :] & (keys <= rows)) | (keys == rows)
     return grouped_sdpa(q, k, v, mask[:, None], scale)
-
-
-def _chain_attention(q: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, chain_k: torch.Tensor,
-                     chain_v: torch.Tensor, visible: torch.Tensor, scale: float, chunk_rows: int) -> torch.Tensor:
-    """One chain step for M blocks: q [B,heads,M,d] against the context columns `visible` [B,M,T] (before each
-    anchor) and the block's own steps chain_k/v [B,kv,M,S,d]; a chunk of blocks per call, checkpointed in
-    training so backward holds no chunk x context scores."""
-    steps = chain_k.shape[3]
-    outs = []
-    for part in _row_chunks(q.shape[2], max(1, chunk_rows // max(steps, 1))):
-        args = (q[:, :, part], context_k, context_v, chain_k[:, :, part], chain_v[:, :, part], visible[:, part], scale)
-        outs.append(checkpoint(_chain_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
-                    else _chain_chunk(*args))
-    return torch.cat(outs, dim=2)
-
-
-def _chain_chunk(q: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor, chain_k: torch.Tensor,
-                 chain_v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    blocks, steps = chain_k.shape[2], chain_k.shape[3]
-    keys = torch.cat([context_k, chain_k.flatten(2, 3)], dim=2)
-    values = torch.cat([context_v, chain_v.flatten(2, 3)], dim=2)
-    own = torch.arange(blocks * steps, device=q.device) // steps == torch.arange(blocks, device=q.device)[:, None]
-    mask = torch.cat([visible, own.expand(len(visible), -1, -1)], dim=2)
-    return grouped_sdpa(q, keys, values, mask[:, None], scale)
 
 
 @drafter_family
@@ -438,7 +411,7 @@ class Eagle3Family(DrafterFamily):
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: Eagle3Spec) -> Eagle3Drafter:
         drafter = Eagle3Drafter.from_pretrained(directory, base, section.block_size).to(base.device)
-        _check_fused_layers(directory, drafter.config, base.layer_ids)
+        check_fused_layers(directory, drafter.config, base.layer_ids)
         return drafter
 
     def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
@@ -453,7 +426,7 @@ class Eagle3Family(DrafterFamily):
         """Its fused layers must be the ones the spec captures, as loading demands later. Named as the file names
         them: vLLM's `speculators` layout calls SpecForge's `midlayer` `layers.0`."""
         config = read_config(directory, target, section.block_size)
-        _check_fused_layers(directory, config, target.layer_ids)
+        check_fused_layers(directory, config, target.layer_ids)
         shapes = expected_shapes(config)
         if is_speculators(directory.config):
             shapes = speculators_tensor_names(shapes)
@@ -490,7 +463,8 @@ def draft_vocab_size(section: Eagle3Spec, vocab_size: int) -> int:
     return size
 
 
-def _check_fused_layers(directory: ModelDir, config: Eagle3Config, layer_ids: list[int]) -> None:
+def check_fused_layers(directory: ModelDir, config: Eagle3Config, layer_ids: list[int]) -> None:
+    """A loaded chain drafter (EAGLE-3's, P-EAGLE's) fuses the target layers the spec resolves, or one line."""
     if config.target_layer_ids != layer_ids:
         raise OpdError(f"drafter {directory.path}: fuses target layers {config.target_layer_ids} but "
                        f"models.drafter.target_layer_ids resolves to {layer_ids} (the family's default rule where "

@@ -44,8 +44,9 @@ from opd.formats.peagle import (
     write_checkpoint,
 )
 from opd.model_dir import ModelDir
+from opd.models.chain_attention import chain_attention
 from opd.models.drafter_cache import DrafterCache
-from opd.models.eagle3 import Eagle3Drafter, _chain_attention, _check_fused_layers, draft_vocab_size
+from opd.models.eagle3 import Eagle3Drafter, check_fused_layers, draft_vocab_size
 from opd.models.family import DrafterFamily, Shapes, drafter_family
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.shared_head import SharedHead
@@ -123,7 +124,7 @@ class PEagleDrafter(Eagle3Drafter):
             q, sk, sv = (t.unflatten(2, (blocks, slots)) for t in (q, sk, sv))  # [B,heads,M,S,d]
             state = state.unflatten(1, (blocks, slots))
             for s in range(slots):
-                attended = _chain_attention(q[:, :, :, s], k, v, sk[:, :, :, : s + 1], sv[:, :, :, : s + 1], visible,
+                attended = chain_attention(q[:, :, :, s], k, v, sk[:, :, :, : s + 1], sv[:, :, :, : s + 1], visible,
                                             self.config.head_dim**-0.5, chunk_rows)
                 out.append(self._head(self._finish(state[:, :, s], attended)))
         return torch.stack(out, 2)
@@ -171,7 +172,7 @@ class PEagleFamily(DrafterFamily):
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: PEagleSpec) -> PEagleDrafter:
         drafter = PEagleDrafter.from_pretrained(directory, base).to(base.device)
-        _check_fused_layers(directory, drafter.config, base.layer_ids)
+        check_fused_layers(directory, drafter.config, base.layer_ids)
         return drafter
 
     def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
@@ -185,7 +186,7 @@ class PEagleFamily(DrafterFamily):
         """Its fused layers must be the ones the spec captures, as loading demands later. The names are
         speculators'; its own embedding, which a checkpoint may leave to the target's, is checked on load."""
         config = read_config(directory, target)
-        _check_fused_layers(directory, config, target.layer_ids)
+        check_fused_layers(directory, config, target.layer_ids)
         return file_shapes(config), lambda name: name == SHARED_EMBEDDING
 
     def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: PEagleSpec) -> int:

@@ -211,7 +211,7 @@ class XPressDrafter(DFlashDrafter):
         """DFlash's context K/V, and each entry's next token (`next_ids` [B,T], which XPress needs)."""
         if next_ids is None:
             raise ValueError("an XPress block reads the token before its anchor: pass next_ids")
-        cache.append(self._context_kv(self.project_context(target_features), positions), positions, valid,
+        cache.append(self.context_keys_values(self.project_context(target_features), positions), positions, valid,
                      next_ids[..., None].to(torch.long))
 
     def defer_context(self, cache: DrafterCache, target_features: torch.Tensor, positions: torch.Tensor,
@@ -233,7 +233,7 @@ class XPressDrafter(DFlashDrafter):
     def draft(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The argmax after K passes [B,K-1] and the last pass's logits [B,K-1,V]."""
-        hidden = self._cached_blocks(cache, self._block(anchor_ids), anchor_positions)
+        hidden = self.cached_blocks(cache, self._block(anchor_ids), anchor_positions)
         base = self._base_head[0](hidden[:, 1:])
         refined = self.refine(hidden, self.token_before(cache, anchor_ids, anchor_positions), anchor_ids, base)
         logits = self.biased(base, refined[:, 1:])
@@ -242,7 +242,7 @@ class XPressDrafter(DFlashDrafter):
     def drafted_slots(self, cache: DrafterCache, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone's final hidden [B,K-1,H] and the LM head's logits [B,K-1,V] (the Jacobi seed's)."""
-        hidden = self._cached_blocks(cache, self._block(anchor_ids), anchor_positions)[:, 1:]
+        hidden = self.cached_blocks(cache, self._block(anchor_ids), anchor_positions)[:, 1:]
         return hidden, self._base_head[0](hidden)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
