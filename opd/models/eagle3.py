@@ -27,7 +27,7 @@ steps for every block at once (EAGLE-3's training-time test, with the chain fed 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ from opd.formats.speculators import is_speculators
 from opd.model_dir import ModelDir
 from opd.models.chain_attention import chain_attention, row_chunks
 from opd.models.drafter_cache import DrafterCache
-from opd.models.family import DrafterFamily, Shapes, drafter_family
+from opd.models.family import DrafterFamily, PublicLayout, Shapes, drafter_family
 from opd.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from opd.models.lm_head import SLOTS_PER_CHUNK, argmax
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
@@ -400,14 +400,17 @@ class Eagle3Family(DrafterFamily):
     """EAGLE-3 (SpecForge's format; vLLM's and SGLang's `method: eagle3`): a chain over its own draft vocabulary."""
 
     section = Eagle3Spec
-    public_layout = "specforge"
+    public_layout: ClassVar[PublicLayout] = "specforge"
 
     def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> Eagle3Drafter:
         """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`)."""
-        config = Eagle3Config.for_target(base.config, draft_vocab_size=draft_vocab_size(section, base.vocab_size),
-                                         rope_theta=section.rope_theta,
-                                         block_size=section.block_size, aux_layer_ids=[i + 1 for i in base.layer_ids])
-        return Eagle3Drafter(config, base.embed_tokens, base.lm_head).to(base.device)
+        return Eagle3Drafter(self.fresh_config(section, base), base.embed_tokens, base.lm_head).to(base.device)
+
+    def fresh_config(self, section: Eagle3Spec, base: Target | SharedHead) -> Eagle3Config:
+        """A fresh chain drafter's shape for `base` (what P-EAGLE's family builds its own on)."""
+        return Eagle3Config.for_target(base.config, draft_vocab_size=draft_vocab_size(section, base.vocab_size),
+                                       rope_theta=section.rope_theta, block_size=section.block_size,
+                                       aux_layer_ids=[i + 1 for i in base.layer_ids])
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: Eagle3Spec) -> Eagle3Drafter:
         drafter = Eagle3Drafter.from_pretrained(directory, base, section.block_size).to(base.device)

@@ -3,12 +3,11 @@ Qwen3 form the public drafters use (DFlash's layers and EAGLE-3's midlayer alike
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from opd.formats.dflash import DFlashConfig
-from opd.formats.eagle3 import Eagle3Config
 
 WIDE_DTYPES = (torch.float32, torch.float64)  # the dtypes RMSNorm computes in as they are
 
@@ -91,10 +90,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class MLPShape(Protocol):
+    """What a feed-forward is sized by: any family's drafter config has both."""
+
+    hidden_size: int
+    intermediate_size: int
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward, as in Qwen3."""
 
-    def __init__(self, config: DFlashConfig | Eagle3Config) -> None:
+    def __init__(self, config: MLPShape) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)

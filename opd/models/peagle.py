@@ -25,7 +25,7 @@ read, are not inputs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from torch import nn
 from opd.data.prompts import mask_token_id
 from opd.errors import OpdError
 from opd.formats.checkpoint import WEIGHTS_FILE, TargetShape
-from opd.formats.eagle3 import SHARED_EMBEDDING, Eagle3Config, check_distinct_layers, draft_vocab
+from opd.formats.eagle3 import SHARED_EMBEDDING, Eagle3Spec, check_distinct_layers
 from opd.formats.peagle import (
     OWN_EMBEDDING,
     PEagleConfig,
@@ -46,8 +46,8 @@ from opd.formats.peagle import (
 from opd.model_dir import ModelDir
 from opd.models.chain_attention import chain_attention
 from opd.models.drafter_cache import DrafterCache
-from opd.models.eagle3 import Eagle3Drafter, check_fused_layers, draft_vocab_size
-from opd.models.family import DrafterFamily, Shapes, drafter_family
+from opd.models.eagle3 import Eagle3Drafter, Eagle3Family, check_fused_layers
+from opd.models.family import Shapes, drafter_family
 from opd.models.packed_attention import CHUNK_ROWS, grouped_sdpa
 from opd.models.shared_head import SharedHead
 from opd.models.target import Target
@@ -154,23 +154,21 @@ class PEagleDrafter(Eagle3Drafter):
 
 
 @drafter_family
-class PEagleFamily(DrafterFamily):
+class PEagleFamily(Eagle3Family):
     """P-EAGLE (speculators' layout; vLLM's `method: eagle3` with `parallel_drafting`): an EAGLE-3 drafter whose
-    chain is drafted in one pass."""
+    chain is drafted in one pass. What it shares with EAGLE-3's family (the fused-layer check, the draft
+    vocabulary fitted to the data) it inherits."""
 
     section = PEagleSpec
     public_layout = "speculators"
 
-    def random(self, section: PEagleSpec, base: Target | SharedHead, tokenizer: Any) -> PEagleDrafter:
-        """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`); the pard token is the spec's
-        or the tokenizer's mask token."""
-        eagle3 = Eagle3Config.for_target(base.config, draft_vocab_size=draft_vocab_size(section, base.vocab_size),
-                                         rope_theta=section.rope_theta,
-                                         block_size=section.block_size, aux_layer_ids=[i + 1 for i in base.layer_ids])
-        config = PEagleConfig.of(eagle3, mask_token_id(tokenizer, section.mask_token_id))
+    def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> PEagleDrafter:
+        """EAGLE-3's fresh shape with the pard token: the spec's, or the tokenizer's mask token."""
+        pard = mask_token_id(tokenizer, cast(PEagleSpec, section).mask_token_id)
+        config = PEagleConfig.of(self.fresh_config(section, base), pard)
         return PEagleDrafter(config, base.embed_tokens, base.lm_head).to(base.device)
 
-    def load(self, directory: ModelDir, base: Target | SharedHead, section: PEagleSpec) -> PEagleDrafter:
+    def load(self, directory: ModelDir, base: Target | SharedHead, section: Eagle3Spec) -> PEagleDrafter:
         drafter = PEagleDrafter.from_pretrained(directory, base).to(base.device)
         check_fused_layers(directory, drafter.config, base.layer_ids)
         return drafter
@@ -178,18 +176,18 @@ class PEagleFamily(DrafterFamily):
     def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
         return PEagleConfig.from_speculators(directory.config, num_target_layers).target_layer_ids
 
-    def check_random(self, section: PEagleSpec, tokenizer: Any, target: TargetShape) -> None:
-        draft_vocab_size(section, target.vocab_size)
-        mask_token_id(tokenizer, section.mask_token_id)
+    def check_random(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
+        super().check_random(section, tokenizer, target)
+        mask_token_id(tokenizer, cast(PEagleSpec, section).mask_token_id)
 
-    def expected_shapes(self, directory: ModelDir, target: TargetShape, section: PEagleSpec) -> Shapes:
+    def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Eagle3Spec) -> Shapes:
         """Its fused layers must be the ones the spec captures, as loading demands later. The names are
         speculators'; its own embedding, which a checkpoint may leave to the target's, is checked on load."""
         config = read_config(directory, target)
         check_fused_layers(directory, config, target.layer_ids)
         return file_shapes(config), lambda name: name == SHARED_EMBEDDING
 
-    def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: PEagleSpec) -> int:
+    def served_block_size(self, directory: ModelDir, target: TargetShape | None, section: Eagle3Spec) -> int:
         """vLLM captures each layer once, so a repeated id would leave its fc short of a state; K is the file's."""
         if target is None:
             raise OpdError("a P-EAGLE drafter is checked against its target, whose config.json was not found")
@@ -199,13 +197,8 @@ class PEagleFamily(DrafterFamily):
 
     def vllm_config(self, directory: ModelDir, block_size: int) -> dict[str, Any]:
         """vLLM serves P-EAGLE as EAGLE-3 drafting its chain in one pass (it reads the pard token from the file)."""
-        return {"method": "eagle3", "model": str(directory.path), "num_speculative_tokens": block_size - 1,
-                "parallel_drafting": True}
+        return super().vllm_config(directory, block_size) | {"parallel_drafting": True}
 
     def save_speculators(self, drafter: Any, directory: str | Path, verifier: str | None) -> None:
         architectures = [] if verifier is None else ModelDir.read(verifier, "target").architectures
         drafter.save_pretrained(directory, verifier, architectures)
-
-    def fit_to_data(self, drafter: Any, token_counts: torch.Tensor) -> None:
-        """The draft vocabulary: the data's most frequent response tokens (as for EAGLE-3)."""
-        drafter.set_vocab(*draft_vocab(token_counts, drafter.config.draft_vocab_size))
