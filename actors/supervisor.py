@@ -112,10 +112,6 @@ class Replica:
     def fault(self, rank: int, cause: str) -> Fault:
         return Fault(self.role, self.name, rank, cause)
 
-    def restarted(self) -> None:
-        """Fresh liveness calls for the new ranks."""
-        self.pings = [Ping() for _ in self.ranks]
-
 
 def _named(name: str) -> bool:
     try:

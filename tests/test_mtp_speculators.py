@@ -18,8 +18,8 @@ import torch
 
 from opd.commands.preflight import check_drafter, check_target
 from opd.formats.mtp import MTPSpec
-from opd.models.registry import family, load_drafter
-from opd.serving.engine import speculative_config
+from opd.model_dir import ModelDir
+from opd.models.registry import detect, family, load_drafter
 from tests.helpers import mtp as helper
 from tests.helpers.decoding import drafted_alone
 from tests.helpers.speculators import speculators_model
@@ -93,6 +93,7 @@ def test_serve_bench_passes_vllms_mtp_method_with_the_exports_draft_count(tmp_pa
     family("mtp").save_speculators(drafter, tmp_path / "export", str(directory))
     written = json.loads((tmp_path / "export" / "config.json").read_text())["speculators_config"]
     assert written["algorithm"] == "mtp"
-    assert speculative_config(str(tmp_path / "export"), K) == {
+    exported = ModelDir.read(tmp_path / "export")
+    assert detect(exported).vllm_config(exported, K) == {
         "method": "mtp", "model": str(tmp_path / "export"),
         "num_speculative_tokens": written["proposal_methods"][0]["speculative_tokens"]}

@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 
 from opd.formats.dflash import DFlashConfig
 from opd.formats.xpress import XPressConfig
+from opd.model_dir import ModelDir
 from opd.models.dflash import DFlashDrafter
 from opd.models.lm_head import teacher_head
-from opd.models.registry import family, load_drafter
+from opd.models.registry import detect, family, load_drafter
 from opd.models.target import load_target
 from opd.models.xpress import XPressDrafter
-from opd.serving.engine import speculative_config
 from tests.helpers.decoding import drafted_alone
 from tests.helpers.speculators import quiet, speculators_model, xpress_rounds  # noqa: F401 (quiet: a fixture)
 
@@ -112,7 +112,8 @@ def test_serve_bench_speculative_config_drafts_what_speculators_writes(xpress, t
     """vLLM's `xpress` method, K-1 drafts per step: the count speculators' proposal records."""
     family("xpress").save_speculators(xpress, tmp_path, TARGET)
     written = json.loads((tmp_path / "config.json").read_text())["speculators_config"]
-    ours = speculative_config(str(tmp_path), xpress.block_size)  # what `opd serve-bench` hands vLLM
+    exported = ModelDir.read(tmp_path)
+    ours = detect(exported).vllm_config(exported, xpress.block_size)  # what `opd serve-bench` hands vLLM
     assert ours["num_speculative_tokens"] == written["proposal_methods"][0]["speculative_tokens"]
     assert ours == {"method": "xpress", "model": str(tmp_path), "num_speculative_tokens": xpress.block_size - 1}
     assert written["algorithm"] == "xpress"

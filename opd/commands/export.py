@@ -48,7 +48,7 @@ def layouts(found: DrafterFamily, target: ModelDir | None = None) -> list[str]:
     z-lab's or SpecForge's (`zlab`), then speculators' where the family writes it, then the target's own (`target`)
     where the family is part of a target's checkpoint; for a known `target`, only those its client loads."""
     public = [] if found.public_layout == "speculators" else ["zlab"]
-    public += ["speculators"] if type(found).save_speculators is not DrafterFamily.save_speculators else []
+    public += ["speculators"] if found.writes_speculators else []
     every = public + (["target"] if found.lives_in_target else [])
     return every if target is None else [name for name in every if found.unloadable(name, target) is None]
 

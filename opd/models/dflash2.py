@@ -26,7 +26,7 @@ see the block's mask tokens, not its drafts, so a slot's student logits are the 
 the context and anchor, as for DFlash). The rollout's blocks, acceptance and rejected stream are the selector's
 path, so γ and the rejected-stream terms mean what they mean for DFlash. The selector's q lives on k candidates,
 where a full-vocabulary KL is infinite, so it has a term of its own (opd/distill/selector_loss.py,
-`loss.selector_weight`; 0 freezes it: `opd.train.learner.selector_trains`).
+`loss.selector_weight`; 0 freezes it: the family's terms' `prepare`, opd/distill/family_terms.py).
 """
 
 from __future__ import annotations

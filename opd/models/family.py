@@ -89,6 +89,11 @@ class DrafterFamily:
         return None
 
     @property
+    def writes_speculators(self) -> bool:
+        """Whether drafters of this family have a speculators export (`save_speculators`)."""
+        return type(self).save_speculators is not DrafterFamily.save_speculators
+
+    @property
     def lives_in_target(self) -> bool:
         """Whether drafters of this family are written into their target's checkpoint (`save_into_target`)."""
         return type(self).save_into_target is not DrafterFamily.save_into_target

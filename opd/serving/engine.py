@@ -14,8 +14,6 @@ from typing import Any, Protocol
 
 from opd.decoding.sampling import Sampling
 from opd.errors import OpdError
-from opd.model_dir import ModelDir
-from opd.models.registry import detect
 from opd.serving.vllm_env import check_vllm_env
 from opd.spec import ExperimentSpec
 
@@ -52,13 +50,6 @@ def engine_args(spec: ExperimentSpec, *, max_tokens: int, speculative_config: di
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
     return kwargs
-
-
-def speculative_config(drafter_dir: str, block_size: int) -> dict:
-    """vLLM's speculative config for an exported drafter of any family, as its config.json says, so callers never
-    ask which family they serve; every family drafts block_size − 1 tokens per step."""
-    directory = ModelDir.read(drafter_dir, "drafter")
-    return detect(directory).vllm_config(directory, block_size)
 
 
 def sampling_dict(sampling: Sampling) -> dict[str, Any]:
