@@ -38,7 +38,7 @@ from opd.decoding.record import SequenceRecord
 from opd.distill.losses import teacher_distribution
 from opd.distill.replay import score, student_hidden
 from opd.formats.dflash import default_target_layer_ids
-from opd.models.build import DTYPES, build_models, random_drafter
+from opd.models.build import DTYPES, build_models, initial_drafter
 from opd.models.dflash import DFlashConfig, DFlashDrafter
 from opd.models.target import Target
 from opd.spec import load_spec
@@ -75,7 +75,7 @@ def random_models(spec, seed: int) -> tuple[Target, DFlashDrafter, str]:
         tokenizer = load_tokenizer(m.tokenizer)
         if len(tokenizer) > target.vocab_size:
             raise ValueError("tokenizer larger than the random target's vocabulary")
-        return target, random_drafter(spec.models, target, tokenizer, seed), shape
+        return target, initial_drafter(spec.models, target, tokenizer, seed), shape
     except Exception:  # no usable tokenizer yet: the mask token is only an id to a random drafter
         config = DFlashConfig.for_target(target.config, num_layers=m.drafter.num_layers,
                                          block_size=m.drafter.block_size, mask_token_id=target.vocab_size - 1,

@@ -125,10 +125,10 @@ def test_every_tiny_configuration_is_of_a_registered_family():
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_random_init_is_the_familys_seeded_and_off_the_target(kind, target):
-    """The family accepts its tiny section for a random drafter (`check_random`), draws a drafter of its kind and K
+    """The family accepts its tiny section for a random drafter (`check_initial`), draws a drafter of its kind and K
     that the same seed draws again and another seed does not, and whose parameters are none of the target's."""
     section = spec_of(kind).models.drafter
-    family(kind).check_random(section, None, target)
+    family(kind).check_initial(section, None, target)
     drafter = draw(kind, target)
     assert drafter.kind == kind and drafter.block_size == section.block_size
     assert_same_drafter(draw(kind, target), drafter)

@@ -53,7 +53,7 @@ def targets(tmp_path_factory):
 
 
 def own_head(target) -> MTPDrafter:
-    return family("mtp").random(MTPSpec(block_size=K), target, None)
+    return family("mtp").initial(MTPSpec(block_size=K), target, None)
 
 
 @pytest.mark.parametrize("name", list(LAYOUT_OF))
@@ -74,7 +74,7 @@ def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     with pytest.raises(OpdError, match="holds no MTP layers") as info:
         own_head(target)
     assert "\n" not in str(info.value) and "from_target: false" in str(info.value)
-    fresh = family("mtp").random(MTPSpec(from_target=False), target, None)
+    fresh = family("mtp").initial(MTPSpec(from_target=False), target, None)
     assert fresh.form.name == "speculators" and fresh.block_size == 4
 
 
@@ -301,7 +301,7 @@ def test_splitting_experts_inverts_fusing():
 
 def test_a_target_family_vllm_serves_no_head_for_is_refused_in_one_line(tmp_path):
     directory = helper.target_dir("qwen3", tmp_path / "t", head=False)
-    drafter = family("mtp").random(MTPSpec(from_target=False), helper.load(directory), None)
+    drafter = family("mtp").initial(MTPSpec(from_target=False), helper.load(directory), None)
     with pytest.raises(OpdError, match="vLLM serves no MTP head of model_type 'qwen3'") as info:
         family("mtp").save_into_target(drafter, directory, tmp_path / "out")
     assert "\n" not in str(info.value)

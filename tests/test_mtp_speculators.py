@@ -61,7 +61,7 @@ def test_mtp_converter_extracts_the_head_the_project_reads_as_its_warm_drafter(t
                                      num_speculative_steps=K - 1, validate=False)
     check_drafter(str(tmp_path / "converted"), check_target(str(directory), [target.num_layers - 1]), MTPSpec())
     converted = load_drafter(tmp_path / "converted", target)
-    own = family("mtp").random(MTPSpec(block_size=K), target, None)
+    own = family("mtp").initial(MTPSpec(block_size=K), target, None)
     assert converted.form.name == "speculators" and converted.block_size == K
     assert converted.state_dict().keys() == own.state_dict().keys()
     assert all(torch.equal(converted.state_dict()[n], t) for n, t in own.state_dict().items())
@@ -73,7 +73,7 @@ def test_mtp_converter_extracts_the_head_the_project_reads_as_its_warm_drafter(t
 def test_the_speculators_export_gives_the_projects_logits_in_mtp_draft_model(name, tmp_path):
     directory = helper.target_dir(name, tmp_path / "target", head=name != "qwen3")
     target = helper.load(directory)
-    drafter = family("mtp").random(MTPSpec(block_size=K, from_target=name != "qwen3"), target, None)
+    drafter = family("mtp").initial(MTPSpec(block_size=K, from_target=name != "qwen3"), target, None)
     helper.sharpen(drafter)
     family("mtp").save_speculators(drafter, tmp_path / "export", str(directory))
     model = speculators_model(tmp_path / "export", torch.float64)
@@ -89,7 +89,7 @@ def test_serve_bench_passes_vllms_mtp_method_with_the_exports_draft_count(tmp_pa
     `deepseek_mtp` and `qwen3_next_mtp` resolve to), the head chained for the K-1 tokens speculators' config
     proposes."""
     directory = helper.target_dir("qwen3_5", tmp_path / "target")
-    drafter = family("mtp").random(MTPSpec(block_size=K), helper.load(directory), None)
+    drafter = family("mtp").initial(MTPSpec(block_size=K), helper.load(directory), None)
     family("mtp").save_speculators(drafter, tmp_path / "export", str(directory))
     written = json.loads((tmp_path / "export" / "config.json").read_text())["speculators_config"]
     assert written["algorithm"] == "mtp"

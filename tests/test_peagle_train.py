@@ -30,7 +30,7 @@ def micro_peagle(micro_assets, tmp_path) -> str:
     target = load_target(micro_assets["target"], dtype=torch.float32, layer_ids=[1, 1, 2])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        drafter = family("peagle").random(PEagleSpec(draft_vocab_size=64, block_size=4), target, _Tokenizer())
+        drafter = family("peagle").initial(PEagleSpec(draft_vocab_size=64, block_size=4), target, _Tokenizer())
     drafter.save_pretrained(tmp_path / "peagle")
     return str(tmp_path / "peagle")
 

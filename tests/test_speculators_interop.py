@@ -194,7 +194,7 @@ def eagle3(request, eagle3_target):
     target = eagle3_target
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        random = family("eagle3").random(Eagle3Spec(draft_vocab_size=512, block_size=4), target, None)
+        random = family("eagle3").initial(Eagle3Spec(draft_vocab_size=512, block_size=4), target, None)
         drafter = type(random)(dataclasses.replace(random.config, **EAGLE31[request.param]), target.embed_tokens,
                                target.lm_head)
         drafter.load_state_dict(random.state_dict(), strict=False)
@@ -320,7 +320,7 @@ def peagle(request, eagle3_target):
     size = request.param
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        drafter = family("peagle").random(PEagleSpec(draft_vocab_size=size, block_size=5, mask_token_id=2),
+        drafter = family("peagle").initial(PEagleSpec(draft_vocab_size=size, block_size=5, mask_token_id=2),
                                           eagle3_target, None)
         drafter.set_vocab(*draft_vocab(torch.rand(eagle3_target.config.vocab_size), size))
         with torch.no_grad():

@@ -45,7 +45,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     else:
         from opd.models.registry import family
 
-        family(m.drafter.kind).check_random(m.drafter, tokenizer, target)
+        family(m.drafter.kind).check_initial(m.drafter, tokenizer, target)
     if spec.rollout.source == "target" and spec.rollout.sampler == "vllm":
         check_vllm(spec, "rollout.sampler vllm")
     train = spec_prompts(spec.data, spec.data.train_prompts, tokenizer)

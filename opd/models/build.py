@@ -93,7 +93,7 @@ def build_drafter(spec: ExperimentSpec, base: Target | SharedHead, tokenizer, dr
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{base.vocab_size} (expected a tokenizer that fits the target)")
     if path is None or path == "random":
-        return random_drafter(m, base, tokenizer, spec.seed if seed is None else seed)
+        return initial_drafter(m, base, tokenizer, spec.seed if seed is None else seed)
     directory = ModelDir.read(path, "drafter").expect("drafter", "drafter" if drafter_path else DRAFTER_FIELD)
     found = detect(directory)  # a checkpoint named apart from the spec's (`opd eval --draft`) is of its own family
     section = (m.drafter if found.kind == m.drafter.kind
@@ -114,8 +114,8 @@ def _check_drafter_path(spec: ExperimentSpec, drafter_path: str | None) -> None:
         directory.expect("drafter", "--draft" if drafter_path else DRAFTER_FIELD)
 
 
-def random_drafter(m: ModelsSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
+def initial_drafter(m: ModelsSpec, target: Target | SharedHead, tokenizer, seed: int) -> Drafter:
     """A freshly initialised drafter of the spec's family, from `seed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return family(m.drafter.kind).random(m.drafter, target, tokenizer)
+        return family(m.drafter.kind).initial(m.drafter, target, tokenizer)

@@ -534,7 +534,7 @@ class DFlashFamily(DrafterFamily):
                                        max_position_embeddings=section.max_position_embeddings,
                                        intermediate_size=section.intermediate_size)
 
-    def random(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashDrafter:
+    def initial(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashDrafter:
         config = self.config(section, base, tokenizer)
         return self.drafter_class(config, base.embed_tokens, base.lm_head, teacher_head(base)).to(base.device)
 
@@ -544,7 +544,7 @@ class DFlashFamily(DrafterFamily):
     def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
         return self.drafter_class.config_class.from_hf_dict(directory.config, num_target_layers).target_layer_ids
 
-    def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
+    def check_initial(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
         """The mask token, and every target field the fresh drafter copies (named at once where missing)."""
         mask = mask_token_id(tokenizer, section.mask_token_id)
         DFlashConfig.for_target(target.config, num_layers=section.num_layers or 1, block_size=section.block_size,

@@ -251,7 +251,7 @@ class DFlash2Family(DFlashFamily):
     def config(self, section: DFlashSpec, base: Target | SharedHead, tokenizer: Any) -> DFlashConfig:
         return DFlash2Config.of(super().config(section, base, tokenizer), cast(DFlash2Spec, section).fields)
 
-    def check_random(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
-        super().check_random(section, tokenizer, target)
+    def check_initial(self, section: DFlashSpec, tokenizer: Any, target: TargetShape) -> None:
+        super().check_initial(section, tokenizer, target)
         check_dflash2_fields(cast(DFlash2Spec, section).fields, target.hidden_size, target.vocab_size,
                              "models.drafter.{}")

@@ -402,7 +402,7 @@ class Eagle3Family(DrafterFamily):
     section = Eagle3Spec
     public_layout: ClassVar[PublicLayout] = "specforge"
 
-    def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> Eagle3Drafter:
+    def initial(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> Eagle3Drafter:
         """The identity draft vocabulary until SFT fits one to its data (`fit_to_data`)."""
         return Eagle3Drafter(self.fresh_config(section, base), base.embed_tokens, base.lm_head).to(base.device)
 
@@ -422,7 +422,7 @@ class Eagle3Family(DrafterFamily):
         return Eagle3Config.from_hf_dict(directory.config, num_target_layers=num_target_layers,
                                          block_size=block_size).target_layer_ids
 
-    def check_random(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
+    def check_initial(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
         draft_vocab_size(section, target.vocab_size)
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Eagle3Spec) -> Shapes:

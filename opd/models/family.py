@@ -39,8 +39,9 @@ class DrafterFamily:
     def kind(self) -> str:
         return str(self.section.model_fields["kind"].default)
 
-    def random(self, section: Any, base: Target | SharedHead, tokenizer: Any) -> Drafter:
-        """A freshly initialised drafter for `base` (under the caller's seeded RNG)."""
+    def initial(self, section: Any, base: Target | SharedHead, tokenizer: Any) -> Drafter:
+        """The drafter a run starts from when it names no drafter checkpoint: freshly initialised for `base` (under
+        the caller's seeded RNG) for most families, but the target's own trained head for MTP (`from_target`)."""
         raise NotImplementedError
 
     def load(self, directory: ModelDir, base: Target | SharedHead, section: Any) -> Drafter:
@@ -52,8 +53,8 @@ class DrafterFamily:
         loaded with where no spec names them (`opd export`)."""
         raise NotImplementedError
 
-    def check_random(self, section: Any, tokenizer: Any, target: TargetShape) -> None:
-        """What a random drafter of `section` needs from the tokenizer and target, checked before any weights."""
+    def check_initial(self, section: Any, tokenizer: Any, target: TargetShape) -> None:
+        """What the initial drafter of `section` needs from the tokenizer and target, checked before any weights."""
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Any) -> Shapes:
         """The tensors a checkpoint of this family for `target` holds, and which of its names are the target's

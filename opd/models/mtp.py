@@ -454,7 +454,7 @@ class MTPFamily(DrafterFamily):
     section = MTPSpec
     public_layout = "speculators"
 
-    def random(self, section: MTPSpec, base: Target | SharedHead, tokenizer: Any) -> MTPDrafter:
+    def initial(self, section: MTPSpec, base: Target | SharedHead, tokenizer: Any) -> MTPDrafter:
         """With no drafter path: the target's own head (`from_target`), else a fresh one in its family's layout."""
         directory = _target_dir(base)
         if section.from_target and directory is not None:
@@ -477,7 +477,7 @@ class MTPFamily(DrafterFamily):
     def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
         return [num_target_layers - 1]
 
-    def check_random(self, section: MTPSpec, tokenizer: Any, target: TargetShape) -> None:
+    def check_initial(self, section: MTPSpec, tokenizer: Any, target: TargetShape) -> None:
         """A head read from the target: the target holds one (its tensor names, no weights read)."""
         directory = _target_dir(target)
         if section.from_target and directory is not None:

@@ -162,7 +162,7 @@ class PEagleFamily(Eagle3Family):
     section = PEagleSpec
     public_layout = "speculators"
 
-    def random(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> PEagleDrafter:
+    def initial(self, section: Eagle3Spec, base: Target | SharedHead, tokenizer: Any) -> PEagleDrafter:
         """EAGLE-3's fresh shape with the pard token: the spec's, or the tokenizer's mask token."""
         pard = mask_token_id(tokenizer, cast(PEagleSpec, section).mask_token_id)
         config = PEagleConfig.of(self.fresh_config(section, base), pard)
@@ -176,8 +176,8 @@ class PEagleFamily(Eagle3Family):
     def target_layer_ids(self, directory: ModelDir, num_target_layers: int) -> list[int]:
         return PEagleConfig.from_speculators(directory.config, num_target_layers).target_layer_ids
 
-    def check_random(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
-        super().check_random(section, tokenizer, target)
+    def check_initial(self, section: Eagle3Spec, tokenizer: Any, target: TargetShape) -> None:
+        super().check_initial(section, tokenizer, target)
         mask_token_id(tokenizer, cast(PEagleSpec, section).mask_token_id)
 
     def expected_shapes(self, directory: ModelDir, target: TargetShape, section: Eagle3Spec) -> Shapes:

@@ -293,7 +293,7 @@ def _write_mtp_head(directory: Path, config: dict[str, Any], seed: int) -> None:
     target = load_target(str(directory), dtype=torch.float32, layer_ids=[layers - 1])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        head = family("mtp").random(MTPSpec(from_target=False), target, None)
+        head = family("mtp").initial(MTPSpec(from_target=False), target, None)
     tensors = to_layout(head.state_dict(), layout, layers)
     save_file({n: t.to(target.dtype).contiguous() for n, t in tensors.items()}, directory / "mtp.safetensors",
               metadata={"format": "pt"})

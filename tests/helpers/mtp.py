@@ -83,7 +83,7 @@ def target_dir(name: str, directory: Path, *, head: bool = True, seed: int = 0, 
     target = Target(model, [model.config.num_hidden_layers - 1])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        drafter = family("mtp").random(MTPSpec(from_target=False), target, None)
+        drafter = family("mtp").initial(MTPSpec(from_target=False), target, None)
         if name in OWN_LAYOUT:
             drafter = MTPDrafter(MTPConfig(drafter.block_size, OWN_LAYOUT[name], json_config(model.config)),
                                  model.get_input_embeddings(), model.lm_head, drafter._shared[2])

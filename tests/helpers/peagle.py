@@ -19,7 +19,7 @@ def trained_like(target, seed: int = 1, block_size: int = 4, draft_vocab_size: i
     section = PEagleSpec(block_size=block_size, draft_vocab_size=draft_vocab_size, mask_token_id=MASK)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = family("peagle").random(section, target, None)
+        drafter = family("peagle").initial(section, target, None)
         counts = torch.rand(target.vocab_size)
     drafter.set_vocab(*draft_vocab(counts, draft_vocab_size))
     head_reads_target_rows(drafter, target)

@@ -35,7 +35,7 @@ def _as_drawn(drafter, target) -> None:
 class Tiny:
     """How the contract makes a tiny drafter of one family on the 8-token micro target (6 layers, features of
     layers 1-3, float64): the family's `models.drafter` fields, validated by its own spec section and drawn by
-    `family(kind).random`, then `sharpen(drafter, target)` in place (under the same seeded RNG)."""
+    `family(kind).initial`, then `sharpen(drafter, target)` in place (under the same seeded RNG)."""
 
     section: dict[str, Any]
     sharpen: Callable[[Any, Any], None] = field(default=_as_drawn)
@@ -79,7 +79,7 @@ def draw(kind: str, target, seed: int = 1):
     found = family(kind)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = found.random(spec_of(kind).models.drafter, target, None)
+        drafter = found.initial(spec_of(kind).models.drafter, target, None)
         found.fit_to_data(drafter, torch.rand(target.vocab_size))
         tiny(kind).sharpen(drafter, target)
     return drafter
