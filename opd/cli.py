@@ -241,10 +241,11 @@ def _serve_bench(args: argparse.Namespace) -> int:
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="a drafter directory of any family: a run's "
                         "checkpoints/step-N, an opd sft output or an exported drafter")
-    parser.add_argument("--to", required=True, choices=("zlab", "speculators", "target"),
-                        help="zlab: the family's public layout (z-lab's for DFlash and DFlash 2, SpecForge's for "
-                             "EAGLE-3); speculators: vLLM's speculators layout (every family); target: an MTP head "
-                             "in the target's own layout, its files linked (vLLM serves --out as the model)")
+    parser.add_argument("--to", required=True, choices=("public", "speculators", "target", "zlab"),
+                        help="public: the family's own public layout (z-lab's for DFlash and DFlash 2, SpecForge's "
+                             "for EAGLE-3); speculators: vLLM's speculators layout (every family); target: an MTP "
+                             "head in the target's own layout, its files linked (vLLM serves --out as the model); "
+                             "zlab: the old name of public, kept as an alias")
     parser.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory to write it to")
     parser.add_argument("--target", metavar="PATH", help="the target model's directory (default: the spec's "
                         "models.target_path, else the one the checkpoint's run recorded)")
@@ -254,7 +255,8 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 def _export(args: argparse.Namespace) -> int:
     from opd.commands.export import run_export
 
-    return run_export(args.checkpoint, args.to, args.out, args.target, args.config)
+    return run_export(args.checkpoint, "public" if args.to == "zlab" else args.to, args.out, args.target,
+                      args.config)
 
 
 def _suite_arguments(parser: argparse.ArgumentParser) -> None:

@@ -124,7 +124,7 @@ def run_printed(line: str, monkeypatch, tmp_path: Path) -> str:
     return code
 
 
-@pytest.mark.parametrize("layout", ["zlab", "speculators"])
+@pytest.mark.parametrize("layout", ["public", "speculators"])
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_every_family_exports_to_what_its_client_loads_with_the_same_logits(kind, layout, checkpoints, target,
                                                                             target_dir, text, tmp_path, capsys,

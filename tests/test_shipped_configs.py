@@ -114,7 +114,7 @@ def _run_then_every_command(config: Path, mini: Miniature, tmp_path: Path, engin
             continue
         if layout != "target":
             exported = ModelDir.read(out)
-            written = found.public_layout if layout == "zlab" else "speculators"
+            written = found.public_layout if layout == "public" else "speculators"
             check = subprocess.run([sys.executable, "-c", check_code(exported, written, str(mini.path))],
                                    capture_output=True, text=True, timeout=120)
             assert check.returncode == 0, check.stderr[-2000:]

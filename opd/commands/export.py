@@ -1,8 +1,8 @@
 """`opd export`: a drafter directory of any family written in the layout a serving engine's client reads, with
 the `speculative_config` vLLM takes for it and the command that loads it in that client's own code.
 
-`--to zlab` writes the family's public layout (`save_pretrained`): z-lab's for DFlash and DFlash 2, SpecForge's for
-EAGLE-3, which vLLM serves as they are. `--to speculators` writes vLLM's `speculators` layout (`save_speculators`),
+`--to public` writes the family's own public layout (`save_pretrained`): z-lab's for DFlash and DFlash 2,
+SpecForge's for EAGLE-3, which vLLM serves as they are (`--to zlab` is its old name, still taken). `--to speculators` writes vLLM's `speculators` layout (`save_speculators`),
 the one DSpark and P-EAGLE are published in and the one speculators' own classes load without a converter.
 `--to target` (an MTP head) writes the target's own checkpoint layout into `--out` (`save_into_target`): the
 target's shards linked (those that held its old head rewritten without it), the head in a new shard, an updated
@@ -33,7 +33,7 @@ from opd.outputs import atomic_dir, check_output_dir
 from opd.spec import ExperimentSpec, load_spec
 from opd.train.checkpoint import STATE_FILE, recorded_fields
 
-LAYOUT_NAMES = {"zlab": "z-lab's", "specforge": "SpecForge's", "speculators": "vLLM's speculators",
+LAYOUT_NAMES = {"public": "its family's public", "zlab": "z-lab's", "specforge": "SpecForge's", "speculators": "vLLM's speculators",
                 "target": "the target's own"}
 CLIENTS = {"zlab": "z-lab's dflash package", "specforge": "speculators' EAGLE-3 converter and model class",
            "speculators": "speculators' model class"}  # the code that checks each layout
@@ -45,9 +45,9 @@ SPECULATORS_IMPORT = ('import sys, types; sys.modules.setdefault("speculators.tr
 
 def layouts(found: DrafterFamily, target: ModelDir | None = None) -> list[str]:
     """The `--to` layouts a family is written in, the one to serve it from first: its public layout where that is
-    z-lab's or SpecForge's (`zlab`), then speculators' where the family writes it, then the target's own (`target`)
+    z-lab's or SpecForge's (`public`), then speculators' where the family writes it, then the target's own (`target`)
     where the family is part of a target's checkpoint; for a known `target`, only those its client loads."""
-    public = [] if found.public_layout == "speculators" else ["zlab"]
+    public = [] if found.public_layout == "speculators" else ["public"]
     public += ["speculators"] if found.writes_speculators else []
     every = public + (["target"] if found.lives_in_target else [])
     return every if target is None else [name for name in every if found.unloadable(name, target) is None]
@@ -90,7 +90,7 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
     if to == "target":
         return _print_into_target(found, destination, block_size)
     exported = ModelDir.read(destination, "drafter")
-    written = found.public_layout if to == "zlab" else "speculators"
+    written = found.public_layout if to == "public" else "speculators"
     speculative = json.dumps(found.vllm_config(exported, block_size))
     print(f"exported the {found.kind} drafter in {LAYOUT_NAMES[written]} layout to {destination}\n"
           f"serve it with vLLM:\n"
@@ -154,7 +154,7 @@ def _print_into_target(found: DrafterFamily, destination: Path, block_size: int)
 
 
 def _write(found: DrafterFamily, drafter: Drafter, to: str, directory: Path, verifier: str) -> None:
-    if to == "zlab":
+    if to == "public":
         drafter.save_pretrained(directory)
     elif to == "target":
         found.save_into_target(drafter, verifier, directory)
