@@ -4,9 +4,9 @@ sections (`rules`), loading YAML with `base:` and `--set` (`load`), the one read
 (`resolve`), and flattening for MLflow (`export`). The names below are what the rest of the project imports."""
 
 from opd.spec.experiment import ExperimentSpec, with_eval_samples
-from opd.spec.export import field_default, flatten
 from opd.spec.inputs import DataSpec, ModelsSpec
 from opd.spec.load import SpecError, load_spec, validate_spec
+from opd.spec.mlflow_params import field_default, flatten
 from opd.spec.reporting import EvalSpec, TrackingSpec
 from opd.spec.resolve import path_problems, shard_degree_issues
 from opd.spec.resources import ResourcesSpec

@@ -11,7 +11,7 @@ The sections are by role: what a run reads (`inputs`), the target's sampling set
 placement arithmetic in `placement`) and what it reports (`reporting`); the rules between sections are `rules`.
 Validation here reads no file: what the files say (the target's depth, the prompt pool's size, the warm drafter)
 is filled in or checked once, in the driver, by `opd.spec.resolve`, so an actor validates the resolved spec it is
-handed without touching the filesystem. Loading YAML is `opd.spec.load`; flattening for MLflow `opd.spec.export`.
+handed without touching the filesystem. Loading YAML is `opd.spec.load`; flattening for MLflow `opd.spec.mlflow_params`.
 """
 
 from __future__ import annotations
