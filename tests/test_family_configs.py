@@ -24,6 +24,7 @@ from opd.cli import main
 from opd.commands.preflight import check_layer_kinds_of
 from opd.errors import OpdError
 from opd.formats.dflash import FULL, SLIDING, DFlashConfig
+from opd.model_dir import ModelDir
 from opd.models.dflash import DFlashDrafter
 from opd.models.lm_head import teacher_head
 from opd.models.shared_head import embedding_scale, load_shared_head
@@ -219,7 +220,7 @@ def test_validate_and_train_refuse_a_targets_layer_kinds_from_its_config_json_al
 
 @pytest.mark.parametrize("family_name", ["gpt_oss", "gemma4", "llama4"])
 def test_the_preflight_passes_the_layer_kinds_that_run_exactly(family_name, micro_assets, tmp_path):
-    check_layer_kinds_of(str(config_only_target(family_name, micro_assets, tmp_path)))
+    check_layer_kinds_of(ModelDir.read(config_only_target(family_name, micro_assets, tmp_path)))
 
 
 # ---------------------------------------------------------------------------------------------- shipped configs
@@ -259,4 +260,4 @@ def test_the_shipped_hybrid_config_trains_the_papers_recipe(micro_assets, tmp_pa
 
     spec = load_spec("configs/qwen3.5-9b.yaml", [], check_paths=False)
     assert (replay_mode(spec), spec.eval.diagnostic) == ("draft_opd", True)
-    check_layer_kinds_of(str(config_only_target("qwen3_5", micro_assets, tmp_path)))
+    check_layer_kinds_of(ModelDir.read(config_only_target("qwen3_5", micro_assets, tmp_path)))

@@ -18,7 +18,7 @@ from opd.commands.preflight import check_drafter, check_target, target_shape
 from opd.errors import OpdError
 from opd.formats import DRAFTER_SECTIONS, KINDS
 from opd.formats.dflash import DFlashSpec
-from opd.model_dir import DirKind, ModelDir
+from opd.model_dir import TARGET_FIELD, DirKind, ModelDir
 from opd.models.registry import load_drafter
 from opd.models.target import Target, load_target
 
@@ -110,7 +110,7 @@ def test_the_target_as_a_draft_flag_is_refused_in_one_line(micro_spec_file, micr
 def test_the_preflight_and_the_loaders_refuse_a_drafter_as_the_target(name: str) -> None:
     """What reads a target outside the spec's resolution (a resolved spec handed on, an export's target) refuses
     a drafter the same way, before transformers reads it."""
-    for read in (lambda: check_target(str(TINY / name), [1]),
+    for read in (lambda: check_target(ModelDir.read(TINY / name).expect("target", TARGET_FIELD), [1]),  # preflight
                  lambda: load_target(str(TINY / name), dtype=torch.float32, layer_ids=[1])):
         with pytest.raises(OpdError) as refused:
             read()

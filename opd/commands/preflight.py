@@ -35,8 +35,9 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
         raise OpdError(f"models.device: cuda but resources.{no_gpu[0]}.num_gpus is 0, so that actor sees no GPU "
                        f"(expected auto, or GPUs for every role)")
     tokenizer = load_tokenizer(m.tokenizer)
-    target = check_target(m.target_path, m.layer_ids or [])
-    check_layer_kinds_of(m.target_path)
+    target_dir = ModelDir.read(m.target_path, "target model").expect("target", TARGET_FIELD)  # read once, here
+    target = check_target(target_dir, m.layer_ids or [])
+    check_layer_kinds_of(target_dir)
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
@@ -70,10 +71,8 @@ def check_suite(spec: ExperimentSpec, suite: Path, tokenizer) -> None:
                  target_context(spec.models.target_path), "eval.suite:")
 
 
-def check_target(path: str, layer_ids: list[int]) -> SimpleNamespace:
-    """The target's shape from its config.json (what a drafter must fit), after checking that it is a target and
-    its weight files."""
-    directory = ModelDir.read(path, "target model").expect("target", TARGET_FIELD)
+def check_target(directory: ModelDir, layer_ids: list[int]) -> SimpleNamespace:
+    """The target's shape from its config.json (what a drafter must fit), after checking its weight files."""
     directory.tensor_shapes()
     return target_shape(directory, layer_ids)
 
@@ -87,7 +86,7 @@ def target_shape(directory: ModelDir, layer_ids: list[int]) -> SimpleNamespace:
                            config=target_config(str(directory.path)))
 
 
-def check_layer_kinds_of(path: str) -> None:
+def check_layer_kinds_of(directory: ModelDir) -> None:
     """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly
     (docs/guides/target-layer-kind.md), by `Target`'s own rule (`layer_kinds`) applied to the model class's
     skeleton built from config.json: no weights are read, so a run ends here in seconds rather than when an actor
@@ -96,13 +95,13 @@ def check_layer_kinds_of(path: str) -> None:
     from opd.models.shared_head import skeleton, target_config
     from opd.models.target import missing_tensors
 
+    path = str(directory.path)
     config = target_config(path)
     try:
         model = skeleton(config)
     except (ValueError, KeyError, ImportError) as exc:
         raise OpdError(f"target model {path}: {str(exc).strip().splitlines()[0]}") from exc
     layer_kinds(model)
-    directory = ModelDir.read(path, "target model")
     missing = missing_tensors(model, directory.text_names()) if directory.weight_files() else []
     if missing:  # a directory of other weight files than safetensors is left to transformers
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
