@@ -14,6 +14,7 @@ target's, and past a few overrides it ran as a target with a random embedding an
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -56,6 +57,19 @@ class DirKind:
             return "neither a target model nor a drafter"
         style = self.layout if self.layout == "speculators" else f"{self.layout}-style"
         return f"{'an' if style[0] in 'AEIOU' else 'a'} {style} drafter ({self.name})"
+
+
+Recogniser = Callable[[dict[str, Any]], DirKind | None]
+# What a config.json is recognised as before the causal-LM rule: the drafter formats register theirs when opd is
+# imported (opd/__init__.py imports opd.formats), as families register themselves, so classifying a directory
+# imports nothing behind the layering test's back.
+RECOGNISERS: list[Recogniser] = []
+
+
+def recognises(recogniser: Recogniser) -> Recogniser:
+    """Register `recogniser` for `ModelDir.kind`."""
+    RECOGNISERS.append(recogniser)
+    return recogniser
 
 
 @dataclass(frozen=True)
@@ -121,20 +135,12 @@ class ModelDir:
 
     @cached_property
     def kind(self) -> DirKind:
-        """A drafter when a registered family's section recognises its config.json (or it is in speculators'
-        layout, of any family), asked first because EAGLE-3's architecture names (`Eagle3LlamaForCausalLM`) read as
-        causal LMs too; else a target when its architecture is a transformers causal LM and weights sit beside it;
-        else neither. The family registry is opd.formats, on this floor and imported here lazily, since its
-        format modules import this one."""
-        from opd.formats import detect_section
-        from opd.formats.speculators import is_speculators, model_type
-
-        section = detect_section(self.config)
-        if section is not None:
-            layout = "speculators" if is_speculators(self.config) else section.style
-            return DirKind(layout, str(section.model_fields["kind"].default))
-        if is_speculators(self.config):
-            return DirKind("speculators", model_type(self.config) or "unknown family")
+        """A drafter when a registered recogniser says so (opd/formats registers the drafter families' own, asked
+        first because EAGLE-3's architecture names, `Eagle3LlamaForCausalLM`, read as causal LMs too); else a target
+        when its architecture is a transformers causal LM and weights sit beside it; else neither."""
+        for recognise in RECOGNISERS:
+            if (found := recognise(self.config)) is not None:
+                return found
         causal = [name for name in self.architectures if name.endswith(CAUSAL_LM_SUFFIXES)]
         if causal and any(any(self.path.glob(pattern)) for pattern in WEIGHT_GLOBS):
             return DirKind("target", causal[0])

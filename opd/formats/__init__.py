@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Union
 from pydantic import Field
 
 from opd.formats.section import DrafterSection, registered_sections
+from opd.formats.speculators import is_speculators, model_type
+from opd.model_dir import DirKind, recognises
 
 
 def _discover() -> tuple[type[DrafterSection], ...]:
@@ -36,3 +38,16 @@ def detect_section(config: dict[str, Any]) -> type[DrafterSection] | None:
     found = [section for section in DRAFTER_SECTIONS if section.detects(config)]
     specific = [s for s in found if not any(t is not s and issubclass(t, s) for t in found)]
     return specific[0] if specific else None
+
+
+@recognises
+def drafter_kind(config: dict[str, Any]) -> DirKind | None:
+    """A drafter directory's kind (`ModelDir.kind`): its family's style, or speculators' layout (of any family,
+    one of ours or not); None for anything else."""
+    section = detect_section(config)
+    if section is not None:
+        return DirKind("speculators" if is_speculators(config) else section.style,
+                       str(section.model_fields["kind"].default))
+    if is_speculators(config):
+        return DirKind("speculators", model_type(config) or "unknown family")
+    return None
