@@ -405,7 +405,7 @@ def test_the_preflight_checks_a_heads_tensors_against_the_target(per_expert, tar
     weights = tmp_path / "ok" / "model.safetensors"
     if per_expert:
         save_file(split_experts(load_file(weights)), weights)
-    shape = check_target(str(directory), [target.num_layers - 1])
+    shape = check_target(ModelDir.read(directory), [target.num_layers - 1])
     check_drafter(str(tmp_path / "ok"), shape, MTPSpec())
     tensors = load_file(weights)
     expert = "mtp_layers.0.mlp.experts.1.down_proj.weight" if per_expert else "mtp_layers.0.mlp.experts.down_proj"

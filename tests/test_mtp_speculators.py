@@ -59,7 +59,7 @@ def test_mtp_converter_extracts_the_head_the_project_reads_as_its_warm_drafter(t
     target = helper.load(directory)
     converter.MTPConverter().convert(str(directory), str(tmp_path / "converted"), base_model=str(directory),
                                      num_speculative_steps=K - 1, validate=False)
-    check_drafter(str(tmp_path / "converted"), check_target(str(directory), [target.num_layers - 1]), MTPSpec())
+    check_drafter(str(tmp_path / "converted"), check_target(ModelDir.read(directory), [target.num_layers - 1]), MTPSpec())
     converted = load_drafter(tmp_path / "converted", target)
     own = family("mtp").initial(MTPSpec(block_size=K), target, None)
     assert converted.form.name == "speculators" and converted.block_size == K
