@@ -2,8 +2,9 @@
 the `speculative_config` vLLM takes for it and the command that loads it in that client's own code.
 
 `--to public` writes the family's own public layout (`save_pretrained`): z-lab's for DFlash and DFlash 2,
-SpecForge's for EAGLE-3, which vLLM serves as they are (`--to zlab` is its old name, still taken). `--to speculators` writes vLLM's `speculators` layout (`save_speculators`),
-the one DSpark and P-EAGLE are published in and the one speculators' own classes load without a converter.
+SpecForge's for EAGLE-3, which vLLM serves as they are (`--to zlab` is its old name, still taken). `--to
+speculators` writes vLLM's `speculators` layout (`save_speculators`), the one DSpark and P-EAGLE are published in
+and the one speculators' own classes load without a converter.
 `--to target` (an MTP head) writes the target's own checkpoint layout into `--out` (`save_into_target`): the
 target's shards linked (those that held its old head rewritten without it), the head in a new shard, an updated
 index; vLLM serves that directory as the model with its MTP method. A family is refused a layout it has none of, in
@@ -33,8 +34,8 @@ from opd.outputs import atomic_dir, check_output_dir
 from opd.spec import ExperimentSpec, load_spec
 from opd.train.checkpoint import STATE_FILE, recorded_fields
 
-LAYOUT_NAMES = {"public": "its family's public", "zlab": "z-lab's", "specforge": "SpecForge's", "speculators": "vLLM's speculators",
-                "target": "the target's own"}
+LAYOUT_NAMES = {"public": "its family's public", "zlab": "z-lab's", "specforge": "SpecForge's",
+                "speculators": "vLLM's speculators", "target": "the target's own"}
 CLIENTS = {"zlab": "z-lab's dflash package", "specforge": "speculators' EAGLE-3 converter and model class",
            "speculators": "speculators' model class"}  # the code that checks each layout
 # speculators' package __init__ imports its training data pipeline (openai, datasets, ...) for one type alias, which
@@ -76,8 +77,9 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
     verifier = _target_path(checkpoint, target, spec)
     section = (spec.models.drafter if spec is not None and spec.models.drafter.kind == found.kind
                else found.section.model_validate({}))
-    if (reason := found.unloadable(to, ModelDir.read(verifier, "target model"))) is not None:
-        raise OpdError(f"--to {to}: {reason}{_instead(found, to, verifier)}")
+    target_dir = ModelDir.read(verifier, "target model")
+    if (reason := found.unloadable(to, target_dir)) is not None:
+        raise OpdError(f"--to {to}: {reason}{_instead(found, to, target_dir)}")
     head = _shared_head(directory, found, verifier)
     drafter = found.load(directory, head, section)
     block_size = found.served_block_size(directory, head, section)  # refused here if vLLM cannot serve it
@@ -86,7 +88,7 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
         with atomic_dir(destination) as tmp:
             _write(found, drafter, to, tmp, verifier)
     except OpdError as exc:
-        raise OpdError(f"--to {to}: {exc}{_instead(found, to, verifier)}") from None
+        raise OpdError(f"--to {to}: {exc}{_instead(found, to, target_dir)}") from None
     if to == "target":
         return _print_into_target(found, destination, block_size)
     exported = ModelDir.read(destination, "drafter")
@@ -100,10 +102,10 @@ def run_export(checkpoint: str, to: str, out: str, target: str | None, config: s
     return 0
 
 
-def _instead(found: DrafterFamily, refused: str, target: str) -> str:
+def _instead(found: DrafterFamily, refused: str, target: ModelDir) -> str:
     """The layouts to write a drafter in when its client cannot load it in `refused`: its family's others that
     load for `target`."""
-    others = [name for name in layouts(found, ModelDir.read(target, "target model")) if name != refused]
+    others = [name for name in layouts(found, target) if name != refused]
     return f" (expected --to {' or --to '.join(others)}, which writes this drafter as it is)" if others else ""
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from opd.data.prompts import Prompt, load_tokenizer, spec_prompts
 from opd.data.render import Rendering
@@ -37,7 +38,7 @@ def check_inputs(spec: ExperimentSpec) -> Prompt:
     tokenizer = load_tokenizer(m.tokenizer)
     target_dir = ModelDir.read(m.target_path, "target model").expect("target", TARGET_FIELD)  # read once, here
     target = check_target(target_dir, m.layer_ids or [])
-    check_layer_kinds_of(target_dir)
+    check_layer_kinds_of(target_dir, target.config)
     if len(tokenizer) > target.vocab_size:
         raise OpdError(f"tokenizer {m.tokenizer}: {len(tokenizer)} tokens but the target's vocabulary has "
                        f"{target.vocab_size} (expected a tokenizer that fits the target)")
@@ -86,17 +87,17 @@ def target_shape(directory: ModelDir, layer_ids: list[int]) -> SimpleNamespace:
                            config=target_config(str(directory.path)))
 
 
-def check_layer_kinds_of(directory: ModelDir) -> None:
+def check_layer_kinds_of(directory: ModelDir, config: Any | None = None) -> None:
     """Refuse a target whose layer kinds the decoder or packed replay cannot run exactly
     (docs/guides/target-layer-kind.md), by `Target`'s own rule (`layer_kinds`) applied to the model class's
     skeleton built from config.json: no weights are read, so a run ends here in seconds rather than when an actor
-    loads the target."""
+    loads the target. `config` is the text config already read (`target_shape`), else it is read here."""
     from opd.models.layer_kind import layer_kinds
     from opd.models.shared_head import skeleton, target_config
     from opd.models.target import missing_tensors
 
     path = str(directory.path)
-    config = target_config(path)
+    config = target_config(path) if config is None else config
     try:
         model = skeleton(config)
     except (ValueError, KeyError, ImportError) as exc:

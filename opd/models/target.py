@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import sys
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -374,6 +375,8 @@ def load_target(
     quantization = Quantization.of(model_dir.config, f"{path}/config.json")
     quantization.check_dequantizable(model_dir.tensor_shapes(), device, f"target model {path}")
     quantized = quantization.load_kwargs(device, dtype)
+    if quantization.method is not None:  # which path the published weights take here, once per load
+        print(f"target model {path}: {quantization.path(device, dtype)}", file=sys.stderr)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report lists every vision-tower tensor left unread, as a warning
     try:

@@ -14,6 +14,7 @@ from opd.formats import KINDS, DrafterSpec
 from opd.formats.dflash import DFlashSpec
 from opd.formats.section import Section, spec_issues
 
+DEFAULT_SECTION = DFlashSpec  # the drafter section a spec without `models.drafter.kind` describes
 
 class ModelsSpec(Section):
     """Where the target, tokenizer and warm drafter live, and how to load them."""
@@ -28,7 +29,7 @@ class ModelsSpec(Section):
         "model does not support is refused in one line when the target loads"))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "auto: the GPU Ray gave this actor, else the CPU"))
-    drafter: DrafterSpec = Field(default_factory=DFlashSpec, description=(
+    drafter: DrafterSpec = Field(default_factory=DEFAULT_SECTION, description=(
         f"The drafter's family (`kind`: {', '.join(KINDS)}; unset: the warm drafter's, else dflash) and its options"))
 
     @property
@@ -60,10 +61,10 @@ class ModelsSpec(Section):
     @model_validator(mode="before")
     @classmethod
     def _default_kind(cls, data: Any) -> Any:
-        """A drafter section without `kind` is DFlash's (resolution first fills a warm drafter's own family)."""
+        """A drafter section without `kind` is the default family's (resolution first fills a warm drafter's own)."""
         drafter = data.get("drafter") if isinstance(data, dict) else None
         if isinstance(drafter, dict) and "kind" not in drafter:
-            data = {**data, "drafter": {**drafter, "kind": "dflash"}}
+            data = {**data, "drafter": {**drafter, "kind": DEFAULT_SECTION.model_fields["kind"].default}}
         return data
 
     @model_validator(mode="after")

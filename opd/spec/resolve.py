@@ -19,6 +19,7 @@ from opd.formats import DRAFTER_SECTIONS, detect_section
 from opd.formats.section import DrafterSection
 from opd.model_dir import DRAFTER_FIELD, TARGET_FIELD, ModelDir, Wanted
 from opd.spec.experiment import ExperimentSpec
+from opd.spec.inputs import DEFAULT_SECTION
 from opd.spec.resources import ResourcesSpec
 
 KINDS = [section.model_fields["kind"].default for section in DRAFTER_SECTIONS]
@@ -49,9 +50,10 @@ class SpecFiles:
 
 
 def written_for_another_family(data: dict[str, Any], drafter: ModelDir | None) -> list[str]:
-    """One line when the warm drafter is of another style than DFlash's (EAGLE-3, P-EAGLE, an MTP head) and the
-    spec's drafter section, naming no kind, sets fields of its own: the spec was written for another drafter
-    (configs/tiny.yaml given the tiny EAGLE-3 drafter), and its field-by-field refusals would take rounds."""
+    """One line when the warm drafter is of another style than the default section's (EAGLE-3, P-EAGLE, an MTP
+    head, against DFlash's) and the spec's drafter section, naming no kind, sets fields of its own: the spec was
+    written for another drafter (configs/tiny.yaml given the tiny EAGLE-3 drafter), and its field-by-field
+    refusals would take rounds to follow."""
     models = data.get("models")
     raw = models.get("drafter") if isinstance(models, dict) else None
     if drafter is None or not isinstance(raw, dict) or "kind" in raw or not raw:
@@ -60,7 +62,7 @@ def written_for_another_family(data: dict[str, Any], drafter: ModelDir | None) -
     if section is None:
         return []
     kind = str(section.model_fields["kind"].default)
-    if section.style == "DFlash":  # DFlash 2, DSpark and XPress read a DFlash section's fields as DFlash does
+    if section.style == DEFAULT_SECTION.style:  # families of the default's style read its fields as it does
         return []
     fields = ", ".join(f"{key}: {value}" for key, value in raw.items())
     shipped = Path(__file__).resolve().parents[2] / "configs" / f"tiny-{kind}.yaml"
