@@ -14,7 +14,7 @@ skipped, so one failure does not stop the others:
 - learner: `Learner.train_step` (engine-local, no Ray) repeated on one scored sequence: every loss finite, no step
   skipped, the last loss below the first;
 - decode: bench/gpu.py's decoding rows (autoregressive, speculative, static-cache speculative) at batch 1 and 16;
-- memory: the replay's (scorer's) and the learner's peak memory against bench/scale.py's projection of the same
+- memory: the replay's (scorer's) and the learner's peak memory against bench/projection.py's projection of the same
   roles at the same shapes and length (`scorer_role`, `learner_role`), as measured / projected.
 
 Shapes: bench/gpu.py's plan, Qwen3-4B's target and 5-layer DFlash drafter (block 16) with random weights, or with
@@ -53,7 +53,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.helpers, when the root is not on PYTHONPATH
 import gpu  # noqa: E402  (bench/gpu.py, beside this script)
-import scale  # noqa: E402  (bench/scale.py)
+from projection import GB, Qwen3Shape, attention_fits, learner_role, scorer_role, sequence_bytes  # noqa: E402
 
 from opd.decoding.autoregressive import generate_autoregressive  # noqa: E402
 from opd.decoding.record import SequenceRecord  # noqa: E402
@@ -71,7 +71,7 @@ from tests.helpers.decoding import EOS, MASK, MIXED_PROMPTS, PROMPT  # noqa: E40
 from tests.helpers.lossless import chi_square, exact_joint, sampled_joint  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SCALE_JSON = RESULTS / "scale.json"  # bench/scale.py's stored measurements, which its projection reads
+SCALE_JSON = RESULTS / "scale.json"  # bench/scale.py's stored measurements, which the projection reads
 SHARES = {"lossless": 0.10, "replay_bf16": 0.40, "learner": 0.55, "decode": 0.95, "memory": 1.0}  # cumulative
 GRACE_SHARE = 0.05
 MICRO_LAYERS = [0, 2, 3]  # tests/helpers/decoding.py's micro target
@@ -146,7 +146,7 @@ class Context:
 
 def peak_bytes(ctx: Context, fn: Callable[[], Any]) -> tuple[Any, int]:
     """`fn`'s result and the bytes it allocated at its peak above what was allocated when it started: the CUDA
-    allocator's peak on a GPU, the profiler's allocator events on a CPU (as bench/scale.py measures)."""
+    allocator's peak on a GPU, the profiler's allocator events on a CPU (as bench/scale_data_path.py measures)."""
     if ctx.device.type != "cuda":
         box: list[Any] = []
         peak = peak_cpu_bytes(lambda: box.append(fn()))
@@ -297,21 +297,20 @@ def decode(ctx: Context, deadline: float) -> tuple[bool, dict]:
     return ok, {"rows": rows, "skipped": clock.skipped, "block_size": block, "summary": summary}
 
 
-def qwen3_shape(shapes: dict) -> scale.Qwen3Shape:
-    """bench/scale.py's shape of a target from its config fields (Qwen3-4B's equals scale.TARGETS['Qwen3-4B'])."""
-    return scale.Qwen3Shape(hidden=shapes["hidden_size"], intermediate=shapes["intermediate_size"],
-                            layers=shapes["num_hidden_layers"], kv_heads=shapes["num_key_value_heads"],
-                            tied=shapes["tie_word_embeddings"], heads=shapes["num_attention_heads"],
-                            head_dim=shapes["head_dim"], vocab=shapes["vocab_size"])
+def qwen3_shape(shapes: dict) -> Qwen3Shape:
+    """bench/projection.py's shape of a target from its config fields (Qwen3-4B's equals TARGETS['Qwen3-4B'])."""
+    return Qwen3Shape(hidden=shapes["hidden_size"], intermediate=shapes["intermediate_size"],
+                      layers=shapes["num_hidden_layers"], kv_heads=shapes["num_key_value_heads"],
+                      tied=shapes["tie_word_embeddings"], heads=shapes["num_attention_heads"],
+                      head_dim=shapes["head_dim"], vocab=shapes["vocab_size"])
 
 
 def projection(ctx: Context) -> dict[str, dict[str, float]]:
-    """bench/scale.py's bytes by part for the scorer and the learner at this run's shapes, length and τ: one
+    """bench/projection.py's bytes by part for the scorer and the learner at this run's shapes, length and τ: one
     sequence per micro-batch and per rollout batch, as measured here, and no expected-acceptance diagnostic (the
     replay measured here does not compute it). Its measured inputs come from bench/results/scale.json."""
     stored = json.loads(SCALE_JSON.read_text())
-    teacher = scale.fit(stored["attention"], "teacher_peak_new", "packed_len")
-    student = scale.fit(stored["attention"], "student_peak_new", "student_rows")
+    teacher, student = attention_fits(stored["attention"])
     target, _ = ctx.models()
     record = ctx.records()[0]
     tokens, tau = len(record.response_ids), len(record.response_ids) / record.num_steps
@@ -320,14 +319,14 @@ def projection(ctx: Context) -> dict[str, dict[str, float]]:
               "drafter_layers": ctx.plan.drafter_layers, "features": len(target.layer_ids),
               "block": ctx.plan.block_size, "chunk": spec.optim.loss_chunk_size}
     q = qwen3_shape(ctx.plan.shapes)
-    seq = scale.sequence_bytes(q, fields, tokens, tau)
-    return {"scorer": scale.scorer_role(q, fields, tokens, tau, teacher, 0.0, seq),
-            "learner": scale.learner_role(q, fields, tokens, tau, student, stored["chunk_bytes_per_slot"], seq)}
+    seq = sequence_bytes(q, fields, tokens, tau)
+    return {"scorer": scorer_role(q, fields, tokens, tau, teacher, 0.0, seq),
+            "learner": learner_role(q, fields, tokens, tau, student, stored["chunk_bytes_per_slot"], seq)}
 
 
 def memory(ctx: Context, deadline: float) -> tuple[bool, dict]:
     """Measured = the weights the role's projection counts as resident (their real bytes) + the peak the section
-    allocated above what it started with; the projection's parts are bench/scale.py's."""
+    allocated above what it started with; the projection's parts are bench/projection.py's."""
     if not ctx.peaks:
         raise SectionSkipped("no peak measured: the replay_bf16 and learner sections did not get that far")
     projected = projection(ctx)
@@ -335,10 +334,9 @@ def memory(ctx: Context, deadline: float) -> tuple[bool, dict]:
     for role, peak in ctx.peaks.items():
         measured, parts = peak["resident"] + peak["transient"], projected[role]
         total = sum(parts.values())
-        out["roles"][role] = {"measured_gb": measured / scale.GB, "projected_gb": total / scale.GB,
-                              "ratio": measured / total, "measured_parts_gb": {k: v / scale.GB for k, v in
-                                                                               peak.items()},
-                              "projected_parts_gb": {k: v / scale.GB for k, v in parts.items()}}
+        out["roles"][role] = {"measured_gb": measured / GB, "projected_gb": total / GB,
+                              "ratio": measured / total, "measured_parts_gb": {k: v / GB for k, v in peak.items()},
+                              "projected_parts_gb": {k: v / GB for k, v in parts.items()}}
     roles = out["roles"]
     out["summary"] = ", ".join(f"{role} {r['measured_gb']:.3g}/{r['projected_gb']:.3g} GB = {r['ratio']:.2f}"
                                for role, r in roles.items())
@@ -359,7 +357,7 @@ SECTIONS = (
     Section("replay_bf16", replay_bf16, f"bf16 vs fp32 logits: ‖Δ‖/‖fp32‖ ≤ {BF16_REL_TOL} (teacher, student)"),
     Section("learner", learner, f"{LEARNER_STEPS} steps on one batch: finite, none skipped, last loss < first"),
     Section("decode", decode, "every batch decoded in time, tokens/s > 0, 1 ≤ τ ≤ K"),
-    Section("memory", memory, f"measured / bench/scale.py projection ≤ {MEMORY_RATIO_MAX} (scorer, learner)"),
+    Section("memory", memory, f"measured / bench/projection.py projection ≤ {MEMORY_RATIO_MAX} (scorer, learner)"),
 )
 
 

@@ -290,8 +290,8 @@ def learner_bytes(s: Shape, ranks: int) -> float:
 
 
 def scored_bytes(s: Shape, p: int, r: int, tau: float) -> float:
-    """What the scorer ships per sequence (as bench/scale.py counts it): the bf16 final hidden states at the drafted
-    slots and the bf16 features of the text, at `DRAFTER_LAYERS` target layers."""
+    """What the scorer ships per sequence (as bench/projection.py's `sequence_bytes` counts it): the bf16 final
+    hidden states at the drafted slots and the bf16 features of the text, at `DRAFTER_LAYERS` target layers."""
     return (r / tau * (BLOCK - 1) + (p + r) * DRAFTER_LAYERS) * s.hidden * 2
 
 

@@ -1,7 +1,8 @@
 """Block-sparse packed attention equals the dense-mask path it replaced (float64 micro models).
 
 The dense references are the replaced code kept as the naive definition: the teacher's [L, L] packed replay mask and
-the student's [M*K, C+M*K] block mask (opd/distill/dense_reference.py, which bench/scale.py measures too).
+the student's [M*K, C+M*K] block mask (opd/distill/dense_reference.py, which bench/scale_attention.py measures
+too).
 """
 
 from __future__ import annotations
