@@ -6,15 +6,18 @@ rollout-i ──anchors queue──► scorer-j ──scored queue──► lear
     └────────────── WeightStore (versioned snapshot) ◄─────┘
 
 Rollout actors and scorers loop on their own, producing the batch indices the ledger hands out; the driver only
-advances the learner step by step (for the progress bar) and supervises every replica (actors/supervisor.py). When
-a rank of a rollout, scorer or evaluator replica dies, stops answering, or rank 0's loop raises a fault, every rank
-of that replica is killed and started again in the same run; the ledger re-queues the batches it held. When a
+advances the learner step by step (for the progress bar) and supervises every replica (actors/supervisor.py).
+Every replica has its own placement group; what the driver decides about them (how many, where, when a lost one
+comes back) is opd/train/fleet.py's. When a rank of a rollout, scorer or evaluator replica dies, stops answering,
+or rank 0's loop raises a fault, every rank of that replica is killed and started again in the same run, in a new
+group when its node is gone; the ledger re-queues the batches it held, and the others go on meanwhile. When a
 learner rank fails, every learner rank is started again and the learner restores its last checkpoint; the ledger
 is rewound there. A fault that is bad input (an `OpdError`, a constructor that raised) stops the run with its
 line, and so does one past `resources.restarts`; restarting the driver then resumes from the learner's last
 checkpoint (the data cursor is the batch index, so the same batches are re-produced). With
 `resources.learner.replicas` N > 1 the learner is N data-parallel ranks (`learner`, `learner-1`, ...) in one
-torch.distributed group, packed on the learner's node.
+torch.distributed group, packed on the learner's node. The control actors (weight store, ledger, queues) live on
+the driver's node: losing it ends the run, and a rerun resumes.
 """
 
 from __future__ import annotations
@@ -24,22 +27,24 @@ import copy
 import logging
 import os
 import sys
-from functools import partial
+import time
+from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from actors.errors import cause_line, failure, is_bad_input
 from actors.evaluator import NAME as EVALUATOR
-from actors.evaluator import EvaluatorPlacement
+from actors.evaluator import EvaluatorPlacement, start_ranks
 from actors.learner import LearnerActor, LearnerRankActor
 from actors.ledger import LedgerActor
+from actors.metrics import Metrics
 from actors.queues import BatchQueue
 from actors.remote import as_actor_class
 from actors.replica import ShardFollower, bundle_address
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
-from actors.supervisor import Replica, cause_line
+from actors.supervisor import Replica
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
@@ -49,6 +54,7 @@ from opd.spec import ExperimentSpec, RoleSpec
 from opd.spec.resolve import input_paths
 from opd.tracking import end_run, run_status
 from opd.train.evaluator import Checkpoint
+from opd.train.fleet import Fleet, log_replicas, placed_role, placement, vllm_samples
 from opd.train.messages import StepReport, TrainResult
 from opd.train.restarts import RESUME, Fault, Restart, RestartBudget, log_restart
 from opd.train.result import record_ledger, run_to
@@ -84,25 +90,7 @@ def init_ray(spec: ExperimentSpec) -> None:
              configure_logging=False, log_to_driver=True)
 
 
-def place(spec: ExperimentSpec, timeout_s: float = 60.0):
-    """Two placement groups: the learner ranks with their scorers' ranks packed on one node (heavy tensors never
-    cross the network; `ResourcesSpec.learner_bundles`), and the rollout replicas spread wherever they fit (sharded ones: on
-    one node). Refused here if the cluster cannot hold them."""
-    r, rollout = spec.resources, placed_rollout(spec)
-    learner_pg = placement_group(r.learner_bundles(), strategy="STRICT_PACK", name="opd-learner")
-    # a sharded replica's ranks share a node; one group for all of them packs every rollout rank on one node
-    strategy = "STRICT_PACK" if rollout.gpus_per_replica > 1 else "PACK"
-    rollout_pg = placement_group([rollout.bundle] * rollout.ranks, strategy=strategy, name="opd-rollout")
-    ready, _ = ray.wait([learner_pg.ready(), rollout_pg.ready()], num_returns=2, timeout=timeout_s)
-    if len(ready) < 2:
-        for pg in (learner_pg, rollout_pg):
-            remove_placement_group(pg)
-        raise OpdError(f"resources: the cluster cannot place the roles within {timeout_s:.0f}s "
-                       f"(available: {ray.available_resources()}); reduce replicas or GPUs/CPUs per role")
-    return learner_pg, rollout_pg
-
-
-def _on(pg, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False) -> dict:
+def _on(group, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False) -> dict:
     """`gpus_to_child`: the actor leaves its bundle's GPUs to the worker it starts (a vLLM worker in vLLM's own
     environment, actors/isolated.py), which its placement group then captures into the same group."""
     return {"name": name, "num_cpus": role.num_cpus, "num_gpus": 0 if gpus_to_child else role.num_gpus,
@@ -112,42 +100,30 @@ def _on(pg, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False)
             # rollout-0 take evaluations
             "max_concurrency": 3,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=gpus_to_child)}
+                group, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=gpus_to_child)}
 
 
-def replicas(actor_class: type, kind: str, role: RoleSpec, pg, first: int, spec: dict, *args,
-             gpus_to_child: bool = False) -> list[Replica]:
-    """Every replica of `kind`: replica i on bundles first + i·N .. first + i·N + N − 1 of `pg`, N =
-    gpus_per_replica; rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers
-    (actors/replica.py) in its torch.distributed group. `gpus_to_child`: see `_on`."""
-    n, out = role.gpus_per_replica, []
-    for i in range(role.replicas):
-        name, base = f"{kind}-{i}", first + i * n
-        out.append(Replica(kind, [name, *[f"{name}-rank{j}" for j in range(1, n)]], partial(
-            _ranks, actor_class, kind, role, pg, base, name, spec, args, gpus_to_child), has_loop=True))
-        out[-1].start()
-    return out
-
-
-def _ranks(actor_class: type, kind: str, role: RoleSpec, pg, base: int, name: str, spec: dict, args: tuple,
-           gpus_to_child: bool) -> list:
-    """One replica's ranks, started on bundles base .. base + N − 1 of `pg` in a fresh group (see `replicas`)."""
+def _ranks(actor_class: type, role_name: str, role: RoleSpec, base: int, name: str, spec: dict, args: tuple,
+           gpus_to_child: bool, group) -> list:
+    """One replica's ranks, started on bundles base .. base + N − 1 of `group` in a fresh torch.distributed group:
+    rank 0 an `actor_class` taking (spec, name, *args), the others ShardFollowers (actors/replica.py).
+    `gpus_to_child`: see `_on`."""
     n = role.gpus_per_replica
-    shard = (bundle_address(pg, base), n) if n > 1 else None
-    followers = [as_actor_class(ShardFollower).options(**_on(pg, base + j, role, f"{name}-rank{j}")).remote(
-        spec, kind, shard[0], j, n) for j in range(1, n)] if shard else []
-    leader = as_actor_class(actor_class).options(**_on(pg, base, role, name, gpus_to_child))
+    shard = (bundle_address(group, base), n) if n > 1 else None
+    followers = [as_actor_class(ShardFollower).options(**_on(group, base + j, role, f"{name}-rank{j}")).remote(
+        spec, role_name, shard[0], j, n) for j in range(1, n)] if shard else []
+    leader = as_actor_class(actor_class).options(**_on(group, base, role, name, gpus_to_child))
     return [leader.remote(spec, name, *args, shard, followers), *followers]
 
 
-def _learner_ranks(spec: dict, role: RoleSpec, pg, track: bool, evaluator: str | None, *args) -> list:
-    """The learner's ranks, rank 0 first, on the first bundles of the learner's group in a fresh process group;
-    `args`: the weight store, ledger and scored queue."""
-    n = role.replicas
-    address = bundle_address(pg) if n > 1 else None
-    ranks = [as_actor_class(LearnerRankActor).options(**_on(pg, i, role, f"learner-{i}")).remote(spec, i, address)
+def _learner_ranks(spec: dict, role: RoleSpec, track: bool, evaluator: str | None, args: tuple, group) -> list:
+    """The learner's ranks, rank 0 first, on the first bundles of `group` in a fresh process group; `args`: the
+    weight store, ledger and scored queue."""
+    n = role.least
+    address = bundle_address(group) if n > 1 else None
+    ranks = [as_actor_class(LearnerRankActor).options(**_on(group, i, role, f"learner-{i}")).remote(spec, i, address)
              for i in range(1, n)]
-    learner = as_actor_class(LearnerActor).options(**_on(pg, 0, role, "learner"))
+    learner = as_actor_class(LearnerActor).options(**_on(group, 0, role, "learner"))
     return [learner.remote(spec, *args, track, address, ranks, evaluator), *ranks]
 
 
@@ -159,21 +135,8 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def placed_rollout(spec: ExperimentSpec) -> RoleSpec:
-    """The rollout role as Ray places it. A replica whose sampler is vLLM is one bundle of all its
-    `gpus_per_replica` GPUs, which its vLLM worker holds (`vllm_samples`): vLLM starts its own tensor-parallel
-    ranks inside it (opd/serving/engine.py), so there is no rank of ours to follow it. Any other replica is that
-    many ranks."""
-    r = spec.resources.rollout
-    if not vllm_samples(spec) or r.gpus_per_replica == 1:
-        return r
-    n = r.gpus_per_replica
-    return r.model_copy(update={"num_gpus": r.num_gpus * n, "num_cpus": r.num_cpus * n, "gpus_per_replica": 1})
-
-
-def vllm_samples(spec: ExperimentSpec) -> bool:
-    """Whether rollout replicas sample in a vLLM worker of their own, which takes their bundle's GPUs."""
-    return spec.rollout.source == "target" and spec.rollout.sampler == "vllm"
+def alive_nodes() -> set[str]:
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
 
 @ray.remote(num_cpus=0)
@@ -248,56 +211,113 @@ def dashboard_url() -> str | None:
 class RayRun:
     """All actors of one run; `train()` advances to the step budget, `shutdown()` always runs."""
 
-    def __init__(self, spec: ExperimentSpec, *, track: bool = True) -> None:
-        self.spec = spec
+    def __init__(self, spec: ExperimentSpec, *, track: bool = True, place_timeout_s: float = 60.0) -> None:
         init_ray(spec)
-        self.learner_pg, self.rollout_pg = place(spec)
+        self.spec, self.track, r = spec, track, spec.resources
+        self.fleet = Fleet.of(spec, time.monotonic(), evaluator=r.evaluate_on == "evaluator")
+        self.learners = Replica("learner", ["learner", *[f"learner-{i}" for i in range(1, r.learner.least)]],
+                                self._learner_ranks, placement(spec, "learner"))
+        self.replicas = [self._replica(m.role, i) for role in ("rollout", "evaluator", "scorer")
+                         for i, m in enumerate(self.fleet.of_role(role))]
+        self.store: Any = None  # the control actors, started once the roles are placed
+        self.ledger: Any = None
+        self.anchors: BatchQueue | None = None
+        self.scored: BatchQueue | None = None
         try:
-            self.spec = spec = resolve_for(spec, self.learner_pg, track)
+            self._place(place_timeout_s)
+            self.spec = spec = resolve_for(spec, self.learners.group, track)
         except BaseException:
-            for pg in (self.learner_pg, self.rollout_pg):
-                remove_placement_group(pg)
+            self._release()
             raise
-        r, as_dict = spec.resources, spec.model_dump(mode="json")
+        self.as_dict = spec.model_dump(mode="json")
         pin = on_driver_node()
         self.store = as_actor_class(WeightStore).options(name="weights", scheduling_strategy=pin).remote()
-        self.ledger = as_actor_class(LedgerActor).options(name="ledger", scheduling_strategy=pin).remote(as_dict)
+        self.ledger = as_actor_class(LedgerActor).options(name="ledger", scheduling_strategy=pin).remote(
+            self.as_dict)
         self.anchors = BatchQueue("anchors", r.queue_size, pin)
         self.scored = BatchQueue("scored", r.queue_size, pin)
-        store, ledger, anchors, scored = _Named("weights"), _Named("ledger"), _inline(self.anchors), _inline(self.scored)
-        # held-out eval, off the learner's critical path: its own actor, or rollout-0 between batches
-        self.evaluator_placement = None if r.evaluate_on == "rollout" else EvaluatorPlacement(spec)
-        evaluator = None if self.evaluator_placement is None else self.evaluator_placement.replica(as_dict)
-        self.learners = Replica("learner", ["learner", *[f"learner-{i}" for i in range(1, r.learner.replicas)]],
-                                partial(_learner_ranks, as_dict, r.learner, self.learner_pg, track,
-                                        EVALUATOR if evaluator is not None else "rollout-0", store, ledger, scored))
-        self.replicas = replicas(RolloutActor, "rollout", placed_rollout(spec), self.rollout_pg, 0, as_dict, store,
-                                 ledger, anchors, gpus_to_child=vllm_samples(spec))
-        self.replicas += [evaluator] if evaluator is not None else []
         self.learners.start()
-        self.replicas += replicas(ReplayScorerActor, "scorer", r.scorer, self.learner_pg, r.first_scorer_bundle,
-                                  as_dict, store, ledger, anchors, scored)
+        for replica in self.replicas:
+            if self.fleet.member(replica.name).state == "running":
+                replica.start()
         self.budget = RestartBudget(r.restarts)
-        self.track = track
+        self.metrics = Metrics()
         self.step = 0  # the learner's step, as last reported
         self.run_id: str | None = None  # the MLflow run, once the learner has opened it
+        self.fleet.started_at = time.monotonic()
+
+    def _replica(self, role: str, index: int) -> Replica:
+        """Replica `index` of `role` (rollout, scorer, evaluator), its ranks not yet started."""
+        where, role_spec = placement(self.spec, role, index), placed_role(self.spec, role)
+        name = self.fleet.of_role(role)[index].name
+        names = [name, *[f"{name}-rank{j}" for j in range(1, role_spec.gpus_per_replica)]]
+        if role == "evaluator":
+            return Replica(role, names, lambda group: start_ranks(self.as_dict, role_spec, name, group), where)
+        actor_class = RolloutActor if role == "rollout" else ReplayScorerActor
+        inbox = [] if role == "rollout" else ["anchors"]
+        out = "anchors" if role == "rollout" else "scored"
+
+        def launch(group) -> list:
+            args = (_Named("weights"), _Named("ledger"), *[_inline(self._queue(q)) for q in (*inbox, out)])
+            return _ranks(actor_class, role, role_spec, where.first, name, self.as_dict, args,
+                          role == "rollout" and vllm_samples(self.spec), group)
+
+        return Replica(role, names, launch, where, has_loop=True, group_of=lambda: self.learners.group)
+
+    def _learner_ranks(self, group) -> list:
+        evaluator = EVALUATOR if "evaluator" in self.fleet.least else "rollout-0"
+        args = (_Named("weights"), _Named("ledger"), _inline(self._queue("scored")))
+        return _learner_ranks(self.as_dict, self.spec.resources.learner, self.track, evaluator, args, group)
+
+    def _queue(self, name: str) -> BatchQueue:
+        queue = self.anchors if name == "anchors" else self.scored
+        assert queue is not None  # the queues exist before any rank starts
+        return queue
+
+    def _place(self, timeout_s: float) -> None:
+        """Ask for every replica's group (the learner's first, so scorers can prefer its node; every role's `min`
+        before any extra replica, which Ray then places only where room is left) and wait until the learner and at
+        least `min` replicas of each role are placed; refused in one line if the cluster cannot
+        hold them within `timeout_s`. The others wait for room and start when Ray places them (`_supervise`)."""
+        deadline = time.monotonic() + timeout_s
+        self.learners.request()
+        if self.learners.placed(timeout_s):
+            self.fleet.placed("learner", self.learners.nodes(), 0.0)
+            near = next(iter(self.learners.nodes()), None)
+            for replica in sorted(self.replicas, key=lambda r: self.fleet.priority(r.name)):
+                replica.request(near if replica.placement.near_learner else None)
+            while True:
+                for replica in self.replicas:
+                    if self.fleet.member(replica.name).state == "waiting" and replica.placed():
+                        self.fleet.placed(replica.name, replica.nodes(), 0.0)
+                if self.fleet.short_at_start() is None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        if (short := self.fleet.short_at_start()) is not None:
+            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise OpdError(f"resources: the cluster cannot place the roles within {timeout_s:.0f}s (placed: {short}; "
+                           f"available: {free}); reduce replicas or GPUs/CPUs per role")
 
     @property
     def learner(self):
         return self.learners.leader
 
+    def running(self, role: str) -> list[Replica]:
+        """The replicas of `role` whose ranks run (the others wait for room)."""
+        return [r for r in self.replicas if r.role == role and self.fleet.member(r.name).state == "running"]
+
     @property
     def rollouts(self) -> list:
-        """Rank 0 of each rollout replica (the live ones: a restart replaces them)."""
-        return [r.leader for r in self.replicas if r.role == "rollout"]
+        """Rank 0 of each running rollout replica (the live ones: a restart replaces them)."""
+        return [r.leader for r in self.running("rollout")]
 
     @property
     def scorers(self) -> list:
-        return [r.leader for r in self.replicas if r.role == "scorer"]
+        return [r.leader for r in self.running("scorer")]
 
     @property
     def evaluator(self):
-        return next((r.leader for r in self.replicas if r.role == "evaluator"), None)
+        return next((r.leader for r in self.running("evaluator")), None)
 
     @property
     def followers(self) -> list:
@@ -305,14 +325,15 @@ class RayRun:
         return [rank for r in self.replicas for rank in r.ranks[1:]]
 
     def start(self) -> int:
-        """Resume the learner (which opens the ledger at its step), then launch every rollout and scorer loop."""
+        """Resume the learner (which opens the ledger at its step), then launch every running rollout and scorer
+        loop."""
         try:
             self.step = ray.get(self.learner.start.remote())
             self.run_id = ray.get(self.learner.run_id.remote())
         except ray.exceptions.RayError as exc:
             raise failure("the learner", exc) from None
         for replica in self.replicas:
-            if replica.has_loop:
+            if replica.ranks and replica.has_loop:
                 replica.loop = replica.leader.run.remote()
         return self.step
 
@@ -329,6 +350,7 @@ class RayRun:
                 else:
                     reports = ray.get(pending)
                     self.step = until
+                    self._log_replicas(until)
                     return [r for r in reports if r["step"] > begun]
             except ray.exceptions.RayError as exc:
                 fault = self._fault(self.learners, exc, "the learner")
@@ -336,18 +358,46 @@ class RayRun:
             _settle(pending)
 
     def _supervise(self) -> Fault | None:
-        """Restart any rollout, scorer or evaluator replica with a fault and mark restarts healed; return a learner
-        rank's fault, which `train` handles (it owns the learner's pending step)."""
+        """Start the replicas Ray has placed since, restart any with a fault, stop the run past the wait for room,
+        and mark restarts healed; return a learner rank's fault, which `train` handles (it owns the learner's
+        pending step)."""
         stall = self.spec.resources.restarts.stall_timeout_s
         for replica in self.replicas:
+            if self.fleet.member(replica.name).state == "waiting":
+                if replica.placed():
+                    self._start_placed(replica)
+                continue
             fault = replica.check(stall)
             if fault is None and replica.loop is not None and ray.wait([replica.loop], timeout=0)[0]:
                 fault = self._loop_ended(replica)
             if fault is not None:
                 self._restart(replica, fault)
+        for note in self.fleet.take_notes():
+            print(f"note: {note}", file=sys.stderr, flush=True)
+        if (line := self.fleet.overdue(time.monotonic())) is not None:
+            raise OpdError(line)
         if self.budget.healing():
             self._mark_healed()
         return self.learners.check(stall)
+
+    def _start_placed(self, replica: Replica) -> None:
+        """A waiting replica's group is placed: start its ranks and loop (a restart's new incarnation)."""
+        note = self.fleet.placed(replica.name, replica.nodes(), time.monotonic())
+        replica.start()
+        self._relaunch(replica)
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+
+    def _relaunch(self, replica: Replica) -> None:
+        if replica.has_loop:
+            replica.loop = replica.leader.run.remote()
+        elif (restart := self._last_restart(replica.name)) is not None:
+            # the evaluator passes no batches on: healed once it is up again
+            self.budget.progressed({replica.name: (restart.incarnation + 1, 1)})
+            self._log_restart(restart)
+
+    def _last_restart(self, name: str) -> Restart | None:
+        return next((r for r in reversed(self.budget.healing()) if r.fault.replica == name), None)
 
     def _loop_ended(self, replica: Replica) -> Fault:
         """The fault behind a loop that ended (a loop ends only when the run stops or it fails)."""
@@ -361,37 +411,46 @@ class RayRun:
     def _fault(replica: Replica, exc: ray.exceptions.RayError, name: str) -> Fault:
         """The fault behind rank 0's error `exc`, found by asking each rank (`Replica.culprit`); bad input (an
         `OpdError`, a constructor that raised) is no fault a restart heals: it stops the run with its line."""
-        if isinstance(_root(exc), OpdError) or _init_failed(exc):
+        if is_bad_input(exc):
             raise failure(name, exc) from None
         return replica.culprit(cause_line(exc))
 
     def _restart(self, replica: Replica, fault: Fault) -> None:
-        """Kill every rank of `replica`, start them again under the same names on the same bundles, relaunch its
-        loop; the ledger re-queues what the old incarnation held when the new loop registers."""
-        restart = self._admit(fault)
+        """Kill every rank of `replica` and start them again under the same names: on the same bundles, or, when a
+        node it ran on is gone, in a new group wherever Ray finds room, now or later (the run goes on meanwhile).
+        What it held goes back to the ledger for re-production at once (`Ledger.retire`)."""
+        moved = self.fleet.lost(replica.name, alive_nodes(), time.monotonic())
+        restart = self._admit(fault, moved)
         print(f"note: {fault.line}; restarting it ({len(self.budget.restarts)} restart(s) so far)", file=sys.stderr,
               flush=True)
         replica.kill()
         if replica.loop is not None:
             _settle(replica.loop)
+            replica.loop = None
         if replica.role == "scorer":
-            self._reclaim(self.anchors)
-        self._start_again(replica)
-        if replica.has_loop:
-            replica.loop = replica.leader.run.remote()
-        else:  # the evaluator passes no batches on: healed once it is up again
-            self.budget.progressed({replica.name: (restart.incarnation + 1, 1)})
+            self._reclaim(self._queue("anchors"))
+        ray.get(self.ledger.retire.remote(replica.name))
         self._log_restart(restart)
+        if moved:
+            replica.release()
+            replica.request(next(iter(self.learners.nodes()), None) if replica.placement.near_learner else None)
+            return
+        replica.start()
+        self._relaunch(replica)
 
     def _restart_learner(self, fault: Fault) -> None:
-        """Kill every learner rank, start them again and restore the last checkpoint (weights, optimizer, step,
+        """Kill every learner rank, start them again (in a new group when its node is gone, waiting up to
+        `resources.restarts.placement_wait_s` for room) and restore the last checkpoint (weights, optimizer, step,
         weight version, data position); the ledger is rewound to it (`Ledger.rewind`)."""
-        restart = self._admit(fault)
+        moved = self.fleet.lost("learner", alive_nodes(), time.monotonic())
+        restart = self._admit(fault, moved)
         print(f"note: {fault.line}; restarting the learner from its last checkpoint", file=sys.stderr, flush=True)
         rewound = ray.get(self.ledger.account.remote())["rewound"]
         self.learners.kill()
-        self._reclaim(self.scored)
-        self._start_again(self.learners)
+        self._reclaim(self._queue("scored"))
+        if moved:
+            self._place_learner_again()
+        self.learners.start()
         try:
             self.step = ray.get(self.learner.start.remote())
         except ray.exceptions.RayError as exc:
@@ -399,31 +458,48 @@ class RayRun:
         restart.steps_lost = (ray.get(self.ledger.account.remote())["rewound"] - rewound) // self.spec.batches_per_step
         self._log_restart(restart)
 
+    def _place_learner_again(self) -> None:
+        """A new group for the learner, before any waiting replica's: theirs are asked for again once it is placed,
+        so a replica that is only extra never takes the learner's room."""
+        waiting = [r for r in self.replicas if self.fleet.member(r.name).state == "waiting"]
+        for replica in waiting:
+            replica.release()
+        self.learners.release()
+        self.learners.request()
+        wait_s = self.spec.resources.restarts.placement_wait_s
+        if not self.learners.placed(wait_s):
+            raise OpdError(f"learner: no room to place it again for {wait_s:g}s after its node was lost "
+                           f"(resources.restarts.placement_wait_s){RESUME}")
+        self.fleet.placed("learner", self.learners.nodes(), time.monotonic())
+        for replica in waiting:
+            replica.request(next(iter(self.learners.nodes()), None) if replica.placement.near_learner else None)
+
     def _reclaim(self, inbox: BatchQueue) -> None:
         """After a consumer of `inbox` died: what it had taken out of the queue and not yet reported is lost."""
         ray.get(self.ledger.missing.remote(inbox.name, inbox.tickets()))
-
-    def _start_again(self, replica: Replica) -> None:
-        replica.start()
-        try:
-            replica.ready()
-        except ray.exceptions.RayError as exc:
-            raise failure(replica.name, exc, "" if _init_failed(exc) else "its restart failed: ") from None
 
     def _mark_healed(self) -> None:
         """A restarted replica has healed once its new incarnation passed a batch on, the learner once it trained."""
         for restart in self.budget.progressed(ray.get(self.ledger.progress.remote())):
             self._log_restart(restart)
 
-    def _admit(self, fault: Fault) -> Restart:
+    def _admit(self, fault: Fault, node_lost: bool) -> Restart:
         """Count the restart (or stop the run past the bound), noting the ledger incarnation the fault ended."""
-        restart = self.budget.admit(fault)
+        restart = self.budget.admit(fault, node_lost=node_lost)
         restart.incarnation = ray.get(self.ledger.progress.remote()).get(fault.replica, (0, 0))[0]
         return restart
 
     def _log_restart(self, restart: Restart) -> None:
         if self.track and self.run_id is not None:
             log_restart(self.spec, self.run_id, self.budget.restarts.index(restart) + 1, restart, self.step)
+
+    def _log_replicas(self, step: int) -> None:
+        """Each role's running replicas at `step`: in MLflow (`replicas_rollout`, ...) and on the dashboard."""
+        counts = self.fleet.counts()
+        for role, n in counts.items():
+            self.metrics.record("opd_replicas", n, role=role)
+        if self.track and self.run_id is not None:
+            log_replicas(self.spec, self.run_id, counts, step)
 
     def shutdown(self, status: str = "FINISHED") -> None:
         """Stop the loops, end the MLflow run with `status`, release every actor and placement group (also after a
@@ -441,52 +517,19 @@ class RayRun:
                           self.ledger]:
                 ray.kill(actor)
             for q in (self.anchors, self.scored):
-                q.shutdown()
-            for pg in (self.learner_pg, self.rollout_pg):
-                remove_placement_group(pg)
-            if self.evaluator_placement is not None:
-                self.evaluator_placement.remove()
+                if q is not None:
+                    q.shutdown()
+            self._release()
+
+    def _release(self) -> None:
+        for replica in [self.learners, *self.replicas]:
+            replica.release()
 
 
 def _settle(ref) -> None:
     """Take the error of a call on killed ranks, which Ray would otherwise print as unhandled when it drops it."""
     with contextlib.suppress(ray.exceptions.RayError):
         ray.get(ref, timeout=30)
-
-
-def failure(name: str, exc: BaseException, context: str = "") -> OpdError:
-    """The one line for role `name` failing with `exc`. When the root cause is an `OpdError` (bad input, a refused
-    resume), that error's own line: a rerun would fail the same way, so it gets no advice to rerun. Only a fault a
-    rerun can fix (an actor, object or node lost, not an exception raised by the code) ends with that advice."""
-    root = _root(exc)
-    if isinstance(root, OpdError):
-        return OpdError(str(root))
-    fixable = isinstance(root, ray.exceptions.RayError) and not _init_failed(root)
-    return OpdError(f"{name} failed ({context}{type(root).__name__}: {_first_line(root)})" + (RESUME if fixable else ""))
-
-
-def _init_failed(exc: BaseException) -> bool:
-    return isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed
-
-
-def _root(exc: BaseException) -> BaseException:
-    """What actually went wrong: the exception a task raised, or the one an actor's constructor raised (Ray keeps
-    only its traceback text, whose last line is `module.Type: message`)."""
-    while isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        exc = exc.cause
-    if _init_failed(exc):
-        last = [line for line in str(exc).splitlines() if line.strip()][-1]
-        kind, _, message = last.partition(": ")
-        if kind == f"{OpdError.__module__}.{OpdError.__name__}":
-            return OpdError(message)
-    return exc
-
-
-def _first_line(exc: BaseException) -> str:
-    """One line for an error; for a constructor that raised, the last line of its traceback (the first is only
-    Ray's banner naming the task and process)."""
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
-    return lines[-1] if _init_failed(exc) else lines[0]
 
 
 def evaluate_in_actor(spec: ExperimentSpec, drafters: list[Checkpoint]) -> list[list[EvalRow]]:

@@ -23,11 +23,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.isolated import allow_vllm_workers
 from actors.remote import as_actor_class
 from actors.replica import ShardFollower, SpmdEvaluator, bundle_address, evaluator, join
-from actors.supervisor import Replica
 from opd.errors import OpdError
 from opd.eval.row import EvalRow
 from opd.eval.suite import SuiteResult
-from opd.spec import ExperimentSpec
+from opd.spec import ExperimentSpec, RoleSpec
 from opd.train.evaluator import Checkpoint, EvalResult
 from opd.train.messages import WeightSnapshot
 
@@ -104,10 +103,29 @@ class ActorEvaluations:
         return True
 
 
+def start_ranks(spec: dict, role: RoleSpec, name: str, group) -> list:
+    """The evaluator actor (rank 0) and, when it is sharded, its other ranks, on `group`'s bundles (None: anywhere;
+    it reserves nothing)."""
+    n = role.gpus_per_replica
+    shard = (bundle_address(group), n) if n > 1 else None
+    followers = [as_actor_class(ShardFollower).options(**_options(role, group, f"{name}-rank{j}", j)).remote(
+        spec, "evaluator", shard[0], j, n) for j in range(1, n)] if shard else []
+    leader = as_actor_class(EvaluatorActor).options(**_options(role, group, name)).remote(spec, shard, followers)
+    return [leader, *followers]
+
+
+def _options(role: RoleSpec, group, name: str, bundle: int = 0) -> dict:
+    """One rank's actor options; a second thread answers the driver's liveness call while it evaluates."""
+    strategy = None if group is None else PlacementGroupSchedulingStrategy(group, bundle)
+    return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_concurrency": 2,
+            "scheduling_strategy": strategy}
+
+
 class EvaluatorPlacement:
-    """The evaluator's placement: a group of `gpus_per_replica` bundles packed on one node when its role
-    (`ResourcesSpec.evaluator_role`) reserves anything (a sharded one always does: the spec says so), and the ranks past 0 that
-    `start` puts there."""
+    """The evaluator's placement for `opd run`'s before/after table and suite (outside training, where the driver
+    places it as a replica): a group of `gpus_per_replica` bundles packed on one node when its role
+    (`ResourcesSpec.evaluator_role`) reserves anything (a sharded one always does: the spec says so), and the ranks
+    past 0 that `start` puts there."""
 
     def __init__(self, spec: ExperimentSpec, timeout_s: float = 60.0) -> None:
         role = spec.resources.evaluator_role
@@ -124,25 +142,9 @@ class EvaluatorPlacement:
                            "GPUs/CPUs")
 
     def start(self, spec: dict, name: str = NAME):
-        """The evaluator actor (rank 0), and its other ranks when it is sharded."""
-        n = self.role.gpus_per_replica
-        shard = (bundle_address(self.group), n) if n > 1 else None
-        self.followers = [as_actor_class(ShardFollower).options(**self.options(f"{name}-rank{j}", j)).remote(
-            spec, "evaluator", shard[0], j, n) for j in range(1, n)] if shard else []
-        return as_actor_class(EvaluatorActor).options(**self.options(name)).remote(spec, shard, self.followers)
-
-    def replica(self, spec: dict, name: str = NAME) -> Replica:
-        """The evaluator as the driver supervises it in training (started)."""
-        names = [name, *[f"{name}-rank{j}" for j in range(1, self.role.gpus_per_replica)]]
-        replica = Replica("evaluator", names, lambda: [self.start(spec, name), *self.followers])
-        replica.start()
-        return replica
-
-    def options(self, name: str = NAME, bundle: int = 0) -> dict:
-        """One rank's actor options; a second thread answers the driver's liveness call while it evaluates."""
-        strategy = None if self.group is None else PlacementGroupSchedulingStrategy(self.group, bundle)
-        return {"name": name, "num_cpus": self.role.num_cpus, "num_gpus": self.role.num_gpus,
-                "max_concurrency": 2, "scheduling_strategy": strategy}
+        """The evaluator actor (rank 0); its other ranks are kept to be removed with the group."""
+        leader, *self.followers = start_ranks(spec, self.role, name, self.group)
+        return leader
 
     def remove(self) -> None:
         for follower in self.followers:

@@ -46,7 +46,7 @@ class RankPeers:
 
 def join_group(spec: ExperimentSpec, address: str, rank: int) -> Group:
     """This rank's place in the learner process group at `address`."""
-    return init_group(address, rank, spec.resources.learner.replicas, resolve_device(spec.models.device),
+    return init_group(address, rank, spec.resources.learner.least, resolve_device(spec.models.device),
                       collective_timeout(spec))
 
 

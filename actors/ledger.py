@@ -53,6 +53,11 @@ class LedgerActor:
         self.changed.fire()
         return worker
 
+    def retire(self, name: str) -> list[int]:
+        given_up = self.opened.retire(name)
+        self.changed.fire()
+        return given_up
+
     def claim(self, worker: str, version: int, epoch: int = 0) -> Ticket | None:
         ticket = self.opened.claim(worker, version, epoch)
         if ticket is not None:  # another index is next now

@@ -23,6 +23,7 @@ DEFINITIONS = {
     "opd_learner_idle_fraction": ("gauge", "share of learner time spent waiting for data", ()),
     "opd_broadcast_s": ("histogram", "seconds to publish draft weights to the object store", ()),
     "opd_loss": ("gauge", "Draft-OPD loss (part: total, acc, rej)", ("part",)),
+    "opd_replicas": ("gauge", "replicas of a role running (the others wait for room)", ("role",)),
 }
 
 

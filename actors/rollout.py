@@ -13,6 +13,7 @@ from actors.isolated import allow_vllm_workers
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
 from actors.replica import SpmdRollout, join, rollout_worker
+from actors.weight_store import fetch_snapshot
 from opd.eval.acceptance import AcceptanceStats
 from opd.spec import ExperimentSpec
 from opd.train.evaluator import EvalResult
@@ -72,21 +73,32 @@ class RolloutActor:
         """The next batch to produce, with the newest weights swapped in. The ledger hands out nothing the newest
         version may not draft (max_policy_lag), so this waits while rollout is as far ahead as it may be: blocked
         on both actors at once until a newer version is published, the ledger has a batch this version may draft
-        (one given up, to re-produce), or the run stops."""
+        (one given up, to re-produce), or the run stops. Weights that died with their learner's node are waited
+        past: the restarted learner publishes its checkpoint's."""
         while True:
             version, wrapped, checksum, epoch = ray.get(self.store.latest.remote())
+            if not self._adopt(version, wrapped, checksum):
+                ray.get(self.store.wait_newer.remote(version, WAIT_S, epoch))
+                continue
             ticket = ray.get(self.ledger.claim.remote(worker, version, epoch))
             if ticket is not None:
-                break
+                return ticket
             if self._stopped():
                 raise Stopped
-            ray.wait([self.store.wait_newer.remote(version, WAIT_S),
+            ray.wait([self.store.wait_newer.remote(version, WAIT_S, epoch),
                       self.ledger.wait_claimable.remote(worker, version, WAIT_S)], num_returns=1)
-        if self.worker.decoder and (version, checksum) != (self.worker.draft_version, self.checksum):
-            snapshot: WeightSnapshot = ray.get(wrapped[0])
-            self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights
-            self.checksum = checksum  # by checksum too: a restored learner republishes a version with other weights
-        return ticket
+
+    def _adopt(self, version: int, wrapped: list | None, checksum: str) -> bool:
+        """Draft with published `version` from now on; False when its snapshot is lost (its owner, the learner,
+        died with its node)."""
+        if not self.worker.decoder or (version, checksum) == (self.worker.draft_version, self.checksum):
+            return True
+        assert wrapped is not None  # a version was published
+        if (snapshot := fetch_snapshot(wrapped)) is None:
+            return False
+        self.worker.load_drafter(snapshot.verified(version).state, version)  # only complete, checked weights
+        self.checksum = checksum  # by checksum too: a restored learner republishes a version with other weights
+        return True
 
     def _record(self, batch, seconds: float) -> None:
         self.metrics.record("opd_rollout_tokens_per_s", batch.tokens / seconds, actor=self.name)

@@ -15,9 +15,10 @@ from actors.ledger import receive
 from actors.metrics import Metrics
 from actors.queues import BatchQueue, Stopped
 from actors.replica import SpmdScorer, join, scorer
+from actors.weight_store import fetch_snapshot
 from opd.spec import ExperimentSpec
 from opd.train.ledger import VersionGate
-from opd.train.messages import AnchorBatch, WeightSnapshot
+from opd.train.messages import AnchorBatch
 from opd.train.policy_lag import required_version
 from opd.train.ticket import Ticket
 
@@ -62,18 +63,19 @@ class ReplayScorerActor:
             return scored
 
     def _next_scorable(self) -> tuple[Ticket, AnchorBatch] | None:
-        """The next batch to score (with the newest weights adopted when the scorer rebuilds), or None."""
+        """The next batch to score (with the newest weights adopted when the scorer rebuilds), or None (also while
+        the newest weights are lost with their learner's node, until the restarted learner publishes again)."""
         if not self.waiting:
             return None
         if not self.spec.rollout.rebuilt:
             return self.waiting.take(None)
         version, wrapped, checksum, _ = ray.get(self.store.latest.remote())
-        taken = self.waiting.take(version)
-        if taken is not None and (version, checksum) != (self.scorer.draft_version, self.checksum):
-            snapshot: WeightSnapshot = ray.get(wrapped[0])
+        if (version, checksum) != (self.scorer.draft_version, self.checksum):
+            if (snapshot := fetch_snapshot(wrapped)) is None:
+                return None
             self.scorer.load_drafter(snapshot.verified(version).state, version)
             self.checksum = checksum  # by checksum too: a restored learner republishes a version with other weights
-        return taken
+        return self.waiting.take(version)
 
     def _stopped(self) -> bool:
         return ray.get(self.store.stopped.remote())

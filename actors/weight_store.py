@@ -12,6 +12,16 @@ from __future__ import annotations
 import ray
 
 from actors.signal import Signal
+from opd.train.messages import WeightSnapshot
+
+
+def fetch_snapshot(wrapped: list) -> WeightSnapshot | None:
+    """The published snapshot behind a store's wrapped reference, or None when it died with its owner (the learner,
+    whose node was lost): the restarted learner publishes again, and a waiter takes that one."""
+    try:
+        return ray.get(wrapped[0])
+    except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
+        return None
 
 
 @ray.remote(num_cpus=0)
@@ -39,10 +49,11 @@ class WeightStore:
         """(version, wrapped reference, checksum, epoch) of the newest snapshot."""
         return self.version, self.ref, self.checksum, self.epoch
 
-    async def wait_newer(self, version: int, timeout_s: float) -> bool:
-        """Block until a version other than `version` is the newest (a restore makes it older) or the run stops
-        (True), or `timeout_s` passes (False)."""
-        return await self.changed.wait_for(lambda: self.version != version or self.stop, timeout_s)
+    async def wait_newer(self, version: int, timeout_s: float, epoch: int | None = None) -> bool:
+        """Block until a version other than `version` is the newest (a restore makes it older), another epoch than
+        `epoch` began (a restore of the same version), or the run stops (True), or `timeout_s` passes (False)."""
+        return await self.changed.wait_for(
+            lambda: self.version != version or (epoch is not None and self.epoch != epoch) or self.stop, timeout_s)
 
     def request_stop(self) -> None:
         self.stop = True

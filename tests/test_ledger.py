@@ -42,6 +42,25 @@ def test_a_restarted_worker_loses_what_it_held_and_it_is_reproduced_first():
     assert led.handoff(Ticket(3, 1), s2) and led.account()["orphaned"] == 4  # 1, 2, then 0 and 3
 
 
+def test_a_retired_replica_gives_up_what_it_held_at_once_even_if_it_never_returns():
+    """rollout-1's node was lost and there is no room for it: rollout-0 produces what it held, the learner trains
+    each batch once, what the dead one still reports is dropped, and the account reconciles."""
+    led = ledger()
+    r0, r1 = led.register("rollout-0"), led.register("rollout-1")
+    assert [led.claim(r0, 1), led.claim(r1, 1), led.claim(r1, 1)] == [Ticket(0, 0), Ticket(1, 0), Ticket(2, 0)]
+    led.put(Ticket(1, 0), r1, "anchors")
+    assert led.retire("rollout-1") == [1, 2]
+    assert led.claim(r1, 1) is None  # the lost incarnation gets nothing more
+    assert [led.claim(r0, 1), led.claim(r0, 1)] == [Ticket(1, 1), Ticket(2, 1)]
+    assert not led.handoff(Ticket(1, 0), "scorer-0#1")  # its payload, if it still turns up, is dropped
+    led.trained([Ticket(0, 0), Ticket(1, 1), Ticket(2, 1)])
+    account = led.account()
+    assert (account["orphaned"], account["reproduced"], account["dropped"], account["trained"]) == (2, 2, 1, 3)
+    assert reconciles(account) and led.trained_indices() == [0, 1, 2]
+    r1_again = led.register("rollout-1")  # room came back: a new incarnation, nothing left to orphan
+    assert led.account()["orphaned"] == 2 and led.claim(r1_again, 1) == Ticket(3, 0)
+
+
 def test_lost_in_a_queue_is_reproduced_once_even_if_the_restart_reports_it_too():
     led = ledger()
     r, s = led.register("rollout-0"), led.register("scorer-0")

@@ -93,7 +93,7 @@ def _constructor_failed(last_line: str) -> ray.exceptions.ActorDiedError:
 
 
 def test_a_failed_actor_is_reported_by_its_root_cause():
-    from actors.driver import failure
+    from actors.errors import failure
 
     bad = "/data/p.jsonl:5: not JSON (Expecting value) (set data.skip_bad_lines: true to skip such lines)"
     assert str(failure("rollout-0", _constructor_failed(f"opd.errors.OpdError: {bad}"))) == bad

@@ -14,7 +14,7 @@ import ray
 import torch
 import yaml
 
-from actors.driver import RayRun, place
+from actors.driver import RayRun
 from actors.queues import BatchQueue, Lost
 from actors.supervisor import Replica
 from opd.distill.scored_batch import ScoredBatch
@@ -56,31 +56,32 @@ def test_full_queue_blocks_the_producer_and_loses_nothing(ray_cluster):
 
 
 def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micro_spec_file, tmp_path):
-    layout = {"resources": {"cluster": {"num_gpus": 5, "num_cpus": 2},  # the evaluator has a placement of its own
+    """Every replica has a group of its own, as the spec sizes it; a layout Ray cannot hold is one line naming what
+    was placed, and gives back the groups it took."""
+    layout = {"resources": {"cluster": {"num_gpus": 4, "num_cpus": 2}, "evaluate_on": "rollout",
                             "rollout": {"replicas": 2, "num_gpus": 1, "num_cpus": 0.25},
                             "scorer": {"replicas": 1, "num_gpus": 1, "num_cpus": 0.25},
                             "learner": {"replicas": 1, "num_gpus": 1, "num_cpus": 0.25},
-                            "evaluator": {"num_gpus": 1, "num_cpus": 0}}}
+                            "evaluator": {"num_gpus": 0, "num_cpus": 0}},
+              "tracking": {"run_dir": str(tmp_path / "run")}}
     base = yaml.safe_load(micro_spec_file.read_text())
-    spec = ExperimentSpec.model_validate({**base, **layout})
-    learner_pg, rollout_pg = place(spec)
+    run = RayRun(ExperimentSpec.model_validate({**base, **layout}), track=False)
     try:
-        learner_bundles = ray.util.placement_group_table(learner_pg)["bundles"]
-        rollout_bundles = ray.util.placement_group_table(rollout_pg)["bundles"]
-        assert [b["GPU"] for b in learner_bundles.values()] == [1.0, 1.0]  # learner + its scorer, packed
-        assert [b["GPU"] for b in rollout_bundles.values()] == [1.0, 1.0]
+        groups = {r.name: ray.util.placement_group_table(r.group)["bundles"] for r in [run.learners, *run.replicas]}
+        assert {name: [b["GPU"] for b in bundles.values()] for name, bundles in groups.items()} == {
+            "learner": [1.0], "rollout-0": [1.0], "rollout-1": [1.0], "scorer-0": [1.0]}
     finally:
-        ray.util.remove_placement_group(learner_pg)
-        ray.util.remove_placement_group(rollout_pg)
+        run.shutdown()
     layout["resources"]["cluster"]["num_gpus"] = 8  # the spec believes in 8 GPUs; Ray has 4
     layout["resources"]["rollout"]["replicas"] = 5
-    with pytest.raises(OpdError, match="cannot place"):
-        place(ExperimentSpec.model_validate({**base, **layout}), timeout_s=2)
+    with pytest.raises(OpdError, match=r"cannot place the roles within 2s \(placed: (scorer 0 of 1, )?rollout [23] of 5;"):
+        RayRun(ExperimentSpec.model_validate({**base, **layout}), track=False, place_timeout_s=2)
+    wait_for(lambda: ray.available_resources().get("GPU") == 4.0, timeout=30)
 
 
 def _replica() -> Replica:
     names = ["toy-0", "toy-0-rank1"]
-    replica = Replica("scorer", names, lambda: [ToyRank.options(name=n).remote() for n in names], ping_s=0.2,
+    replica = Replica("scorer", names, lambda group: [ToyRank.options(name=n).remote() for n in names], ping_s=0.2,
                       probe_s=1.0)
     replica.start()
     replica.ready()

@@ -34,7 +34,19 @@ def test_time_to_heal_runs_from_the_fault_to_the_first_progress_and_is_logged():
     assert budget.progressed({"scorer-0": (2, 0)}, at=11.5) == []  # restarted, nothing passed on yet
     assert budget.progressed({"scorer-0": (2, 1)}, at=12.5) == [restart]
     assert budget.healing() == [] and budget.log() == [
-        {"role": "scorer", "replica": "scorer-0", "rank": 1, "cause": SCORER.cause, "steps_lost": 0, "heal_s": 2.5}]
+        {"role": "scorer", "replica": "scorer-0", "rank": 1, "cause": SCORER.cause, "node_lost": False,
+         "steps_lost": 0, "heal_s": 2.5}]
+
+
+def test_a_replica_lost_with_its_node_is_logged_but_never_stops_the_run():
+    """The bound stops a fault that repeats; a node that goes is none of the replica's, however often it happens."""
+    budget = RestartBudget(RestartsSpec(per_role=1, per_run=1))
+    for _ in range(3):
+        budget.admit(SCORER, node_lost=True)
+    budget.admit(SCORER)  # the one counted restart
+    with pytest.raises(OpdError, match=r"scorer already restarted 1 time\(s\)"):
+        budget.admit(SCORER)
+    assert [r["node_lost"] for r in budget.log()] == [True, True, True, False]
 
 
 def test_a_role_without_restarts_stops_at_its_first_fault():

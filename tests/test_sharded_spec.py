@@ -82,12 +82,12 @@ def test_a_layout_that_fits_is_accepted(tmp_path):
 
 def test_a_vllm_rollout_replica_is_one_actor_holding_its_gpus():
     """vLLM starts its own tensor-parallel ranks, so Ray places a vLLM replica as one actor with all its GPUs."""
-    from actors.driver import placed_rollout
+    from opd.train.fleet import placed_role
 
     sets = ["rollout.source=target", "rollout.sampler=vllm", "resources.cluster.num_gpus=9", "resources.cluster.num_cpus=32",
             "resources.rollout.replicas=2", "resources.rollout.num_gpus=1", "resources.rollout.num_cpus=2",
             "resources.rollout.gpus_per_replica=4", "resources.evaluator.num_gpus=1"]
-    role = placed_rollout(load_spec(TINY, sets, check_paths=False))
+    role = placed_role(load_spec(TINY, sets, check_paths=False), "rollout")
     assert (role.replicas, role.gpus_per_replica, role.num_gpus, role.num_cpus) == (2, 1, 4, 8)
-    hf = placed_rollout(load_spec(TINY, sets[2:], check_paths=False))
+    hf = placed_role(load_spec(TINY, sets[2:], check_paths=False), "rollout")
     assert (hf.replicas, hf.gpus_per_replica, hf.num_gpus) == (2, 4, 1)

@@ -156,7 +156,7 @@ def test_a_rollout_replica_leaves_its_gpu_to_its_vllm_worker_and_trains_as_local
             lambda actor: ray.get_runtime_context().get_assigned_resources()))
         assert not any(name.startswith("GPU") for name in held), held  # the rollout actor holds no GPU ...
         free = ray.available_resources()
-        assert free.get(f"GPU_group_{run.rollout_pg.id.hex()}", 0) == 0  # ... and its bundle's GPU is taken: vLLM's
+        assert free.get(f"GPU_group_{run.replicas[0].group.id.hex()}", 0) == 0  # ... and its bundle's GPU is taken: vLLM's
     finally:
         run.shutdown()
     assert losses == pytest.approx(local, rel=1e-5, abs=1e-7)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import difflib
 import os
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from opd.errors import OpdError
 from opd.spec.experiment import ExperimentSpec
@@ -198,8 +199,27 @@ def _default_list(path: list[str]) -> list[Any] | None:
 
 def _sections(annotation: Any) -> list[type[BaseModel]]:
     """The spec models an annotation holds: a section, the items of a list of them, or a tagged union's members."""
-    return [t for t in (annotation, *getattr(annotation, "__args__", ()))
+    return [t for t in (annotation, *map(_unannotated, getattr(annotation, "__args__", ())))
             if isinstance(t, type) and issubclass(t, BaseModel)]
+
+
+def _unannotated(member: Any) -> Any:
+    return typing.get_args(member)[0] if typing.get_origin(member) is typing.Annotated else member
+
+
+def _tags(annotation: Any) -> dict[str, type[BaseModel] | None]:
+    """A union's members by the tag pydantic puts in an error's location: a section's `kind`, or the `Tag` of a
+    member (`number` or `range` in resources.rollout.replicas.range.max)."""
+    tags: dict[str, type[BaseModel] | None] = {}
+    for member in getattr(annotation, "__args__", ()):
+        model = _unannotated(member)
+        section = model if isinstance(model, type) and issubclass(model, BaseModel) else None
+        for extra in typing.get_args(member)[1:]:
+            if isinstance(extra, Tag):
+                tags[extra.tag] = section
+        if section is not None and "kind" in section.model_fields:
+            tags[str(section.model_fields["kind"].default)] = section
+    return tags
 
 
 def _untagged(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type[BaseModel] | None]:
@@ -215,8 +235,8 @@ def _untagged(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type[B
             continue
         field = model.model_fields.get(part)
         members = _sections(field.annotation) if field else []
-        tags = {str(m.model_fields["kind"].default): m for m in members if "kind" in m.model_fields}
-        if len(members) > 1 and parts and parts[0] in tags:
+        tags = _tags(field.annotation) if field else {}
+        if len(tags) > 1 and parts and parts[0] in tags:
             model = tags[str(parts.pop(0))]
         else:
             model = members[0] if members else None

@@ -22,9 +22,9 @@ def learner_group_bundles(learner: RoleSpec, scorer: RoleSpec, colocate: bool) -
     (the fractions sum to 1, `colocated_ranks_that_cannot_pair`), so a pair shares it and no two scorer ranks share
     one."""
     if not colocate:
-        return [learner.bundle] * learner.replicas + [scorer.bundle] * scorer.ranks
+        return [learner.bundle] * learner.least + [scorer.bundle] * scorer.ranks
     gpu = {"GPU": 1.0} if learner.num_gpus or scorer.num_gpus else {}
-    return [{"CPU": round(scorer.num_cpus + learner.num_cpus * (i < learner.replicas), 4)} | gpu
+    return [{"CPU": round(scorer.num_cpus + learner.num_cpus * (i < learner.least), 4)} | gpu
             for i in range(scorer.ranks)]
 
 
@@ -49,8 +49,8 @@ def colocated_ranks_that_cannot_pair(learner: RoleSpec, scorer: RoleSpec) -> lis
     """colocate_learner puts learner rank i in scorer rank i's bundle: no more learner ranks than scorer ranks, and
     each bundle one whole GPU (a fraction could put two scorer ranks of one replica on one device, which nccl
     refuses)."""
-    if learner.replicas > scorer.ranks:
-        return [f"learner.replicas: {learner.replicas} with colocate_learner but the scorer has {scorer.ranks} ranks "
+    if learner.least > scorer.ranks:
+        return [f"learner.least: {learner.least} with colocate_learner but the scorer has {scorer.ranks} ranks "
                 "(expected at most one learner rank per scorer rank: learner rank i shares scorer rank i's GPU)"]
     pair = round(learner.num_gpus + scorer.num_gpus, 4)
     if pair not in (0, 1) or (pair == 1 and not (learner.num_gpus and scorer.num_gpus)):
@@ -76,10 +76,10 @@ def ranks_that_cannot_pack(roles: dict[str, RoleSpec], gpus_per_node: int | None
         elif gpus_per_node is not None and role.gpus_per_replica * role.num_gpus > gpus_per_node:
             issues.append(f"{name}.gpus_per_replica: {role.gpus_per_replica} GPUs, but a node has "
                           f"cluster.gpus_per_node {gpus_per_node} (a replica's ranks are packed on one node)")
-    beside = roles["learner"].replicas * roles["learner"].num_gpus + roles["scorer"].ranks * roles["scorer"].num_gpus
+    beside = roles["learner"].least * roles["learner"].num_gpus + roles["scorer"].ranks * roles["scorer"].num_gpus
     if gpus_per_node is not None and not issues and beside > gpus_per_node:
         issues.append(f"scorer: {roles['scorer'].ranks} ranks of {amount(roles['scorer'].num_gpus)} GPU beside the "
-                      f"learner's {amount(roles['learner'].replicas * roles['learner'].num_gpus)} need {amount(beside)} "
+                      f"learner's {amount(roles['learner'].least * roles['learner'].num_gpus)} need {amount(beside)} "
                       f"GPUs on one node, but cluster.gpus_per_node is {gpus_per_node} (the learner's placement "
                       "group packs its scorers with it, so their batches never cross the network)")
     return issues
@@ -89,8 +89,8 @@ def roles_that_do_not_fit(roles: dict[str, RoleSpec], attr: str, available: floa
     """Each role alone, then all roles together, must fit the cluster, or the run would hang unplaced."""
     unit = {"num_gpus": "GPUs", "num_cpus": "CPUs"}[attr]
     each = {name: getattr(role, attr) * role.gpus_per_replica for name, role in roles.items()}
-    need = {name: role.replicas * each[name] for name, role in roles.items()}
-    issues = [f"{name}: {role.replicas} replicas x {amount(each[name])} {unit} = {amount(need[name])} {unit}, "
+    need = {name: role.least * each[name] for name, role in roles.items()}
+    issues = [f"{name}: {role.least} replicas x {amount(each[name])} {unit} = {amount(need[name])} {unit}, "
               f"but the cluster declares {amount(available)} (a role that can never be placed)"
               for name, role in roles.items() if need[name] > available]
     if not issues and sum(need.values()) > available:

@@ -17,7 +17,7 @@ from opd.spec.placement import (
     ranks_that_cannot_pack,
     roles_that_do_not_fit,
 )
-from opd.spec.roles import ClusterSpec, RestartsSpec, RoleSpec
+from opd.spec.roles import ClusterSpec, ReplicaRange, RestartsSpec, RoleSpec
 
 _ROLES = ("rollout", "scorer", "learner", "evaluator")
 
@@ -74,13 +74,13 @@ class ResourcesSpec(Section):
     @property
     def first_scorer_bundle(self) -> int:
         """The learner placement group's bundle of scorer rank 0."""
-        return 0 if self.colocate_learner else self.learner.replicas
+        return 0 if self.colocate_learner else self.learner.least
 
     @model_validator(mode="after")
     def _check(self) -> ResourcesSpec:
         roles = {name: getattr(self, name) for name in _ROLES}
         placed = as_placed(roles, self.colocate_learner)
-        issues = gpu_fractions_ray_cannot_place(roles)
+        issues = gpu_fractions_ray_cannot_place(roles) + self._range_issues()
         if self.colocate_learner:
             issues += colocated_ranks_that_cannot_pair(self.learner, self.scorer)
         issues += ranks_that_cannot_pack(placed, self.cluster.gpus_per_node)
@@ -94,13 +94,27 @@ class ResourcesSpec(Section):
         spec_issues(issues)
         return self
 
+    def _range_issues(self) -> list[str]:
+        """Only rollout and scorer replicas come and go with the cluster: the learner's ranks restore a checkpoint
+        written by as many, one actor evaluates, and a colocated scorer rank holds a learner rank's GPU."""
+        fixed = {"learner": "the learner's ranks restore a checkpoint written by as many",
+                 "evaluator": "one actor evaluates"}
+        if self.colocate_learner:
+            fixed["scorer"] = "with colocate_learner each scorer rank shares a learner rank's GPU"
+        issues = []
+        for name, why in fixed.items():
+            if isinstance(span := getattr(self, name).replicas, ReplicaRange):
+                issues.append(f"{name}.replicas: a range {{min: {span.min}, max: {span.max}}} (expected a number: "
+                              f"{why})")
+        return issues
+
     def _evaluator_role_issues(self) -> list[str]:
         """One actor evaluates: rollout replica 0 with `evaluate_on: rollout`, when the evaluator role runs nothing
         and what it reserved would never be used; else the evaluator role's own, on a GPU where the rollout decodes
         on GPUs."""
         evaluator = self.evaluator
         issues = [f"evaluator.replicas: {evaluator.replicas} (expected 1; one actor evaluates)"] * (
-            evaluator.replicas != 1)
+            isinstance(evaluator.replicas, int) and evaluator.replicas != 1)
         reserves = evaluator.num_gpus or evaluator.num_cpus or evaluator.gpus_per_replica != 1
         if self.evaluate_on == "rollout" and reserves:
             issues.append(f"evaluator: {amount(evaluator.num_gpus)} GPUs, {amount(evaluator.num_cpus)} CPUs, "

@@ -75,7 +75,7 @@ def _whole_updates(updates: float) -> int:
 
 def _updates_that_do_not_split(spec: Experiment) -> list[str]:
     """An update is whole rollout batches, and its sequences must split over the learner ranks."""
-    o, replicas = spec.optim, spec.resources.learner.replicas
+    o, replicas = spec.optim, spec.resources.learner.least
     issues = []
     if o.batch_size % spec.rollout.batch_size:
         issues.append(f"optim.batch_size: {o.batch_size} is not a multiple of rollout.batch_size "

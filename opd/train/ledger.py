@@ -73,6 +73,17 @@ class Ledger:
                 self.counts.orphaned += 1
         return f"{name}#{n}"
 
+    def retire(self, name: str) -> list[int]:
+        """The incarnation running under `name` is gone (killed to restart, or lost with its node, perhaps for the
+        rest of the run): what it held goes back for re-production by whoever claims next, and anything it still
+        reports is dropped. Returns the indices given up."""
+        self.incarnation[name] = self.incarnation.get(name, 0) + 1
+        held = [i for i, w in self.holder.items() if _name(w) == name]
+        for index in held:
+            self._redo(index)
+            self.counts.orphaned += 1
+        return held
+
     def claimable(self, worker: str, version: int) -> bool:
         """Whether `claim(worker, version)` would hand out a batch now (a waiting worker blocks on this)."""
         index = self.redo[0] if self.redo else self.next

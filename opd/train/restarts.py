@@ -42,12 +42,13 @@ class Restart:
 
     fault: Fault
     seen_at: float
+    node_lost: bool = False  # a node it ran on was gone: it was placed again, uncounted by the bound
     incarnation: int = 0  # the ledger's incarnation of the replica the fault ended: a later one heals it
     steps_lost: int = 0
     heal_s: float | None = None
 
     def as_dict(self) -> dict:
-        return {**asdict(self.fault), "steps_lost": self.steps_lost,
+        return {**asdict(self.fault), "node_lost": self.node_lost, "steps_lost": self.steps_lost,
                 "heal_s": None if self.heal_s is None else round(self.heal_s, 2)}
 
 
@@ -58,17 +59,20 @@ class RestartBudget:
     spec: RestartsSpec
     restarts: list[Restart] = field(default_factory=list)
 
-    def admit(self, fault: Fault, seen_at: float | None = None) -> Restart:
+    def admit(self, fault: Fault, seen_at: float | None = None, *, node_lost: bool = False) -> Restart:
         """Count a restart for `fault`, or raise the run's last line when it is past a bound: the fault's own line,
-        which bound, and that a rerun resumes (it restores the last checkpoint, as a restart does)."""
-        role_count = sum(1 for r in self.restarts if r.fault.role == fault.role)
-        if role_count >= self.spec.per_role:
+        which bound, and that a rerun resumes (it restores the last checkpoint, as a restart does). A replica lost
+        with its node is restarted and logged but not counted: the bound stops a fault that repeats, and a node
+        that goes is no fault of the replica's."""
+        counted = [r for r in self.restarts if not r.node_lost]
+        role_count = sum(1 for r in counted if r.fault.role == fault.role)
+        if not node_lost and role_count >= self.spec.per_role:
             raise OpdError(f"{fault.line}; the {fault.role} already restarted {role_count} time(s) "
                            f"(resources.restarts.per_role: {self.spec.per_role}){RESUME}")
-        if len(self.restarts) >= self.spec.per_run:
-            raise OpdError(f"{fault.line}; the run already restarted {len(self.restarts)} time(s) "
+        if not node_lost and len(counted) >= self.spec.per_run:
+            raise OpdError(f"{fault.line}; the run already restarted {len(counted)} time(s) "
                            f"(resources.restarts.per_run: {self.spec.per_run}){RESUME}")
-        restart = Restart(fault, time.monotonic() if seen_at is None else seen_at)
+        restart = Restart(fault, time.monotonic() if seen_at is None else seen_at, node_lost=node_lost)
         self.restarts.append(restart)
         return restart
 
