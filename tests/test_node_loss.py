@@ -1,0 +1,153 @@
+"""A run that outlives its nodes and grows with the cluster (issue 70), on a Ray cluster of several nodes on this
+machine (`ray.cluster_utils.Cluster`): a CPU-less head where this driver and the control actors live, and worker
+nodes of 2 CPUs. A node is removed without a graceful stop (`remove_node(node, allow_graceful=False)`), as a node
+that dies; nodes are added mid-run, as an autoscaler or a user adds them.
+
+Every role takes a whole worker node (2 CPUs), so which node holds what is known: the tests kill the node of one
+role and look where it comes back. The bound is the one tests/test_ray_heal.py holds a healed run to: at
+`max_policy_lag` 0 batch i holds the same prompts and seeds whoever produces it, so the drafter must equal the
+uninterrupted single-process run's within `BOUND`, every batch index is trained once and the ledger reconciles.
+opd/train/fleet.py's decisions are tested without Ray in tests/test_fleet.py; these are whole runs on a loaded
+2-core machine, so they are `slow` (make test-all).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.driver import RayRun
+from opd.train.ledger import reconciles
+from tests.helpers.ray_runs import account, ray_spec, wait_for
+from tests.test_ray_heal import BOUND, STEPS, local_drafter
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+WHOLE_NODES = ["resources.cluster.num_cpus=null", "resources.learner.num_cpus=2", "resources.scorer.num_cpus=2",
+               "resources.rollout.num_cpus=2", "resources.evaluator.num_cpus=0",
+               "resources.restarts.placement_wait_s=120"]
+# a node that stops answering is declared dead in seconds, not Ray's default half minute
+FAST_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
+
+
+@pytest.fixture
+def cluster():
+    """A CPU-less head (this driver) with no worker yet; each test adds the nodes it needs."""
+    if ray.is_initialized():
+        ray.shutdown()
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                         "_system_config": FAST_DEATH})
+    ray.init(address=made.address, configure_logging=False, log_to_driver=False)
+    try:
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
+def add_nodes(cluster: Cluster, n: int) -> list:
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(n)]
+    cluster.wait_for_nodes()
+    return nodes
+
+
+def node_of(run: RayRun, name: str) -> str:
+    replica = run.learners if name == "learner" else next(r for r in run.replicas if r.name == name)
+    return next(iter(replica.nodes()))
+
+
+def kill_node(cluster: Cluster, node_id: str) -> None:
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def assert_intact(run: RayRun, reports: list[dict], local: dict, steps: int = STEPS) -> None:
+    """Every step reported once, every batch trained exactly once, the account reconciles, and the drafter is the
+    uninterrupted run's."""
+    assert [r["step"] for r in reports] == list(range(1, steps + 1))
+    ledger = account(run)
+    assert ray.get(run.ledger.trained_indices.remote()) == list(range(2 * steps))
+    assert ledger["trained"] == 2 * steps and ledger["duplicates"] == 0 and reconciles(ledger), ledger
+    _, state = ray.get(run.learner.draft_state.remote())
+    for k, v in local.items():
+        assert (v - state[k]).abs().max().item() <= BOUND, k
+
+
+def lose_and_finish(cluster: Cluster, spec, role: str) -> tuple[RayRun, list[dict], str]:
+    """Train a step, kill the node of `role` (a replica name or the learner), train to the end; the run, its
+    reports and the node that was lost."""
+    run = RayRun(spec, track=False)
+    run.start()
+    reports = run.train(1)
+    lost = node_of(run, role)
+    kill_node(cluster, lost)
+    reports += run.train(STEPS)
+    return run, reports, lost
+
+
+@pytest.mark.parametrize("role", ["rollout-0", "scorer-0", "learner"])
+def test_the_node_of_a_role_is_lost_with_room_elsewhere_and_the_run_finishes_intact(cluster, micro_spec_file,
+                                                                                    tmp_path, role):
+    """Learner, scorer and rollout each on a node of their own and one spare: the lost role is placed again on
+    the spare and the run ends as if nothing happened (the learner from its last checkpoint)."""
+    local = local_drafter(micro_spec_file, tmp_path)
+    add_nodes(cluster, 4)
+    run, reports, lost = lose_and_finish(cluster, ray_spec(micro_spec_file, tmp_path, *WHOLE_NODES, steps=STEPS),
+                                         role)
+    try:
+        assert_intact(run, reports, local)
+        assert node_of(run, role) != lost
+        restarts = [r for r in run.budget.restarts if r.fault.replica == role]
+        assert restarts and all(r.node_lost for r in restarts), run.budget.log()
+        assert run.fleet.counts() == {"learner": 1, "scorer": 1, "rollout": 1, "evaluator": 1}
+    finally:
+        run.shutdown()
+
+
+def test_without_room_the_run_goes_on_with_fewer_rollout_replicas_until_a_node_joins(cluster, micro_spec_file,
+                                                                                     tmp_path, capfd):
+    local = local_drafter(micro_spec_file, tmp_path, steps=6)
+    add_nodes(cluster, 4)  # learner, scorer, rollout-0, rollout-1: no room to spare
+    spec = ray_spec(micro_spec_file, tmp_path, *WHOLE_NODES, "resources.rollout.replicas=2", steps=6)
+    run = RayRun(spec, track=False)
+    try:
+        run.start()
+        reports = run.train(1)
+        kill_node(cluster, node_of(run, "rollout-1"))
+        reports += run.train(3)  # trained on by rollout-0 alone
+        assert run.fleet.counts()["rollout"] == 1 and run.fleet.member("rollout-1").state == "waiting"
+        assert "rollout-1 was lost with its node; it starts again where there is room, meanwhile 1 of 2 rollout " \
+               "replicas run" in capfd.readouterr().err
+        add_nodes(cluster, 1)
+        reports += run.train(6)
+        wait_for(lambda: run._supervise() is None and run.fleet.counts()["rollout"] == 2, timeout=120)
+        assert "rollout-1 is running (2 of 2 rollout replicas run)" in capfd.readouterr().err
+        assert_intact(run, reports, local, steps=6)
+    finally:
+        run.shutdown()
+
+
+def test_rollout_grows_from_min_to_max_as_nodes_join(cluster, micro_spec_file, tmp_path):
+    """rollout {min: 1, max: 3} on a cluster with room for one replica starts with one; two nodes join mid-run and
+    the run starts a replica on each."""
+    local = local_drafter(micro_spec_file, tmp_path, steps=6)
+    add_nodes(cluster, 3)  # learner, scorer, one rollout replica
+    spec = ray_spec(micro_spec_file, tmp_path, *WHOLE_NODES, "resources.rollout.replicas={min: 1, max: 3}", steps=6)
+    run = RayRun(spec, track=False)
+    try:
+        run.start()
+        assert run.fleet.counts()["rollout"] == 1
+        reports = run.train(2)
+        add_nodes(cluster, 2)
+        started = time.monotonic()
+        reports += run.train(6)
+        wait_for(lambda: run._supervise() is None and run.fleet.counts()["rollout"] == 3, timeout=120)
+        assert time.monotonic() - started < 300
+        assert len({node_of(run, f"rollout-{i}") for i in range(3)}) == 3
+        assert_intact(run, reports, local, steps=6)
+        # the new replicas' loops joined the ledger (a run this short may end before they produce)
+        wait_for(lambda: {f"rollout-{i}" for i in range(3)} <= set(ray.get(run.ledger.progress.remote())))
+    finally:
+        run.shutdown()
