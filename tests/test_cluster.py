@@ -108,6 +108,17 @@ def test_rayjob_cluster_matches_raycluster():
     assert job["spec"]["rayClusterSpec"] == cluster["spec"]
 
 
+def test_an_elastic_rollout_worker_group_is_shown_with_the_autoscaler_that_answers_it():
+    """A run with resources.rollout.replicas {min, max} asks for max rollout groups; the pending ones are the demand
+    the autoscaler answers with nodes of a group that starts empty (issue 70)."""
+    for spec in _cluster_specs():
+        assert spec["enableInTreeAutoscaling"] is True
+        elastic = [g for g in _gpu_workers(spec) if g["minReplicas"] == g["replicas"] == 0 < g["maxReplicas"]]
+        assert elastic, "no GPU worker group that starts empty and grows"
+    launcher = _docs("cluster.yaml")[0]
+    assert launcher["min_workers"] < launcher["max_workers"] <= len(launcher["provider"]["worker_ips"])
+
+
 def test_runtime_env_and_launcher():
     env = _docs("runtime_env.yaml")[0]
     assert env["working_dir"] == "."
@@ -222,9 +233,9 @@ def test_submit_errors_are_one_line(args, drop, message):
 def test_qwen3_placement_fits_the_declared_cluster(path):
     resources = load_spec(path, check_paths=False).resources
     roles = (resources.rollout, resources.scorer, resources.learner)
-    assert sum(role.replicas * role.num_gpus for role in roles) <= resources.cluster.num_gpus
-    # actors/driver.py packs the learner and its scorers on one node (STRICT_PACK), so they must fit in one.
-    assert resources.learner.num_gpus + resources.scorer.replicas * resources.scorer.num_gpus <= GPUS_PER_NODE
+    assert sum(role.least * role.num_gpus for role in roles) <= resources.cluster.num_gpus
+    # the scorers prefer the learner's node (opd/train/fleet.py), so the shipped layouts fit them there.
+    assert resources.learner.num_gpus + resources.scorer.least * resources.scorer.num_gpus <= GPUS_PER_NODE
     # The declared cluster must be one the manifests provide.
     for spec in _cluster_specs():
         offered = sum(g["replicas"] * GPUS_PER_NODE for g in _gpu_workers(spec))
