@@ -570,7 +570,8 @@ def run_ray(spec: ExperimentSpec, *, track: bool = True) -> TrainResult:
     error: BaseException | None = None
     try:
         result = TrainResult(steps=run.start(), run_id=run.run_id)
-        run_to(spec, result, lambda until: [StepReport(**r) for r in run.train(until)], label="draft-opd (ray)")
+        run_to(spec, result, lambda until: [StepReport(**r) for r in run.train(until)], label="draft-opd (ray)",
+               replicas=run.fleet.line)
         record_ledger(spec, result, ray.get(run.ledger.account.remote()), track=track)
         return result
     except BaseException as exc:

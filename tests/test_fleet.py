@@ -8,7 +8,8 @@ import pytest
 
 from opd.errors import OpdError
 from opd.spec import load_spec
-from opd.train.fleet import Fleet, placement
+from opd.tracking import Tracker
+from opd.train.fleet import Fleet, log_replicas, placement
 
 RANGE = ["resources.rollout.replicas={min: 1, max: 3}", "resources.scorer.replicas={min: 1, max: 2}"]
 
@@ -66,6 +67,18 @@ def test_a_rank_that_died_on_a_live_node_restarts_in_place_and_a_lost_node_waits
                                   "meanwhile 1 of 3 rollout replicas run"]
     assert fleet.placed("rollout-1", frozenset({"c"}), 9.0) == "rollout-1 is running (2 of 3 rollout replicas run)"
     assert fleet.placed("rollout-2", frozenset({"c"}), 9.5) == "rollout-2 is running (3 of 3 rollout replicas run)"
+    assert fleet.line() == "rollout 3/3 scorer 0/2"  # the progress line's column
+
+
+def test_each_roles_replicas_are_logged_per_step_to_mlflow(micro_spec_file, tmp_path):
+    from mlflow import MlflowClient
+
+    spec = load_spec(micro_spec_file, [f"tracking.run_dir={tmp_path / 'run'}"])
+    run_id = Tracker(spec).run_id
+    log_replicas(spec, run_id, {"rollout": 1, "scorer": 1}, 1)
+    log_replicas(spec, run_id, {"rollout": 3, "scorer": 1}, 2)
+    history = MlflowClient(tracking_uri=spec.tracking_uri).get_metric_history(run_id, "replicas_rollout")
+    assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 3.0)]
 
 
 def test_a_role_with_none_running_stops_the_run_after_the_bound_and_says_a_rerun_resumes(micro_spec_file):

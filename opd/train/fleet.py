@@ -141,6 +141,10 @@ class Fleet:
         """Replicas running per role (logged per step, shown on the dashboard)."""
         return {role: self.running(role) for role in self.least}
 
+    def line(self) -> str:
+        """The replicas running, for the progress line: `rollout 2/3 scorer 1/1` (roles that can vary)."""
+        return " ".join(f"{role} {self.running(role)}/{len(self.of_role(role))}" for role in ("rollout", "scorer"))
+
     def short_at_start(self) -> str | None:
         """The roles that cannot start with their `min`, as the refusal's text, or None."""
         short = [f"{role} {self.running(role)} of {least}" for role, least in self.least.items()
