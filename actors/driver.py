@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import os
 import sys
 import time
@@ -44,6 +43,7 @@ from actors.remote import as_actor_class
 from actors.replica import ShardFollower, bundle_address
 from actors.rollout import RolloutActor
 from actors.scorer import ReplayScorerActor
+from actors.session import init_ray
 from actors.supervisor import Replica
 from actors.weight_store import WeightStore
 from opd.errors import OpdError
@@ -58,36 +58,6 @@ from opd.train.fleet import Fleet, log_replicas, placed_role, placement, vllm_sa
 from opd.train.messages import StepReport, TrainResult
 from opd.train.restarts import RESUME, Fault, Restart, RestartBudget, log_restart
 from opd.train.result import record_ledger, run_to
-
-
-def init_ray(spec: ExperimentSpec) -> None:
-    """Join a running cluster, else start a private local Ray sized by `resources.cluster`.
-
-    The running cluster is the one RAY_ADDRESS names (`ray job submit` sets it) or, without it, the one
-    `ray start --head` runs on this machine: a bare `ray.init` joins that one anyway and then refuses the spec's
-    CPU/GPU counts with a ValueError, so it is joined on purpose, with its own resources (the placement check
-    still refuses a layout it cannot hold). RAY_ADDRESS=local always starts a private Ray.
-    """
-    if ray.is_initialized():
-        return
-    # Ray's token-auth notice at every local start is noise in the run's output (auth stays as Ray sets it); the
-    # before-eval's actor starts Ray first, so the notice is silenced here, not in RayRun.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        try:  # where `ray start` records its head (TMPDIR/ray/ray_current_cluster); `ray stop` removes it
-            address = ray._private.utils.read_ray_address()
-        except Exception:  # a Ray without this private helper: start a private Ray beside it
-            address = None
-        if address:
-            print(f"note: joining the Ray cluster that `ray start` runs at {address} (its resources apply, not "
-                  "resources.cluster); RAY_ADDRESS=local starts a private one instead", file=sys.stderr)
-    if address and address != "local":
-        ray.init(address=address)
-        return
-    cluster = spec.resources.cluster
-    ray.init(address="local", num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus, include_dashboard=True,
-             configure_logging=False, log_to_driver=True)
 
 
 def _on(group, bundle: int, role: RoleSpec, name: str, gpus_to_child: bool = False) -> dict:

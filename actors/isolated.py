@@ -9,29 +9,18 @@ process start them: the launcher calls it for the commands it runs, a rollout or
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from actors.session import init_ray
 from opd.errors import OpdError
 from opd.serving.engine import starts_vllm_workers
 from opd.serving.plain import plain
 from opd.serving.vllm_env import check_gpus
 from opd.serving.vllm_worker import VllmWorker
 from opd.spec import ExperimentSpec
-
-
-def ensure_ray(num_gpus: int | None = None) -> None:
-    """Join the running Ray (RAY_ADDRESS, a rollout actor's own) or start a private one on this machine."""
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address and address != "local":
-        ray.init(address=address, configure_logging=False)
-    else:
-        ray.init(address="local", num_gpus=num_gpus, include_dashboard=False, configure_logging=False)
 
 
 class Worker:
@@ -70,7 +59,7 @@ def start_vllm_worker(spec: ExperimentSpec, engine: dict, command: str) -> Worke
     started here with resources.cluster's GPUs, 0: as many as this machine has), refused in one line without
     them."""
     gpus = engine["tensor_parallel_size"]
-    ensure_ray(spec.resources.cluster.num_gpus or None)
+    init_ray(spec, num_gpus=spec.resources.cluster.num_gpus or None)
     check_gpus(spec.resources.vllm_python, command, gpus, float(ray.cluster_resources().get("GPU", 0)))
     return Worker(VllmWorker, spec.resources.vllm_python, [engine], gpus=gpus, what=f"vLLM worker ({command})")
 

@@ -109,7 +109,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_opd_train_joins_the_running_head(head):
     """Ray's own rule would refuse the spec's num_cpus here; init_ray joins the head and its 3 CPUs instead."""
-    code = ("import ray; from actors.driver import init_ray; from opd.spec import load_spec; "
+    code = ("import ray; from actors.session import init_ray; from opd.spec import load_spec; "
             "init_ray(load_spec('configs/tiny.yaml')); print('CPU', ray.cluster_resources()['CPU'])")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=head.env, capture_output=True, text=True,
                           timeout=300)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-import actors.driver
+import actors.session
 from opd.spec import load_spec
 
 RUNNING = "10.1.2.3:6379"
@@ -40,7 +40,7 @@ def fake_ray(monkeypatch):
 
 def test_a_cluster_started_with_ray_start_is_joined_with_its_own_resources(spec, fake_ray, capsys):
     fake_ray["running"] = RUNNING
-    actors.driver.init_ray(spec)
+    actors.session.init_ray(spec)
     assert fake_ray["calls"] == [{"address": RUNNING}]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"joining the Ray cluster that `ray start` runs at {RUNNING}" in err
@@ -48,7 +48,7 @@ def test_a_cluster_started_with_ray_start_is_joined_with_its_own_resources(spec,
 
 
 def test_without_a_running_cluster_a_private_ray_is_sized_by_the_spec(spec, fake_ray, capsys):
-    actors.driver.init_ray(spec)
+    actors.session.init_ray(spec)
     (call,) = fake_ray["calls"]
     assert call["address"] == "local" and (call["num_cpus"], call["num_gpus"]) == (2, 0)
     assert capsys.readouterr().err == ""
@@ -57,7 +57,7 @@ def test_without_a_running_cluster_a_private_ray_is_sized_by_the_spec(spec, fake
 def test_ray_address_local_starts_a_private_ray_beside_a_running_one(spec, fake_ray, monkeypatch):
     fake_ray["running"] = RUNNING
     monkeypatch.setenv("RAY_ADDRESS", "local")
-    actors.driver.init_ray(spec)
+    actors.session.init_ray(spec)
     (call,) = fake_ray["calls"]
     assert call["address"] == "local" and call["num_cpus"] == 2
 
@@ -65,5 +65,5 @@ def test_ray_address_local_starts_a_private_ray_beside_a_running_one(spec, fake_
 def test_ray_address_names_the_cluster_to_join(spec, fake_ray, monkeypatch):
     fake_ray["running"] = RUNNING
     monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:6379")
-    actors.driver.init_ray(spec)
+    actors.session.init_ray(spec)
     assert fake_ray["calls"] == [{"address": "10.9.9.9:6379"}]

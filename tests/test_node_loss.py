@@ -13,6 +13,7 @@ opd/train/fleet.py's decisions are tested without Ray in tests/test_fleet.py; th
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -21,8 +22,7 @@ from ray.cluster_utils import Cluster
 
 from actors.driver import RayRun
 from opd.train.ledger import reconciles
-from tests.helpers.ray_runs import account, ray_spec, wait_for
-from tests.test_ray_heal import BOUND, STEPS, local_drafter
+from tests.helpers.ray_runs import BOUND, STEPS, account, local_drafter, ray_spec, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 WHOLE_NODES = ["resources.cluster.num_cpus=null", "resources.learner.num_cpus=2", "resources.scorer.num_cpus=2",
@@ -151,3 +151,33 @@ def test_rollout_grows_from_min_to_max_as_nodes_join(cluster, micro_spec_file, t
         wait_for(lambda: {f"rollout-{i}" for i in range(3)} <= set(ray.get(run.ledger.progress.remote())))
     finally:
         run.shutdown()
+
+
+def test_soak_random_node_losses_and_joins(cluster, micro_spec_file, tmp_path):
+    """Every two steps a random worker node goes (whichever roles it holds, the learner's included) and a fresh
+    one joins: the run reaches its budget intact, with every loss logged as a node loss."""
+    steps = 8
+    local = local_drafter(micro_spec_file, tmp_path, steps=steps)
+    add_nodes(cluster, 5)  # learner, scorer, two rollout replicas, one spare
+    rng = random.Random(70)
+    spec = ray_spec(micro_spec_file, tmp_path, *WHOLE_NODES, "resources.rollout.replicas={min: 1, max: 2}",
+                    steps=steps)
+    run = RayRun(spec, track=False)
+    try:
+        run.start()
+        reports: list[dict] = []
+        for at in range(2, steps + 1, 2):
+            reports += run.train(at - 1)
+            if at < steps:
+                victim = rng.choice([n for n in cluster.worker_nodes if n.node_id in alive()])
+                cluster.remove_node(victim, allow_graceful=False)
+                add_nodes(cluster, 1)
+            reports += run.train(at)
+        assert_intact(run, reports, local, steps=steps)
+        assert run.budget.restarts and all(r.node_lost for r in run.budget.restarts), run.budget.log()
+    finally:
+        run.shutdown()
+
+
+def alive() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}

@@ -27,24 +27,21 @@ import ray
 import torch
 
 from actors.driver import RayRun
-from opd.spec import load_spec
 from opd.train.ledger import reconciles
-from opd.train.local import LocalTrainer
-from tests.helpers.ray_runs import account, ray_four_cpus, ray_spec, wait_for  # noqa: F401 (a fixture)
+from tests.helpers.ray_runs import (  # noqa: F401 (ray_four_cpus is a fixture)
+    BOUND,
+    STEPS,
+    account,
+    local_drafter,
+    ray_four_cpus,
+    ray_spec,
+    wait_for,
+)
 
-BOUND = 1e-5
-STEPS = 4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHARDED = ["resources.cluster.num_cpus=4", "resources.rollout.gpus_per_replica=2",
            "resources.scorer.gpus_per_replica=2", "resources.restarts.collective_timeout_s=15",
            "resources.restarts.stall_timeout_s=60"]
-
-
-def local_drafter(micro_spec_file, tmp_path, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    spec = load_spec(micro_spec_file, [f"steps={steps}", "eval.every=0", f"tracking.run_dir={tmp_path / 'local'}"])
-    trainer = LocalTrainer(spec, track=False)
-    trainer.run()
-    return trainer.session.drafter.state_dict()
 
 
 def pid(actor) -> int:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from actors.driver import RayRun
 from opd.spec import ExperimentSpec, load_spec
@@ -39,6 +40,18 @@ def ray_spec(micro_spec_file, tmp_path, *sets: str, **overrides) -> ExperimentSp
     base = ["engine=ray", "resources.max_policy_lag=0", "resources.queue_size=1", "eval.every=0",
             f"tracking.run_dir={tmp_path / 'ray' / '{name}'}", "tracking.checkpoint_every=1"]
     return load_spec(micro_spec_file, base + list(sets) + [f"{k}={v}" for k, v in overrides.items()])
+
+
+BOUND = 1e-5  # how far a healed run's drafter may be from the uninterrupted one's (tests/test_ray_heal.py says why)
+STEPS = 4
+
+
+def local_drafter(micro_spec_file, tmp_path, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The uninterrupted single-process run's drafter, which a healed Ray run at max_policy_lag 0 must equal."""
+    spec = load_spec(micro_spec_file, [f"steps={steps}", "eval.every=0", f"tracking.run_dir={tmp_path / 'local'}"])
+    trainer = LocalTrainer(spec, track=False)
+    trainer.run()
+    return trainer.session.drafter.state_dict()
 
 
 def local_losses(micro_spec_file, tmp_path, steps: int, sets: list[str] | None = None) -> list[float]:
