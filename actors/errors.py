@@ -45,7 +45,8 @@ def failure(name: str, exc: BaseException, context: str = "") -> OpdError:
     if isinstance(cause, OpdError):
         return OpdError(str(cause))
     fixable = isinstance(cause, ray.exceptions.RayError) and not init_failed(cause)
-    return OpdError(f"{name} failed ({context}{type(cause).__name__}: {first_line(cause)})" + (RESUME if fixable else ""))
+    line = f"{name} failed ({context}{type(cause).__name__}: {first_line(cause)})"
+    return OpdError(line + (RESUME if fixable else ""))
 
 
 def first_line(exc: BaseException) -> str:

@@ -8,7 +8,7 @@ is usually a CPU pod. Its resources are
 `resources.evaluator` (with `resources.evaluate_on: rollout`, a rollout replica's: in training rollout-0 then
 evaluates, actors/rollout.py); when that reserves anything it gets a placement group of its own, so a cluster that cannot
 hold it is one error line instead of an evaluation that never starts; one that reserves nothing (the tiny CPU
-runs) stays on the driver's node where it can, so no worker node's loss takes it along. With `gpus_per_replica` N > 1 the group
+runs) lives on the driver's node, so no worker node's loss takes it along. With `gpus_per_replica` N > 1 the group
 holds N ranks packed on one node: this actor is rank 0, the others `ShardFollower`s that run its calls over their
 shards of the target (actors/replica.py).
 """
@@ -117,8 +117,9 @@ def start_ranks(spec: dict, role: RoleSpec, name: str, group) -> list:
 
 def _options(role: RoleSpec, group, name: str, bundle: int = 0) -> dict:
     """One rank's actor options; a second thread answers the driver's liveness call while it evaluates. One that
-    reserves nothing (no group) stays on the driver's node if it can, which outlives every worker node."""
-    strategy = (NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True) if group is None
+    reserves nothing (no group) lives on the driver's node, as the control actors do, so no worker node's loss
+    takes it (Ray's soft affinity places a zero-CPU actor elsewhere when that node has no CPUs, as a head has)."""
+    strategy = (NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False) if group is None
                 else PlacementGroupSchedulingStrategy(group, bundle))
     return {"name": name, "num_cpus": role.num_cpus, "num_gpus": role.num_gpus, "max_concurrency": 2,
             "scheduling_strategy": strategy}

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from actors.errors import first_line, root
 from actors.session import init_ray
 from opd.errors import OpdError
 from opd.serving.engine import starts_vllm_workers
@@ -40,18 +41,11 @@ class Worker:
         try:
             return plain(ray.get(ref), f"{self.what}.{method}: result")
         except ray.exceptions.RayError as exc:
-            raise OpdError(f"{self.what}: {_first_line(exc)}") from None
+            raise OpdError(f"{self.what}: {first_line(root(exc))}") from None
 
     def close(self) -> None:
         """End the actor now, so the GPU memory it held is free for the next one."""
         ray.kill(self.actor)
-
-
-def _first_line(exc: Exception) -> str:
-    """The worker's own error, not Ray's wrapping of it."""
-    cause = getattr(exc, "cause", None) or exc
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return lines[-1] if lines else type(cause).__name__
 
 
 def start_vllm_worker(spec: ExperimentSpec, engine: dict, command: str) -> Worker:

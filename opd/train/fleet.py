@@ -66,8 +66,9 @@ def _frozen(bundles: list[dict[str, float]]) -> tuple[tuple[tuple[str, float], .
 
 
 def placed_role(spec: ExperimentSpec, role: str) -> RoleSpec:
-    """The role as Ray places it: the evaluator's as `ResourcesSpec.evaluator_role` says. A rollout replica whose sampler is vLLM is one bundle of all its GPUs, which its vLLM worker
-    takes (it starts its own tensor-parallel ranks), so there is no rank of ours to follow it."""
+    """The role as Ray places it: the evaluator's as `ResourcesSpec.evaluator_role` says. A rollout replica whose
+    sampler is vLLM is one bundle of all its GPUs, which its vLLM worker takes (it starts its own tensor-parallel
+    ranks), so there is no rank of ours to follow it."""
     r = spec.resources
     if role == "evaluator":
         return r.evaluator_role
