@@ -97,6 +97,9 @@ def _learner_ranks(spec: dict, role: RoleSpec, track: bool, evaluator: str | Non
     return [learner.remote(spec, *args, track, address, ranks, evaluator), *ranks]
 
 
+NODE_PROBE_S = 60.0  # how long a failed replica's node has to answer before it is taken for gone
+
+
 def on_driver_node() -> NodeAffinitySchedulingStrategy:
     """Where the control actors (weight store, ledger, queues) live: this driver's node, strictly. They have no
     restart, so on a worker node that dies they would take the run with them; the driver's node (the head, under
@@ -105,8 +108,26 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def alive_nodes() -> set[str]:
-    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+@ray.remote(num_cpus=0)
+def _here() -> None:
+    """Runs on the node it is sent to: that node still answers."""
+
+
+def alive_nodes(asked: frozenset[str], timeout_s: float = NODE_PROBE_S) -> set[str]:
+    """The nodes alive, with each of `asked` (a failed replica's) asked directly: a rank's death is often seen
+    before Ray's health check marks its node dead, and a replica restarted on a dead node's bundles would only die
+    again. A node that does not run a task within `timeout_s` is taken for gone."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    probes = {node: _here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+              for node in asked & alive}
+    ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout_s)
+    answered = set()
+    for node, probe in probes.items():
+        with contextlib.suppress(ray.exceptions.RayError):
+            if probe in ready:
+                ray.get(probe)
+                answered.add(node)
+    return (alive - set(probes)) | answered
 
 
 @ray.remote(num_cpus=0)
@@ -389,7 +410,7 @@ class RayRun:
         """Kill every rank of `replica` and start them again under the same names: on the same bundles, or, when a
         node it ran on is gone, in a new group wherever Ray finds room, now or later (the run goes on meanwhile).
         What it held goes back to the ledger for re-production at once (`Ledger.retire`)."""
-        moved = self.fleet.lost(replica.name, alive_nodes(), time.monotonic())
+        moved = self.fleet.lost(replica.name, alive_nodes(self.fleet.member(replica.name).nodes), time.monotonic())
         restart = self._admit(fault, moved)
         print(f"note: {fault.line}; restarting it ({len(self.budget.restarts)} restart(s) so far)", file=sys.stderr,
               flush=True)
@@ -412,7 +433,7 @@ class RayRun:
         """Kill every learner rank, start them again (in a new group when its node is gone, waiting up to
         `resources.restarts.placement_wait_s` for room) and restore the last checkpoint (weights, optimizer, step,
         weight version, data position); the ledger is rewound to it (`Ledger.rewind`)."""
-        moved = self.fleet.lost("learner", alive_nodes(), time.monotonic())
+        moved = self.fleet.lost("learner", alive_nodes(self.fleet.member("learner").nodes), time.monotonic())
         restart = self._admit(fault, moved)
         print(f"note: {fault.line}; restarting the learner from its last checkpoint", file=sys.stderr, flush=True)
         rewound = ray.get(self.ledger.account.remote())["rewound"]
