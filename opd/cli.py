@@ -202,6 +202,35 @@ def _gen_samples(args: argparse.Namespace) -> int:
                            prompts_file=args.prompts)
 
 
+def _import_samples_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="+", metavar="LOG", help="JSONL logs of served chat completions")
+    parser.add_argument("--config", required=True, metavar="SPEC",
+                        help="the spec whose target, tokenizer, rendering and rollout.max_new_tokens the rows must fit")
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field of SPEC (repeatable)")
+    parser.add_argument("--out", required=True, metavar="FILE", help="the sample rows to write (jsonl)")
+    parser.add_argument("--prompts-out", metavar="FILE",
+                        help="the prompts the rows name (default: FILE with the suffix .prompts.jsonl)")
+    parser.add_argument("--format", choices=("openai", "vllm", "plain"), default=None,
+                        help="the logs' format (default: detected per file from its first row)")
+    parser.add_argument("--model", help="import only rows served by this model (the log's `model` field)")
+    parser.add_argument("--temperature", type=float, help="the setting of rows whose request names none")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature (default 0: off)")
+
+
+def _import_samples(args: argparse.Namespace) -> int:
+    from opd.commands.import_samples import run_import_samples
+    from opd.outputs import check_output_file
+    from opd.spec import load_spec
+
+    check_output_file(args.out, "--out", "the imported samples")
+    sampling = None if args.temperature is None else {"temperature": args.temperature, "top_p": args.top_p,
+                                                      "top_k": args.top_k}
+    return run_import_samples(load_spec(args.config, args.overrides), args.logs, args.out, args.prompts_out,
+                              args.format, args.model, sampling)
+
+
 def _prompt_pool_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="writes prompts.jsonl, eval_prompts.jsonl and card.json there")
@@ -316,6 +345,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                     _prompt_pool_arguments, _prompt_pool),
     "gen-samples": ("draw target samples into the sample store: rollouts (every rollout setting), --eval (held-out "
                     "prompts) or --sft (the SFT data)", _gen_samples_arguments, _gen_samples),
+    "import-samples": ("served chat completions (OpenAI-style, vLLM with token ids, or plain rows) into the sample "
+                       "store, so a run trains on the traffic you serve with no decoding", _import_samples_arguments,
+                       _import_samples),
     "gap": ("where each drafter loses to the ceiling (the argmax oracle), slot by slot, on stored held-out samples",
             _gap_arguments, _gap),
     "export": ("write a drafter in the layout vLLM serves (z-lab's or speculators'), print the speculative_config "

@@ -60,6 +60,7 @@ class _MadeByRow(_Strict):
     tokenizer: StrictStr
     render: StrictStr
     enable_thinking: StrictBool | None
+    served_from: list[StrictStr] | None = None  # imported rows: the digests of the logs (opd/sources/served.py)
 
 
 class _FlopsRow(_Strict):
@@ -82,7 +83,7 @@ class SampleRow(_Strict):
 
     @property
     def provenance(self) -> Provenance:
-        return Provenance(**self.made_by.model_dump(), max_new_tokens=self.max_new_tokens)
+        return Provenance(**self.made_by.model_dump(exclude={"served_from"}), max_new_tokens=self.max_new_tokens)
 
 
 def setting_key(setting: RolloutSampling | SamplingSpec | Sampling | dict) -> tuple[float, float, int]:
