@@ -14,10 +14,15 @@ opd/train/fleet.py's decisions are tested without Ray in tests/test_fleet.py; th
 from __future__ import annotations
 
 import random
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pytest
 import ray
+from mlflow import MlflowClient
 from ray.cluster_utils import Cluster
 
 from actors.driver import RayRun
@@ -45,6 +50,33 @@ def cluster():
     finally:
         ray.shutdown()
         made.shutdown()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow server on loopback: a run of several nodes refuses a sqlite store, so a tracked one logs here."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                               "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _answers(uri), timeout=120)
+        yield uri
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _answers(uri: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{uri}/health", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def add_nodes(cluster: Cluster, n: int) -> list:
@@ -129,26 +161,32 @@ def test_without_room_the_run_goes_on_with_fewer_rollout_replicas_until_a_node_j
         run.shutdown()
 
 
-def test_rollout_grows_from_min_to_max_as_nodes_join(cluster, micro_spec_file, tmp_path):
+def test_rollout_grows_from_min_to_max_as_nodes_join(cluster, micro_spec_file, tmp_path, mlflow_server):
     """rollout {min: 1, max: 3} on a cluster with room for one replica starts with one; two nodes join mid-run and
-    the run starts a replica on each."""
-    local = local_drafter(micro_spec_file, tmp_path, steps=6)
+    the run starts a replica on each. Tracked on an MLflow server: the replica count is logged at every step, 1
+    before the nodes join and 3 once the new replicas run."""
+    steps = 8
+    local = local_drafter(micro_spec_file, tmp_path, steps=steps)
     add_nodes(cluster, 3)  # learner, scorer, one rollout replica
-    spec = ray_spec(micro_spec_file, tmp_path, *WHOLE_NODES, "resources.rollout.replicas={min: 1, max: 3}", steps=6)
-    run = RayRun(spec, track=False)
+    spec = ray_spec(micro_spec_file, tmp_path, *WHOLE_NODES, "resources.rollout.replicas={min: 1, max: 3}",
+                    f"tracking.uri={mlflow_server}", steps=steps)
+    run = RayRun(spec, track=True)
     try:
         run.start()
         assert run.fleet.counts()["rollout"] == 1
-        reports = run.train(2)
+        reports = run.train(1) + run.train(2)  # a step at a time, as `opd run` advances: counts logged at each
         add_nodes(cluster, 2)
         started = time.monotonic()
-        reports += run.train(6)
+        for step in range(3, 7):
+            reports += run.train(step)
         wait_for(lambda: run._supervise() is None and run.fleet.counts()["rollout"] == 3, timeout=120)
         assert time.monotonic() - started < 300
         assert len({node_of(run, f"rollout-{i}") for i in range(3)}) == 3
-        assert_intact(run, reports, local, steps=6)
-        # the new replicas' loops joined the ledger (a run this short may end before they produce)
-        wait_for(lambda: {f"rollout-{i}" for i in range(3)} <= set(ray.get(run.ledger.progress.remote())))
+        reports += run.train(7) + run.train(8)
+        assert_intact(run, reports, local, steps=steps)
+        history = MlflowClient(tracking_uri=mlflow_server).get_metric_history(run.run_id, "replicas_rollout")
+        counts = [m.value for m in sorted(history, key=lambda m: m.step)]
+        assert counts[:2] == [1.0, 1.0] and counts[-2:] == [3.0, 3.0] and counts == sorted(counts), counts
     finally:
         run.shutdown()
 
