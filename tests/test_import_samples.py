@@ -18,6 +18,12 @@ from tests.helpers.local_runs import losses, sample_file, spec_for
 MODEL = "micro-target"
 
 
+@pytest.fixture(autouse=True)
+def wide_tables(monkeypatch):
+    """The summary table on one line per row whatever terminal the suite runs in, so its cells can be read."""
+    monkeypatch.setenv("COLUMNS", "250")
+
+
 def generated(micro_spec_file, tmp_path) -> tuple[list[dict], dict[str, str], object]:
     """gen-samples rows of the micro spec (T=1), the prompt text of each id, and the tokenizer."""
     rows = [json.loads(line) for line in open(sample_file(micro_spec_file, tmp_path))]

@@ -20,6 +20,7 @@ from actors.supervisor import Replica
 from opd.distill.scored_batch import ScoredBatch
 from opd.errors import OpdError
 from opd.spec import ExperimentSpec
+from opd.train.fleet import Fleet, placement
 from opd.train.messages import WeightSnapshot
 from opd.train.ticket import Ticket
 from tests.helpers.ray_runs import ray_cluster, wait_for  # noqa: F401 (ray_cluster is a fixture)
@@ -56,8 +57,8 @@ def test_full_queue_blocks_the_producer_and_loses_nothing(ray_cluster):
 
 
 def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micro_spec_file, tmp_path):
-    """Every replica has a group of its own, as the spec sizes it; a layout Ray cannot hold is one line naming what
-    was placed, and gives back the groups it took."""
+    """Every replica asks for a group of its own, as opd/train/fleet.py sizes it (no actor is started here); a
+    layout Ray cannot hold is one line naming what was placed, and gives back the groups it took."""
     layout = {"resources": {"cluster": {"num_gpus": 4, "num_cpus": 2}, "evaluate_on": "rollout",
                             "rollout": {"replicas": 2, "num_gpus": 1, "num_cpus": 0.25},
                             "scorer": {"replicas": 1, "num_gpus": 1, "num_cpus": 0.25},
@@ -65,13 +66,20 @@ def test_placement_follows_the_spec_and_refuses_the_impossible(ray_cluster, micr
                             "evaluator": {"num_gpus": 0, "num_cpus": 0}},
               "tracking": {"run_dir": str(tmp_path / "run")}}
     base = yaml.safe_load(micro_spec_file.read_text())
-    run = RayRun(ExperimentSpec.model_validate({**base, **layout}), track=False)
+    spec = ExperimentSpec.model_validate({**base, **layout})
+    fleet = Fleet.of(spec, evaluator=False)
+    replicas = [Replica(m.role, [m.name], lambda group: [], placement(spec, m.role, fleet.of_role(m.role).index(m)))
+                for m in fleet.members]
     try:
-        groups = {r.name: ray.util.placement_group_table(r.group)["bundles"] for r in [run.learners, *run.replicas]}
+        for replica in replicas:
+            replica.request()
+        assert all(replica.placed(timeout_s=30) for replica in replicas)
+        groups = {r.name: ray.util.placement_group_table(r.group)["bundles"] for r in replicas}
         assert {name: [b["GPU"] for b in bundles.values()] for name, bundles in groups.items()} == {
             "learner": [1.0], "rollout-0": [1.0], "rollout-1": [1.0], "scorer-0": [1.0]}
     finally:
-        run.shutdown()
+        for replica in replicas:
+            replica.release()
     layout["resources"]["cluster"]["num_gpus"] = 8  # the spec believes in 8 GPUs; Ray has 4
     layout["resources"]["rollout"]["replicas"] = 5
     with pytest.raises(OpdError, match=r"cannot place the roles within 2s \(placed: (scorer 0 of 1, )?rollout [23] of 5;"):

@@ -50,7 +50,7 @@ def colocated_ranks_that_cannot_pair(learner: RoleSpec, scorer: RoleSpec) -> lis
     each bundle one whole GPU (a fraction could put two scorer ranks of one replica on one device, which nccl
     refuses)."""
     if learner.least > scorer.ranks:
-        return [f"learner.least: {learner.least} with colocate_learner but the scorer has {scorer.ranks} ranks "
+        return [f"learner.replicas: {learner.least} with colocate_learner but the scorer has {scorer.ranks} ranks "
                 "(expected at most one learner rank per scorer rank: learner rank i shares scorer rank i's GPU)"]
     pair = round(learner.num_gpus + scorer.num_gpus, 4)
     if pair not in (0, 1) or (pair == 1 and not (learner.num_gpus and scorer.num_gpus)):
