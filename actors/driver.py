@@ -274,9 +274,8 @@ class RayRun:
         self.learners.request()
         if self.learners.placed(timeout_s):
             self.fleet.placed("learner", self.learners.nodes(), 0.0)
-            near = next(iter(self.learners.nodes()), None)
             for replica in sorted(self.replicas, key=lambda r: self.fleet.priority(r.name)):
-                replica.request(near if replica.placement.near_learner else None)
+                self._request(replica)
             while True:
                 for replica in self.replicas:
                     if self.fleet.member(replica.name).state == "waiting" and replica.placed():
@@ -288,6 +287,10 @@ class RayRun:
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
             raise OpdError(f"resources: the cluster cannot place the roles within {timeout_s:.0f}s (placed: {short}; "
                            f"available: {free}); reduce replicas or GPUs/CPUs per role")
+
+    def _request(self, replica: Replica) -> None:
+        """Ask for `replica`'s group; a scorer's prefers the learner's node."""
+        replica.request(next(iter(self.learners.nodes()), None) if replica.placement.near_learner else None)
 
     @property
     def learner(self):
@@ -424,7 +427,7 @@ class RayRun:
         self._log_restart(restart)
         if moved:
             replica.release()
-            replica.request(next(iter(self.learners.nodes()), None) if replica.placement.near_learner else None)
+            self._request(replica)
             return
         replica.start()
         self._relaunch(replica)
@@ -463,7 +466,7 @@ class RayRun:
                            f"(resources.restarts.placement_wait_s){RESUME}")
         self.fleet.placed("learner", self.learners.nodes(), time.monotonic())
         for replica in waiting:
-            replica.request(next(iter(self.learners.nodes()), None) if replica.placement.near_learner else None)
+            self._request(replica)
 
     def _reclaim(self, inbox: BatchQueue) -> None:
         """After a consumer of `inbox` died: what it had taken out of the queue and not yet reported is lost."""

@@ -93,6 +93,19 @@ def test_a_role_with_none_running_stops_the_run_after_the_bound_and_says_a_rerun
                                     "again to resume from the last checkpoint")
 
 
+def test_the_wait_counts_from_the_last_replica_lost_not_from_extras_that_never_ran(micro_spec_file):
+    """rollout {min: 1, max: 3} ran with one replica for a long time; its loss starts the wait, although the two
+    extras have waited for room since the start."""
+    spec = load_spec(micro_spec_file, ["engine=ray", "resources.cluster.num_cpus=8", *RANGE,
+                                       "resources.restarts.placement_wait_s=30"])
+    fleet = Fleet.of(spec)
+    for name in ("learner", "scorer-0", "rollout-0", "evaluator"):
+        fleet.placed(name, frozenset({"a"}), 0.0)
+    fleet.lost("rollout-0", alive=set(), now=1000.0)
+    assert fleet.overdue(1020.0) is None
+    assert fleet.overdue(1031.0).startswith("rollout: no replica had room for 30s")
+
+
 def test_ranges_are_for_rollout_and_scorer_only_and_read_as_one_line(micro_spec_file):
     with pytest.raises(OpdError, match=r"resources.learner.replicas: a range \{min: 1, max: 2\} \(expected a number: "
                                        r"the learner's ranks restore a checkpoint written by as many\)"):

@@ -17,6 +17,7 @@ actors/driver.py carries these decisions out; this module is what a plain test r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -178,7 +179,9 @@ class Fleet:
         learner, or the last rollout or scorer replica (the run cannot go on without them)."""
         for role in self.least:
             waiting = [m for m in self.of_role(role) if m.state == "waiting"]
-            if self.running(role) == 0 and waiting and now - min(m.since for m in waiting) > self.wait_s:
+            # the role has had none running since its last replica went waiting: an extra that never ran has
+            # waited since the start, which says nothing about how long the role has been without one
+            if self.running(role) == 0 and waiting and now - max(m.since for m in waiting) > self.wait_s:
                 return (f"{role}: no replica had room for {self.wait_s:g}s (resources.restarts.placement_wait_s); "
                         f"expected a node with room for its placement group{RESUME}")
         return None
@@ -193,8 +196,6 @@ class Fleet:
 
 def log_replicas(spec: ExperimentSpec, run_id: str, counts: dict[str, int], step: int) -> None:
     """Each role's running replicas at the learner's `step`, as MLflow metrics `replicas_<role>`."""
-    import time
-
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
