@@ -20,7 +20,7 @@ from opd.errors import OpdError
 from opd.outputs import write_text_atomic
 from opd.progress import progress_bar, table_console
 from opd.sources.provenance import Provenance
-from opd.sources.served import Imported, Target, import_logs, log_digest
+from opd.sources.served import Imported, Target, import_logs, log_facts
 from opd.spec import ExperimentSpec
 
 
@@ -32,11 +32,11 @@ def run_import_samples(spec: ExperimentSpec, logs: list[str], out: str, prompts_
             raise OpdError(f"{path}: not found (expected a JSONL log of served completions)")
     target = Target(load_tokenizer(spec.models.tokenizer), Rendering.of(spec.data), spec.rollout.max_new_tokens,
                     model, sampling)
+    digests, rows = zip(*map(log_facts, paths))
     made = Provenance.of(spec, spec.rollout.max_new_tokens).as_row()
-    made["made_by"]["served_from"] = [log_digest(path) for path in paths]
-    lines = sum(1 for path in paths for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    made["made_by"]["served_from"] = list(digests)
     with progress_bar() as bar:
-        task = bar.add_task("import", total=lines)
+        task = bar.add_task("import", total=sum(rows))
         imported = import_logs(paths, fmt, target, made, lambda: bar.advance(task))
     prompts_path = Path(prompts_out) if prompts_out else Path(out).with_suffix(".prompts.jsonl")
     write_text_atomic(out, "".join(json.dumps(row) + "\n" for row in imported.rows))

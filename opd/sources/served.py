@@ -81,20 +81,25 @@ def detect(first: dict) -> str:
 
 
 def read_log(path: Path, fmt: str | None) -> tuple[str, Iterator[Served]]:
-    """The format of `path` (`fmt`, or detected from its first row) and its completions, one per row; a row that is
-    not JSON is one line naming file:line."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
-    if not numbered:
+    """The format of `path` (`fmt`, or detected from its first row) and its completions, one per row, read as they
+    are taken (a day of logs need not fit in memory); a row that is not JSON is one line naming file:line."""
+    first = next(_numbered(path), None)
+    if first is None:
         raise OpdError(f"{path}: empty (expected a JSONL log of served completions)")
     if fmt is None:
-        n, line = numbered[0]
+        n, line = first
         try:
             fmt = detect(_json(line, f"{path}:{n}"))
         except ValueError as exc:
             raise OpdError(f"{path}:{n}: {exc} (expected one of the formats {', '.join(FORMATS)}; --format picks "
                            "one)") from None
-    return fmt, (_parsed(line, fmt, f"{path}:{n}") for n, line in numbered)
+    return fmt, (_parsed(line, fmt, f"{path}:{n}") for n, line in _numbered(path))
+
+
+def _numbered(path: Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of `path` with their numbers."""
+    with path.open(encoding="utf-8") as f:
+        yield from ((n, line) for n, line in enumerate(f, start=1) if line.strip())
 
 
 def _parsed(line: str, fmt: str, where: str) -> Served:
@@ -246,6 +251,12 @@ def _setting_name(setting: dict[str, float] | None) -> str:
     return f"T={setting['temperature']:g} top_p={setting['top_p']:g} top_k={setting['top_k']:g}"
 
 
-def log_digest(path: Path) -> str:
-    """A log file's digest, kept in each row's provenance: which logs a sample file was made from."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def log_facts(path: Path) -> tuple[str, int]:
+    """A log file's digest, kept in each row's provenance (which logs a sample file was made from), and its rows
+    (the progress bar's total), in one read of its bytes."""
+    digest, rows = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        for line in f:
+            digest.update(line)
+            rows += bool(line.strip())
+    return digest.hexdigest()[:16], rows
